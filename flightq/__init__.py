@@ -1,0 +1,70 @@
+"""flightq: rollout batches, media included, as Arrow record batches over Arrow Flight.
+
+The user API: schemas and their registry, :func:`encode` / :func:`decode` of
+self-describing record batches, and the errors. The Flight server and client live in
+:mod:`flightq.server` and :mod:`flightq.client` and are re-exported here lazily, so that
+``import flightq`` stays fast.
+"""
+
+from __future__ import annotations
+
+from .batch import Batch, MediaColumn, ScalarColumn, TensorColumn, decode, encode
+from .codecs import Raw, Zstd
+from .errors import (
+    ClaimTimeoutError,
+    ConflictError,
+    DecodeError,
+    DTypeError,
+    EncodeError,
+    EvolutionError,
+    FlightqError,
+    FlightqTimeoutError,
+    MissingFieldError,
+    NotFoundError,
+    ProtocolError,
+    ResourceExhaustedError,
+    SchemaError,
+    SchemaMismatchError,
+    ShapeError,
+    UnauthenticatedError,
+    UnavailableError,
+    UndeclaredFieldError,
+    UnknownSchemaError,
+)
+from .registry import SchemaRegistry
+from .schema import Field, Schema
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "Batch",
+    "ClaimTimeoutError",
+    "ConflictError",
+    "DTypeError",
+    "DecodeError",
+    "EncodeError",
+    "EvolutionError",
+    "Field",
+    "FlightqError",
+    "FlightqTimeoutError",
+    "MediaColumn",
+    "MissingFieldError",
+    "NotFoundError",
+    "ProtocolError",
+    "Raw",
+    "ResourceExhaustedError",
+    "ScalarColumn",
+    "Schema",
+    "SchemaError",
+    "SchemaMismatchError",
+    "SchemaRegistry",
+    "ShapeError",
+    "TensorColumn",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "UndeclaredFieldError",
+    "UnknownSchemaError",
+    "Zstd",
+    "decode",
+    "encode",
+]

@@ -1,0 +1,681 @@
+"""Encode columns to a self-describing record batch; decode one into a :class:`Batch` of views.
+
+:func:`encode` checks every value against the schema before building anything: an
+undeclared column, a wrong dtype, a shape that breaks the declaration, a ragged row whose
+token fields disagree on the sequence length are refused with a typed error naming the
+column and the row key. Nothing is cast, padded or dropped.
+
+:func:`decode` needs no schema argument: the batch carries it. Tensors come back as
+read-only views over the received Arrow buffers (pass ``copy=True`` for writable copies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+import pyarrow as pa
+
+from .codecs import RAW
+from .errors import (
+    DecodeError,
+    DTypeError,
+    EncodeError,
+    MissingFieldError,
+    ShapeError,
+    UndeclaredFieldError,
+)
+from .layout import SHAPE_SUFFIX, TAGS, arrow_schema, binary_offsets, validate
+from .schema import Field, Schema
+from .tensor import Encoded, column_base, is_torch, nbytes_for, row_view, to_bytes
+
+__all__ = [
+    "encode",
+    "decode",
+    "Batch",
+    "TensorColumn",
+    "MediaColumn",
+    "ScalarColumn",
+    "split_batch",
+    "row_nbytes",
+]
+
+_CAST_HINT = {
+    "torch": "cast with .to(torch.{want})",
+    "numpy": "cast with .astype(numpy.{want})",
+}
+
+
+# --------------------------------------------------------------------------- encode
+
+
+def encode(
+    schema: Schema,
+    columns: Mapping[str, Any],
+    keys: Sequence[str],
+    tags: Sequence[Mapping[str, Any] | None] | None = None,
+    *,
+    zero_copy: bool = False,
+) -> pa.RecordBatch:
+    """Encode rows into one self-describing record batch.
+
+    Parameters
+    ----------
+    schema:
+        The schema every column is checked against.
+    columns:
+        Field name to per-row data. token/tensor: a sequence of N tensors (``None`` for a
+        row without the field). media: a sequence of N lists of tensors (an empty list is
+        "no media", ``None`` is "field absent"). scalar: a 1-D tensor/array of N values or
+        a sequence of N Python values (``None`` allowed). Tensors are torch or numpy.
+    keys:
+        N distinct row keys.
+    tags:
+        N msgpack-serialisable dicts (or ``None``), or None for no tags.
+    zero_copy:
+        Refuse tensors that would need a copy to normalise (non-contiguous, big-endian,
+        not on the CPU) instead of copying them.
+
+    Returns
+    -------
+    pyarrow.RecordBatch
+
+    Raises
+    ------
+    UndeclaredFieldError, DTypeError, ShapeError, EncodeError
+        Naming the column, the row key, what was expected and what arrived.
+
+    Examples
+    --------
+    >>> import numpy as np, flightq
+    >>> s = flightq.SchemaRegistry.default().get("rollout_text@1")
+    >>> rb = flightq.encode(s, {"input_ids": [np.arange(5)]}, keys=["g0_0"])
+    >>> flightq.decode(rb, as_="numpy")["input_ids"][0].tolist()
+    [0, 1, 2, 3, 4]
+    """
+    keys = list(keys)
+    n = len(keys)
+    for k in keys:
+        if not isinstance(k, str):
+            raise EncodeError(f"row keys are strings, got {type(k).__name__} {k!r}")
+    if len(set(keys)) != n:
+        seen: set[str] = set()
+        dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise EncodeError(f"duplicate row key {dup!r} within one put")
+    for name in columns:
+        if name not in schema:
+            raise UndeclaredFieldError(
+                f"column {name!r} is not declared by schema {schema.ref}; declared: "
+                f"{', '.join(f.name for f in schema.fields)}. Declare it in a new schema "
+                "version; flightq never drops or registers columns on the fly"
+            )
+    seq = [-1] * n
+    arrays: list[pa.Array] = [pa.array(keys, type=pa.utf8()), _encode_tags(tags, keys)]
+    names: list[str] = []
+    for f in schema.fields:
+        if f.name not in columns:
+            continue
+        names.append(f.name)
+        data = columns[f.name]
+        if f.role == "scalar":
+            arrays.append(_encode_scalar(f, data, keys))
+        elif f.role == "media":
+            arrays.extend(_encode_media(f, data, keys, zero_copy))
+        else:
+            arrays.extend(_encode_tensor(f, data, keys, zero_copy, seq))
+    return pa.RecordBatch.from_arrays(arrays, schema=arrow_schema(schema, names))
+
+
+def _rows(f: Field, data: Any, keys: list[str]) -> list[Any]:
+    if isinstance(data, (str, bytes, Mapping)) or not hasattr(data, "__len__"):
+        raise EncodeError(
+            f"column {f.name!r}: expected a sequence of {len(keys)} rows, got {type(data).__name__}"
+        )
+    if len(data) != len(keys):
+        raise ShapeError(f"column {f.name!r}: {len(data)} rows for {len(keys)} keys")
+    return list(data)
+
+
+def _checked(f: Field, x: Any, key: str, zero_copy: bool, what: str = "") -> Encoded:
+    where = f"column {f.name!r}{what} (row key {key!r}): "
+    enc = to_bytes(x, zero_copy=zero_copy, where=where)
+    if enc.dtype != f.dtype:
+        lib = "torch" if is_torch(x) else "numpy"
+        raise DTypeError(
+            f"column {f.name!r}: expected dtype {f.dtype}, got {enc.dtype} (row key {key!r}); "
+            f"{_CAST_HINT[lib].format(want=f.dtype)} or declare a new schema version"
+        )
+    problem = f.check_shape(enc.shape)
+    if problem:
+        raise ShapeError(f"column {f.name!r}{what}: {problem} (row key {key!r})")
+    nbytes_for(enc.shape, f.dt.itemsize, where)
+    return enc
+
+
+def _binary(payloads: list[Any], valid: list[bool] | None) -> pa.Array:
+    """A large_binary array over the payloads, copied once into one contiguous buffer."""
+    lengths = np.fromiter((len(memoryview(p).cast("B")) for p in payloads), np.int64, len(payloads))
+    offsets = np.zeros(len(payloads) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    buf = np.empty(int(offsets[-1]), dtype=np.uint8)
+    for p, lo, hi in zip(payloads, offsets[:-1], offsets[1:], strict=True):
+        if hi > lo:
+            buf[lo:hi] = np.frombuffer(p, dtype=np.uint8)
+    mask = None
+    null_count = 0
+    if valid is not None and not all(valid):
+        mask = pa.array(valid, type=pa.bool_()).buffers()[1]
+        null_count = valid.count(False)
+    return pa.LargeBinaryArray.from_buffers(
+        pa.large_binary(),
+        len(payloads),
+        [mask, pa.py_buffer(offsets), pa.py_buffer(buf)],
+        null_count,
+    )
+
+
+def _shapes(shapes: list[tuple[int, ...] | None], large: bool = False) -> pa.Array:
+    valid = [s is not None for s in shapes]
+    lens = np.fromiter((len(s) if s is not None else 0 for s in shapes), np.int64, len(shapes))
+    offsets = np.zeros(len(shapes) + 1, dtype=np.int64 if large else np.int32)
+    np.cumsum(lens, out=offsets[1:])
+    flat = np.fromiter((d for s in shapes if s is not None for d in s), np.int64)
+    cls = pa.LargeListArray if large else pa.ListArray
+    mask = None if all(valid) else pa.array([not v for v in valid], type=pa.bool_())
+    return cls.from_arrays(pa.array(offsets), pa.array(flat, type=pa.int64()), mask=mask)
+
+
+def _encode_tensor(
+    f: Field, data: Any, keys: list[str], zero_copy: bool, seq: list[int]
+) -> list[pa.Array]:
+    payloads: list[Any] = []
+    shapes: list[tuple[int, ...] | None] = []
+    for i, x in enumerate(_rows(f, data, keys)):
+        if x is None:
+            payloads.append(b"")
+            shapes.append(None)
+            continue
+        enc = _checked(f, x, keys[i], zero_copy)
+        if f.role == "token":
+            s = enc.shape[0]
+            if seq[i] >= 0 and seq[i] != s:
+                raise ShapeError(
+                    f"column {f.name!r}: sequence length {s} differs from the row's other "
+                    f"token fields ({seq[i]}) (row key {keys[i]!r})"
+                )
+            seq[i] = s
+        payloads.append(f.codec.encode(enc.data) if f.codec is not RAW else enc.data)
+        shapes.append(enc.shape)
+    valid = [s is not None for s in shapes]
+    return [_binary(payloads, valid), _shapes(shapes)]
+
+
+def _encode_media(f: Field, data: Any, keys: list[str], zero_copy: bool) -> list[pa.Array]:
+    segs: list[Any] = []
+    seg_shapes: list[tuple[int, ...] | None] = []
+    counts: list[int | None] = []
+    for i, row in enumerate(_rows(f, data, keys)):
+        if row is None:
+            counts.append(None)
+            continue
+        if isinstance(row, np.ndarray) or is_torch(row) or not isinstance(row, Sequence):
+            raise EncodeError(
+                f"column {f.name!r}: a media row is a list of tensors (one per segment), got "
+                f"{type(row).__name__} (row key {keys[i]!r}); wrap one image as [tensor]"
+            )
+        for j, x in enumerate(row):
+            enc = _checked(f, x, keys[i], zero_copy, what=f" segment {j}")
+            segs.append(f.codec.encode(enc.data) if f.codec is not RAW else enc.data)
+            seg_shapes.append(enc.shape)
+        counts.append(len(row))
+    offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum([c or 0 for c in counts], out=offsets[1:])
+    mask = None
+    if any(c is None for c in counts):
+        mask = pa.array([c is None for c in counts], type=pa.bool_())
+    payload = pa.LargeListArray.from_arrays(pa.array(offsets), _binary(segs, None), mask=mask)
+    seg_shape_arr = _shapes(seg_shapes)
+    shape_col = pa.LargeListArray.from_arrays(pa.array(offsets), seg_shape_arr, mask=mask)
+    return [payload, shape_col]
+
+
+def _encode_scalar(f: Field, data: Any, keys: list[str]) -> pa.Array:
+    dt = f.dt
+    n = len(keys)
+    where = f"column {f.name!r}: "
+    if isinstance(data, np.ndarray) or is_torch(data):
+        enc = to_bytes(data, where=where)
+        if enc.dtype != f.dtype:
+            lib = "torch" if is_torch(data) else "numpy"
+            raise DTypeError(
+                f"column {f.name!r}: expected dtype {f.dtype}, got {enc.dtype}; "
+                f"{_CAST_HINT[lib].format(want=f.dtype)} or declare a new schema version"
+            )
+        if enc.shape != (n,):
+            raise ShapeError(
+                f"{where}a scalar column is one value per row: expected shape ({n},), got "
+                f"{enc.shape}"
+            )
+        values = enc.data.view(dt.storage)
+        if dt.name == "bool":
+            return pa.array(values.view(np.bool_), type=pa.bool_())
+        return pa.Array.from_buffers(dt.arrow, n, [None, pa.py_buffer(values)])
+    rows = _rows(f, data, keys)
+    out: list[Any] = []
+    for i, v in enumerate(rows):
+        if v is None:
+            out.append(None)
+            continue
+        if isinstance(v, np.ndarray | np.generic) or is_torch(v):
+            enc = to_bytes(np.asarray(v) if isinstance(v, np.generic) else v, where=where)
+            if enc.dtype != f.dtype or enc.shape != ():
+                raise DTypeError(
+                    f"{where}expected a {f.dtype} scalar, got {enc.dtype} of shape {enc.shape} "
+                    f"(row key {keys[i]!r})"
+                )
+            out.append(enc.data.view(dt.storage)[0].item())
+            continue
+        if not dt.native_numpy:
+            raise DTypeError(
+                f"{where}{f.dtype} scalars are given as tensors of that dtype, got "
+                f"{type(v).__name__} (row key {keys[i]!r})"
+            )
+        ok = (
+            isinstance(v, bool)
+            if dt.name == "bool"
+            else (isinstance(v, int) and not isinstance(v, bool))
+            if dt.name.startswith(("int", "uint"))
+            else isinstance(v, (int, float)) and not isinstance(v, bool)
+        )
+        if not ok:
+            raise DTypeError(
+                f"{where}expected a {f.dtype} value, got {type(v).__name__} {v!r} "
+                f"(row key {keys[i]!r})"
+            )
+        out.append(v)
+    try:
+        return pa.array(out, type=dt.arrow)
+    except (pa.ArrowException, OverflowError, TypeError) as e:
+        raise DTypeError(f"{where}values do not fit {f.dtype}: {e}") from e
+
+
+def _encode_tags(tags: Sequence[Mapping[str, Any] | None] | None, keys: list[str]) -> pa.Array:
+    if tags is None:
+        return pa.nulls(len(keys), type=pa.binary())
+    if len(tags) != len(keys):
+        raise EncodeError(f"tags: {len(tags)} entries for {len(keys)} keys")
+    out: list[bytes | None] = []
+    for k, t in zip(keys, tags, strict=True):
+        if t is None:
+            out.append(None)
+            continue
+        if not isinstance(t, Mapping):
+            raise EncodeError(f"tags of row {k!r} must be a dict, got {type(t).__name__}")
+        try:
+            out.append(msgpack.packb(dict(t), use_bin_type=True))
+        except (TypeError, ValueError, OverflowError) as e:
+            raise EncodeError(f"tags of row {k!r} are not msgpack-serialisable: {e}") from e
+    return pa.array(out, type=pa.binary())
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def decode(batch: pa.RecordBatch, *, as_: str = "torch", copy: bool = False) -> Batch:
+    """Rebuild a record batch's rows from the schema it carries.
+
+    Parameters
+    ----------
+    batch:
+        A flightq record batch.
+    as_:
+        ``"torch"`` (default) or ``"numpy"``; numpy returns bfloat16 and float8 as their bit
+        patterns (uint16/uint8).
+    copy:
+        Return writable copies instead of read-only views over the batch's buffers.
+
+    Returns
+    -------
+    Batch
+
+    Raises
+    ------
+    DecodeError, ShapeError, UndeclaredFieldError
+        If the batch is not a valid flightq batch.
+    """
+    if as_ not in ("torch", "numpy"):
+        raise ValueError(f"as_ must be 'torch' or 'numpy', got {as_!r}")
+    if as_ == "torch":
+        try:
+            import torch  # noqa: F401
+        except ImportError as e:
+            raise DecodeError(
+                "decoding to torch needs torch (pip install 'flightq[torch]'), or pass as_='numpy'"
+            ) from e
+    checked = validate(batch)
+    return Batch(batch, checked.schema, checked.keys, checked.fields, as_, copy)
+
+
+class Batch:
+    """Decoded rows: keys, tags, and one column per field present.
+
+    ``batch[name]`` gives the per-row structures the writer passed in: a list of tensors
+    (``None`` where a row lacks the field) for token and tensor fields, a list of segment
+    lists for media, a 1-D tensor for scalars (a list with ``None`` entries if some rows
+    lack the field). :meth:`column` gives the richer column object (concatenation,
+    counts, shapes). Tensors are read-only views unless decoded with ``copy=True``.
+    """
+
+    def __init__(
+        self,
+        record_batch: pa.RecordBatch,
+        schema: Schema,
+        keys: list[str],
+        fields: list[str],
+        as_: str,
+        copy: bool,
+    ) -> None:
+        self.record_batch = record_batch
+        self.schema = schema
+        self.keys = keys
+        self.fields = fields
+        self._as = as_
+        self._copy = copy
+        self._columns: dict[str, Column] = {}
+        self._tags: list[dict[str, Any]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.fields
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.fields)
+
+    def __repr__(self) -> str:
+        return f"Batch({len(self)} rows of {self.schema.ref}, fields={self.fields})"
+
+    @property
+    def tags(self) -> list[dict[str, Any]]:
+        """Per-row tag dicts (empty where a row has none)."""
+        if self._tags is None:
+            out: list[dict[str, Any]] = []
+            for i, b in enumerate(self.record_batch.column(TAGS).to_pylist()):
+                if b is None:
+                    out.append({})
+                    continue
+                try:
+                    t = msgpack.unpackb(b, raw=False)
+                except (
+                    ValueError,
+                    msgpack.ExtraData,
+                    msgpack.FormatError,
+                    msgpack.StackError,
+                ) as e:
+                    raise DecodeError(
+                        f"tags of row {self.keys[i]!r} are not valid msgpack: {e}"
+                    ) from e
+                if not isinstance(t, dict):
+                    raise DecodeError(f"tags of row {self.keys[i]!r} are not a map")
+                out.append(t)
+            self._tags = out
+        return self._tags
+
+    def column(self, name: str) -> Column:
+        """The column object of a field present in the batch.
+
+        Raises
+        ------
+        MissingFieldError
+            If the batch does not carry the field.
+        """
+        col = self._columns.get(name)
+        if col is None:
+            if name not in self.fields:
+                raise MissingFieldError(
+                    f"field {name!r} is not in this batch of {self.schema.ref}; present: "
+                    f"{', '.join(self.fields)}"
+                )
+            f = self.schema[name]
+            cls = {"scalar": ScalarColumn, "media": MediaColumn}.get(f.role, TensorColumn)
+            col = cls(f, self.record_batch, self._as, self._copy)
+            self._columns[name] = col
+        return col
+
+    def __getitem__(self, name: str) -> Any:
+        return self.column(name).rows()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field present, as ``{name: batch[name]}``."""
+        return {name: self[name] for name in self.fields}
+
+
+class Column:
+    """Base of the decoded columns."""
+
+    def __init__(self, f: Field, rb: pa.RecordBatch, as_: str, copy: bool) -> None:
+        self.field = f
+        self.as_ = as_
+        self.copy = copy
+        self.payload = rb.column(f.name)
+        self.valid = (
+            np.ones(len(self.payload), dtype=bool)
+            if self.payload.null_count == 0
+            else self.payload.is_valid().to_numpy(zero_copy_only=False)
+        )
+
+    def __len__(self) -> int:
+        return len(self.payload)
+
+    def rows(self) -> Any:
+        """The per-row structure of ``Batch.__getitem__``."""
+        raise NotImplementedError
+
+
+def _decoded_base(
+    f: Field, payloads: pa.Array, shapes: list[tuple[int, ...]], as_: str
+) -> tuple[Any, np.ndarray]:
+    """One flat view over a binary array's payloads, and each payload's element offset.
+
+    Raw payloads are viewed in place; compressed ones are decoded into one new buffer.
+    """
+    dt = f.dt
+    if f.codec is RAW:
+        offs = binary_offsets(payloads)
+        data = payloads.buffers()[2]
+        base = column_base(data if data is not None else b"", int(offs[0]), int(offs[-1]), dt, as_)
+        return base, (offs[:-1] - offs[0]) // dt.itemsize
+    sizes = np.array([nbytes_for(s, dt.itemsize) for s in shapes], dtype=np.int64)
+    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    out = np.empty(int(starts[-1]), dtype=np.uint8)
+    data = payloads.buffers()[2]
+    offs = binary_offsets(payloads)
+    mv = memoryview(data) if data is not None else memoryview(b"")
+    for i in range(len(shapes)):
+        if sizes[i]:
+            raw = f.codec.decode(mv[offs[i] : offs[i + 1]], int(sizes[i]))
+            out[starts[i] : starts[i + 1]] = np.frombuffer(raw, dtype=np.uint8)
+    base = column_base(out, 0, len(out), dt, as_)
+    return base, starts[:-1] // dt.itemsize
+
+
+class TensorColumn(Column):
+    """A token or tensor field: one tensor per row."""
+
+    def __init__(self, f: Field, rb: pa.RecordBatch, as_: str, copy: bool) -> None:
+        super().__init__(f, rb, as_, copy)
+        shapes = rb.column(f.name + SHAPE_SUFFIX)
+        offs = shapes.offsets.to_numpy()
+        vals = shapes.values.to_numpy()
+        self.shapes: list[tuple[int, ...] | None] = [
+            tuple(int(d) for d in vals[offs[i] : offs[i + 1]]) if self.valid[i] else None
+            for i in range(len(shapes))
+        ]
+        present = [s if s is not None else (0,) for s in self.shapes]
+        self._base, self._elem = _decoded_base(f, self.payload, present, as_)
+
+    def __getitem__(self, i: int) -> Any:
+        shape = self.shapes[i]
+        if shape is None:
+            return None
+        return row_view(self._base, int(self._elem[i]), shape, self.copy)
+
+    def rows(self) -> list[Any]:
+        return [self[i] for i in range(len(self))]
+
+
+class MediaColumn(Column):
+    """A media field: per row a list of zero or more segments, each with its own shape."""
+
+    def __init__(self, f: Field, rb: pa.RecordBatch, as_: str, copy: bool) -> None:
+        super().__init__(f, rb, as_, copy)
+        outer = self.payload.offsets.to_numpy().astype(np.int64)
+        self.row_segments = outer - outer[0]
+        segs = self.payload.values.slice(int(outer[0]), int(outer[-1] - outer[0]))
+        shapes = rb.column(f.name + SHAPE_SUFFIX)
+        souter = shapes.offsets.to_numpy().astype(np.int64)
+        seg_shapes = shapes.values.slice(int(souter[0]), int(souter[-1] - souter[0]))
+        offs = seg_shapes.offsets.to_numpy()
+        vals = seg_shapes.values.to_numpy()
+        self.segment_shapes: list[tuple[int, ...]] = [
+            tuple(int(d) for d in vals[offs[j] : offs[j + 1]]) for j in range(len(seg_shapes))
+        ]
+        self._base, self._elem = _decoded_base(f, segs, self.segment_shapes, as_)
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Segments per row (0 for a row with no media and for a row without the field)."""
+        return np.diff(self.row_segments)
+
+    def segment(self, j: int) -> Any:
+        """Segment ``j`` of the whole column (rows in order)."""
+        return row_view(self._base, int(self._elem[j]), self.segment_shapes[j], self.copy)
+
+    def __getitem__(self, i: int) -> list[Any] | None:
+        if not self.valid[i]:
+            return None
+        return [self.segment(j) for j in range(self.row_segments[i], self.row_segments[i + 1])]
+
+    def rows(self) -> list[list[Any] | None]:
+        return [self[i] for i in range(len(self))]
+
+    def cat(self) -> tuple[Any, np.ndarray]:
+        """All segments concatenated along dim 0, and each row's range along that dim.
+
+        Returns ``(values, row_offsets)``: row ``i``'s segments are
+        ``values[row_offsets[i]:row_offsets[i + 1]]``. A view when the field is raw.
+
+        Raises
+        ------
+        ShapeError
+            If segments differ in their trailing dims (e.g. tiles of different sizes).
+        """
+        shapes = self.segment_shapes
+        trail = {s[1:] for s in shapes}
+        if len(trail) > 1 or any(len(s) == 0 for s in shapes):
+            raise ShapeError(
+                f"column {self.field.name!r}: segments of shapes {sorted(trail)} cannot be "
+                "concatenated along dim 0; iterate the rows instead"
+            )
+        tail = next(iter(trail)) if trail else ()
+        dim0 = np.array([s[0] for s in shapes], dtype=np.int64)
+        seg_start = np.zeros(len(shapes) + 1, dtype=np.int64)
+        np.cumsum(dim0, out=seg_start[1:])
+        row_offsets = seg_start[self.row_segments]
+        total = int(seg_start[-1])
+        if not shapes:
+            values = row_view(self._base, 0, (0, *tail), self.copy) if tail else self._base[:0]
+        else:
+            values = row_view(self._base, int(self._elem[0]), (total, *tail), self.copy)
+        return values, row_offsets
+
+
+class ScalarColumn(Column):
+    """A scalar field: one value per row, a plain Arrow column."""
+
+    def tensor(self) -> Any:
+        """The values as a 1-D tensor (or numpy array) of the field's dtype.
+
+        Raises
+        ------
+        MissingFieldError
+            If some rows lack the field.
+        """
+        if not self.valid.all():
+            raise MissingFieldError(
+                f"column {self.field.name!r}: {int((~self.valid).sum())} rows lack the field; "
+                "use .rows() for a list with None entries"
+            )
+        dt = self.field.dt
+        arr = self.payload
+        if dt.name == "bool":
+            values = arr.to_numpy(zero_copy_only=False)
+            base = values.copy() if self.copy else values
+            if self.as_ == "numpy":
+                return base
+            import torch
+
+            return torch.from_numpy(base)
+        buf = arr.buffers()[1]
+        start = arr.offset * dt.itemsize
+        base = column_base(buf, start, start + len(arr) * dt.itemsize, dt, self.as_)
+        return (
+            base.copy()
+            if self.copy and self.as_ == "numpy"
+            else (base.clone() if self.copy else base)
+        )
+
+    def rows(self) -> Any:
+        if self.valid.all():
+            return self.tensor()
+        dt = self.field.dt
+        if not dt.native_numpy:
+            raise MissingFieldError(
+                f"column {self.field.name!r}: {dt.name} rows with gaps; select rows that have it"
+            )
+        return self.payload.to_pylist()
+
+
+def row_nbytes(batch: pa.RecordBatch) -> np.ndarray:
+    """Per row, the bytes of its binary payloads (what dominates a batch's size)."""
+    n = batch.num_rows
+    out = np.zeros(n, dtype=np.int64)
+    for col in batch.columns:
+        t = col.type
+        if t == pa.large_binary():
+            out += np.diff(binary_offsets(col))
+        elif pa.types.is_large_list(t) and t.value_type == pa.large_binary():
+            outer = col.offsets.to_numpy().astype(np.int64)
+            inner = binary_offsets(col.values)
+            out += inner[outer[1:]] - inner[outer[:-1]]
+        elif t.bit_width if hasattr(t, "bit_width") else False:
+            out += max(t.bit_width // 8, 1)
+    return out
+
+
+def split_batch(batch: pa.RecordBatch, max_bytes: int) -> list[pa.RecordBatch]:
+    """Zero-copy row slices of ``batch``, each under ``max_bytes`` of payload where possible.
+
+    A single row larger than ``max_bytes`` travels alone.
+    """
+    n = batch.num_rows
+    if n == 0:
+        return [batch]
+    sizes = row_nbytes(batch)
+    if int(sizes.sum()) <= max_bytes:
+        return [batch]
+    out = []
+    start = 0
+    acc = 0
+    for i in range(n):
+        s = int(sizes[i])
+        if i > start and acc + s > max_bytes:
+            out.append(batch.slice(start, i - start))
+            start, acc = i, 0
+        acc += s
+    out.append(batch.slice(start, n - start))
+    return out

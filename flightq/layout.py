@@ -1,0 +1,453 @@
+"""The record-batch layout: column names, Arrow types, metadata keys, and validation.
+
+Every flightq record batch has these columns, in this order:
+
+``__key__``
+    utf8, the row keys, never null;
+``__tags__``
+    binary, one msgpack map per row (null means no tags);
+``<field>`` and ``<field>__shape``
+    for each field present, in schema order. token and tensor fields: ``large_binary``
+    payload (the tensor's raw little-endian bytes) and ``list<int64>`` shape. media
+    fields: ``large_list<large_binary>`` (one payload per segment) and
+    ``large_list<list<int64>>`` (one shape per segment). scalar fields: one plain Arrow
+    column of the field's type (bfloat16 and float8 as their bit patterns), no shape.
+
+The schema-level metadata carries the whole schema (``flightq.schema``, canonical JSON),
+its fingerprint and the wire version; each payload column's metadata names its dtype,
+role and codec. :func:`validate` checks a batch against its schema using only the Arrow
+offsets and the shape columns: it never rebuilds a tensor, so the server can use it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .codecs import RAW, codec_from_dict
+from .errors import DecodeError, EncodeError, SchemaError, ShapeError, UndeclaredFieldError
+from .schema import Field, Schema
+
+__all__ = [
+    "KEY",
+    "TAGS",
+    "SHAPE_SUFFIX",
+    "WIRE_VERSION",
+    "META_SCHEMA",
+    "META_FINGERPRINT",
+    "META_WIRE",
+    "payload_type",
+    "shape_type",
+    "arrow_field",
+    "arrow_schema",
+    "schema_of",
+    "Checked",
+    "validate",
+    "shape_products",
+    "binary_offsets",
+]
+
+KEY = "__key__"
+TAGS = "__tags__"
+SHAPE_SUFFIX = "__shape"
+WIRE_VERSION = "1"
+
+META_SCHEMA = b"flightq.schema"
+META_FINGERPRINT = b"flightq.fingerprint"
+META_WIRE = b"flightq.wire"
+FIELD_DTYPE = b"flightq.dtype"
+FIELD_ROLE = b"flightq.role"
+FIELD_CODEC = b"flightq.codec"
+
+_LIMIT = float(2**62)
+
+
+def payload_type(f: Field) -> pa.DataType:
+    """The Arrow type of a field's payload column."""
+    if f.role == "scalar":
+        return f.dt.arrow
+    if f.role == "media":
+        return pa.large_list(pa.large_binary())
+    return pa.large_binary()
+
+
+def shape_type(f: Field) -> pa.DataType:
+    """The Arrow type of a field's shape column (token, tensor and media fields)."""
+    if f.role == "media":
+        return pa.large_list(pa.list_(pa.int64()))
+    return pa.list_(pa.int64())
+
+
+def arrow_field(f: Field) -> pa.Field:
+    """A field's payload column, with its dtype, role and codec in the metadata."""
+    meta = {FIELD_DTYPE: f.dtype.encode(), FIELD_ROLE: f.role.encode()}
+    if f.codec is not RAW:
+        meta[FIELD_CODEC] = json.dumps(f.codec.to_dict(), sort_keys=True).encode()
+    return pa.field(f.name, payload_type(f), nullable=True, metadata=meta)
+
+
+def arrow_schema(schema: Schema, names: list[str] | None = None) -> pa.Schema:
+    """The Arrow schema of a batch carrying ``names`` (all fields when None), schema order."""
+    wanted = set(schema[n].name for n in names) if names is not None else None
+    cols = [pa.field(KEY, pa.utf8(), nullable=False), pa.field(TAGS, pa.binary())]
+    for f in schema.fields:
+        if wanted is not None and f.name not in wanted:
+            continue
+        cols.append(arrow_field(f))
+        if f.role != "scalar":
+            cols.append(pa.field(f.name + SHAPE_SUFFIX, shape_type(f)))
+    meta = {
+        META_WIRE: WIRE_VERSION.encode(),
+        META_SCHEMA: schema.canonical_json.encode(),
+        META_FINGERPRINT: schema.fingerprint.encode(),
+    }
+    return pa.schema(cols, metadata=meta)
+
+
+def schema_of(arrow: pa.Schema) -> Schema:
+    """The flightq schema a record batch carries in its metadata.
+
+    Raises
+    ------
+    DecodeError
+        If the metadata is missing, of another wire version, or its fingerprint does not
+        match the declarations it carries.
+    """
+    meta = arrow.metadata or {}
+    if META_SCHEMA not in meta:
+        raise DecodeError("not a flightq record batch: no 'flightq.schema' in the Arrow metadata")
+    wire = meta.get(META_WIRE, b"").decode(errors="replace")
+    if wire != WIRE_VERSION:
+        raise DecodeError(
+            f"wire version {wire!r} is not supported (this flightq reads {WIRE_VERSION!r})"
+        )
+    try:
+        schema = Schema.from_json(meta[META_SCHEMA])
+    except SchemaError as e:
+        raise DecodeError(f"the schema in the batch metadata is invalid: {e}") from e
+    fp = meta.get(META_FINGERPRINT, b"").decode(errors="replace")
+    if fp != schema.fingerprint:
+        raise DecodeError(
+            f"schema {schema.ref}: metadata fingerprint {fp!r} does not match its "
+            f"declarations ({schema.fingerprint})"
+        )
+    return schema
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What :func:`validate` learned about a batch.
+
+    Attributes
+    ----------
+    schema:
+        The schema the batch carries (or was checked against).
+    keys:
+        Row keys, in order.
+    fields:
+        Names of the fields present, in schema order.
+    seq_lens:
+        Per row, the sequence length shared by its token fields (-1 where it has none).
+    nbytes:
+        Per row, payload bytes (as sent, compressed where a codec applies).
+    """
+
+    schema: Schema
+    keys: list[str]
+    fields: list[str]
+    seq_lens: np.ndarray
+    nbytes: np.ndarray
+
+
+def shape_products(
+    offsets: np.ndarray, values: np.ndarray, itemsize: int, where: str
+) -> np.ndarray:
+    """Byte length of each shape in a flattened shape list, overflow-safe.
+
+    ``offsets`` (n+1) delimit each shape's dims in ``values``. Returns int64 byte lengths.
+
+    Raises
+    ------
+    ShapeError
+        On a negative dim or a byte length that does not fit in int64.
+    """
+    n = len(offsets) - 1
+    out = np.full(n, itemsize, dtype=np.int64)
+    if n == 0:
+        return out
+    lo, hi = int(offsets[0]), int(offsets[-1])
+    v = values[lo:hi]
+    if v.size == 0:
+        return out
+    if v.min() < 0:
+        raise ShapeError(f"{where}a shape has a negative dim")
+    ranks = np.diff(offsets)
+    nz = ranks > 0
+    starts = offsets[:-1][nz] - lo
+    fprod = np.multiply.reduceat(v.astype(np.float64), starts) * itemsize
+    if fprod.max(initial=0.0) >= _LIMIT:
+        raise ShapeError(f"{where}a shape's byte length overflows int64")
+    out[nz] = np.multiply.reduceat(v, starts) * itemsize
+    return out
+
+
+def binary_offsets(arr: pa.Array) -> np.ndarray:
+    """The int64 offsets (length + 1) of a large_binary array, honouring its slice offset."""
+    buf = arr.buffers()[1]
+    n = len(arr) + 1
+    if buf is None:
+        return np.zeros(n, dtype=np.int64)
+    return np.frombuffer(buf, dtype=np.int64, count=n, offset=arr.offset * 8)
+
+
+def _np(arr: pa.Array) -> np.ndarray:
+    return arr.to_numpy(zero_copy_only=False)
+
+
+def _valid(arr: pa.Array) -> np.ndarray:
+    if arr.null_count == 0:
+        return np.ones(len(arr), dtype=bool)
+    return _np(arr.is_valid())
+
+
+def _shape_arrays(shapes: pa.Array, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets and dims of a ``list<int64>`` array (sliced or not)."""
+    if shapes.values.null_count:
+        raise ShapeError(f"{where}a shape has a null dim")
+    return _np(shapes.offsets).astype(np.int64), _np(shapes.values).astype(np.int64)
+
+
+def _check_fixed(
+    f: Field, offsets: np.ndarray, values: np.ndarray, valid: np.ndarray, where: str, keys: Any
+) -> None:
+    """Ranks and fixed dims of the valid rows against the declaration (vectorised)."""
+    if f.shape is None:
+        return
+    ranks = np.diff(offsets)
+    rank = len(f.shape)
+    bad = np.nonzero(valid & (ranks != rank))[0]
+    if bad.size:
+        i = int(bad[0])
+        got = tuple(int(x) for x in values[offsets[i] : offsets[i + 1]])
+        raise ShapeError(f"{where}expected rank {rank} {_fmt(f)}, got shape {got}{keys(i)}")
+    rows = np.nonzero(valid)[0]
+    if rows.size == 0 or rank == 0:
+        return
+    dims = values[offsets[0] : offsets[-1]].reshape(-1, rank)
+    for axis, want in enumerate(f.shape):
+        if want is None:
+            continue
+        bad = np.nonzero(dims[:, axis] != want)[0]
+        if bad.size:
+            k = int(bad[0])
+            raise ShapeError(
+                f"{where}expected shape {_fmt(f)}, got "
+                f"{tuple(int(x) for x in dims[k])}{keys(int(rows[k]))}"
+            )
+
+
+def _fmt(f: Field) -> str:
+    assert f.shape is not None
+    return "[" + ", ".join("?" if d is None else str(d) for d in f.shape) + "]"
+
+
+def _payload_lengths(f: Field, payload: pa.Array, valid: np.ndarray, where: str) -> np.ndarray:
+    """Decoded byte length of each payload (raw: from offsets; zstd: from frame headers)."""
+    offs = binary_offsets(payload)
+    lengths = np.diff(offs)
+    if f.codec is RAW:
+        return lengths
+    out = np.zeros(len(payload), dtype=np.int64)
+    data = payload.buffers()[2]
+    for i in np.nonzero(valid)[0]:
+        size = f.codec.decoded_size(memoryview(data)[offs[i] : offs[i + 1]]) if data else None
+        if size is None:
+            raise ShapeError(f"{where}row {i}: {f.codec.id} payload without a readable size")
+        out[i] = size
+    return out
+
+
+def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
+    """Check a record batch against its schema from Arrow offsets and shape columns alone.
+
+    Parameters
+    ----------
+    batch:
+        A record batch as built by :func:`flightq.encode` or any Arrow writer.
+    schema:
+        The schema to check against; when given, the batch's own metadata must carry the
+        same fingerprint. When None, the batch's metadata decides.
+
+    Returns
+    -------
+    Checked
+
+    Raises
+    ------
+    DecodeError, ShapeError, UndeclaredFieldError, SchemaMismatchError
+        Naming the column, the row key, what was expected and what arrived.
+    """
+    carried = schema_of(batch.schema)
+    if schema is not None and carried.fingerprint != schema.fingerprint:
+        from .errors import SchemaMismatchError
+        from .schema import diff_schemas
+
+        raise SchemaMismatchError(
+            f"batch carries schema {carried.ref} ({carried.fingerprint}), expected "
+            f"{schema.ref} ({schema.fingerprint}): " + "; ".join(diff_schemas(schema, carried))
+        )
+    schema = carried
+    try:
+        batch.validate(full=True)
+    except pa.ArrowException as e:
+        raise DecodeError(f"malformed record batch: {e}") from e
+    names = batch.schema.names
+    if names[:2] != [KEY, TAGS]:
+        raise DecodeError(f"a flightq batch starts with columns {KEY!r}, {TAGS!r}; got {names[:2]}")
+    keycol = batch.column(0)
+    if keycol.type != pa.utf8() or keycol.null_count:
+        raise DecodeError(f"column {KEY!r} must be non-null utf8, got {keycol.type}")
+    if batch.column(1).type != pa.binary():
+        raise DecodeError(f"column {TAGS!r} must be binary (msgpack), got {batch.column(1).type}")
+    keys: list[str] = keycol.to_pylist()
+    if len(set(keys)) != len(keys):
+        seen: set[str] = set()
+        dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise EncodeError(f"duplicate row key {dup!r} within one batch")
+
+    def at(i: int) -> str:
+        return f" (row key {keys[i]!r})"
+
+    n = batch.num_rows
+    seq = np.full(n, -1, dtype=np.int64)
+    nbytes = np.zeros(n, dtype=np.int64)
+    present: list[str] = []
+    rest = names[2:]
+    shape_cols = {c for c in rest if c.endswith(SHAPE_SUFFIX)}
+    for name in rest:
+        if name in shape_cols:
+            base = name[: -len(SHAPE_SUFFIX)]
+            if base not in names:
+                raise DecodeError(f"shape column {name!r} has no payload column {base!r}")
+            continue
+        if name not in schema:
+            raise UndeclaredFieldError(
+                f"column {name!r} is not declared by schema {schema.ref}; declared: "
+                f"{', '.join(f.name for f in schema.fields)}"
+            )
+        f = schema[name]
+        where = f"column {name!r}: "
+        col = batch.column(name)
+        afield = batch.schema.field(name)
+        meta = afield.metadata or {}
+        if col.type != payload_type(f):
+            raise DecodeError(
+                f"{where}expected Arrow type {payload_type(f)} for role {f.role}, got {col.type}"
+            )
+        if meta.get(FIELD_DTYPE, f.dtype.encode()).decode() != f.dtype:
+            raise DecodeError(
+                f"{where}field metadata says dtype {meta[FIELD_DTYPE].decode()!r}, "
+                f"schema {schema.ref} declares {f.dtype!r}"
+            )
+        codec_meta = meta.get(FIELD_CODEC)
+        if codec_meta is not None:
+            try:
+                got_codec = codec_from_dict(json.loads(codec_meta))
+            except (ValueError, SchemaError) as e:
+                raise DecodeError(f"{where}bad codec metadata: {e}") from e
+            if got_codec != f.codec:
+                raise DecodeError(
+                    f"{where}codec {got_codec.to_dict()} differs from the schema's "
+                    f"{f.codec.to_dict()}"
+                )
+        present.append(name)
+        if f.role == "scalar":
+            continue
+        sname = name + SHAPE_SUFFIX
+        if sname not in shape_cols:
+            raise ShapeError(
+                f"{where}has no shape column {sname!r}; tensors travel with their shapes"
+            )
+        shapes = batch.column(sname)
+        if shapes.type != shape_type(f):
+            raise DecodeError(
+                f"column {sname!r}: expected Arrow type {shape_type(f)}, got {shapes.type}"
+            )
+        valid = _valid(col)
+        if not np.array_equal(valid, _valid(shapes)):
+            i = int(np.nonzero(valid != _valid(shapes))[0][0])
+            raise ShapeError(
+                f"{where}payload and shape disagree on whether the row has the field{at(i)}"
+            )
+        if f.role == "media":
+            outer_p = _np(col.offsets).astype(np.int64)
+            outer_s = _np(shapes.offsets).astype(np.int64)
+            counts_p, counts_s = np.diff(outer_p), np.diff(outer_s)
+            bad = np.nonzero(valid & (counts_p != counts_s))[0]
+            if bad.size:
+                i = int(bad[0])
+                raise ShapeError(f"{where}{counts_p[i]} segments but {counts_s[i]} shapes{at(i)}")
+            if np.any(~valid & ((counts_p != 0) | (counts_s != 0))):
+                raise DecodeError(f"{where}a null row has segments")
+            segs = col.values.slice(outer_p[0], outer_p[-1] - outer_p[0])
+            seg_shapes = shapes.values.slice(outer_s[0], outer_s[-1] - outer_s[0])
+            if segs.null_count or seg_shapes.null_count:
+                raise DecodeError(f"{where}a media segment or its shape is null")
+            row_of_seg = np.repeat(np.arange(n), counts_p)
+
+            def seg_at(j: int, _r: np.ndarray = row_of_seg) -> str:
+                return at(int(_r[j]))
+
+            so, sv = _shape_arrays(seg_shapes, where)
+            _check_fixed(f, so, sv, np.ones(len(so) - 1, dtype=bool), where, seg_at)
+            want = shape_products(so, sv, f.dt.itemsize, where)
+            got = _payload_lengths(f, segs, np.ones(len(segs), dtype=bool), where)
+            bad = np.nonzero(want != got)[0]
+            if bad.size:
+                j = int(bad[0])
+                shp = tuple(int(x) for x in sv[so[j] : so[j + 1]])
+                raise ShapeError(
+                    f"{where}segment of shape {shp} needs {want[j]} bytes of {f.dtype}, "
+                    f"payload has {got[j]}{seg_at(j)}"
+                )
+            seg_bytes = np.diff(binary_offsets(segs))
+            np.add.at(nbytes, row_of_seg, seg_bytes)
+            continue
+        if np.any(~valid & (np.diff(_np(shapes.offsets)) != 0)):
+            raise DecodeError(f"{where}a null row has a shape")
+        so, sv = _shape_arrays(shapes, where)
+        _check_fixed(f, so, sv, valid, where, at)
+        if f.role == "token":
+            ranks = np.diff(so)
+            bad = np.nonzero(valid & (ranks < 1))[0]
+            if bad.size:
+                raise ShapeError(
+                    f"{where}a token tensor has rank >= 1 (its first dim is S){at(int(bad[0]))}"
+                )
+            first = np.full(n, -1, dtype=np.int64)
+            rows = np.nonzero(valid)[0]
+            first[rows] = sv[so[rows]]
+            clash = np.nonzero((first >= 0) & (seq >= 0) & (first != seq))[0]
+            if clash.size:
+                i = int(clash[0])
+                raise ShapeError(
+                    f"{where}sequence length {first[i]} differs from the row's other token "
+                    f"fields ({seq[i]}){at(i)}"
+                )
+            seq = np.where(first >= 0, first, seq)
+        want = shape_products(so, sv, f.dt.itemsize, where)
+        got = _payload_lengths(f, col, valid, where)
+        bad = np.nonzero(valid & (want != got))[0]
+        if bad.size:
+            i = int(bad[0])
+            shp = tuple(int(x) for x in sv[so[i] : so[i + 1]])
+            raise ShapeError(
+                f"{where}shape {shp} needs {want[i]} bytes of {f.dtype}, "
+                f"payload has {got[i]}{at(i)}"
+            )
+        nbytes += np.where(valid, np.diff(binary_offsets(col)), 0)
+    return Checked(schema, keys, present, seq, nbytes)

@@ -1,0 +1,220 @@
+"""A registry of versioned schemas, loaded from a folder and checked against the rules.
+
+Layout: ``<dir>/<name>/v<N>.json``, one immutable file per version. The evolution rules
+(written in ``schemas/README.md``) are enforced whenever a version is added:
+
+1. version N+1 keeps every field of version N unchanged (name, dtype, role, shape,
+   required, codec) and in the same order;
+2. it may only append fields, and appended fields are optional;
+3. anything else (a removed, renamed, retyped or reshaped field) needs a new schema name.
+
+A registry is an object; :meth:`SchemaRegistry.default` builds one over the schemas that
+ship with flightq. Nothing here is module state.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+
+from .errors import EvolutionError, SchemaError, UnknownSchemaError
+from .schema import Schema, parse_ref
+
+__all__ = ["SchemaRegistry", "check_evolution", "shipped_schema_dir"]
+
+_VERSION_FILE = re.compile(r"^v([1-9][0-9]*)\.json$")
+
+
+def shipped_schema_dir() -> Path:
+    """The folder of schemas that ship with flightq.
+
+    In an installed wheel they are package data (``flightq/schemas``); in a source
+    checkout they are the top-level ``schemas/`` folder beside the package.
+    """
+    packaged = Path(str(resources.files("flightq"))) / "schemas"
+    if packaged.is_dir():
+        return packaged
+    source = Path(__file__).resolve().parent.parent / "schemas"
+    if source.is_dir():
+        return source
+    raise UnknownSchemaError("flightq's shipped schemas are missing from this installation")
+
+
+def check_evolution(old: Schema, new: Schema) -> None:
+    """Check that ``new`` is a legal later version of ``old``.
+
+    Raises
+    ------
+    EvolutionError
+        Naming the field and the rule it breaks.
+    """
+    if old.name != new.name or new.version <= old.version:
+        raise EvolutionError(f"{new.ref} is not a later version of {old.ref}")
+    new_fields = list(new.fields)
+    for i, f in enumerate(old.fields):
+        if f.name not in new:
+            raise EvolutionError(
+                f"{new.ref}: field {f.name!r} of {old.ref} was removed or renamed; "
+                "rule: fields are never removed or renamed (use a new schema name)"
+            )
+        g = new[f.name]
+        if f.to_dict(with_doc=False) != g.to_dict(with_doc=False):
+            changed = [
+                k
+                for k, v in f.to_dict(with_doc=False).items()
+                if g.to_dict(with_doc=False).get(k) != v
+            ] or ["codec"]
+            raise EvolutionError(
+                f"{new.ref}: field {f.name!r} changed its {', '.join(changed)} since {old.ref}; "
+                "rule: an existing field's dtype, role, shape, required flag and codec are "
+                "fixed (use a new schema name)"
+            )
+        if i >= len(new_fields) or new_fields[i].name != f.name:
+            raise EvolutionError(
+                f"{new.ref}: field {f.name!r} moved; rule: new versions only append fields"
+            )
+    for g in new_fields[len(old.fields) :]:
+        if g.required:
+            raise EvolutionError(
+                f"{new.ref}: appended field {g.name!r} is required; "
+                "rule: fields added in a new version are optional"
+            )
+
+
+class SchemaRegistry:
+    """Versioned schemas by name, with the evolution rules enforced on every addition.
+
+    Examples
+    --------
+    >>> reg = SchemaRegistry.default()
+    >>> reg.get("rollout_vlm@1").name
+    'rollout_vlm'
+    """
+
+    def __init__(self, schemas: list[Schema] | None = None) -> None:
+        self._lock = threading.Lock()
+        self._by_name: dict[str, dict[int, Schema]] = {}
+        for s in sorted(schemas or [], key=lambda s: (s.name, s.version)):
+            self.register(s)
+
+    @classmethod
+    def default(cls) -> SchemaRegistry:
+        """A new registry holding the schemas that ship with flightq."""
+        return cls.from_dir(shipped_schema_dir())
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> SchemaRegistry:
+        """Load every ``<name>/v<N>.json`` under ``path``.
+
+        Raises
+        ------
+        SchemaError
+            If a file is malformed, misnamed, or its content disagrees with its path.
+        EvolutionError
+            If a version breaks the evolution rules.
+        """
+        root = Path(path)
+        if not root.is_dir():
+            raise SchemaError(f"schema folder {str(root)!r} does not exist")
+        schemas: list[Schema] = []
+        for sub in sorted(p for p in root.iterdir() if p.is_dir()):
+            for file in sorted(sub.iterdir()):
+                if file.suffix != ".json":
+                    continue
+                m = _VERSION_FILE.match(file.name)
+                if not m:
+                    raise SchemaError(f"{file}: schema files are named v<N>.json")
+                try:
+                    s = Schema.from_json(file.read_bytes())
+                except SchemaError as e:
+                    raise SchemaError(f"{file}: {e}") from e
+                if s.name != sub.name or s.version != int(m.group(1)):
+                    raise SchemaError(
+                        f"{file}: declares {s.ref} but its path says {sub.name}@{m.group(1)}"
+                    )
+                schemas.append(s)
+        return cls(schemas)
+
+    def register(self, schema: Schema) -> Schema:
+        """Add a schema; idempotent for an identical one.
+
+        Raises
+        ------
+        SchemaError
+            If another schema with the same name and version is already registered.
+        EvolutionError
+            If it breaks the evolution rules against its neighbouring versions.
+        """
+        with self._lock:
+            versions = self._by_name.setdefault(schema.name, {})
+            have = versions.get(schema.version)
+            if have is not None:
+                if have.fingerprint != schema.fingerprint:
+                    raise SchemaError(
+                        f"{schema.ref} is already registered with fingerprint "
+                        f"{have.fingerprint}, not {schema.fingerprint}; released versions "
+                        "are immutable"
+                    )
+                return have
+            older = [v for v in versions if v < schema.version]
+            newer = [v for v in versions if v > schema.version]
+            if older:
+                check_evolution(versions[max(older)], schema)
+            if newer:
+                check_evolution(schema, versions[min(newer)])
+            versions[schema.version] = schema
+            return schema
+
+    def get(self, ref: str, version: int | None = None) -> Schema:
+        """A schema by ``"name@V"``, by ``(name, V)``, or the latest version of ``name``.
+
+        Raises
+        ------
+        UnknownSchemaError
+            If the name or version is not registered.
+        """
+        name, v = parse_ref(ref, version)
+        with self._lock:
+            versions = self._by_name.get(name)
+            if not versions:
+                known = ", ".join(sorted(self._by_name)) or "(none)"
+                raise UnknownSchemaError(f"unknown schema {name!r}; registered: {known}")
+            if v is None:
+                return versions[max(versions)]
+            if v not in versions:
+                raise UnknownSchemaError(
+                    f"unknown schema version {name}@{v}; registered versions: "
+                    f"{', '.join(str(x) for x in sorted(versions))}"
+                )
+            return versions[v]
+
+    def names(self) -> list[str]:
+        """Registered schema names, sorted."""
+        with self._lock:
+            return sorted(self._by_name)
+
+    def versions(self, name: str) -> list[int]:
+        """Registered versions of ``name``, ascending."""
+        with self._lock:
+            return sorted(self._by_name.get(name, {}))
+
+    def __iter__(self) -> Iterator[Schema]:
+        with self._lock:
+            items = [s for n in sorted(self._by_name) for _, s in sorted(self._by_name[n].items())]
+        return iter(items)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._by_name.values())
+
+    def __contains__(self, ref: object) -> bool:
+        if not isinstance(ref, str):
+            return False
+        try:
+            self.get(ref)
+        except (UnknownSchemaError, SchemaError):
+            return False
+        return True

@@ -1,0 +1,196 @@
+"""One tensor to (bytes, shape, dtype) and back, zero-copy where the memory allows.
+
+This module knows numpy and (lazily) torch, never Arrow or sockets. Bytes are always
+little-endian and C-contiguous. On the way in a tensor is normalised (moved to the CPU,
+made contiguous and little-endian) unless the caller asks for zero-copy, in which case
+anything that would need a copy is refused. On the way out a whole column's payload is
+viewed once and rows are sliced from that view, so no tensor byte is copied.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .dtypes import DType, from_numpy, from_torch
+from .errors import EncodeError, ShapeError
+
+__all__ = [
+    "Encoded",
+    "is_torch",
+    "to_bytes",
+    "nbytes_for",
+    "column_base",
+    "row_view",
+    "MAX_NBYTES",
+]
+
+#: Largest payload one tensor may declare (int64 byte offsets).
+MAX_NBYTES = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A tensor as flat bytes: ``data`` is a 1-D uint8 numpy array (a view when possible)."""
+
+    data: np.ndarray
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def is_torch(x: Any) -> bool:
+    """Whether ``x`` is a torch tensor, without importing torch."""
+    mod = type(x).__module__
+    return mod.startswith("torch") and "torch" in sys.modules and _torch_is_tensor(x)
+
+
+def _torch_is_tensor(x: Any) -> bool:
+    import torch
+
+    return isinstance(x, torch.Tensor)
+
+
+def nbytes_for(shape: Sequence[int], itemsize: int, where: str = "") -> int:
+    """Byte length of a tensor of ``shape``, checked for negative dims and int64 overflow.
+
+    Raises
+    ------
+    ShapeError
+        If a dim is negative or the byte length does not fit in int64.
+    """
+    n = itemsize
+    for d in shape:
+        d = int(d)
+        if d < 0:
+            raise ShapeError(f"{where}shape {tuple(shape)} has a negative dim")
+        n *= d
+    if n > MAX_NBYTES:
+        raise ShapeError(f"{where}shape {tuple(shape)} overflows: {n} bytes does not fit in int64")
+    return n
+
+
+def to_bytes(x: Any, *, zero_copy: bool = False, where: str = "") -> Encoded:
+    """Flatten one tensor (torch or numpy) to little-endian bytes.
+
+    Parameters
+    ----------
+    x:
+        A ``torch.Tensor`` (any device) or ``numpy.ndarray``.
+    zero_copy:
+        Refuse any tensor that would have to be copied (non-contiguous, big-endian, not on
+        the CPU) instead of copying it.
+    where:
+        Prefix for error messages (field and row).
+
+    Returns
+    -------
+    Encoded
+        The bytes as a uint8 view, the exact shape and the dtype tag.
+
+    Raises
+    ------
+    DTypeError
+        If the dtype has no flightq tag.
+    EncodeError
+        If ``x`` is not a tensor, or zero-copy was asked and a copy is needed.
+    """
+    if isinstance(x, np.ndarray):
+        return _numpy_to_bytes(x, zero_copy, where)
+    if is_torch(x):
+        return _torch_to_bytes(x, zero_copy, where)
+    raise EncodeError(
+        f"{where}expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}; "
+        "wrap Python values with torch.tensor(...) or numpy.asarray(...)"
+    )
+
+
+def _numpy_to_bytes(a: np.ndarray, zero_copy: bool, where: str) -> Encoded:
+    tag = from_numpy(a.dtype)
+    if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and sys.byteorder == "big"):
+        if zero_copy:
+            raise EncodeError(f"{where}big-endian array needs a byte swap; pass zero_copy=False")
+        a = a.astype(a.dtype.newbyteorder("<"))
+    if not a.flags.c_contiguous:
+        if zero_copy:
+            raise EncodeError(
+                f"{where}non-contiguous array of shape {a.shape} needs a copy; "
+                "call numpy.ascontiguousarray(...) or pass zero_copy=False"
+            )
+        a = np.ascontiguousarray(a)
+    return Encoded(a.reshape(-1).view(np.uint8), tuple(int(d) for d in a.shape), tag)
+
+
+def _torch_to_bytes(t: Any, zero_copy: bool, where: str) -> Encoded:
+    import torch
+
+    tag = from_torch(t.dtype)
+    if t.device.type != "cpu":
+        if zero_copy:
+            raise EncodeError(f"{where}tensor on {t.device} needs a copy to the CPU")
+        t = t.cpu()
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        if zero_copy:
+            raise EncodeError(
+                f"{where}non-contiguous tensor of shape {tuple(t.shape)} needs a copy; "
+                "call .contiguous() or pass zero_copy=False"
+            )
+        t = t.contiguous()
+    shape = tuple(int(d) for d in t.shape)
+    flat = t.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return Encoded(flat.numpy(), shape, tag)
+
+
+def column_base(buf: Any, start: int, stop: int, dt: DType, as_: str) -> Any:
+    """View ``buf[start:stop]`` as a flat array of ``dt`` elements, without copying.
+
+    The bytes are copied only when their address is not aligned to the element size (an
+    Arrow buffer normally is; a misaligned one would fault or slow every kernel).
+
+    Parameters
+    ----------
+    buf:
+        Any object with the buffer protocol (a ``pyarrow.Buffer``, ``bytes``).
+    as_:
+        ``"numpy"`` or ``"torch"``.
+    """
+    nbytes = stop - start
+    if nbytes == 0:
+        arr = np.empty(0, dtype=dt.storage)
+    else:
+        arr = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=start)
+        if arr.ctypes.data % dt.itemsize:
+            arr = arr.copy()
+        arr = arr.view(dt.storage)
+        if dt.native_numpy:
+            arr = arr.view(dt.storage.newbyteorder("="))
+    if as_ == "numpy":
+        return arr
+    import torch
+
+    with warnings.catch_warnings():
+        # Received buffers are read-only; the tensors are documented as read-only views.
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        t = torch.from_numpy(arr)
+    if not dt.native_numpy:
+        t = t.view(dt.torch())
+    return t
+
+
+def row_view(base: Any, elem_offset: int, shape: tuple[int, ...], copy: bool) -> Any:
+    """One row's tensor: a slice of a column base, reshaped (numpy or torch alike)."""
+    n = 1
+    for d in shape:
+        n *= d
+    v = base[elem_offset : elem_offset + n].reshape(shape)
+    return v.copy() if copy and isinstance(v, np.ndarray) else (v.clone() if copy else v)
