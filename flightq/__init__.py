@@ -36,8 +36,24 @@ from .schema import Field, Schema
 
 __version__ = "0.1.0.dev0"
 
+_LAZY = {"Server": "server", "Client": "client", "connect": "client", "AsyncClient": "aio"}
+
+
+def __getattr__(name: str) -> object:
+    # The Flight edges import pyarrow.flight; load them on first use.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'flightq' has no attribute {name!r}")
+
+
 __all__ = [
+    "AsyncClient",
     "Batch",
+    "Client",
+    "Server",
+    "connect",
     "ClaimTimeoutError",
     "ConflictError",
     "DTypeError",

@@ -38,6 +38,7 @@ __all__ = [
     "TensorColumn",
     "MediaColumn",
     "ScalarColumn",
+    "ChunkedColumn",
     "split_batch",
     "row_nbytes",
 ]
@@ -323,13 +324,16 @@ def _encode_tags(tags: Sequence[Mapping[str, Any] | None] | None, keys: list[str
 # --------------------------------------------------------------------------- decode
 
 
-def decode(batch: pa.RecordBatch, *, as_: str = "torch", copy: bool = False) -> Batch:
+def decode(
+    batch: pa.RecordBatch | Sequence[pa.RecordBatch], *, as_: str = "torch", copy: bool = False
+) -> Batch:
     """Rebuild a record batch's rows from the schema it carries.
 
     Parameters
     ----------
     batch:
-        A flightq record batch.
+        A flightq record batch, or the record batches of one stream (same schema and
+        fields), whose rows are concatenated in order.
     as_:
         ``"torch"`` (default) or ``"numpy"``; numpy returns bfloat16 and float8 as their bit
         patterns (uint16/uint8).
@@ -354,8 +358,25 @@ def decode(batch: pa.RecordBatch, *, as_: str = "torch", copy: bool = False) -> 
             raise DecodeError(
                 "decoding to torch needs torch (pip install 'flightq[torch]'), or pass as_='numpy'"
             ) from e
-    checked = validate(batch)
-    return Batch(batch, checked.schema, checked.keys, checked.fields, as_, copy)
+    batches = [batch] if isinstance(batch, pa.RecordBatch) else list(batch)
+    if not batches:
+        raise DecodeError("nothing to decode: no record batches")
+    parts: list[Batch] = []
+    for b in batches:
+        c = validate(b)
+        if parts and (c.schema != parts[0].schema or c.fields != parts[0].fields):
+            raise DecodeError(
+                f"record batches of one stream differ: {parts[0].schema.ref} "
+                f"{parts[0].fields} then {c.schema.ref} {c.fields}"
+            )
+        parts.append(Batch(b, c.schema, c.keys, c.fields, as_, copy))
+    if len(parts) == 1:
+        return parts[0]
+    whole = Batch(
+        batches[0], parts[0].schema, [k for p in parts for k in p.keys], parts[0].fields, as_, copy
+    )
+    whole._parts = parts
+    return whole
 
 
 class Batch:
@@ -385,6 +406,7 @@ class Batch:
         self._copy = copy
         self._columns: dict[str, Column] = {}
         self._tags: list[dict[str, Any]] | None = None
+        self._parts: list[Batch] | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -401,6 +423,8 @@ class Batch:
     @property
     def tags(self) -> list[dict[str, Any]]:
         """Per-row tag dicts (empty where a row has none)."""
+        if self._tags is None and self._parts is not None:
+            self._tags = [t for p in self._parts for t in p.tags]
         if self._tags is None:
             out: list[dict[str, Any]] = []
             for i, b in enumerate(self.record_batch.column(TAGS).to_pylist()):
@@ -439,9 +463,12 @@ class Batch:
                     f"field {name!r} is not in this batch of {self.schema.ref}; present: "
                     f"{', '.join(self.fields)}"
                 )
-            f = self.schema[name]
-            cls = {"scalar": ScalarColumn, "media": MediaColumn}.get(f.role, TensorColumn)
-            col = cls(f, self.record_batch, self._as, self._copy)
+            if self._parts is not None:
+                col = ChunkedColumn([p.column(name) for p in self._parts])
+            else:
+                f = self.schema[name]
+                cls = {"scalar": ScalarColumn, "media": MediaColumn}.get(f.role, TensorColumn)
+                col = cls(f, self.record_batch, self._as, self._copy)
             self._columns[name] = col
         return col
 
@@ -640,6 +667,67 @@ class ScalarColumn(Column):
         return self.payload.to_pylist()
 
 
+class ChunkedColumn(Column):
+    """A column over several record batches of one stream; rows in order.
+
+    Row access stays zero-copy; :meth:`tensor` (scalars) and :meth:`cat` (media) copy
+    once to join the chunks.
+    """
+
+    def __init__(self, parts: list[Column]) -> None:
+        self.parts = parts
+        self.field = parts[0].field
+        self.as_ = parts[0].as_
+        self.copy = parts[0].copy
+        self.valid = np.concatenate([p.valid for p in parts])
+        self._starts = np.cumsum([0] + [len(p) for p in parts])
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getitem__(self, i: int) -> Any:
+        if i < 0:
+            i += len(self)
+        k = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return self.parts[k][i - int(self._starts[k])]  # type: ignore[index]
+
+    def _join(self, items: list[Any]) -> Any:
+        if self.as_ == "numpy":
+            return np.concatenate(items)
+        import torch
+
+        return torch.cat(items)
+
+    def rows(self) -> Any:
+        if self.field.role == "scalar" and self.valid.all():
+            return self.tensor()
+        out: list[Any] = []
+        for p in self.parts:
+            r = p.rows()
+            out.extend(r if isinstance(r, list) else list(r))
+        return out
+
+    def tensor(self) -> Any:
+        """Scalars of every chunk as one 1-D tensor (see :meth:`ScalarColumn.tensor`)."""
+        return self._join([p.tensor() for p in self.parts])  # type: ignore[attr-defined]
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Segments per row (media)."""
+        return np.concatenate([p.counts for p in self.parts])  # type: ignore[attr-defined]
+
+    def cat(self) -> tuple[Any, np.ndarray]:
+        """Media segments of every chunk along dim 0, and row offsets (one copy)."""
+        vals, offs = [], [np.zeros(1, dtype=np.int64)]
+        base = 0
+        for p in self.parts:
+            v, o = p.cat()  # type: ignore[attr-defined]
+            vals.append(v)
+            offs.append(o[1:] + base)
+            base += int(o[-1])
+        return self._join(vals), np.concatenate(offs)
+
+
 def row_nbytes(batch: pa.RecordBatch) -> np.ndarray:
     """Per row, the bytes of its binary payloads (what dominates a batch's size)."""
     n = batch.num_rows
@@ -652,7 +740,7 @@ def row_nbytes(batch: pa.RecordBatch) -> np.ndarray:
             outer = col.offsets.to_numpy().astype(np.int64)
             inner = binary_offsets(col.values)
             out += inner[outer[1:]] - inner[outer[:-1]]
-        elif t.bit_width if hasattr(t, "bit_width") else False:
+        elif pa.types.is_primitive(t):
             out += max(t.bit_width // 8, 1)
     return out
 

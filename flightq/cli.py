@@ -1,0 +1,163 @@
+"""The ``flightq`` command line.
+
+``flightq schema list | show NAME@V | diff A B | check DIR``, ``flightq serve``,
+``flightq stats LOCATION``, ``flightq inspect LOCATION PARTITION``, ``flightq demo`` and
+``flightq bench``. Heavy modules are imported inside each command, so ``flightq --help``
+stays fast and works without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from .errors import FlightqError
+from .registry import SchemaRegistry
+from .schema import Schema, diff_schemas
+
+__all__ = ["main"]
+
+
+def _registry(args: argparse.Namespace) -> SchemaRegistry:
+    if getattr(args, "schemas", None):
+        return SchemaRegistry.from_dir(args.schemas)
+    return SchemaRegistry.default()
+
+
+def _resolve(reg: SchemaRegistry, ref: str) -> Schema:
+    if ref.endswith(".json"):
+        with open(ref, "rb") as fh:
+            return Schema.from_json(fh.read())
+    return reg.get(ref)
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    reg = _registry(args)
+    if args.action == "list":
+        for s in reg:
+            req = ", ".join(s.required)
+            print(f"{s.ref:28} {s.fingerprint}  {len(s)} fields (required: {req})")
+        return 0
+    if args.action == "show":
+        s = _resolve(reg, args.ref)
+        if args.json:
+            print(s.to_json(), end="")
+            return 0
+        print(f"{s.ref}  fingerprint {s.fingerprint}")
+        if s.doc:
+            print(f"  {s.doc}")
+        for f in s.fields:
+            shape = "any rank" if f.shape is None else json.dumps(list(f.shape))
+            extra = " required" if f.required else ""
+            codec = "" if f.codec.id == "raw" else f" codec={f.codec.to_dict()}"
+            print(f"  {f.name:28} {f.dtype:14} {f.role:7} {shape}{extra}{codec}")
+        return 0
+    if args.action == "diff":
+        a, b = _resolve(reg, args.a), _resolve(reg, args.b)
+        lines = diff_schemas(a, b)
+        if not lines:
+            print(f"{a.ref} and {b.ref} are identical (fingerprint {a.fingerprint})")
+            return 0
+        for line in lines:
+            print(line)
+        return 1
+    if args.action == "check":
+        reg = SchemaRegistry.from_dir(args.dir)
+        for s in reg:
+            print(f"ok  {s.ref:28} {s.fingerprint}")
+        print(f"{len(reg)} schema versions follow the evolution rules")
+        return 0
+    raise AssertionError(args.action)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .server import serve_forever
+
+    return serve_forever(args)
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from .tools import stats
+
+    return stats(args.location, as_json=args.json)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .tools import inspect
+
+    return inspect(args.location, args.partition, as_json=args.json)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(steps=args.steps)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flightq", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sp = sub.add_parser("schema", help="list, show, diff and check schemas")
+    sp.add_argument("--schemas", help="a schema folder instead of the shipped one")
+    ssub = sp.add_subparsers(dest="action", required=True)
+    ssub.add_parser("list", help="every schema version with its fingerprint")
+    show = ssub.add_parser("show", help="one schema's fields")
+    show.add_argument("ref", help="NAME@V, NAME (latest) or a .json file")
+    show.add_argument("--json", action="store_true", help="print the JSON document")
+    diff = ssub.add_parser("diff", help="field-by-field differences (exit 1 if any)")
+    diff.add_argument("a")
+    diff.add_argument("b")
+    check = ssub.add_parser("check", help="load a folder and check the evolution rules")
+    check.add_argument("dir")
+    sp.set_defaults(func=_cmd_schema)
+
+    sv = sub.add_parser("serve", help="run a flightq server in the foreground")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    sv.add_argument("--port", type=int, default=8815)
+    sv.add_argument("--schemas", help="schema folder (default: the shipped schemas)")
+    sv.add_argument("--memory-budget", type=int, default=None, help="bytes the store may hold")
+    sv.set_defaults(func=_cmd_serve)
+
+    st = sub.add_parser("stats", help="what a running server holds")
+    st.add_argument("location", help="e.g. grpc://127.0.0.1:8815")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=_cmd_stats)
+
+    ins = sub.add_parser("inspect", help="one partition of a running server")
+    ins.add_argument("location")
+    ins.add_argument("partition")
+    ins.add_argument("--json", action="store_true")
+    ins.set_defaults(func=_cmd_inspect)
+
+    dm = sub.add_parser("demo", help="a generator, a logprob worker and a trainer over loopback")
+    dm.add_argument("--steps", type=int, default=3)
+    dm.set_defaults(func=_cmd_demo)
+
+    bn = sub.add_parser("bench", help="the side-by-side benchmark (see flightq bench --help)")
+    bn.add_argument("rest", nargs=argparse.REMAINDER)
+    bn.set_defaults(func=None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from .bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except FlightqError as e:
+        print(f"flightq: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

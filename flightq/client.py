@@ -1,0 +1,387 @@
+"""The client that generator, logprob and trainer processes embed.
+
+:func:`connect` checks, before anything is written, that the server holds exactly the
+schema versions this process was built for. Puts travel as one DoPut carrying data and
+metadata (one round trip), reads as one DoGet, claims as one blocking DoGet: no polling.
+No ``pyarrow.flight`` exception leaves this module: each becomes the flightq error it
+stands for, with the server's message.
+
+Examples
+--------
+>>> import flightq, numpy as np
+>>> with flightq.Server() as srv, flightq.connect(srv.location, ["rollout_text@1"]) as c:
+...     c.create_partition("rollouts", "rollout_text@1", tasks=["train"])
+...     c.put("rollouts", ["g0_0"], {"input_ids": [np.arange(4)]})
+...     c.claim("rollouts", "train", 1, as_="numpy")["input_ids"][0].tolist()
+1
+[0, 1, 2, 3]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as fl
+
+from .batch import Batch, decode, encode, split_batch
+from .errors import FlightqError, SchemaMismatchError, UnknownSchemaError
+from .protocol import from_flight_error, pack, unpack
+from .registry import SchemaRegistry
+from .schema import Schema
+
+__all__ = ["Client", "connect", "DEFAULT_TIMEOUT"]
+
+#: Seconds a call may take unless told otherwise.
+DEFAULT_TIMEOUT = 60.0
+#: Payload bytes per record batch sent by a put.
+DEFAULT_MAX_BATCH_BYTES = 16 * 2**20
+
+
+def _resolve(schemas: Iterable[str | Schema], registry: SchemaRegistry | None) -> list[Schema]:
+    out: list[Schema] = []
+    reg = registry
+    for s in schemas:
+        if isinstance(s, Schema):
+            out.append(s)
+            continue
+        if reg is None:
+            reg = SchemaRegistry.default()
+        out.append(reg.get(s))
+    return out
+
+
+def connect(
+    location: str,
+    schemas: Iterable[str | Schema] = (),
+    *,
+    registry: SchemaRegistry | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+    **flight_kwargs: Any,
+) -> Client:
+    """Connect to a server and check the schema versions this process was built for.
+
+    Parameters
+    ----------
+    location:
+        ``grpc://host:port``.
+    schemas:
+        Schemas this process reads or writes: ``"name@V"`` (resolved in ``registry``, or the
+        shipped registry) or :class:`Schema` objects.
+    registry:
+        Where names are resolved.
+    timeout:
+        Default seconds for every call.
+    max_batch_bytes:
+        Payload bytes per record batch a put sends.
+
+    Returns
+    -------
+    Client
+
+    Raises
+    ------
+    SchemaMismatchError
+        If the server's version of a schema differs: the message lists each differing
+        field with the expected and the actual declaration.
+    UnknownSchemaError
+        If the server does not know a schema.
+    UnavailableError, FlightqTimeoutError
+        If the server cannot be reached within ``timeout``.
+    """
+    client = Client(location, timeout=timeout, max_batch_bytes=max_batch_bytes, **flight_kwargs)
+    try:
+        client.health()
+        wanted = _resolve(schemas, registry)
+        if wanted:
+            client.check_schemas(wanted)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+class Client:
+    """A connection to one flightq server. Thread-safe; use one per process.
+
+    Prefer :func:`connect`, which also checks schemas.
+    """
+
+    def __init__(
+        self,
+        location: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        **flight_kwargs: Any,
+    ) -> None:
+        self.location = location
+        self.timeout = timeout
+        self.max_batch_bytes = max_batch_bytes
+        self._schemas: dict[str, Schema] = {}
+        self._lock = threading.Lock()
+        try:
+            self._flight = fl.FlightClient(location, **flight_kwargs)
+        except (pa.ArrowException, fl.FlightError) as e:
+            raise from_flight_error(e, f"connect to {location}") from e
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _options(self, timeout: float | None) -> fl.FlightCallOptions:
+        return fl.FlightCallOptions(timeout=self.timeout if timeout is None else timeout)
+
+    def _action(self, kind: str, body: Mapping[str, Any], timeout: float | None = None) -> Any:
+        try:
+            results = list(
+                self._flight.do_action(fl.Action(kind, pack(body)), options=self._options(timeout))
+            )
+        except (pa.ArrowException, fl.FlightError) as e:
+            raise from_flight_error(e, f"{kind} on {self.location}") from e
+        return unpack(results[0].body, f"{kind} result") if results else {}
+
+    def _partition_schema(self, partition: str) -> Schema:
+        with self._lock:
+            s = self._schemas.get(partition)
+        if s is None:
+            d = self._action("describe", {"partition": partition})
+            s = Schema.from_json(d["schema"])
+            with self._lock:
+                self._schemas[partition] = s
+        return s
+
+    # ------------------------------------------------------------------ control
+
+    def health(self, timeout: float | None = None) -> dict[str, Any]:
+        """Liveness: ``{"ok": True, "protocol": N, "partitions": N}``."""
+        return self._action("health", {}, timeout)
+
+    def check_schemas(self, schemas: Iterable[Schema]) -> None:
+        """Check that the server holds these exact schema versions.
+
+        Raises
+        ------
+        SchemaMismatchError, UnknownSchemaError
+            With a readable diff (field, expected, actual).
+        """
+        schemas = list(schemas)
+        try:
+            self._action("check_schemas", {"schemas": [s.canonical_json for s in schemas]})
+        except (SchemaMismatchError, UnknownSchemaError) as e:
+            raise type(e)(f"startup schema check against {self.location} failed: {e}") from None
+
+    def register_schema(self, schema: Schema) -> None:
+        """Add a schema to the server's registry (evolution rules apply there too)."""
+        self._action("register_schema", {"schema": schema.canonical_json})
+
+    def create_partition(
+        self,
+        name: str,
+        schema: str | Schema,
+        tasks: Sequence[str] = (),
+        group_size: int | None = None,
+        *,
+        registry: SchemaRegistry | None = None,
+    ) -> bool:
+        """Declare a partition before any producer writes; idempotent for the same arguments.
+
+        Returns whether it was created by this call.
+
+        Raises
+        ------
+        ConflictError
+            If it exists with another schema, tasks or group size.
+        """
+        s = _resolve([schema], registry)[0]
+        d = self._action(
+            "declare",
+            {
+                "partition": name,
+                "schema": s.canonical_json,
+                "tasks": list(tasks),
+                "group_size": group_size,
+            },
+        )
+        with self._lock:
+            self._schemas[name] = s
+        return bool(d["created"])
+
+    def describe(self, partition: str) -> dict[str, Any]:
+        """A partition's declaration (schema JSON, fingerprint, tasks, group size)."""
+        return self._action("describe", {"partition": partition})
+
+    def clear(self, partition: str, keys: Sequence[str] | None = None) -> int:
+        """Remove rows (all when ``keys`` is None); returns how many."""
+        d = self._action(
+            "clear", {"partition": partition, "keys": None if keys is None else list(keys)}
+        )
+        return int(d["cleared"])
+
+    def reset(self, partition: str, task: str, keys: Sequence[str] | None = None) -> int:
+        """Make rows claimable again for ``task`` (all when ``keys`` is None)."""
+        d = self._action(
+            "reset",
+            {"partition": partition, "task": task, "keys": None if keys is None else list(keys)},
+        )
+        return int(d["reset"])
+
+    def drop(self, partition: str) -> None:
+        """Remove a partition and its rows."""
+        self._action("drop", {"partition": partition})
+        with self._lock:
+            self._schemas.pop(partition, None)
+
+    def stats(self) -> dict[str, Any]:
+        """Rows, bytes and per-task progress of every partition."""
+        return self._action("stats", {})
+
+    def inspect(self, partition: str) -> dict[str, Any]:
+        """One partition: fields present, delivered and ready rows per task."""
+        return self._action("inspect", {"partition": partition})
+
+    # ------------------------------------------------------------------ data
+
+    def put(
+        self,
+        partition: str,
+        keys: Sequence[str],
+        columns: Mapping[str, Any],
+        tags: Sequence[Mapping[str, Any] | None] | None = None,
+        *,
+        overwrite: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """Write rows, all or nothing, in one DoPut. Returns the rows written.
+
+        New rows must carry every required field; onto existing rows any subset of fields
+        may be written. Writing a column a row already has needs ``overwrite=True``.
+        Tags are merged into the rows' tags.
+
+        Raises
+        ------
+        UndeclaredFieldError, DTypeError, ShapeError, MissingFieldError, ConflictError
+            From the local encode or from the server; nothing is stored.
+        """
+        schema = self._partition_schema(partition)
+        rb = encode(schema, columns, keys, tags)
+        return self.put_batch(partition, rb, overwrite=overwrite, timeout=timeout)
+
+    def put_batch(
+        self,
+        partition: str,
+        batch: pa.RecordBatch,
+        *,
+        overwrite: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """Write an already encoded record batch (see :func:`flightq.encode`)."""
+        desc = fl.FlightDescriptor.for_command(
+            pack({"op": "put", "partition": partition, "overwrite": overwrite})
+        )
+        try:
+            writer, reader = self._flight.do_put(desc, batch.schema, options=self._options(timeout))
+            with writer:
+                for chunk in split_batch(batch, self.max_batch_bytes):
+                    writer.write_batch(chunk)
+                writer.done_writing()
+                ack = reader.read()
+        except (pa.ArrowException, fl.FlightError) as e:
+            raise from_flight_error(e, f"put to {partition!r}") from e
+        if ack is None:
+            raise FlightqError(f"put to {partition!r}: the server sent no acknowledgement")
+        return int(unpack(ack, "put acknowledgement")["rows"])
+
+    def _read(
+        self, ticket: Mapping[str, Any], what: str, timeout: float | None
+    ) -> list[pa.RecordBatch]:
+        try:
+            reader = self._flight.do_get(fl.Ticket(pack(ticket)), options=self._options(timeout))
+            return [chunk.data for chunk in reader]
+        except (pa.ArrowException, fl.FlightError) as e:
+            raise from_flight_error(e, what) from e
+
+    def get(
+        self,
+        partition: str,
+        keys: Sequence[str],
+        fields: Sequence[str] | None = None,
+        *,
+        as_: str = "torch",
+        copy: bool = False,
+        timeout: float | None = None,
+    ) -> Batch:
+        """Rows by key, in the order asked, with any subset of fields.
+
+        ``fields=None`` returns every column the rows have (``None`` where a row lacks one).
+
+        Raises
+        ------
+        NotFoundError
+            Naming unknown keys.
+        MissingFieldError
+            Naming a requested field and the rows that lack it.
+        """
+        t: dict[str, Any] = {"op": "get", "partition": partition, "keys": list(keys)}
+        t["fields"] = None if fields is None else list(fields)
+        return decode(self._read(t, f"get from {partition!r}", timeout), as_=as_, copy=copy)
+
+    def claim(
+        self,
+        partition: str,
+        task: str,
+        batch_size: int,
+        fields: Sequence[str] | None = None,
+        *,
+        timeout: float | None = None,
+        as_: str = "torch",
+        copy: bool = False,
+    ) -> Batch:
+        """Block until ``batch_size`` rows are ready for ``task``, take them, return them.
+
+        A row is ready when not yet delivered to the task and it has every named field
+        (the required ones when ``fields`` is None); whole groups when the partition has a
+        group size. Rows count as delivered once claimed; :meth:`reset` releases them.
+
+        Raises
+        ------
+        ClaimTimeoutError
+            (also a ``TimeoutError``) if not enough rows are ready within ``timeout``.
+        """
+        wait = self.timeout if timeout is None else timeout
+        t = {
+            "op": "claim",
+            "partition": partition,
+            "task": task,
+            "batch_size": batch_size,
+            "fields": None if fields is None else list(fields),
+            "timeout": wait,
+        }
+        # The server answers within `wait`; the transport gets a margin on top.
+        batches = self._read(t, f"claim from {partition!r}", wait + max(5.0, 0.1 * wait))
+        return decode(batches, as_=as_, copy=copy)
+
+    def partitions(self) -> list[str]:
+        """Names of the partitions the server holds (ListFlights)."""
+        try:
+            return [
+                info.descriptor.path[0].decode()
+                for info in self._flight.list_flights(options=self._options(None))
+            ]
+        except (pa.ArrowException, fl.FlightError) as e:
+            raise from_flight_error(e, "list partitions") from e
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Close the connection."""
+        with contextlib.suppress(pa.ArrowException, fl.FlightError):
+            self._flight.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,329 @@
+"""The Flight edge of the server: DoPut, DoGet, DoAction, ListFlights, GetFlightInfo.
+
+The server validates every record batch against its partition's schema from Arrow offsets
+and shape columns (:func:`flightq.layout.validate`), never rebuilding a tensor, and stores
+the received batches as they are. Errors reach the client as the same typed flightq error
+with the same message. See ``docs/protocol.md``.
+
+Examples
+--------
+>>> import flightq
+>>> with flightq.Server() as srv:          # grpc://127.0.0.1:<free port>, in the background
+...     srv.location.startswith("grpc://127.0.0.1:")
+True
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as fl
+
+from .errors import FlightqError, ProtocolError, SchemaError, SchemaMismatchError
+from .layout import validate
+from .protocol import PROTOCOL_VERSION, pack, require, to_flight_error, unpack
+from .registry import SchemaRegistry
+from .schema import Schema, diff_schemas
+from .store import Store, assemble, make_piece
+
+__all__ = ["Server", "serve_forever", "DEFAULT_MAX_BATCH_BYTES"]
+
+#: Payload bytes per record batch served (batches are cut there; well below gRPC's 2 GiB).
+DEFAULT_MAX_BATCH_BYTES = 16 * 2**20
+
+
+class Server(fl.FlightServerBase):
+    """A flightq server: partitions of rollout rows in memory, served over Arrow Flight.
+
+    Parameters
+    ----------
+    location:
+        Where to listen; the default binds loopback on a free port. Binding another
+        address is an explicit choice.
+    registry:
+        Schemas the server knows; the shipped ones by default.
+    max_batch_bytes:
+        Payload bytes per record batch it sends.
+    """
+
+    def __init__(
+        self,
+        location: str = "grpc://127.0.0.1:0",
+        registry: SchemaRegistry | None = None,
+        *,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(location, **kwargs)
+        self.registry = registry if registry is not None else SchemaRegistry.default()
+        self.store = Store()
+        self.max_batch_bytes = max_batch_bytes
+        host = location.split("://", 1)[-1].rsplit(":", 1)[0]
+        scheme = location.split("://", 1)[0]
+        self._location = f"{scheme}://{host}:{self.port}"
+        self._thread: threading.Thread | None = None
+
+    @property
+    def location(self) -> str:
+        """The bound address, e.g. ``grpc://127.0.0.1:40123``."""
+        return self._location
+
+    def start(self) -> Server:
+        """Serve in a background thread (the server already listens once constructed)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self.serve, name="flightq-server", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Shut down, finishing in-flight requests, and wait for the serving thread."""
+        self.shutdown()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _schema(self, text: Any) -> Schema:
+        if not isinstance(text, str):
+            raise ProtocolError("schema must be given as its JSON text")
+        theirs = Schema.from_json(text)
+        mine = self.registry.get(theirs.ref)
+        if mine.fingerprint != theirs.fingerprint:
+            raise SchemaMismatchError(
+                f"schema {theirs.ref} differs from the server's ({mine.fingerprint} here, "
+                f"{theirs.fingerprint} given): " + "; ".join(diff_schemas(mine, theirs))
+            )
+        return mine
+
+    def _guard(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except FlightqError as e:
+            raise to_flight_error(e) from None
+
+    # ------------------------------------------------------------------ DoPut
+
+    def do_put(
+        self,
+        context: fl.ServerCallContext,
+        descriptor: fl.FlightDescriptor,
+        reader: fl.MetadataRecordBatchReader,
+        writer: fl.FlightMetadataWriter,
+    ) -> None:
+        self._guard(self._do_put, descriptor, reader, writer)
+
+    def _do_put(
+        self,
+        descriptor: fl.FlightDescriptor,
+        reader: fl.MetadataRecordBatchReader,
+        writer: fl.FlightMetadataWriter,
+    ) -> None:
+        cmd = _command(descriptor, "put descriptor")
+        name = require(cmd, "partition", str, "put")
+        overwrite = bool(cmd.get("overwrite", False))
+        part = self.store.partition(name)
+        pieces = []
+        try:
+            for chunk in reader:
+                pieces.append(make_piece(chunk.data, validate(chunk.data, part.schema)))
+        except pa.ArrowException as e:
+            raise ProtocolError(
+                f"put to {name!r}: the stream broke off or is malformed: {e}"
+            ) from e
+        n = self.store.put(name, pieces, overwrite)
+        writer.write(pa.py_buffer(pack({"rows": n})))
+
+    # ------------------------------------------------------------------ DoGet
+
+    def do_get(self, context: fl.ServerCallContext, ticket: fl.Ticket) -> fl.FlightDataStream:
+        return self._guard(self._do_get, ticket)
+
+    def _do_get(self, ticket: fl.Ticket) -> fl.FlightDataStream:
+        t = unpack(ticket.ticket, "ticket")
+        op = require(t, "op", str, "ticket")
+        name = require(t, "partition", str, "ticket")
+        fields = t.get("fields")
+        if fields is not None and (
+            not isinstance(fields, list) or not all(isinstance(f, str) for f in fields)
+        ):
+            raise ProtocolError("ticket: 'fields' must be a list of names or null")
+        if op == "get":
+            keys = require(t, "keys", list, "get ticket")
+            if not all(isinstance(k, str) for k in keys):
+                raise ProtocolError("get ticket: keys must be strings")
+            part, rows, names = self.store.rows_for_get(name, keys, fields)
+            schema, batches = assemble(part, rows, names, self.max_batch_bytes)
+            return fl.GeneratorStream(schema, batches)
+        if op == "scan":
+            part, rows, names = self.store.scan(name)
+            schema, batches = assemble(part, rows, names, self.max_batch_bytes)
+            return fl.GeneratorStream(schema, batches)
+        if op == "claim":
+            task = require(t, "task", str, "claim ticket")
+            size = require(t, "batch_size", int, "claim ticket")
+            timeout = float(require(t, "timeout", (int, float), "claim ticket"))
+            part, rows, names = self.store.claim(name, task, size, fields, timeout)
+            schema, batches = assemble(part, rows, names, self.max_batch_bytes)
+            keys = [r.key for r in rows]
+            return fl.GeneratorStream(schema, self._claimed(name, task, keys, batches))
+        raise ProtocolError(f"ticket: unknown op {op!r}; expected get, claim or scan")
+
+    def _claimed(
+        self, name: str, task: str, keys: list[str], batches: Iterator[pa.RecordBatch]
+    ) -> Iterator[pa.RecordBatch]:
+        """Yield a claim's batches; if the stream dies before the end, the rows go back."""
+        done = False
+        try:
+            yield from batches
+            done = True
+        finally:
+            if not done:
+                self.store.unclaim(name, task, keys)
+
+    # ------------------------------------------------------------------ DoAction
+
+    def list_actions(self, context: fl.ServerCallContext) -> list[tuple[str, str]]:
+        from .protocol import ACTIONS
+
+        return list(ACTIONS.items())
+
+    def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> Iterator[bytes]:
+        result = self._guard(self._do_action, action)
+        return iter([pack(result)])
+
+    def _do_action(self, action: fl.Action) -> dict[str, Any]:
+        kind = action.type
+        body = unpack(action.body, f"action {kind!r}") if action.body.size else {}
+        if kind == "health":
+            return {
+                "ok": True,
+                "protocol": PROTOCOL_VERSION,
+                "partitions": len(self.store.partitions()),
+            }
+        if kind == "check_schemas":
+            schemas = require(body, "schemas", list, "check_schemas")
+            out = []
+            for text in schemas:
+                s = self._schema(text)
+                out.append({"ref": s.ref, "fingerprint": s.fingerprint})
+            return {"schemas": out}
+        if kind == "register_schema":
+            s = Schema.from_json(require(body, "schema", str, "register_schema"))
+            try:
+                self.registry.register(s)
+            except SchemaError as e:
+                raise SchemaMismatchError(str(e)) from e
+            return {"ref": s.ref, "fingerprint": s.fingerprint}
+        if kind == "declare":
+            name = require(body, "partition", str, "declare")
+            schema = self._schema(require(body, "schema", str, "declare"))
+            tasks = body.get("tasks") or []
+            if not isinstance(tasks, list) or not all(isinstance(t, str) for t in tasks):
+                raise ProtocolError("declare: tasks must be a list of names")
+            g = body.get("group_size")
+            if g is not None and (not isinstance(g, int) or isinstance(g, bool)):
+                raise ProtocolError("declare: group_size must be an integer or null")
+            created = self.store.declare(name, schema, tasks, g)
+            return {"created": created, **self.store.partition(name).declaration()}
+        if kind == "describe":
+            name = require(body, "partition", str, "describe")
+            return self.store.partition(name).declaration()
+        if kind == "clear":
+            name = require(body, "partition", str, "clear")
+            return {"cleared": self.store.clear(name, _keys(body))}
+        if kind == "reset":
+            name = require(body, "partition", str, "reset")
+            task = require(body, "task", str, "reset")
+            return {"reset": self.store.reset(name, task, _keys(body))}
+        if kind == "drop":
+            self.store.drop(require(body, "partition", str, "drop"))
+            return {"dropped": True}
+        if kind == "stats":
+            return self.store.stats()
+        if kind == "inspect":
+            return self.store.inspect(require(body, "partition", str, "inspect"))
+        raise ProtocolError(f"unknown action {kind!r}")
+
+    # ------------------------------------------------------------------ descriptions
+
+    def _info(self, name: str) -> fl.FlightInfo:
+        part, rows, names = self.store.scan(name)
+        from .layout import arrow_schema
+
+        schema = arrow_schema(part.schema, names)
+        ticket = fl.Ticket(pack({"op": "scan", "partition": name}))
+        endpoint = fl.FlightEndpoint(ticket, [fl.Location(self.location)])
+        descriptor = fl.FlightDescriptor.for_path(name)
+        return fl.FlightInfo(schema, descriptor, [endpoint], len(rows), part.nbytes)
+
+    def list_flights(
+        self, context: fl.ServerCallContext, criteria: bytes
+    ) -> Iterator[fl.FlightInfo]:
+        for p in self.store.partitions():
+            try:
+                yield self._info(p.name)
+            except FlightqError:
+                continue  # dropped meanwhile
+
+    def get_flight_info(
+        self, context: fl.ServerCallContext, descriptor: fl.FlightDescriptor
+    ) -> fl.FlightInfo:
+        if descriptor.descriptor_type == fl.DescriptorType.PATH and descriptor.path:
+            name = descriptor.path[0].decode()
+        else:
+            name = self._guard(
+                lambda: require(_command(descriptor, "descriptor"), "partition", str, "descriptor")
+            )
+        return self._guard(self._info, name)
+
+
+def _command(descriptor: fl.FlightDescriptor, what: str) -> dict[str, Any]:
+    if descriptor.descriptor_type != fl.DescriptorType.CMD:
+        raise ProtocolError(f"{what}: expected a command descriptor")
+    return unpack(descriptor.command, what)
+
+
+def _keys(body: dict[str, Any]) -> list[str] | None:
+    keys = body.get("keys")
+    if keys is None:
+        return None
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise ProtocolError("keys must be a list of strings or null")
+    return keys
+
+
+def serve_forever(args: argparse.Namespace) -> int:
+    """``flightq serve``: run a server in the foreground until SIGINT or SIGTERM."""
+    registry = SchemaRegistry.from_dir(args.schemas) if args.schemas else None
+    host = args.host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    server = Server(f"grpc://{host}:{args.port}", registry=registry)
+    stop = threading.Event()
+
+    def _handler(signum: int, frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _handler)
+    signal.signal(signal.SIGINT, _handler)
+    server.start()
+    print(
+        json.dumps({"listening": server.location, "schemas": [s.ref for s in server.registry]}),
+        flush=True,
+    )
+    stop.wait()
+    server.stop()
+    return 0

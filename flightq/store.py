@@ -1,0 +1,559 @@
+"""Partitions, rows, columns, per-task claims: the server's in-memory state.
+
+A partition is declared once with a schema, the consumer tasks that will claim from it and
+an optional group size. Each row holds, per field, a reference to the received record batch
+and row index that carries it: nothing is rebuilt or copied on the way in. On the way out,
+rows are served as zero-copy slices of the stored batches wherever consecutive rows come
+from consecutive rows of the same stored batch (the usual case: a claim of what one put
+wrote, plus the columns a write-back added).
+
+Every mutation happens under one lock, after all checks pass, so a put is all or nothing.
+Claims wait on a condition variable that puts, clears and resets notify.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import pyarrow as pa
+
+from .errors import (
+    ClaimTimeoutError,
+    ConflictError,
+    EncodeError,
+    MissingFieldError,
+    NotFoundError,
+    ProtocolError,
+    ShapeError,
+)
+from .layout import KEY, SHAPE_SUFFIX, TAGS, Checked, arrow_schema
+from .schema import Schema
+
+__all__ = ["Store", "Partition", "Row", "Piece"]
+
+
+@dataclass
+class Piece:
+    """One validated record batch of a put, with what validation learned."""
+
+    batch: pa.RecordBatch
+    checked: Checked
+    tags: list[dict[str, Any] | None]
+
+
+@dataclass
+class Row:
+    """A stored row: per field, the piece and index holding it."""
+
+    key: str
+    group: int
+    cells: dict[str, tuple[Piece, int]] = field(default_factory=dict)
+    tags: dict[str, Any] = field(default_factory=dict)
+    seq_len: int = -1
+    nbytes: int = 0
+
+
+@dataclass
+class Partition:
+    """A declared partition and its rows (insertion-ordered)."""
+
+    name: str
+    schema: Schema
+    tasks: tuple[str, ...]
+    group_size: int | None
+    rows: dict[str, Row] = field(default_factory=dict)
+    delivered: dict[str, set[str]] = field(default_factory=dict)
+    next_group: int = 0
+    nbytes: int = 0
+
+    def declaration(self) -> dict[str, Any]:
+        """The declaration as sent by ``declare``."""
+        return {
+            "partition": self.name,
+            "schema": self.schema.canonical_json,
+            "schema_ref": self.schema.ref,
+            "fingerprint": self.schema.fingerprint,
+            "tasks": list(self.tasks),
+            "group_size": self.group_size,
+        }
+
+
+def _decode_tags(piece_batch: pa.RecordBatch, keys: list[str]) -> list[dict[str, Any] | None]:
+    out: list[dict[str, Any] | None] = []
+    for k, b in zip(keys, piece_batch.column(TAGS).to_pylist(), strict=True):
+        if b is None:
+            out.append(None)
+            continue
+        try:
+            t = msgpack.unpackb(b, raw=False)
+        except Exception as e:  # hostile bytes raise assorted errors
+            raise EncodeError(f"tags of row {k!r} are not valid msgpack: {e}") from e
+        if not isinstance(t, dict):
+            raise EncodeError(f"tags of row {k!r} must be a msgpack map, got {type(t).__name__}")
+        out.append(t)
+    return out
+
+
+def make_piece(batch: pa.RecordBatch, checked: Checked) -> Piece:
+    """Wrap a validated batch, parsing its tags (refusing invalid msgpack)."""
+    return Piece(batch, checked, _decode_tags(batch, checked.keys))
+
+
+class Store:
+    """All partitions of one server."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._parts: dict[str, Partition] = {}
+
+    # ------------------------------------------------------------------ declarations
+
+    def declare(
+        self, name: str, schema: Schema, tasks: Sequence[str], group_size: int | None
+    ) -> bool:
+        """Declare a partition; idempotent for identical arguments. Returns whether new.
+
+        Raises
+        ------
+        ConflictError
+            If the partition exists with another schema, tasks or group size.
+        """
+        if not name or "/" in name:
+            raise ProtocolError(f"partition name {name!r} must be non-empty and without '/'")
+        if group_size is not None and group_size < 1:
+            raise ProtocolError(f"group_size must be >= 1, got {group_size}")
+        if len(set(tasks)) != len(tasks):
+            raise ProtocolError(f"tasks of partition {name!r} repeat: {list(tasks)}")
+        with self._lock:
+            p = self._parts.get(name)
+            if p is not None:
+                if (
+                    p.schema.fingerprint != schema.fingerprint
+                    or p.tasks != tuple(tasks)
+                    or p.group_size != group_size
+                ):
+                    raise ConflictError(
+                        f"partition {name!r} is declared with schema {p.schema.ref} "
+                        f"({p.schema.fingerprint}), tasks {list(p.tasks)}, group_size "
+                        f"{p.group_size}; got {schema.ref} ({schema.fingerprint}), tasks "
+                        f"{list(tasks)}, group_size {group_size}"
+                    )
+                return False
+            self._parts[name] = Partition(
+                name, schema, tuple(tasks), group_size, delivered={t: set() for t in tasks}
+            )
+            return True
+
+    def partition(self, name: str) -> Partition:
+        """A partition by name.
+
+        Raises
+        ------
+        NotFoundError
+            If it was never declared.
+        """
+        with self._lock:
+            return self._get(name)
+
+    def _get(self, name: str) -> Partition:
+        p = self._parts.get(name)
+        if p is None:
+            known = ", ".join(sorted(self._parts)) or "(none)"
+            raise NotFoundError(f"unknown partition {name!r}; declared: {known}")
+        return p
+
+    def partitions(self) -> list[Partition]:
+        """Every partition, by name."""
+        with self._lock:
+            return [self._parts[n] for n in sorted(self._parts)]
+
+    def drop(self, name: str) -> None:
+        """Remove a partition and its rows."""
+        with self._changed:
+            self._get(name)
+            del self._parts[name]
+            self._changed.notify_all()
+
+    # ------------------------------------------------------------------ writes
+
+    def put(self, name: str, pieces: list[Piece], overwrite: bool) -> int:
+        """Store the rows of validated pieces, all or nothing. Returns the rows written.
+
+        Raises
+        ------
+        ConflictError, MissingFieldError, ShapeError, EncodeError
+            Naming the row key and field; nothing is stored.
+        """
+        keys = [k for pc in pieces for k in pc.checked.keys]
+        if len(set(keys)) != len(keys):
+            seen: set[str] = set()
+            dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+            raise EncodeError(f"duplicate row key {dup!r} within one put")
+        with self._changed:
+            p = self._get(name)
+            new: list[str] = []
+            for pc in pieces:
+                ck = pc.checked
+                for i, k in enumerate(ck.keys):
+                    row = p.rows.get(k)
+                    if row is None:
+                        missing = [f for f in p.schema.required if f not in ck.fields]
+                        if missing:
+                            raise MissingFieldError(
+                                f"row key {k!r} is new in partition {name!r} and lacks "
+                                f"required field(s) {missing}"
+                            )
+                        _check_required_not_null(pc, i, p.schema, k)
+                        new.append(k)
+                        continue
+                    for f in ck.fields:
+                        if not _valid_at(pc.batch, f, i):
+                            continue
+                        if f in row.cells and not overwrite:
+                            raise ConflictError(
+                                f"row key {k!r} already has column {f!r} in partition "
+                                f"{name!r}; pass overwrite=True to rewrite it"
+                            )
+                    s = int(ck.seq_lens[i])
+                    if s >= 0 and row.seq_len >= 0 and s != row.seq_len:
+                        raise ShapeError(
+                            f"row key {k!r}: token fields of this put have sequence length "
+                            f"{s}, the stored row has {row.seq_len}"
+                        )
+            g = p.group_size
+            if g and len(new) % g:
+                raise ShapeError(
+                    f"partition {name!r} has group size {g}: a put creates whole groups, "
+                    f"got {len(new)} new rows"
+                )
+            # Every check passed: apply.
+            new_set = set(new)
+            n_new = 0
+            for pc in pieces:
+                ck = pc.checked
+                for i, k in enumerate(ck.keys):
+                    if k in new_set:
+                        group = p.next_group + n_new // g if g else p.next_group + n_new
+                        n_new += 1
+                        row = Row(k, group)
+                        p.rows[k] = row
+                    else:
+                        row = p.rows[k]
+                    for f in ck.fields:
+                        if _valid_at(pc.batch, f, i):
+                            row.cells[f] = (pc, i)
+                    if pc.tags[i]:
+                        row.tags.update(pc.tags[i])  # type: ignore[arg-type]
+                    if ck.seq_lens[i] >= 0:
+                        row.seq_len = int(ck.seq_lens[i])
+                    row.nbytes += int(ck.nbytes[i])
+                    p.nbytes += int(ck.nbytes[i])
+            p.next_group += (n_new // g) if g else n_new
+            self._changed.notify_all()
+            return len(keys)
+
+    def clear(self, name: str, keys: Sequence[str] | None) -> int:
+        """Remove rows (all when ``keys`` is None). Returns how many were removed.
+
+        Raises
+        ------
+        NotFoundError
+            If a key is unknown (nothing is removed then).
+        """
+        with self._changed:
+            p = self._get(name)
+            if keys is None:
+                n = len(p.rows)
+                p.rows.clear()
+                p.nbytes = 0
+                for d in p.delivered.values():
+                    d.clear()
+            else:
+                _known(p, keys)
+                n = 0
+                for k in keys:
+                    row = p.rows.pop(k, None)
+                    if row is None:
+                        continue
+                    n += 1
+                    p.nbytes -= row.nbytes
+                    for d in p.delivered.values():
+                        d.discard(k)
+            self._changed.notify_all()
+            return n
+
+    def reset(self, name: str, task: str, keys: Sequence[str] | None) -> int:
+        """Make rows claimable again for ``task``. Returns how many were reset."""
+        with self._changed:
+            p = self._get(name)
+            d = _task(p, task)
+            if keys is None:
+                n = len(d)
+                d.clear()
+            else:
+                _known(p, keys)
+                n = len(d.intersection(keys))
+                d.difference_update(keys)
+            self._changed.notify_all()
+            return n
+
+    # ------------------------------------------------------------------ reads
+
+    def rows_for_get(
+        self, name: str, keys: Sequence[str], fields: Sequence[str] | None
+    ) -> tuple[Partition, list[Row], list[str]]:
+        """Rows by key, in order, and the fields to return.
+
+        Raises
+        ------
+        NotFoundError
+            Naming every unknown key.
+        MissingFieldError
+            Naming a requested field and the rows that lack it.
+        """
+        with self._lock:
+            p = self._get(name)
+            _known(p, keys)
+            rows = [p.rows[k] for k in keys]
+            return p, rows, _fields_for(p, rows, fields)
+
+    def claim(
+        self,
+        name: str,
+        task: str,
+        batch_size: int,
+        fields: Sequence[str] | None,
+        timeout: float,
+    ) -> tuple[Partition, list[Row], list[str]]:
+        """Wait for ``batch_size`` ready rows, mark them delivered to ``task``, return them.
+
+        A row is ready when not yet delivered to the task and it has every field named
+        (the schema's required fields when ``fields`` is None). In a partition with a group
+        size, only whole ready groups are taken, in creation order.
+
+        Raises
+        ------
+        ClaimTimeoutError
+            If not enough rows become ready within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            p = self._get(name)
+            _task(p, task)
+            g = p.group_size
+            if batch_size < 1 or (g and batch_size % g):
+                raise ProtocolError(
+                    f"claim from {name!r}: batch_size {batch_size} must be >= 1"
+                    + (f" and a multiple of the group size {g}" if g else "")
+                )
+            need = tuple(fields) if fields is not None else p.schema.required
+            for f in need:
+                p.schema[f]  # raises on an undeclared field
+            while True:
+                p = self._get(name)  # the partition may have been dropped meanwhile
+                picked = _ready(p, task, need, batch_size)
+                if picked is not None:
+                    p.delivered[task].update(r.key for r in picked)
+                    return p, picked, _fields_for(p, picked, fields)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    ready = len(_ready(p, task, need, None) or [])
+                    raise ClaimTimeoutError(
+                        f"claim of {batch_size} rows for task {task!r} from partition {name!r}"
+                        f" timed out after {timeout:g}s: {ready} rows ready with fields "
+                        f"{list(need)}"
+                    )
+                self._changed.wait(left)
+
+    def unclaim(self, name: str, task: str, keys: Sequence[str]) -> None:
+        """Undo a claim whose rows never reached the consumer."""
+        with self._changed:
+            p = self._parts.get(name)
+            if p is not None and task in p.delivered:
+                p.delivered[task].difference_update(keys)
+                self._changed.notify_all()
+
+    def scan(self, name: str) -> tuple[Partition, list[Row], list[str]]:
+        """Every row not yet cleared, and the union of the fields they carry."""
+        with self._lock:
+            p = self._get(name)
+            rows = list(p.rows.values())
+            return p, rows, _fields_for(p, rows, None)
+
+    # ------------------------------------------------------------------ description
+
+    def stats(self) -> dict[str, Any]:
+        """Rows, bytes and per-task progress of every partition."""
+        with self._lock:
+            return {
+                "partitions": {n: _describe(p, detail=False) for n, p in self._parts.items()},
+                "rows": sum(len(p.rows) for p in self._parts.values()),
+                "bytes": sum(p.nbytes for p in self._parts.values()),
+            }
+
+    def inspect(self, name: str) -> dict[str, Any]:
+        """One partition in detail: fields present, per task delivered and ready rows."""
+        with self._lock:
+            return _describe(self._get(name), detail=True)
+
+
+def _valid_at(batch: pa.RecordBatch, f: str, i: int) -> bool:
+    col = batch.column(f)
+    return col.null_count == 0 or col[i].is_valid
+
+
+def _check_required_not_null(pc: Piece, i: int, schema: Schema, key: str) -> None:
+    for f in schema.required:
+        if not _valid_at(pc.batch, f, i):
+            raise MissingFieldError(f"row key {key!r}: required field {f!r} is null")
+
+
+def _known(p: Partition, keys: Sequence[str]) -> None:
+    missing = [k for k in keys if k not in p.rows]
+    if missing:
+        shown = ", ".join(repr(k) for k in missing[:10])
+        more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        raise NotFoundError(f"partition {p.name!r} has no row key {shown}{more}")
+
+
+def _task(p: Partition, task: str) -> set[str]:
+    d = p.delivered.get(task)
+    if d is None:
+        raise NotFoundError(
+            f"partition {p.name!r} declares no task {task!r}; declared: {list(p.tasks)}"
+        )
+    return d
+
+
+def _fields_for(p: Partition, rows: list[Row], fields: Sequence[str] | None) -> list[str]:
+    if fields is None:
+        present = set().union(*(r.cells for r in rows)) if rows else set()
+        return [f.name for f in p.schema.fields if f.name in present]
+    out = []
+    for name in fields:
+        p.schema[name]  # undeclared: UnknownSchemaError naming the declared fields
+        lacking = [r.key for r in rows if name not in r.cells]
+        if lacking:
+            shown = ", ".join(repr(k) for k in lacking[:10])
+            raise MissingFieldError(
+                f"field {name!r} is missing on row key {shown} of partition {p.name!r}"
+            )
+        out.append(name)
+    order = {f.name: i for i, f in enumerate(p.schema.fields)}
+    return sorted(dict.fromkeys(out), key=order.__getitem__)
+
+
+def _ready(p: Partition, task: str, need: Sequence[str], limit: int | None) -> list[Row] | None:
+    """The first ready rows (whole groups if grouped), or None if fewer than ``limit``."""
+    done = p.delivered[task]
+    out: list[Row] = []
+    if not p.group_size:
+        for r in p.rows.values():
+            if r.key not in done and all(f in r.cells for f in need):
+                out.append(r)
+                if limit is not None and len(out) == limit:
+                    return out
+        return out if limit is None else None
+    groups: dict[int, list[Row]] = {}
+    for r in p.rows.values():
+        groups.setdefault(r.group, []).append(r)
+    for members in groups.values():
+        if len(members) != p.group_size:
+            continue  # part of the group was cleared
+        if all(r.key not in done and all(f in r.cells for f in need) for r in members):
+            out.extend(members)
+            if limit is not None and len(out) == limit:
+                return out
+    return out if limit is None else None
+
+
+def _describe(p: Partition, detail: bool) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "schema": p.schema.ref,
+        "fingerprint": p.schema.fingerprint,
+        "tasks": list(p.tasks),
+        "group_size": p.group_size,
+        "rows": len(p.rows),
+        "bytes": p.nbytes,
+        "delivered": {t: len(s) for t, s in p.delivered.items()},
+    }
+    if detail:
+        counts = {f.name: 0 for f in p.schema.fields}
+        for r in p.rows.values():
+            for f in r.cells:
+                counts[f] += 1
+        d["fields"] = {k: v for k, v in counts.items() if v}
+        d["ready"] = {t: len(_ready(p, t, p.schema.required, None) or []) for t in p.tasks}
+    return d
+
+
+# --------------------------------------------------------------------------- serving
+
+
+def assemble(
+    p: Partition, rows: list[Row], fields: list[str], max_bytes: int
+) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+    """The Arrow schema and record batches that serve ``rows`` with ``fields``.
+
+    Consecutive rows whose cells come from consecutive rows of the same stored batches
+    are served as one zero-copy slice per column; a field a row lacks is null there.
+    Batches are cut at about ``max_bytes`` of payload.
+    """
+    schema = arrow_schema(p.schema, fields)
+    cols = [n for n in schema.names if n not in (KEY, TAGS)]
+
+    def runs() -> Iterator[tuple[int, int]]:
+        start = 0
+        acc = 0
+        for i in range(1, len(rows) + 1):
+            acc += rows[i - 1].nbytes
+            if i == len(rows) or acc >= max_bytes or not _continues(rows[i - 1], rows[i], fields):
+                yield start, i
+                start, acc = i, 0
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        if not rows:
+            yield pa.RecordBatch.from_pylist([], schema=schema)
+            return
+        for lo, hi in runs():
+            run = rows[lo:hi]
+            n = hi - lo
+            arrays: list[pa.Array] = [
+                pa.array([r.key for r in run], type=pa.utf8()),
+                pa.array(
+                    [msgpack.packb(r.tags, use_bin_type=True) if r.tags else None for r in run],
+                    type=pa.binary(),
+                ),
+            ]
+            first = run[0]
+            for c in cols:
+                base = c[: -len(SHAPE_SUFFIX)] if c.endswith(SHAPE_SUFFIX) else c
+                cell = first.cells.get(base)
+                if cell is None:
+                    arrays.append(pa.nulls(n, type=schema.field(c).type))
+                else:
+                    pc, idx = cell
+                    arrays.append(pc.batch.column(c).slice(idx, n))
+            yield pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+    return schema, batches()
+
+
+def _continues(prev: Row, row: Row, fields: list[str]) -> bool:
+    for f in fields:
+        a, b = prev.cells.get(f), row.cells.get(f)
+        if a is None and b is None:
+            continue
+        if a is None or b is None or a[0] is not b[0] or b[1] != a[1] + 1:
+            return False
+    return True
+
+
+_ = np  # numpy is used by callers through Checked arrays
