@@ -8,6 +8,8 @@ self-describing record batches, and the errors. The Flight server and client liv
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .batch import Batch, MediaColumn, ScalarColumn, TensorColumn, decode, encode
 from .codecs import Raw, Zstd
 from .errors import (
@@ -33,6 +35,11 @@ from .errors import (
 )
 from .registry import SchemaRegistry
 from .schema import Field, Schema
+
+if TYPE_CHECKING:
+    from .aio import AsyncClient
+    from .client import Client, connect
+    from .server import Server
 
 __version__ = "0.1.0.dev0"
 

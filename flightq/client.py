@@ -335,15 +335,19 @@ class Client:
         batch_size: int,
         fields: Sequence[str] | None = None,
         *,
+        wait_for: Sequence[str] = (),
         timeout: float | None = None,
         as_: str = "torch",
         copy: bool = False,
     ) -> Batch:
         """Block until ``batch_size`` rows are ready for ``task``, take them, return them.
 
-        A row is ready when not yet delivered to the task and it has every named field
-        (the required ones when ``fields`` is None); whole groups when the partition has a
-        group size. Rows count as delivered once claimed; :meth:`reset` releases them.
+        A row is ready when not yet delivered to the task and it has every field in
+        ``fields`` (the schema's required ones when ``fields`` is None) and in
+        ``wait_for``; whole groups when the partition has a group size. The rows come back
+        with ``fields``, or with every column they have when ``fields`` is None: a trainer
+        calls ``claim(p, "train", n, wait_for=["prev_logprobs"])``. Rows count as
+        delivered once claimed; :meth:`reset` releases them.
 
         Raises
         ------
@@ -357,6 +361,7 @@ class Client:
             "task": task,
             "batch_size": batch_size,
             "fields": None if fields is None else list(fields),
+            "wait_for": list(wait_for),
             "timeout": wait,
         }
         # The server answers within `wait`; the transport gets a margin on top.

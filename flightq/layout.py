@@ -22,6 +22,8 @@ offsets and the shape columns: it never rebuilds a tensor, so the server can use
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,11 +166,16 @@ class Checked:
 
 
 def shape_products(
-    offsets: np.ndarray, values: np.ndarray, itemsize: int, where: str
+    offsets: np.ndarray,
+    values: np.ndarray,
+    itemsize: int,
+    where: str,
+    at: Callable[[int], str] | None = None,
 ) -> np.ndarray:
     """Byte length of each shape in a flattened shape list, overflow-safe.
 
     ``offsets`` (n+1) delimit each shape's dims in ``values``. Returns int64 byte lengths.
+    ``at(i)`` names shape ``i`` in error messages (e.g. its row key).
 
     Raises
     ------
@@ -183,14 +190,26 @@ def shape_products(
     v = values[lo:hi]
     if v.size == 0:
         return out
+
+    def shape(i: int) -> tuple[int, ...]:
+        return tuple(int(d) for d in values[offsets[i] : offsets[i + 1]])
+
+    def name(i: int) -> str:
+        return at(i) if at is not None else f" (shape {i})"
+
     if v.min() < 0:
-        raise ShapeError(f"{where}a shape has a negative dim")
+        i = int(np.searchsorted(offsets[1:], lo + int(np.argmax(v < 0)), side="right"))
+        raise ShapeError(f"{where}expected dims >= 0, got shape {shape(i)}{name(i)}")
     ranks = np.diff(offsets)
     nz = ranks > 0
     starts = offsets[:-1][nz] - lo
     fprod = np.multiply.reduceat(v.astype(np.float64), starts) * itemsize
     if fprod.max(initial=0.0) >= _LIMIT:
-        raise ShapeError(f"{where}a shape's byte length overflows int64")
+        i = int(np.nonzero(nz)[0][int(np.argmax(fprod >= _LIMIT))])
+        raise ShapeError(
+            f"{where}shape {shape(i)} needs {math.prod(shape(i)) * itemsize} bytes, more than "
+            f"a payload may hold (2**62){name(i)}"
+        )
     out[nz] = np.multiply.reduceat(v, starts) * itemsize
     return out
 
@@ -404,7 +423,7 @@ def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
 
             so, sv = _shape_arrays(seg_shapes, where)
             _check_fixed(f, so, sv, np.ones(len(so) - 1, dtype=bool), where, seg_at)
-            want = shape_products(so, sv, f.dt.itemsize, where)
+            want = shape_products(so, sv, f.dt.itemsize, where, seg_at)
             got = _payload_lengths(f, segs, np.ones(len(segs), dtype=bool), where)
             bad = np.nonzero(want != got)[0]
             if bad.size:
@@ -439,7 +458,7 @@ def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
                     f"fields ({seq[i]}){at(i)}"
                 )
             seq = np.where(first >= 0, first, seq)
-        want = shape_products(so, sv, f.dt.itemsize, where)
+        want = shape_products(so, sv, f.dt.itemsize, where, at)
         got = _payload_lengths(f, col, valid, where)
         bad = np.nonzero(valid & (want != got))[0]
         if bad.size:

@@ -58,7 +58,7 @@ MAX_BODY = 64 * 2**20
 
 def pack(obj: Mapping[str, Any]) -> bytes:
     """Serialise a control message."""
-    return msgpack.packb(dict(obj), use_bin_type=True)  # type: ignore[no-any-return]
+    return msgpack.packb(dict(obj), use_bin_type=True)
 
 
 def unpack(data: bytes | memoryview | Any, what: str) -> dict[str, Any]:

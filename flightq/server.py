@@ -175,7 +175,10 @@ class Server(fl.FlightServerBase):
             task = require(t, "task", str, "claim ticket")
             size = require(t, "batch_size", int, "claim ticket")
             timeout = float(require(t, "timeout", (int, float), "claim ticket"))
-            part, rows, names = self.store.claim(name, task, size, fields, timeout)
+            wait_for = t.get("wait_for") or []
+            if not isinstance(wait_for, list) or not all(isinstance(f, str) for f in wait_for):
+                raise ProtocolError("claim ticket: 'wait_for' must be a list of names")
+            part, rows, names = self.store.claim(name, task, size, fields, timeout, wait_for)
             schema, batches = assemble(part, rows, names, self.max_batch_bytes)
             keys = [r.key for r in rows]
             return fl.GeneratorStream(schema, self._claimed(name, task, keys, batches))

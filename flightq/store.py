@@ -331,12 +331,15 @@ class Store:
         batch_size: int,
         fields: Sequence[str] | None,
         timeout: float,
+        wait_for: Sequence[str] = (),
     ) -> tuple[Partition, list[Row], list[str]]:
         """Wait for ``batch_size`` ready rows, mark them delivered to ``task``, return them.
 
-        A row is ready when not yet delivered to the task and it has every field named
-        (the schema's required fields when ``fields`` is None). In a partition with a group
-        size, only whole ready groups are taken, in creation order.
+        A row is ready when not yet delivered to the task and it has every field named in
+        ``fields`` (the schema's required fields when ``fields`` is None) and in
+        ``wait_for``. In a partition with a group size, only whole ready groups are taken,
+        in creation order. The rows are returned with ``fields`` (every column they have
+        when None).
 
         Raises
         ------
@@ -354,6 +357,7 @@ class Store:
                     + (f" and a multiple of the group size {g}" if g else "")
                 )
             need = tuple(fields) if fields is not None else p.schema.required
+            need = tuple(dict.fromkeys((*need, *wait_for)))
             for f in need:
                 p.schema[f]  # raises on an undeclared field
             while True:

@@ -171,6 +171,8 @@ def column_base(buf: Any, start: int, stop: int, dt: DType, as_: str) -> Any:
         arr = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=start)
         if arr.ctypes.data % dt.itemsize:
             arr = arr.copy()
+        # Views are read-only even over a mutable buffer (a batch encoded in this process).
+        arr.flags.writeable = False
         arr = arr.view(dt.storage)
         if dt.native_numpy:
             arr = arr.view(dt.storage.newbyteorder("="))
