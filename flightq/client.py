@@ -278,9 +278,10 @@ class Client:
         timeout: float | None = None,
     ) -> int:
         """Write an already encoded record batch (see :func:`flightq.encode`)."""
-        desc = fl.FlightDescriptor.for_command(
-            pack({"op": "put", "partition": partition, "overwrite": overwrite})
-        )
+        wait = self.timeout if timeout is None else timeout
+        # The server may wait for space (memory budget) for most of the call's timeout.
+        cmd = {"op": "put", "partition": partition, "overwrite": overwrite, "timeout": 0.8 * wait}
+        desc = fl.FlightDescriptor.for_command(pack(cmd))
         try:
             writer, reader = self._flight.do_put(desc, batch.schema, options=self._options(timeout))
             with writer:

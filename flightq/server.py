@@ -50,6 +50,9 @@ class Server(fl.FlightServerBase):
         Schemas the server knows; the shipped ones by default.
     max_batch_bytes:
         Payload bytes per record batch it sends.
+    memory_budget:
+        Payload bytes the store may hold; a put that does not fit waits (up to its
+        timeout) for clears, then fails with ResourceExhaustedError. None: unbounded.
     """
 
     def __init__(
@@ -58,11 +61,12 @@ class Server(fl.FlightServerBase):
         registry: SchemaRegistry | None = None,
         *,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        memory_budget: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(location, **kwargs)
         self.registry = registry if registry is not None else SchemaRegistry.default()
-        self.store = Store()
+        self.store = Store(memory_budget)
         self.max_batch_bytes = max_batch_bytes
         host = location.split("://", 1)[-1].rsplit(":", 1)[0]
         scheme = location.split("://", 1)[0]
@@ -134,6 +138,9 @@ class Server(fl.FlightServerBase):
         cmd = _command(descriptor, "put descriptor")
         name = require(cmd, "partition", str, "put")
         overwrite = bool(cmd.get("overwrite", False))
+        wait = cmd.get("timeout", 0.0)
+        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or wait < 0:
+            raise ProtocolError("put descriptor: 'timeout' must be a non-negative number")
         part = self.store.partition(name)
         pieces = []
         try:
@@ -143,7 +150,7 @@ class Server(fl.FlightServerBase):
             raise ProtocolError(
                 f"put to {name!r}: the stream broke off or is malformed: {e}"
             ) from e
-        n = self.store.put(name, pieces, overwrite)
+        n = self.store.put(name, pieces, overwrite, float(wait))
         writer.write(pa.py_buffer(pack({"rows": n})))
 
     # ------------------------------------------------------------------ DoGet
@@ -314,7 +321,9 @@ def serve_forever(args: argparse.Namespace) -> int:
     host = args.host
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
-    server = Server(f"grpc://{host}:{args.port}", registry=registry)
+    server = Server(
+        f"grpc://{host}:{args.port}", registry=registry, memory_budget=args.memory_budget
+    )
     stop = threading.Event()
 
     def _handler(signum: int, frame: Any) -> None:

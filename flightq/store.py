@@ -30,6 +30,7 @@ from .errors import (
     MissingFieldError,
     NotFoundError,
     ProtocolError,
+    ResourceExhaustedError,
     ShapeError,
 )
 from .layout import KEY, SHAPE_SUFFIX, TAGS, Checked, arrow_schema
@@ -108,7 +109,8 @@ def make_piece(batch: pa.RecordBatch, checked: Checked) -> Piece:
 class Store:
     """All partitions of one server."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory_budget: int | None = None) -> None:
+        self.memory_budget = memory_budget
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._parts: dict[str, Partition] = {}
@@ -183,13 +185,45 @@ class Store:
 
     # ------------------------------------------------------------------ writes
 
-    def put(self, name: str, pieces: list[Piece], overwrite: bool) -> int:
+    def held(self) -> int:
+        """Payload bytes held across partitions."""
+        with self._lock:
+            return sum(p.nbytes for p in self._parts.values())
+
+    def _wait_for_space(self, name: str, need: int, timeout: float) -> None:
+        budget = self.memory_budget
+        if budget is None:
+            return
+        if need > budget:
+            raise ResourceExhaustedError(
+                f"put to {name!r} carries {need} bytes, more than the server's whole memory "
+                f"budget of {budget} bytes; split it"
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            held = sum(p.nbytes for p in self._parts.values())
+            if held + need <= budget:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ResourceExhaustedError(
+                    f"put to {name!r} of {need} bytes: the server holds {held} of its "
+                    f"{budget}-byte memory budget and no space was cleared within "
+                    f"{timeout:g}s; clear consumed rows"
+                )
+            self._changed.wait(left)
+
+    def put(self, name: str, pieces: list[Piece], overwrite: bool, timeout: float = 0.0) -> int:
         """Store the rows of validated pieces, all or nothing. Returns the rows written.
+
+        With a memory budget, waits up to ``timeout`` seconds for clears to make space.
 
         Raises
         ------
         ConflictError, MissingFieldError, ShapeError, EncodeError
             Naming the row key and field; nothing is stored.
+        ResourceExhaustedError
+            If the budget has no room for the put within ``timeout``.
         """
         keys = [k for pc in pieces for k in pc.checked.keys]
         if len(set(keys)) != len(keys):
@@ -197,6 +231,8 @@ class Store:
             dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
             raise EncodeError(f"duplicate row key {dup!r} within one put")
         with self._changed:
+            self._get(name)
+            self._wait_for_space(name, sum(int(pc.checked.nbytes.sum()) for pc in pieces), timeout)
             p = self._get(name)
             new: list[str] = []
             for pc in pieces:

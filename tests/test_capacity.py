@@ -1,0 +1,49 @@
+"""A server memory budget: a put that does not fit waits for clears, then fails typed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import flightq
+
+
+def _rows(prefix: str, n: int, s: int = 1000) -> tuple[list[str], dict[str, list[np.ndarray]]]:
+    keys = [f"{prefix}{i}" for i in range(n)]
+    return keys, {"input_ids": [np.full(s, i, dtype=np.int64) for i in range(n)]}
+
+
+def test_put_over_budget_fails_typed_after_its_timeout_and_stores_nothing() -> None:
+    with flightq.Server(memory_budget=20_000) as srv, flightq.connect(srv.location) as c:
+        c.create_partition("p", "rollout_text@1", tasks=["train"])
+        keys, cols = _rows("a", 2)  # 16 000 bytes
+        c.put("p", keys, cols)
+        keys2, cols2 = _rows("b", 1)  # 8 000 more: over the budget
+        with pytest.raises(flightq.ResourceExhaustedError, match="memory budget"):
+            c.put("p", keys2, cols2, timeout=0.5)
+        assert c.stats()["rows"] == 2
+        big_keys, big = _rows("c", 3)
+        with pytest.raises(flightq.ResourceExhaustedError, match="more than the server's whole"):
+            c.put("p", big_keys, big)
+        assert isinstance(flightq.ResourceExhaustedError("x"), MemoryError)
+
+
+def test_put_waiting_for_space_lands_once_rows_are_cleared() -> None:
+    with flightq.Server(memory_budget=20_000) as srv, flightq.connect(srv.location) as c:
+        c.create_partition("p", "rollout_text@1", tasks=["train"])
+        keys, cols = _rows("a", 2)
+        c.put("p", keys, cols)
+        done: list[int] = []
+        t = threading.Thread(
+            target=lambda: done.append(c.put("p", *_rows("b", 1), timeout=20)), daemon=True
+        )
+        t.start()
+        time.sleep(0.3)
+        assert not done, "the put must wait while the budget is full"
+        c.clear("p", keys)
+        t.join(timeout=20)
+        assert done == [1]
+        assert c.get("p", ["b0"], as_="numpy")["input_ids"][0][0] == 0
