@@ -129,6 +129,8 @@ def _torch_to_bytes(t: Any, zero_copy: bool, where: str) -> Encoded:
     import torch
 
     tag = from_torch(t.dtype)
+    if t.numel() == 0:  # no bytes; its strides may be anything (0 from an empty numpy array)
+        return Encoded(np.empty(0, dtype=np.uint8), tuple(int(d) for d in t.shape), tag)
     if t.device.type != "cpu":
         if zero_copy:
             raise EncodeError(f"{where}tensor on {t.device} needs a copy to the CPU")

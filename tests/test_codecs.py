@@ -1,0 +1,170 @@
+"""Codecs: frozen, described as plain dicts, recorded per field, checked on the way back."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+import zstandard
+from helpers_wire import assert_same_rows, replace_column, schema_of_fields
+
+import flightq
+from flightq import DecodeError, Field, SchemaError, ShapeError
+from flightq.codecs import RAW, Raw, Zstd, codec_from_dict
+from flightq.layout import binary_offsets, validate
+
+
+def _zstd_schema(level: int = 3) -> flightq.Schema:
+    return schema_of_fields(
+        Field("ids", "int64", "token", (None,), required=True, codec=Zstd(level)),
+        Field("img", "bfloat16", "media", None, codec=Zstd(level)),
+        Field("plain", "float32", "token", (None,)),
+    )
+
+
+@pytest.mark.parametrize(
+    ("d", "codec"),
+    [
+        (None, RAW),
+        ({"id": "raw"}, RAW),
+        ({"id": "zstd"}, Zstd(3)),
+        ({"id": "zstd", "level": 9}, Zstd(9)),
+    ],
+)
+def test_codec_is_built_from_its_dict_form(d: dict | None, codec: flightq.codecs.Codec) -> None:
+    assert codec_from_dict(d) == codec
+
+
+@pytest.mark.parametrize("codec", [Raw(), Zstd(), Zstd(-7), Zstd(22)])
+def test_codec_dict_form_round_trips(codec: flightq.codecs.Codec) -> None:
+    d = codec.to_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert codec_from_dict(d) == codec
+
+
+def test_codecs_are_frozen() -> None:
+    with pytest.raises(AttributeError, match=r"cannot assign to field 'level'"):
+        Zstd(3).level = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("d", "message"),
+    [
+        ({"id": "lz4"}, r"unknown codec \{'id': 'lz4'\}; expected \{'id': 'raw'\} or"),
+        ({"id": "zstd", "window": 10}, r"unknown codec \{'id': 'zstd', 'window': 10\}"),
+        ({"id": "raw", "level": 1}, r"unknown codec \{'id': 'raw', 'level': 1\}"),
+        ({"level": 3}, r"codec must be a dict with an 'id', got \{'level': 3\}"),
+        ("zstd", r"codec must be a dict with an 'id', got 'zstd'"),
+        ({"id": "zstd", "level": 23}, r"zstd level must be an integer in \[-7, 22\], got 23"),
+        ({"id": "zstd", "level": "3"}, r"zstd level must be an integer in \[-7, 22\], got '3'"),
+    ],
+)
+def test_bad_codec_dicts_are_schema_errors(d: object, message: str) -> None:
+    with pytest.raises(SchemaError, match=message):
+        codec_from_dict(d)  # type: ignore[arg-type]
+
+
+def test_zstd_frame_carries_its_decoded_size() -> None:
+    data = np.arange(1000, dtype=np.int64).view(np.uint8)
+    frame = Zstd(3).encode(data)
+    assert len(frame) < data.nbytes
+    assert Zstd().decoded_size(frame) == data.nbytes
+    assert bytes(Zstd().decode(frame, data.nbytes)) == data.tobytes()
+
+
+def test_zstd_refuses_a_frame_whose_size_is_not_the_shapes() -> None:
+    frame = Zstd().encode(b"\x00" * 64)
+    with pytest.raises(DecodeError, match=r"zstd frame declares 64 bytes, the shape needs 72"):
+        Zstd().decode(frame, 72)
+
+
+def test_zstd_refuses_a_corrupt_frame() -> None:
+    frame = bytearray(Zstd().encode(np.arange(64, dtype=np.int64).tobytes()))
+    frame[-6:] = b"\xff" * 6
+    with pytest.raises(DecodeError, match=r"zstd payload is corrupt: "):
+        Zstd().decode(bytes(frame), 512)
+
+
+def test_zstd_frame_without_a_content_size_has_no_decoded_size() -> None:
+    frame = zstandard.ZstdCompressor(write_content_size=False).compress(b"abc" * 10)
+    assert Zstd().decoded_size(frame) is None
+    assert Zstd().decoded_size(b"not zstd") is None
+
+
+def test_a_scalar_field_takes_no_codec() -> None:
+    with pytest.raises(SchemaError, match=r"field 'r': scalars are plain Arrow columns and take"):
+        Field("r", "float32", "scalar", (), codec=Zstd())
+
+
+def test_zstd_fields_round_trip_bit_exactly_and_name_their_codec_in_field_metadata() -> None:
+    schema = _zstd_schema(level=5)
+    ids = [torch.arange(300, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), None]
+    img = [
+        [torch.randn(4, 3, 8, 8).to(torch.bfloat16), torch.zeros(0, 2, dtype=torch.bfloat16)],
+        [],
+        [torch.full((2, 2), 1.5, dtype=torch.bfloat16)],
+    ]
+    plain = [torch.zeros(300), torch.zeros(0), torch.ones(7)]
+    rb = flightq.encode(schema, {"ids": ids, "img": img, "plain": plain}, ["a", "b", "c"])
+
+    zstd5 = json.dumps({"id": "zstd", "level": 5}, sort_keys=True).encode()
+    assert rb.schema.field("ids").metadata[b"flightq.codec"] == zstd5
+    assert rb.schema.field("img").metadata[b"flightq.codec"] == zstd5
+    assert b"flightq.codec" not in rb.schema.field("plain").metadata
+    # compressed on the wire: 300 int64s of a ramp take far fewer than 2400 bytes
+    assert int(np.diff(binary_offsets(rb.column("ids")))[0]) < 2400
+
+    out = flightq.decode(rb)
+    assert_same_rows("token", out["ids"], ids)
+    assert_same_rows("media", out["img"], img)
+    assert_same_rows("token", out["plain"], plain)
+
+
+def test_zstd_field_decodes_from_metadata_alone_through_ipc() -> None:
+    from helpers_wire import ipc_bytes, read_ipc
+
+    schema = _zstd_schema()
+    ids = [torch.arange(50, dtype=torch.int64) * 7]
+    rb = read_ipc(ipc_bytes(flightq.encode(schema, {"ids": ids}, ["k"])))
+    out = flightq.decode(rb, as_="numpy")
+    assert out.schema["ids"].codec == Zstd(3)
+    assert out["ids"][0].tolist() == (np.arange(50) * 7).tolist()
+
+
+def test_zstd_payload_whose_frame_size_breaks_the_shape_is_refused_without_decompressing() -> None:
+    schema = _zstd_schema()
+    rb = flightq.encode(schema, {"ids": [torch.arange(4, dtype=torch.int64)]}, ["k7"])
+    frame = Zstd().encode(np.arange(3, dtype=np.int64).tobytes())
+    bad = pa.array([frame], type=pa.large_binary())
+    rb = replace_column(rb, "ids", bad)
+    with pytest.raises(
+        ShapeError, match=r"column 'ids': shape \(4,\) needs 32 bytes of int64, payload has 24 \("
+    ):
+        validate(rb)
+
+
+def test_zstd_payload_without_a_readable_size_is_refused() -> None:
+    schema = _zstd_schema()
+    rb = flightq.encode(schema, {"ids": [torch.arange(4, dtype=torch.int64)]}, ["k7"])
+    rb = replace_column(rb, "ids", pa.array([b"garbage"], type=pa.large_binary()))
+    with pytest.raises(ShapeError, match=r"column 'ids': row 0: zstd payload without a readable"):
+        flightq.decode(rb)
+
+
+def test_codec_metadata_that_disagrees_with_the_carried_schema_is_refused() -> None:
+    schema = _zstd_schema()
+    rb = flightq.encode(schema, {"ids": [torch.arange(4, dtype=torch.int64)]}, ["k"])
+    i = rb.schema.get_field_index("ids")
+    meta = dict(rb.schema.field("ids").metadata)
+    meta[b"flightq.codec"] = b'{"id": "zstd", "level": 9}'
+    arrow = rb.schema.set(i, rb.schema.field("ids").with_metadata(meta))
+    rb = pa.RecordBatch.from_arrays(rb.columns, schema=arrow)
+    with pytest.raises(
+        DecodeError,
+        match=r"column 'ids': codec \{'id': 'zstd', 'level': 9\} differs from the schema's "
+        r"\{'id': 'zstd', 'level': 3\}",
+    ):
+        flightq.decode(rb)
