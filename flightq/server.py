@@ -139,7 +139,7 @@ class Server(fl.FlightServerBase):
         name = require(cmd, "partition", str, "put")
         overwrite = bool(cmd.get("overwrite", False))
         wait = cmd.get("timeout", 0.0)
-        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or wait < 0:
+        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not wait >= 0:
             raise ProtocolError("put descriptor: 'timeout' must be a non-negative number")
         part = self.store.partition(name)
         pieces = []
@@ -182,6 +182,8 @@ class Server(fl.FlightServerBase):
             task = require(t, "task", str, "claim ticket")
             size = require(t, "batch_size", int, "claim ticket")
             timeout = float(require(t, "timeout", (int, float), "claim ticket"))
+            if timeout != timeout:
+                raise ProtocolError("claim ticket: 'timeout' is NaN; give seconds (inf: no limit)")
             wait_for = t.get("wait_for") or []
             if not isinstance(wait_for, list) or not all(isinstance(f, str) for f in wait_for):
                 raise ProtocolError("claim ticket: 'wait_for' must be a list of names")
@@ -336,6 +338,9 @@ def serve_forever(args: argparse.Namespace) -> int:
         json.dumps({"listening": server.location, "schemas": [s.ref for s in server.registry]}),
         flush=True,
     )
-    stop.wait()
+    # Arrow's serve() re-raises SIGINT/SIGTERM on its own thread; waking often lets this
+    # thread run the handler, else it would wait forever.
+    while not stop.wait(0.2):
+        pass
     server.stop()
     return 0

@@ -33,7 +33,7 @@ from .errors import (
     ResourceExhaustedError,
     ShapeError,
 )
-from .layout import KEY, SHAPE_SUFFIX, TAGS, Checked, arrow_schema
+from .layout import KEY, SHAPE_SUFFIX, TAGS, Checked, arrow_schema, binary_offsets
 from .schema import Schema
 
 __all__ = ["Store", "Partition", "Row", "Piece"]
@@ -211,7 +211,7 @@ class Store:
                     f"{budget}-byte memory budget and no space was cleared within "
                     f"{timeout:g}s; clear consumed rows"
                 )
-            self._changed.wait(left)
+            self._changed.wait(min(left, 3600.0))  # inf or huge: wait in chunks
 
     def put(self, name: str, pieces: list[Piece], overwrite: bool, timeout: float = 0.0) -> int:
         """Store the rows of validated pieces, all or nothing. Returns the rows written.
@@ -284,6 +284,11 @@ class Store:
                         row = p.rows[k]
                     for f in ck.fields:
                         if _valid_at(pc.batch, f, i):
+                            old = row.cells.get(f)
+                            if old is not None:  # overwrite: stop counting the old cell
+                                gone = _cell_nbytes(old[0].batch, f, old[1])
+                                row.nbytes -= gone
+                                p.nbytes -= gone
                             row.cells[f] = (pc, i)
                     if pc.tags[i]:
                         row.tags.update(pc.tags[i])  # type: ignore[arg-type]
@@ -410,7 +415,7 @@ class Store:
                         f" timed out after {timeout:g}s: {ready} rows ready with fields "
                         f"{list(need)}"
                     )
-                self._changed.wait(left)
+                self._changed.wait(min(left, 3600.0))  # inf or huge: wait in chunks
 
     def unclaim(self, name: str, task: str, keys: Sequence[str]) -> None:
         """Undo a claim whose rows never reached the consumer."""
@@ -442,6 +447,19 @@ class Store:
         """One partition in detail: fields present, per task delivered and ready rows."""
         with self._lock:
             return _describe(self._get(name), detail=True)
+
+
+def _cell_nbytes(batch: pa.RecordBatch, f: str, i: int) -> int:
+    """Payload bytes of one stored cell, counted as :func:`flightq.layout.validate` does."""
+    col = batch.column(f)
+    if col.type == pa.large_binary():
+        offs = binary_offsets(col)
+        return int(offs[i + 1] - offs[i])
+    if pa.types.is_large_list(col.type):
+        outer = col.offsets.to_numpy()
+        inner = binary_offsets(col.values)
+        return int(inner[outer[i + 1]] - inner[outer[i]])
+    return 0
 
 
 def _valid_at(batch: pa.RecordBatch, f: str, i: int) -> bool:

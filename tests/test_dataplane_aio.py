@@ -1,0 +1,120 @@
+"""The asyncio client against a real server: same methods, same results, same errors."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+
+import numpy as np
+import pytest
+from fixtures_dataplane import (
+    TEXT,
+    TIMEOUT,
+    VLM,
+    raw,
+    server_fixture,  # noqa: F401
+    text_columns,
+    text_keys,
+)
+
+import flightq
+import flightq.aio
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(coro):
+    """Run one coroutine on a fresh event loop, bounded."""
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
+
+
+def test_async_client_puts_gets_claims_clears(server):
+    keys = text_keys(2, 4)
+    cols = text_columns(keys)
+
+    async def main():
+        async with await flightq.aio.connect(server.location, [TEXT], timeout=TIMEOUT) as c:
+            assert isinstance(c, flightq.aio.AsyncClient)
+            assert await c.create_partition("p", TEXT, tasks=["train"], group_size=4) is True
+            assert await c.put("p", keys, cols, [{"prompt_idx": i} for i in range(8)]) == 8
+            got = await c.get("p", ["p1_g3", "p0_g0"], ["input_ids"], as_="numpy")
+            claimed = await c.claim("p", "train", 4, timeout=TIMEOUT)
+            assert await c.reset("p", "train") == 4
+            stats = await c.stats()
+            described = await c.inspect("p")
+            names = await c.partitions()
+            cleared = await c.clear("p")
+            return got, claimed, stats, described, names, cleared
+
+    got, claimed, stats, described, names, cleared = run(main())
+    assert got.keys == ["p1_g3", "p0_g0"]
+    assert raw(got["input_ids"][0]) == raw(cols["input_ids"][7])
+    assert claimed.keys == keys[:4]
+    assert stats["partitions"]["p"]["rows"] == 8
+    assert described["delivered"] == {"train": 0}
+    assert names == ["p"]
+    assert cleared == 8
+
+
+def test_an_awaited_claim_leaves_the_loop_free_to_put(server):
+    keys = ["a0", "a1"]
+
+    async def main():
+        async with await flightq.aio.connect(server.location, [TEXT], timeout=TIMEOUT) as c:
+            await c.create_partition("p", TEXT, tasks=["train"])
+            claim = asyncio.ensure_future(c.claim("p", "train", 2, timeout=TIMEOUT))
+            await asyncio.sleep(0.3)  # the loop turns while the claim waits on the server
+            assert not claim.done()
+            await c.put("p", keys, text_columns(keys))
+            return await claim
+
+    assert run(main()).keys == keys
+
+
+def test_async_errors_are_the_same_typed_errors(server):
+    async def main():
+        async with await flightq.aio.connect(server.location, [TEXT], timeout=TIMEOUT) as c:
+            await c.create_partition("p", TEXT, tasks=["train"])
+            with pytest.raises(flightq.NotFoundError, match=r"unknown partition 'nope'"):
+                await c.get("nope", ["k"])
+            with pytest.raises(flightq.NotFoundError, match=r"has no row key 'k9'"):
+                await c.get("p", ["k9"])
+            with pytest.raises(flightq.ClaimTimeoutError, match=r"timed out after 0.2s") as exc:
+                await c.claim("p", "train", 1, timeout=0.2)
+            assert isinstance(exc.value, TimeoutError)
+            await c.put("p", ["k0"], text_columns(["k0"]))
+            with pytest.raises(flightq.ConflictError, match=r"already has column 'input_ids'"):
+                await c.put("p", ["k0"], {"input_ids": [np.arange(3)]})
+
+    run(main())
+
+
+def test_async_connect_fails_on_a_schema_drift(server):
+    v = flightq.SchemaRegistry.default().get(VLM)
+    drift = flightq.Schema(
+        v.name,
+        v.version,
+        [dataclasses.replace(f, dtype="int64") if f.name == "imgs_sizes" else f for f in v.fields],
+    )
+    with pytest.raises(
+        flightq.SchemaMismatchError, match=r"'imgs_sizes': dtype expected 'int32', actual 'int64'"
+    ):
+        run(flightq.aio.connect(server.location, [drift], timeout=TIMEOUT))
+
+
+def test_async_client_has_every_method_of_the_client(server):
+    public = {
+        n
+        for n in vars(flightq.Client)
+        if not n.startswith("_") and callable(getattr(flightq.Client, n))
+    }
+
+    async def main():
+        c = await flightq.aio.connect(server.location, timeout=TIMEOUT)
+        try:
+            return {n for n in public if inspect.iscoroutinefunction(getattr(c, n, None))}
+        finally:
+            await c.close()
+
+    assert run(main()) == public

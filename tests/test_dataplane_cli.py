@@ -1,0 +1,120 @@
+"""``flightq serve``, ``flightq stats`` and ``flightq inspect``, each in its own process."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+from fixtures_dataplane import TEXT, TIMEOUT, cli_server, python_env, text_columns, text_keys
+
+import flightq
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def flightq_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m flightq.cli ARGS`` to completion."""
+    return subprocess.run(
+        [sys.executable, "-m", "flightq.cli", *args],
+        capture_output=True,
+        text=True,
+        env=python_env(),
+        timeout=TIMEOUT,
+    )
+
+
+@pytest.fixture(scope="module")
+def served():
+    """A ``flightq serve --port 0`` process holding partition 'rollouts' (2 groups of 2)."""
+    with cli_server() as (location, proc):
+        keys = text_keys(2, 2)
+        with flightq.connect(location, [TEXT], timeout=TIMEOUT) as c:
+            c.create_partition("rollouts", TEXT, tasks=["prev_lp", "train"], group_size=2)
+            c.put("rollouts", keys, text_columns(keys))
+            c.claim("rollouts", "train", 2, timeout=TIMEOUT)
+            nbytes = c.stats()["bytes"]
+        yield location, proc, nbytes
+
+
+def test_serve_on_port_0_announces_the_bound_location(served):
+    location, proc, _ = served
+    assert location.startswith("grpc://127.0.0.1:")
+    assert not location.endswith(":0")
+    assert proc.poll() is None
+
+
+def test_stats_prints_every_partition(served):
+    location, _, _ = served
+    out = flightq_cli("stats", location)
+    assert out.returncode == 0, out.stderr
+    assert f"{location}: 1 partitions, 4 rows" in out.stdout
+    line = next(ln for ln in out.stdout.splitlines() if ln.strip().startswith("rollouts"))
+    assert line.split()[:4] == ["rollouts", TEXT, "2", "4"]
+    assert "prev_lp=0, train=2" in line
+
+
+def test_stats_json_is_the_servers_stats(served):
+    location, _, nbytes = served
+    out = flightq_cli("stats", location, "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["rows"] == 4
+    assert got["bytes"] == nbytes
+    assert got["partitions"]["rollouts"]["delivered"] == {"prev_lp": 0, "train": 2}
+
+
+def test_inspect_prints_schema_fields_and_per_task_progress(served):
+    location, _, _ = served
+    out = flightq_cli("inspect", location, "rollouts")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert f"partition 'rollouts' on {location}" in text
+    assert f"schema      {TEXT}" in text
+    assert "group size 2" in text
+    for field in ("input_ids", "token_mask", "input_lengths", "total_reward"):
+        assert any(ln.split() == [field, "4"] for ln in text.splitlines()), field
+    assert any(ln.split() == ["train", "2", "/", "2"] for ln in text.splitlines())
+    assert any(ln.split() == ["prev_lp", "0", "/", "4"] for ln in text.splitlines())
+
+
+def test_inspect_json_carries_the_declaration(served):
+    location, _, _ = served
+    out = flightq_cli("inspect", location, "rollouts", "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["fields"]["input_ids"] == 4
+    assert got["ready"] == {"prev_lp": 4, "train": 2}
+    assert got["declaration"]["schema_ref"] == TEXT
+    assert json.loads(got["declaration"]["schema"])["name"] == "rollout_text"
+
+
+def test_inspect_of_an_unknown_partition_fails_with_the_servers_message(served):
+    location, _, _ = served
+    out = flightq_cli("inspect", location, "nope")
+    assert out.returncode == 2
+    assert out.stdout == ""
+    assert "flightq: NotFoundError: unknown partition 'nope'; declared: rollouts" in out.stderr
+
+
+def test_stats_of_an_unreachable_server_fails_typed():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    out = flightq_cli("stats", f"grpc://127.0.0.1:{port}")
+    assert out.returncode == 2
+    assert "flightq: UnavailableError:" in out.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_exits_cleanly_on_a_signal(sig):
+    with cli_server() as (location, proc):
+        with flightq.connect(location, timeout=TIMEOUT) as c:
+            assert c.health()["ok"] is True
+        proc.send_signal(sig)
+        proc.wait(timeout=TIMEOUT)
+        assert proc.returncode == 0
