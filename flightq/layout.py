@@ -21,6 +21,7 @@ offsets and the shape columns: it never rebuilds a tensor, so the server can use
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -127,11 +128,17 @@ def schema_of(arrow: pa.Schema) -> Schema:
         raise DecodeError(
             f"wire version {wire!r} is not supported (this flightq reads {WIRE_VERSION!r})"
         )
+    return _parse_schema(meta[META_SCHEMA], meta.get(META_FINGERPRINT, b""))
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_schema(text: bytes, fingerprint: bytes) -> Schema:
+    # Every batch of a stream carries the same metadata: parse it once (schemas are frozen).
     try:
-        schema = Schema.from_json(meta[META_SCHEMA])
+        schema = Schema.from_json(text)
     except SchemaError as e:
         raise DecodeError(f"the schema in the batch metadata is invalid: {e}") from e
-    fp = meta.get(META_FINGERPRINT, b"").decode(errors="replace")
+    fp = fingerprint.decode(errors="replace")
     if fp != schema.fingerprint:
         raise DecodeError(
             f"schema {schema.ref}: metadata fingerprint {fp!r} does not match its "

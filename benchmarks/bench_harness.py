@@ -1,0 +1,90 @@
+"""The benchmark's own checks: bit-exact verification, loopback refusal, ratios, a tiny run.
+
+These are plain tests (no timing): they show that ``flightq bench`` would notice a
+corrupted delivery or a listener beyond loopback, and that a small run writes its JSON,
+markdown and chart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flightq import workloads
+from flightq.bench import procs
+from flightq.bench.cli import main
+from flightq.bench.payload import VerifyError, check_flat, check_rows, flat_buffers
+from flightq.bench.stats import paired_ratio
+
+
+def test_check_rows_accepts_the_same_rows_and_refuses_a_flipped_bit() -> None:
+    step = workloads.w2(0, groups=1)
+    check_rows(step, step.keys, step.columns, step.tags, "same")
+    cols = dict(step.columns)
+    row = [seg.copy() for seg in cols["pixel_values"][0]]
+    row[0].view(np.uint8).reshape(-1)[12345] ^= 1
+    cols["pixel_values"] = [row, *cols["pixel_values"][1:]]
+    with pytest.raises(VerifyError, match=r"field 'pixel_values' row 'p0_g0' segment 0: bytes"):
+        check_rows(step, step.keys, cols, None, "flipped")
+
+
+def test_check_flat_refuses_a_short_or_corrupted_buffer() -> None:
+    step = workloads.w4(0)
+    good = np.concatenate(flat_buffers(step))
+    check_flat(step, good, "ok")
+    bad = good.copy()
+    bad[-1] ^= 0xFF
+    with pytest.raises(VerifyError, match="bytes differ"):
+        check_flat(step, bad, "bad")
+    with pytest.raises(VerifyError, match=r"bytes differ|received"):
+        check_flat(step, good[:-1], "short")
+
+
+@pytest.mark.parametrize(
+    ("address", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.8.0.2", True),
+        ("::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.1.2.3", False),
+    ],
+)
+def test_listener_loopback_table(address: str, loopback: bool) -> None:
+    assert procs.Listener(1, "tcp", address, 80).loopback is loopback
+
+
+def test_check_loopback_finds_a_loopback_listener_of_this_process() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        found = procs.check_loopback([os.getpid()])
+    assert any(x.port == port and x.address == "127.0.0.1" for x in found)
+
+
+def test_paired_ratio_pairs_by_repetition() -> None:
+    # times: a is twice as fast as b in every repetition, whatever the drift
+    r = paired_ratio([1.0, 2.0, 4.0], [2.0, 4.0, 8.0], higher_is_better=False)
+    assert r["median"] == 2.0 and r["min"] == 2.0 and r["max"] == 2.0 and r["n"] == 3
+
+
+def test_a_tiny_run_writes_json_markdown_and_chart(tmp_path: Path) -> None:
+    argv = ["--quick", "--workloads", "W4", "--systems", "memcpy,raw-tcp,pickle5"]
+    argv += ["--reps", "2", "--pings", "4", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    res = doc["workloads"]["W4"]["results"]
+    assert {k: v["status"] for k, v in res.items()} == dict.fromkeys(res, "measured")
+    assert all(v["verified_cycles"] >= 1 for v in res.values())
+    assert "pickle5" in doc["workloads"]["W4"]["ratios"]["vs_raw-tcp"]
+    md = (tmp_path / "bench.md").read_text()
+    assert "## W4" in md and "command: `flightq bench --quick" in md
+    assert (tmp_path / "bench.png").stat().st_size > 0

@@ -1,0 +1,182 @@
+"""Reference point: bare pyarrow Flight DoPut / DoGet of the step's bytes.
+
+The step's payloads travel as one ``large_binary`` column, one element per tensor, in
+record batches of at most :data:`CHUNK_BYTES`. The column is built before the timer
+starts (it is the serialisation a real system would add; this point measures the
+transport). The server keeps the table in memory and streams it back unchanged.
+
+Run as a module (``python -m flightq.bench.arrowflight``) it serves on a free loopback
+port, prints ``{"listening": "grpc://127.0.0.1:PORT"}`` and exits on SIGTERM or when its
+standard input closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import signal
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as fl
+
+from .endpoint import Consumer, Producer, now_ns, timed
+from .payload import VerifyError, flat_buffers
+
+__all__ = ["CHUNK_BYTES", "BareServer", "FlightProducer", "FlightConsumer", "main"]
+
+#: Payload bytes per record batch sent by the bare Flight reference.
+CHUNK_BYTES = 64 * 2**20
+
+_SCHEMA = pa.schema([pa.field("payload", pa.large_binary())])
+
+
+class BareServer(fl.FlightServerBase):
+    """Holds uploaded tables by descriptor path; serves them back; action ``clear``."""
+
+    def __init__(self, location: str = "grpc://127.0.0.1:0") -> None:
+        super().__init__(location)
+        self._tables: dict[bytes, pa.Table] = {}
+        self._lock = threading.Lock()
+
+    def do_put(
+        self,
+        context: fl.ServerCallContext,
+        descriptor: fl.FlightDescriptor,
+        reader: fl.MetadataRecordBatchReader,
+        writer: fl.FlightMetadataWriter,
+    ) -> None:
+        table = reader.read_all()
+        with self._lock:
+            self._tables[descriptor.path[0]] = table
+        writer.write(pa.py_buffer(b"stored"))
+
+    def do_get(self, context: fl.ServerCallContext, ticket: fl.Ticket) -> fl.RecordBatchStream:
+        with self._lock:
+            table = self._tables[ticket.ticket]
+        return fl.RecordBatchStream(table)
+
+    def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> list[bytes]:
+        if action.type == "clear":
+            with self._lock:
+                self._tables.pop(action.body.to_pybytes(), None)
+        return []
+
+
+def _column(step_bufs: list[np.ndarray]) -> pa.Table:
+    lengths = np.fromiter((len(b) for b in step_bufs), np.int64, len(step_bufs))
+    offsets = np.zeros(len(step_bufs) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    data = np.empty(int(offsets[-1]), dtype=np.uint8)
+    for b, lo in zip(step_bufs, offsets[:-1], strict=True):
+        data[lo : lo + len(b)] = b
+    arr = pa.LargeBinaryArray.from_buffers(
+        pa.large_binary(), len(step_bufs), [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+    )
+    batches = []
+    start = 0
+    for i in range(1, len(step_bufs) + 1):
+        if i == len(step_bufs) or offsets[i + 1] - offsets[start] > CHUNK_BYTES:
+            batches.append(pa.record_batch([arr.slice(start, i - start)], schema=_SCHEMA))
+            start = i
+    return pa.Table.from_batches(batches, schema=_SCHEMA)
+
+
+class FlightProducer(Producer):
+    """DoPut of the prebuilt column; waits for the server's acknowledgement."""
+
+    def setup(self) -> dict[str, Any]:
+        self.client = fl.FlightClient(self.info["location"])
+        self.path = f"{self.info['run']}-{self.step.name}".encode()
+        self._table: pa.Table | None = None
+        return {}
+
+    def prepare(self) -> None:
+        if self._table is None:
+            self._table = _column(flat_buffers(self.step))
+
+    def put(self) -> dict[str, Any]:
+        assert self._table is not None
+        t0 = now_ns()
+        writer, reader = self.client.do_put(fl.FlightDescriptor.for_path(self.path), _SCHEMA)
+        for batch in self._table.to_batches():
+            writer.write_batch(batch)
+        writer.done_writing()
+        if reader.read() is None:
+            raise RuntimeError("bare Flight server sent no acknowledgement")
+        writer.close()
+        return timed(t0)
+
+    def clear(self) -> None:
+        list(self.client.do_action(fl.Action("clear", self.path)))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+
+class FlightConsumer(Consumer):
+    """DoGet and ``read_all`` of the column."""
+
+    def setup(self) -> dict[str, Any]:
+        self.client = fl.FlightClient(self.info["location"])
+        self.path = f"{self.info['run']}-{self.ref.name}".encode()
+        self._got: pa.Table | None = None
+        return {}
+
+    def get(self) -> dict[str, Any]:
+        t0 = now_ns()
+        self._got = self.client.do_get(fl.Ticket(self.path)).read_all()
+        return timed(t0)
+
+    def verify(self) -> None:
+        assert self._got is not None
+        want = flat_buffers(self.ref)
+        i = 0
+        for chunk in self._got.column(0).chunks:
+            offs = np.frombuffer(chunk.buffers()[1], dtype=np.int64)[
+                chunk.offset : chunk.offset + len(chunk) + 1
+            ]
+            data = chunk.buffers()[2]
+            values = (
+                np.frombuffer(data, dtype=np.uint8) if data is not None else np.empty(0, np.uint8)
+            )
+            for lo, hi in itertools.pairwise(offs):
+                if i >= len(want) or not np.array_equal(values[lo:hi], want[i]):
+                    raise VerifyError(f"bare-flight: element {i} differs")
+                i += 1
+        if i != len(want):
+            raise VerifyError(f"bare-flight: {i} elements, expected {len(want)}")
+
+    def release(self) -> None:
+        self._got = None
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+
+def _until_eof(stop: threading.Event) -> None:
+    sys.stdin.read()
+    stop.set()
+
+
+def main() -> int:
+    """Serve until SIGTERM or standard input closes."""
+    server = BareServer()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    threading.Thread(target=_until_eof, args=(stop,), daemon=True).start()
+    threading.Thread(target=server.serve, daemon=True).start()
+    print(json.dumps({"listening": f"grpc://127.0.0.1:{server.port}"}), flush=True)
+    stop.wait()
+    server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,97 @@
+"""``flightq bench``: the side-by-side benchmark on the reference workloads.
+
+Examples
+--------
+``flightq bench --quick`` (under two minutes on 2 cores, reduced rows),
+``flightq bench --workloads W2,W4 --systems raw-tcp,flightq,transferqueue``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .procs import LoopbackError
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .runner import ALL_WORKLOADS
+    from .systems import SYSTEMS
+
+    p = argparse.ArgumentParser(
+        prog="flightq bench",
+        description="Measure flightq against the reference points and peers on loopback.",
+    )
+    p.add_argument("--quick", action="store_true", help="reduced rows, fewer repetitions")
+    p.add_argument(
+        "--workloads",
+        default=",".join(ALL_WORKLOADS),
+        help=f"comma-separated (default: all of {','.join(ALL_WORKLOADS)})",
+    )
+    p.add_argument(
+        "--systems", default="", help=f"comma-separated (default: all of {','.join(SYSTEMS)})"
+    )
+    p.add_argument("--out", default="bench-results", help="output folder (default bench-results/)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 5, quick 3)")
+    p.add_argument(
+        "--pings", type=int, default=None, help="W4 round trips (default 1000, quick 150)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``flightq bench``; returns the exit status (3: refused, a listener beyond loopback)."""
+    from . import report
+    from .runner import ALL_WORKLOADS, Options, run
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    workloads = _split(args.workloads)
+    bad = [w for w in workloads if w not in ALL_WORKLOADS]
+    if bad:
+        print(
+            f"flightq bench: unknown workload(s) {bad}; known: {', '.join(ALL_WORKLOADS)}",
+            file=sys.stderr,
+        )
+        return 2
+    reps = args.reps or (3 if args.quick else 5)
+    pings = args.pings or (150 if args.quick else 1000)
+    if reps < 1 or pings < 1:
+        print("flightq bench: --reps and --pings must be at least 1", file=sys.stderr)
+        return 2
+    opts = Options(
+        workloads=workloads,
+        systems=_split(args.systems) or None,
+        quick=args.quick,
+        reps=reps,
+        pings=pings,
+        seed=args.seed,
+        budget_s=20.0 if args.quick else 240.0,
+        command=shlex.join(["flightq", "bench", *argv]),
+        progress=lambda line: print(line, flush=True),
+        call_timeout=120.0 if args.quick else 300.0,
+    )
+    t = time.monotonic()
+    try:
+        doc = run(opts)
+    except LoopbackError as e:
+        print(f"flightq bench: {e}", file=sys.stderr)
+        return 3
+    except ValueError as e:
+        print(f"flightq bench: {e}", file=sys.stderr)
+        return 2
+    doc["wall_s"] = round(time.monotonic() - t, 1)
+    paths = report.write(doc, Path(args.out))
+    print(f"done in {doc['wall_s']:.0f}s: " + ", ".join(str(p) for p in paths.values()))
+    return 0

@@ -1,0 +1,297 @@
+"""Run the workloads across the systems: servers, producer and consumer processes, cycles.
+
+For each workload both worker processes generate the step from the seed; each system's
+two halves are set up, the processes' listening sockets are checked to be on loopback,
+one untimed warm-up cycle runs, then repetitions interleave the systems (the order
+rotates each repetition). A cycle is put, then get, then (untimed) verify, release and
+clear. W4 runs blocks of pings instead of repetitions. Every loop is bounded in count and
+in time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import payload, procs, summarize
+from .systems import System, missing_module, resolve, server_for
+from .worker import Worker
+
+__all__ = ["Options", "run", "ALL_WORKLOADS"]
+
+ALL_WORKLOADS = ("W1", "W1-bf16", "W2", "W3", "W4")
+
+
+@dataclass
+class Options:
+    """What a run measures.
+
+    Attributes
+    ----------
+    workloads, systems:
+        Names to run (systems: all when None).
+    quick:
+        Reduced rows (see :data:`flightq.bench.payload.QUICK_SIZES`), fewer repetitions.
+    reps:
+        Timed repetitions per system and workload (W4: blocks of pings).
+    pings:
+        W4 round trips per system.
+    budget_s:
+        Wall-clock cap on the timed repetitions of one workload.
+    command:
+        The command line, recorded in the output.
+    """
+
+    workloads: list[str]
+    systems: list[str] | None = None
+    quick: bool = False
+    reps: int = 5
+    pings: int = 1000
+    seed: int = 0
+    budget_s: float = 240.0
+    command: str = "flightq bench"
+    progress: Callable[[str], None] = print
+    call_timeout: float = 300.0
+
+
+@dataclass
+class _Active:
+    system: System
+    info: dict[str, Any] = field(default_factory=dict)
+    server_pids: list[int] = field(default_factory=list)
+    error: str = ""
+
+
+def _server_pids(system: System, server: procs.ServerProcess) -> list[int]:
+    if not system.server_procs:
+        return [server.proc.pid] if server.proc else []
+    return [p for p in server.pids if any(s in procs.cmdline(p) for s in system.server_procs)]
+
+
+def run(opts: Options) -> dict[str, Any]:
+    """Run the benchmark; returns the results document (see :mod:`flightq.bench.report`)."""
+    say = opts.progress
+    run_id = secrets.token_hex(3)
+    chosen = resolve(opts.systems)
+    doc: dict[str, Any] = {
+        "flightq_bench": 1,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": opts.command,
+        "machine": procs.machine_info(),
+        "mode": "quick" if opts.quick else "full",
+        "size_notes": payload.describe_sizes(opts.quick),
+        "repetitions": opts.reps,
+        "pings": opts.pings,
+        "seed": opts.seed,
+        "systems": {},
+        "workloads": {},
+    }
+    active: list[_Active] = []
+    for s in chosen:
+        entry: dict[str, Any] = {"kind": s.kind, "note": s.note}
+        miss = missing_module(s)
+        if miss:
+            entry["status"] = "skipped (not installed)"
+            entry["reason"] = f"module {miss!r} is not importable; pip install 'flightq[peers]'"
+            say(f"{s.name:14} skipped (not installed): {miss}")
+        else:
+            entry["status"] = "measured"
+            active.append(_Active(s))
+        doc["systems"][s.name] = entry
+
+    with contextlib.ExitStack() as stack:
+        servers: dict[str, procs.ServerProcess] = {}
+        want_tq = any(a.system.name == "transferqueue" for a in active)
+        for key in dict.fromkeys(a.system.server for a in active if a.system.server):
+            t = time.monotonic()
+            try:
+                servers[key] = stack.enter_context(server_for(key, want_tq))
+                say(f"server {key:10} up in {time.monotonic() - t:.1f}s: {servers[key].info}")
+            except Exception as e:
+                for a in active:
+                    if a.system.server == key:
+                        a.error = f"server did not start: {e}"
+                say(f"server {key:10} FAILED: {e}")
+        for a in active:
+            if a.system.server in servers:
+                srv = servers[a.system.server]
+                loc = srv.info.get("listening")
+                a.info = {"run": run_id, **srv.info, "location": loc}
+            else:
+                a.info = {"run": run_id}
+            if a.error:
+                doc["systems"][a.system.name]["status"] = f"failed: {a.error}"
+        runnable = [a for a in active if not a.error]
+        producer = stack.enter_context(Worker("producer", opts.call_timeout))
+        consumer = stack.enter_context(Worker("consumer", opts.call_timeout))
+        ctx = _Ctx(opts, producer, consumer, servers)
+        for name in opts.workloads:
+            doc["workloads"][name] = ctx.workload(name, runnable)
+        doc["listeners"] = ctx.listeners
+    return doc
+
+
+class _Ctx:
+    """The state of one run: options, the two workers, the servers."""
+
+    def __init__(
+        self,
+        opts: Options,
+        producer: Worker,
+        consumer: Worker,
+        servers: dict[str, procs.ServerProcess],
+    ) -> None:
+        self.opts = opts
+        self.p = producer
+        self.c = consumer
+        self.servers = servers
+        self.listeners: list[dict[str, Any]] = []
+
+    def _pids(self) -> list[int]:
+        me = os.getpid()
+        out = {me, *procs.descendants(me)}
+        for srv in self.servers.values():
+            out.update(srv.pids)
+        return sorted(out)
+
+    def _check_loopback(self) -> None:
+        found = procs.check_loopback(self._pids())
+        self.listeners = [
+            {"pid": x.pid, "proto": x.proto, "address": x.address, "port": x.port} for x in found
+        ]
+
+    def workload(self, name: str, runnable: list[_Active]) -> dict[str, Any]:
+        opts, say = self.opts, self.opts.progress
+        t = time.monotonic()
+        self.p.send("load", workload=name, seed=opts.seed, quick=opts.quick)
+        self.c.send("load", workload=name, seed=opts.seed, quick=opts.quick)
+        loaded = self.p.recv()
+        self.c.recv()
+        nbytes = int(loaded["nbytes"])
+        note = payload.describe_sizes(opts.quick).get(name, "full size")
+        say(
+            f"{name}: {loaded['rows']} rows, {nbytes / 1e6:.1f} MB logical ({note}); "
+            f"generated in {time.monotonic() - t:.1f}s"
+        )
+        out: dict[str, Any] = {"rows": loaded["rows"], "nbytes": nbytes, "size": note}
+        samples: dict[str, list[dict[str, Any]]] = {}
+        errors: dict[str, str] = {}
+        live: list[_Active] = []
+        try:
+            for a in runnable:
+                try:
+                    self._setup(a)
+                    live.append(a)
+                except Exception as e:
+                    errors[a.system.name] = f"setup failed: {e}"
+            self._check_loopback()
+            for a in list(live):
+                try:
+                    self._cycle(a, verify=True)  # warm-up, untimed, verified
+                except Exception as e:
+                    errors[a.system.name] = f"warm-up failed: {e}"
+                    live.remove(a)
+            samples = self._repeat(name, live, errors)
+        finally:
+            for a in runnable:
+                for w in (self.c, self.p):
+                    with contextlib.suppress(Exception):
+                        w.call("teardown", system=a.system.name, timeout=60)
+        out["results"] = summarize.results(name, nbytes, runnable, samples, errors)
+        out["ratios"] = summarize.ratios(name, samples, nbytes)
+        for a in runnable:
+            say(summarize.progress_line(name, a.system.name, out["results"][a.system.name]))
+        return out
+
+    def _setup(self, a: _Active) -> None:
+        s = a.system
+        info = dict(a.info)
+        info.update(self.c.call("setup", system=s.name, path=s.consumer, info=info) or {})
+        if s.producer:
+            self.p.call("setup", system=s.name, path=s.producer, info=info)
+        self.c.call("call", system=s.name, method="ready")
+        if s.producer:
+            self.p.call("call", system=s.name, method="ready")
+        if s.server:
+            a.server_pids = _server_pids(s, self.servers[s.server])
+
+    def _repeat(
+        self, name: str, live: list[_Active], errors: dict[str, str]
+    ) -> dict[str, list[dict[str, Any]]]:
+        opts = self.opts
+        samples: dict[str, list[dict[str, Any]]] = {a.system.name: [] for a in live}
+        ping = name == "W4"
+        per_block = max(1, opts.pings // max(1, opts.reps)) if ping else 1
+        deadline = time.monotonic() + opts.budget_s
+        for r in range(opts.reps):
+            if time.monotonic() > deadline:
+                opts.progress(f"{name}: time budget reached after {r} repetitions")
+                break
+            k = r % len(live) if live else 0
+            for a in live[k:] + live[:k]:
+                if a.system.name in errors:
+                    continue
+                try:
+                    block = [self._cycle(a, verify=(i == 0), rep=r) for i in range(per_block)]
+                except Exception as e:
+                    errors[a.system.name] = f"repetition {r} failed: {e}"
+                    continue
+                samples[a.system.name].extend(block)
+        return samples
+
+    def _cycle(self, a: _Active, verify: bool, rep: int = -1) -> dict[str, Any]:
+        s, p, c = a.system, self.p, self.c
+        name = s.name
+        if s.kind == "local":
+            g = c.call("call", system=name, method="get")
+            dt = (g["t1"] - g["t0"]) / 1e9
+            res = {"put_s": dt, "get_s": dt, "step_s": dt, "peak_consumer": g["peak"]}
+            res["rss0_consumer"] = g["rss0"]
+        elif s.kind == "direct":
+            p.call("call", system=name, method="prepare")
+            c.send("call", system=name, method="get")
+            try:
+                put = p.call("call", system=name, method="put")
+            except Exception:
+                with contextlib.suppress(Exception):
+                    c.recv()  # the receiver gives up at its socket timeout
+                raise
+            g = c.recv()
+            dt = (g["t1"] - put["t0"]) / 1e9
+            res = {"put_s": dt, "get_s": dt, "step_s": dt}
+            res.update(_peaks(put, g))
+        else:
+            p.call("call", system=name, method="prepare")
+            for pid in a.server_pids:
+                procs.reset_peak(pid)
+            srv0 = sum(procs.rss(pid)[0] for pid in a.server_pids)
+            put = p.call("call", system=name, method="put")
+            g = c.call("call", system=name, method="get")
+            put_s, get_s = (put["t1"] - put["t0"]) / 1e9, (g["t1"] - g["t0"]) / 1e9
+            res = {"put_s": put_s, "get_s": get_s, "step_s": put_s + get_s}
+            res.update(_peaks(put, g))
+            res["peak_server"] = sum(procs.rss(pid)[1] for pid in a.server_pids)
+            res["rss0_server"] = srv0
+        if verify:
+            c.call("call", system=name, method="verify")
+            res["verified"] = True
+        c.call("call", system=name, method="release")
+        if s.kind != "local":
+            p.call("call", system=name, method="clear")
+        res["rep"] = rep
+        return res
+
+
+def _peaks(put: dict[str, Any], get: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "peak_producer": put["peak"],
+        "rss0_producer": put["rss0"],
+        "peak_consumer": get["peak"],
+        "rss0_consumer": get["rss0"],
+    }

@@ -1,0 +1,130 @@
+"""Turn one workload's raw cycles into per-system figures and pair-by-pair ratios.
+
+GB/s is 1e9 bytes of logical payload (``step.nbytes()``, each row's copy of a shared
+image counted) per second. For W4 the per-repetition values that ratios pair up are the
+medians of each block of pings; p50 and p99 are taken over all pings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .stats import fmt_spread, paired_ratio, percentiles, summary
+from .systems import BASELINE, PEERS
+
+__all__ = ["results", "ratios", "progress_line", "per_rep"]
+
+_MIB = 2**20
+
+
+def per_rep(samples: list[dict[str, Any]], key: str) -> dict[int, float]:
+    """Per repetition, the median of ``key`` over that repetition's cycles."""
+    by: dict[int, list[float]] = {}
+    for s in samples:
+        by.setdefault(int(s["rep"]), []).append(float(s[key]))
+    return {r: float(np.median(v)) for r, v in by.items()}
+
+
+def _gbps(nbytes: int, seconds: dict[int, float]) -> dict[int, float]:
+    return {r: nbytes / t / 1e9 for r, t in seconds.items() if t > 0}
+
+
+def _peak_mib(samples: list[dict[str, Any]], role: str) -> float | None:
+    vals = [s[f"peak_{role}"] for s in samples if s.get(f"peak_{role}")]
+    return round(max(vals) / _MIB, 1) if vals else None
+
+
+def _base_mib(samples: list[dict[str, Any]], role: str) -> float | None:
+    vals = [s[f"rss0_{role}"] for s in samples if s.get(f"rss0_{role}")]
+    return round(min(vals) / _MIB, 1) if vals else None
+
+
+def _growth_mib(samples: list[dict[str, Any]], role: str) -> float | None:
+    vals = [
+        s[f"peak_{role}"] - s[f"rss0_{role}"]
+        for s in samples
+        if s.get(f"peak_{role}") and s.get(f"rss0_{role}")
+    ]
+    return round(max(vals) / _MIB, 1) if vals else None
+
+
+def results(
+    workload: str,
+    nbytes: int,
+    runnable: Sequence[Any],
+    samples: dict[str, list[dict[str, Any]]],
+    errors: dict[str, str],
+) -> dict[str, Any]:
+    """Per system: status, GB/s summaries, step time, latency (W4), peak RSS."""
+    out: dict[str, Any] = {}
+    for a in runnable:
+        name = a.system.name
+        got = samples.get(name, [])
+        r: dict[str, Any] = {"status": "measured" if got and name not in errors else "failed"}
+        if a.error or name in errors:
+            r["error"] = a.error or errors[name]
+        if not got or name in errors:
+            out[name] = r
+            continue
+        r["put_gbps"] = summary(list(_gbps(nbytes, per_rep(got, "put_s")).values()))
+        r["get_gbps"] = summary(list(_gbps(nbytes, per_rep(got, "get_s")).values()))
+        r["step_ms"] = summary([v * 1e3 for v in per_rep(got, "step_s").values()])
+        if workload == "W4":
+            r["latency_ms"] = percentiles([s["step_s"] * 1e3 for s in got])
+            r["put_ms"] = percentiles([s["put_s"] * 1e3 for s in got])
+            r["get_ms"] = percentiles([s["get_s"] * 1e3 for s in got])
+            r["pings"] = len(got)
+        r["peak_rss_mib"] = {k: _peak_mib(got, k) for k in ("producer", "server", "consumer")}
+        r["baseline_rss_mib"] = {k: _base_mib(got, k) for k in ("producer", "server", "consumer")}
+        r["rss_growth_mib"] = {k: _growth_mib(got, k) for k in ("producer", "server", "consumer")}
+        r["verified_cycles"] = 1 + sum(1 for s in got if s.get("verified"))  # + the warm-up
+        r["cycles"] = len(got)
+        out[name] = r
+    return out
+
+
+def ratios(workload: str, samples: dict[str, list[dict[str, Any]]], nbytes: int) -> dict[str, Any]:
+    """Every system against raw TCP, and flightq against each peer, pair by pair.
+
+    Each entry has ``put``, ``get`` and ``step`` summaries of the per-repetition ratios;
+    above 1 means the first system was faster.
+    """
+    per = {
+        name: {k: per_rep(got, f"{k}_s") for k in ("put", "get", "step")}
+        for name, got in samples.items()
+        if got
+    }
+
+    def pair(a: str, b: str) -> dict[str, Any]:
+        reps = sorted(set(per[a]["put"]) & set(per[b]["put"]))
+        return {
+            k: paired_ratio(
+                [per[a][k][r] for r in reps], [per[b][k][r] for r in reps], higher_is_better=False
+            )
+            for k in ("put", "get", "step")
+        }
+
+    out: dict[str, Any] = {"vs_" + BASELINE: {}, "flightq_vs": {}}
+    if BASELINE in per:
+        out["vs_" + BASELINE] = {n: pair(n, BASELINE) for n in per if n != BASELINE}
+    if "flightq" in per:
+        out["flightq_vs"] = {p: pair("flightq", p) for p in (*PEERS, "memcpy") if p in per}
+    return out
+
+
+def progress_line(workload: str, system: str, r: dict[str, Any]) -> str:
+    """One line per system and workload, printed as the run goes."""
+    head = f"{workload:8} {system:14}"
+    if r.get("status") != "measured":
+        return f"{head} FAILED: {str(r.get('error', '?')).splitlines()[0][:200]}"
+    put, get = fmt_spread(r["put_gbps"]), fmt_spread(r["get_gbps"])
+    line = f"{head} put {put} GB/s  get {get} GB/s  step {fmt_spread(r['step_ms'], 1)} ms"
+    if "latency_ms" in r:
+        lat = r["latency_ms"]
+        line += f"  p50 {lat['p50']:.3f} ms  p99 {lat['p99']:.3f} ms"
+    rss, grow = r["peak_rss_mib"], r["rss_growth_mib"]
+    peaks = "/".join("-" if rss[k] is None else f"{rss[k]:.0f}(+{grow[k]:.0f})" for k in rss)
+    return f"{line}  peak RSS p/s/c {peaks} MiB  verified x{r['verified_cycles']}"

@@ -1,0 +1,162 @@
+"""The systems a run compares: what each needs installed, its server, its two halves.
+
+A system is ``local`` (one process: memcpy), ``direct`` (producer sends straight to the
+consumer: raw TCP, pickle 5) or ``server`` (producer puts into a server process, the
+consumer gets from it). Servers are shared where systems share infrastructure: Ray and
+TransferQueue run on one local Ray cluster.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+
+from . import flightq_system, peers, procs
+
+__all__ = ["System", "SYSTEMS", "BASELINE", "PEERS", "resolve", "missing_module", "server_for"]
+
+
+@dataclass(frozen=True)
+class System:
+    """One compared system.
+
+    Attributes
+    ----------
+    name:
+        As shown in the output.
+    kind:
+        ``local``, ``direct`` or ``server``.
+    producer, consumer:
+        ``module:Class`` of the two halves (``producer`` empty for ``local``).
+    server:
+        Key of the server group it needs (``flightq``, ``flight``, ``peers``), or ``""``.
+    requires:
+        Importable modules it needs; a missing one makes it ``skipped (not installed)``.
+    server_procs:
+        Substrings of the command lines of the server processes whose RSS is its server's
+        (empty: the server group's main process).
+    note:
+        What exactly is measured.
+    """
+
+    name: str
+    kind: str
+    producer: str
+    consumer: str
+    server: str = ""
+    requires: tuple[str, ...] = ()
+    server_procs: tuple[str, ...] = ()
+    note: str = ""
+
+
+_M = "flightq.bench."
+
+SYSTEMS: dict[str, System] = {
+    s.name: s
+    for s in [
+        System(
+            "memcpy",
+            "local",
+            "",
+            _M + "direct:MemcpyConsumer",
+            note="copy into a preallocated, pre-touched buffer; one thread",
+        ),
+        System(
+            "raw-tcp",
+            "direct",
+            _M + "direct:TcpProducer",
+            _M + "direct:TcpConsumer",
+            note="loopback TCP, sendall per tensor, recv_into a preallocated buffer",
+        ),
+        System(
+            "pickle5",
+            "direct",
+            _M + "direct:PickleProducer",
+            _M + "direct:PickleConsumer",
+            note="pickle protocol 5, out-of-band buffers over a loopback socket",
+        ),
+        System(
+            "bare-flight",
+            "server",
+            _M + "arrowflight:FlightProducer",
+            _M + "arrowflight:FlightConsumer",
+            server="flight",
+            note="pyarrow Flight DoPut/DoGet, one large_binary column, 64 MiB batches",
+        ),
+        System(
+            "transferqueue",
+            "server",
+            _M + "peers:TqProducer",
+            _M + "peers:TqConsumer",
+            server="peers",
+            requires=("transfer_queue", "ray", "tensordict"),
+            server_procs=("SimpleStorageUnit", "TransferQueueController"),
+            note="kv_batch_put / kv_batch_get, SimpleStorage (2 units) on Ray",
+        ),
+        System(
+            "ray",
+            "server",
+            _M + "peers:RayProducer",
+            _M + "peers:RayConsumer",
+            server="peers",
+            requires=("ray",),
+            server_procs=("raylet", "gcs_server", "RefBox"),
+            note="ray.put / ray.get across processes (same-node shared memory)",
+        ),
+        System(
+            "flightq",
+            "server",
+            _M + "flightq_system:FlightqProducer",
+            _M + "flightq_system:FlightqConsumer",
+            server="flightq",
+            requires=("flightq.client", "flightq.server"),
+            note="Client.put / Client.get by key, torch views of every field",
+        ),
+    ]
+}
+
+#: The wire reference every ratio is also taken against.
+BASELINE = "raw-tcp"
+#: Systems flightq is compared with pair by pair.
+PEERS = ("pickle5", "bare-flight", "transferqueue", "ray")
+
+
+def missing_module(system: System) -> str | None:
+    """The first required module that is not installed, or None."""
+    for mod in system.requires:
+        try:
+            if importlib.util.find_spec(mod) is None:
+                return mod
+        except (ImportError, ValueError):
+            return mod
+    return None
+
+
+def resolve(names: list[str] | None) -> list[System]:
+    """The systems named (all when None), in the canonical order.
+
+    Raises
+    ------
+    ValueError
+        For an unknown name, listing the known ones.
+    """
+    if not names:
+        return list(SYSTEMS.values())
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
+    return [s for s in SYSTEMS.values() if s.name in names]
+
+
+def server_for(key: str, want_tq: bool) -> procs.ServerProcess:
+    """The (not yet started) server process of a server group."""
+    py = sys.executable
+    if key == "flightq":
+        return procs.ServerProcess(flightq_system.server_argv(), "flightq")
+    if key == "flight":
+        return procs.ServerProcess([py, "-m", _M + "arrowflight"], "bare Flight")
+    if key == "peers":
+        argv = [py, "-m", _M + "peer_head"] + (["--tq"] if want_tq else [])
+        return procs.ServerProcess(argv, "Ray/TransferQueue", ready_timeout=120, env=peers.RAY_ENV)
+    raise KeyError(key)
