@@ -213,8 +213,24 @@ def _encode_tensor(
     return [_binary(payloads, valid), _shapes(shapes)]
 
 
+def _memory_key(x: Any) -> tuple[Any, ...] | None:
+    """Identity of a tensor's memory: equal keys hold equal bytes during one encode.
+
+    Empty tensors get no key: their addresses may coincide, and sharing saves nothing.
+    """
+    if isinstance(x, np.ndarray) and x.size:
+        return ("np", x.__array_interface__["data"][0], x.shape, x.strides, x.dtype.str)
+    if is_torch(x) and x.numel():
+        return ("torch", str(x.device), x.data_ptr(), tuple(x.shape), x.stride(), str(x.dtype))
+    return None
+
+
 def _encode_media(f: Field, data: Any, keys: list[str], zero_copy: bool) -> list[pa.Array]:
-    segs: list[Any] = []
+    # Segments that are the same memory (the image shared by a prompt group's G rows) become
+    # one dictionary entry: it travels, is stored and is decoded once.
+    entries: list[Any] = []
+    index: list[int] = []
+    seen: dict[tuple[Any, ...], tuple[int, tuple[int, ...]]] = {}
     seg_shapes: list[tuple[int, ...] | None] = []
     counts: list[int | None] = []
     for i, row in enumerate(_rows(f, data, keys)):
@@ -227,16 +243,24 @@ def _encode_media(f: Field, data: Any, keys: list[str], zero_copy: bool) -> list
                 f"{type(row).__name__} (row key {keys[i]!r}); wrap one image as [tensor]"
             )
         for j, x in enumerate(row):
-            enc = _checked(f, x, keys[i], zero_copy, what=f" segment {j}")
-            segs.append(f.codec.encode(enc.data) if f.codec is not RAW else enc.data)
-            seg_shapes.append(enc.shape)
+            mkey = _memory_key(x)
+            hit = seen.get(mkey) if mkey is not None else None
+            if hit is None:
+                enc = _checked(f, x, keys[i], zero_copy, what=f" segment {j}")
+                hit = (len(entries), enc.shape)
+                entries.append(f.codec.encode(enc.data) if f.codec is not RAW else enc.data)
+                if mkey is not None:
+                    seen[mkey] = hit
+            index.append(hit[0])
+            seg_shapes.append(hit[1])
         counts.append(len(row))
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum([c or 0 for c in counts], out=offsets[1:])
     mask = None
     if any(c is None for c in counts):
         mask = pa.array([c is None for c in counts], type=pa.bool_())
-    payload = pa.LargeListArray.from_arrays(pa.array(offsets), _binary(segs, None), mask=mask)
+    segs = pa.DictionaryArray.from_arrays(pa.array(index, type=pa.int32()), _binary(entries, None))
+    payload = pa.LargeListArray.from_arrays(pa.array(offsets), segs, mask=mask)
     seg_shape_arr = _shapes(seg_shapes)
     shape_col = pa.LargeListArray.from_arrays(pa.array(offsets), seg_shape_arr, mask=mask)
     return [payload, shape_col]
@@ -571,7 +595,13 @@ class MediaColumn(Column):
         self.segment_shapes: list[tuple[int, ...]] = [
             tuple(int(d) for d in vals[offs[j] : offs[j + 1]]) for j in range(len(seg_shapes))
         ]
-        self._base, self._elem = _decoded_base(f, segs, self.segment_shapes, as_)
+        #: Per segment, its entry in the batch's dictionary of distinct payloads.
+        self.entry = segs.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+        entries = segs.dictionary
+        entry_shapes: list[tuple[int, ...]] = [(0,)] * len(entries)
+        for j, e in enumerate(self.entry):
+            entry_shapes[e] = self.segment_shapes[j]
+        self._base, self._elem = _decoded_base(f, entries, entry_shapes, as_)
 
     @property
     def counts(self) -> np.ndarray:
@@ -579,8 +609,10 @@ class MediaColumn(Column):
         return np.diff(self.row_segments)
 
     def segment(self, j: int) -> Any:
-        """Segment ``j`` of the whole column (rows in order)."""
-        return row_view(self._base, int(self._elem[j]), self.segment_shapes[j], self.copy)
+        """Segment ``j`` of the whole column (rows in order); shared segments share memory."""
+        return row_view(
+            self._base, int(self._elem[self.entry[j]]), self.segment_shapes[j], self.copy
+        )
 
     def __getitem__(self, i: int) -> list[Any] | None:
         if not self.valid[i]:
@@ -594,7 +626,8 @@ class MediaColumn(Column):
         """All segments concatenated along dim 0, and each row's range along that dim.
 
         Returns ``(values, row_offsets)``: row ``i``'s segments are
-        ``values[row_offsets[i]:row_offsets[i + 1]]``. A view when the field is raw.
+        ``values[row_offsets[i]:row_offsets[i + 1]]``. A view when the field is raw and no
+        segment is shared between rows; otherwise one copy (shared segments repeat).
 
         Raises
         ------
@@ -616,8 +649,16 @@ class MediaColumn(Column):
         total = int(seg_start[-1])
         if not shapes:
             values = row_view(self._base, 0, (0, *tail), self.copy) if tail else self._base[:0]
+        elif np.array_equal(self.entry, np.arange(self.entry[0], self.entry[0] + len(shapes))):
+            values = row_view(self._base, int(self._elem[self.entry[0]]), (total, *tail), self.copy)
         else:
-            values = row_view(self._base, int(self._elem[0]), (total, *tail), self.copy)
+            parts = [self.segment(j) for j in range(len(shapes))]
+            if self.as_ == "numpy":
+                values = np.concatenate(parts)
+            else:
+                import torch
+
+                values = torch.cat(parts)
         return values, row_offsets
 
 

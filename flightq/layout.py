@@ -9,8 +9,9 @@ Every flightq record batch has these columns, in this order:
 ``<field>`` and ``<field>__shape``
     for each field present, in schema order. token and tensor fields: ``large_binary``
     payload (the tensor's raw little-endian bytes) and ``list<int64>`` shape. media
-    fields: ``large_list<large_binary>`` (one payload per segment) and
-    ``large_list<list<int64>>`` (one shape per segment). scalar fields: one plain Arrow
+    fields: ``large_list<dictionary<int32, large_binary>>`` (one dictionary index per
+    segment; a payload shared by several segments is one dictionary entry, so it travels
+    once) and ``large_list<list<int64>>`` (one shape per segment). scalar fields: one plain Arrow
     column of the field's type (bfloat16 and float8 as their bit patterns), no shape.
 
 The schema-level metadata carries the whole schema (``flightq.schema``, canonical JSON),
@@ -69,12 +70,18 @@ FIELD_CODEC = b"flightq.codec"
 _LIMIT = float(2**62)
 
 
+#: Media payloads: per row a list of segments, each an index into a per-batch dictionary of
+#: distinct payloads, so a segment shared by several rows (the image of a prompt group)
+#: travels and is stored once.
+MEDIA_TYPE = pa.large_list(pa.dictionary(pa.int32(), pa.large_binary()))
+
+
 def payload_type(f: Field) -> pa.DataType:
     """The Arrow type of a field's payload column."""
     if f.role == "scalar":
         return f.dt.arrow
     if f.role == "media":
-        return pa.large_list(pa.large_binary())
+        return MEDIA_TYPE
     return pa.large_binary()
 
 
@@ -359,6 +366,8 @@ def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
             base = name[: -len(SHAPE_SUFFIX)]
             if base not in names:
                 raise DecodeError(f"shape column {name!r} has no payload column {base!r}")
+            if base in schema and schema[base].role == "scalar":
+                raise DecodeError(f"shape column {name!r}: scalar field {base!r} has no shape")
             continue
         if name not in schema:
             raise UndeclaredFieldError(
@@ -421,8 +430,14 @@ def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
                 raise DecodeError(f"{where}a null row has segments")
             segs = col.values.slice(outer_p[0], outer_p[-1] - outer_p[0])
             seg_shapes = shapes.values.slice(outer_s[0], outer_s[-1] - outer_s[0])
-            if segs.null_count or seg_shapes.null_count:
+            if segs.indices.null_count or seg_shapes.null_count:
                 raise DecodeError(f"{where}a media segment or its shape is null")
+            entries = segs.dictionary
+            if entries.null_count:
+                raise DecodeError(f"{where}a media dictionary entry is null")
+            idx = _np(segs.indices).astype(np.int64)
+            if idx.size and (idx.min() < 0 or idx.max() >= len(entries)):
+                raise DecodeError(f"{where}a media segment points outside its dictionary")
             row_of_seg = np.repeat(np.arange(n), counts_p)
 
             def seg_at(j: int, _r: np.ndarray = row_of_seg) -> str:
@@ -431,7 +446,11 @@ def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
             so, sv = _shape_arrays(seg_shapes, where)
             _check_fixed(f, so, sv, np.ones(len(so) - 1, dtype=bool), where, seg_at)
             want = shape_products(so, sv, f.dt.itemsize, where, seg_at)
-            got = _payload_lengths(f, segs, np.ones(len(segs), dtype=bool), where)
+            if f.codec is RAW and np.any(np.diff(binary_offsets(entries)) % f.dt.itemsize):
+                raise ShapeError(f"{where}a media entry is not a whole number of {f.dtype}")
+            used = np.zeros(len(entries), dtype=bool)
+            used[idx] = True
+            got = _payload_lengths(f, entries, used, where)[idx]
             bad = np.nonzero(want != got)[0]
             if bad.size:
                 j = int(bad[0])
@@ -440,7 +459,10 @@ def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
                     f"{where}segment of shape {shp} needs {want[j]} bytes of {f.dtype}, "
                     f"payload has {got[j]}{seg_at(j)}"
                 )
-            seg_bytes = np.diff(binary_offsets(segs))
+            # A shared entry is counted once, on the first row that uses it.
+            _, first = np.unique(idx, return_index=True)
+            seg_bytes = np.zeros(len(idx), dtype=np.int64)
+            seg_bytes[first] = np.diff(binary_offsets(entries))[idx[first]]
             np.add.at(nbytes, row_of_seg, seg_bytes)
             continue
         if np.any(~valid & (np.diff(_np(shapes.offsets)) != 0)):

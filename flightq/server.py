@@ -173,11 +173,11 @@ class Server(fl.FlightServerBase):
                 raise ProtocolError("get ticket: keys must be strings")
             part, rows, names = self.store.rows_for_get(name, keys, fields)
             schema, batches = assemble(part, rows, names, self.max_batch_bytes)
-            return fl.GeneratorStream(schema, batches)
+            return _stream(schema, batches)
         if op == "scan":
             part, rows, names = self.store.scan(name)
             schema, batches = assemble(part, rows, names, self.max_batch_bytes)
-            return fl.GeneratorStream(schema, batches)
+            return _stream(schema, batches)
         if op == "claim":
             task = require(t, "task", str, "claim ticket")
             size = require(t, "batch_size", int, "claim ticket")
@@ -190,7 +190,7 @@ class Server(fl.FlightServerBase):
             part, rows, names = self.store.claim(name, task, size, fields, timeout, wait_for)
             schema, batches = assemble(part, rows, names, self.max_batch_bytes)
             keys = [r.key for r in rows]
-            return fl.GeneratorStream(schema, self._claimed(name, task, keys, batches))
+            return _stream(schema, self._claimed(name, task, keys, batches))
         raise ProtocolError(f"ticket: unknown op {op!r}; expected get, claim or scan")
 
     def _claimed(
@@ -300,6 +300,12 @@ class Server(fl.FlightServerBase):
                 lambda: require(_command(descriptor, "descriptor"), "partition", str, "descriptor")
             )
         return self._guard(self._info, name)
+
+
+def _stream(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> fl.FlightDataStream:
+    # A reader-backed stream writes media dictionaries (and replaces them between stored
+    # batches); a dictionary shared by consecutive batches is sent once.
+    return fl.RecordBatchStream(pa.RecordBatchReader.from_batches(schema, batches))
 
 
 def _command(descriptor: fl.FlightDescriptor, what: str) -> dict[str, Any]:

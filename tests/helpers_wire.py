@@ -129,6 +129,20 @@ def replace_column(rb: pa.RecordBatch, name: str, array: pa.Array) -> pa.RecordB
     return pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields, metadata=rb.schema.metadata))
 
 
+def media_array(rows: list[list[bytes] | None]) -> pa.Array:
+    """A media payload column (``large_list<dictionary<int32, large_binary>>``) from bytes,
+    one dictionary entry per segment."""
+    flat = [seg for row in rows if row is not None for seg in row]
+    offsets = [0]
+    for row in rows:
+        offsets.append(offsets[-1] + (len(row) if row is not None else 0))
+    entries = pa.DictionaryArray.from_arrays(
+        pa.array(range(len(flat)), type=pa.int32()), pa.array(flat, type=pa.large_binary())
+    )
+    mask = pa.array([row is None for row in rows]) if any(r is None for r in rows) else None
+    return pa.LargeListArray.from_arrays(pa.array(offsets, type=pa.int64()), entries, mask=mask)
+
+
 def drop_column(rb: pa.RecordBatch, name: str) -> pa.RecordBatch:
     """``rb`` without column ``name``, metadata kept."""
     i = rb.schema.get_field_index(name)

@@ -15,6 +15,7 @@ from helpers_wire import (
     buffer_span,
     drop_column,
     ipc_bytes,
+    media_array,
     read_ipc,
     replace_column,
     schema_of_fields,
@@ -118,19 +119,23 @@ def test_w3_write_back_of_prev_logprobs_is_a_batch_of_that_field_alone() -> None
 def _assert_views_into(col: pa.Array, rows: list[Any], media: bool) -> int:
     """Every tensor lies at its payload's offset in the column's data buffer; returns count."""
     if media:
-        data = col.values.buffers()[2]
-        offsets = binary_offsets(col.values)
+        # Segments index a dictionary of distinct payloads; a shared one is one entry.
+        data = col.values.dictionary.buffers()[2]
+        offsets = binary_offsets(col.values.dictionary)
+        entry = col.values.indices.to_numpy()
         tensors = [seg for row in rows for seg in row]
     else:
         data = col.buffers()[2]
         offsets = binary_offsets(col)
+        entry = np.arange(len(rows))
         tensors = rows
     lo, hi = buffer_span(data)
     for j, t in enumerate(tensors):
+        e = int(entry[j])
         start, stop = tensor_span(t)
         assert lo <= start <= stop <= hi
-        assert start == lo + int(offsets[j])
-        assert stop - start == int(offsets[j + 1] - offsets[j])
+        assert start == lo + int(offsets[e])
+        assert stop - start == int(offsets[e + 1] - offsets[e])
     return len(tensors)
 
 
@@ -144,6 +149,11 @@ def test_decoding_w1_copies_no_tensor_bytes(w1: tuple[workloads.Step, pa.RecordB
             continue
         seen += _assert_views_into(rb.column(name), out[name], media=f.role == "media")
     assert seen == 4 * 128 + 2 * 128  # four token fields, two media fields of one segment
+    # The 16 rows of a group carry one image: one dictionary entry, 16 views of it.
+    assert len(rb.column("pixel_values").values.dictionary) == 8
+    px = out["pixel_values"]
+    assert all(px[i][0].data_ptr() == px[16 * (i // 16)][0].data_ptr() for i in range(128))
+    assert len({px[i][0].data_ptr() for i in range(128)}) == 8
 
 
 def test_decoding_a_received_stream_views_the_received_buffer() -> None:
@@ -164,7 +174,7 @@ def test_decoding_a_received_stream_views_the_received_buffer() -> None:
 def test_decode_copy_gives_writable_independent_tensors() -> None:
     step = workloads.to_torch(workloads.w1(groups=1, g=2))
     rb = read_ipc(ipc_bytes(flightq.encode(shipped(VLM), step.columns, step.keys)))
-    data = rb.column("pixel_values").values.buffers()[2]
+    data = rb.column("pixel_values").values.dictionary.buffers()[2]
     lo, hi = buffer_span(data)
     out = flightq.decode(rb, copy=True)
     px = out["pixel_values"][0][0]
@@ -274,14 +284,28 @@ def test_media_cat_concatenates_segments_along_dim0_with_row_offsets() -> None:
     assert values.data_ptr() == col.segment(0).data_ptr()  # a view, not a copy
 
 
-def test_media_cat_of_w1_pixels_is_one_view_of_every_image() -> None:
+def test_media_cat_of_distinct_images_is_one_view_of_every_image() -> None:
+    step = workloads.to_torch(workloads.w1(groups=4, g=1))
+    rb = flightq.encode(shipped(VLM), step.columns, step.keys)
+    values, offsets = flightq.decode(rb).column("pixel_values").cat()
+    assert values.shape == (4 * 748, 1176)
+    assert offsets.tolist() == [0, 748, 1496, 2244, 2992]
+    data = rb.column("pixel_values").values.dictionary.buffers()[2]
+    assert buffer_span(data)[0] == values.data_ptr()
+    assert torch.equal(values[748:1496], step.columns["pixel_values"][1][0])
+
+
+def test_media_cat_of_shared_images_repeats_them_in_one_copy() -> None:
     step = workloads.to_torch(workloads.w1(groups=2, g=2))
     rb = flightq.encode(shipped(VLM), step.columns, step.keys)
     values, offsets = flightq.decode(rb).column("pixel_values").cat()
     assert values.shape == (4 * 748, 1176)
     assert offsets.tolist() == [0, 748, 1496, 2244, 2992]
-    assert buffer_span(rb.column("pixel_values").values.buffers()[2])[0] == values.data_ptr()
+    data = rb.column("pixel_values").values.dictionary.buffers()[2]
+    lo, hi = buffer_span(data)
+    assert not lo <= values.data_ptr() < hi
     assert torch.equal(values[748:1496], step.columns["pixel_values"][1][0])
+    assert torch.equal(values[1496:2244], step.columns["pixel_values"][2][0])
 
 
 def test_media_cat_refuses_segments_of_different_trailing_dims() -> None:
@@ -579,7 +603,7 @@ def test_payload_shorter_than_its_shape_is_refused() -> None:
 
 def test_media_segment_longer_than_its_shape_is_refused() -> None:
     rb = flightq.encode(shipped(VLM), {"num_frames": [[], [np.ones(3, np.int32)]]}, ["a", "b"])
-    payload = pa.array([[], [b"\x01" * 16]], pa.large_list(pa.large_binary()))
+    payload = media_array([[], [b"\x01" * 16]])
     _refused_by_validate_and_decode(
         replace_column(rb, "num_frames", payload),
         ShapeError,

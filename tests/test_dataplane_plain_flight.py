@@ -113,7 +113,11 @@ def test_plain_client_reads_media_segments_with_their_shapes(client):
     client.create_partition("vlm", VLM, group_size=2)
     client.put("vlm", step.keys, step.columns, step.tags)
     _, table = plain_read(client.location, "vlm")
-    assert table.schema.field("pixel_values").type == pa.large_list(pa.large_binary())
+    media = pa.large_list(pa.dictionary(pa.int32(), pa.large_binary()))
+    assert table.schema.field("pixel_values").type == media
+    # The two rows share one image: one dictionary entry, indexed by both rows' segments.
+    chunk = table.column("pixel_values").chunks[0]
+    assert len(chunk.values.dictionary) == 1 and chunk.values.indices.to_pylist() == [0, 0]
     segments = table.column("pixel_values")[1].as_py()
     shapes = table.column("pixel_values__shape")[1].as_py()
     assert shapes == [[748, 1176]]

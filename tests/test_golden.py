@@ -117,6 +117,17 @@ def test_golden_stream_decodes_to_the_recorded_values(ref: str) -> None:
                 _assert_row(g, w, dtype)
 
 
+@pytest.mark.parametrize("ref", ["rollout_vlm@1", "rollout_vlm_bf16@1"])
+def test_golden_image_shared_by_two_generations_travels_once(ref: str) -> None:
+    data, _ = _golden(ref)
+    rb = read_ipc(data)
+    px = rb.column("pixel_values").values
+    assert px.indices.to_pylist() == [0, 0, 1]  # q0_g0's image, q0_g1's same image, a tile
+    assert len(px.dictionary) == 2
+    out = flightq.decode(rb)
+    assert out["pixel_values"][0][0].data_ptr() == out["pixel_values"][1][0].data_ptr()
+
+
 def test_golden_bf16_pixels_decode_to_numpy_as_bit_patterns() -> None:
     data, want = _golden("rollout_vlm_bf16@1")
     out = flightq.decode(read_ipc(data), as_="numpy")

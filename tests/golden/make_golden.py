@@ -84,12 +84,14 @@ def _vlm_inputs(bf16: bool) -> Inputs:
     patches = _f32(np.arange(12).reshape(2, 6) * 0.5 - 2.0)  # Qwen-style [n, 1176], tiny
     tile = _f32(np.arange(12).reshape(1, 3, 2, 2) * -0.25)  # Omni-style [t, 3, H, W]
     video = _f32(np.arange(6).reshape(2, 3) + 0.5)
+    shared = px(patches)  # q0_g0 and q0_g1 answer one prompt: one image, one dictionary entry
+    grid = _i64([[1, 1, 2]])
     columns = {
         "input_ids": [_i64(np.arange(6) + 1000), _i64(np.arange(6) + 2000), _i64([5, 6, 7, 8])],
         "mm_token_type_ids": [_i64([0, 1, 1, 1, 0, 0]), _i64([0, 1, 1, 0, 0, 0]), _i64([0] * 4)],
         "token_type_ids": [None, None, _i64([0, 0, 0, 0])],
-        "pixel_values": [[px(patches)], [px(tile)], []],
-        "image_grid_thw": [[_i64([[1, 1, 2]])], [], []],
+        "pixel_values": [[shared], [shared, px(tile)], []],
+        "image_grid_thw": [[grid], [grid], []],
         "imgs_sizes": [None, [np.asarray([[2, 2]], dtype=np.int32)], []],
         "num_frames": [None, [np.asarray([1], dtype=np.int32)], []],
         "pixel_values_videos": [[px(video)], [], []],
