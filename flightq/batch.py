@@ -11,6 +11,7 @@ read-only views over the received Arrow buffers (pass ``copy=True`` for writable
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ from .errors import (
     ShapeError,
     UndeclaredFieldError,
 )
-from .layout import SHAPE_SUFFIX, TAGS, arrow_schema, binary_offsets, validate
+from .layout import MEDIA_TYPE, SHAPE_SUFFIX, TAGS, arrow_schema, binary_offsets, validate
 from .schema import Field, Schema
 from .tensor import Encoded, column_base, is_torch, nbytes_for, row_view, to_bytes
 
@@ -40,6 +41,7 @@ __all__ = [
     "ScalarColumn",
     "ChunkedColumn",
     "split_batch",
+    "encode_chunks",
     "row_nbytes",
 ]
 
@@ -770,20 +772,116 @@ class ChunkedColumn(Column):
 
 
 def row_nbytes(batch: pa.RecordBatch) -> np.ndarray:
-    """Per row, the bytes of its binary payloads (what dominates a batch's size)."""
+    """Per row, the bytes of its binary payloads (what dominates a batch's size).
+
+    A media segment counts its dictionary entry's bytes (shared entries in every row).
+    """
     n = batch.num_rows
     out = np.zeros(n, dtype=np.int64)
     for col in batch.columns:
         t = col.type
         if t == pa.large_binary():
             out += np.diff(binary_offsets(col))
-        elif pa.types.is_large_list(t) and t.value_type == pa.large_binary():
+        elif t == MEDIA_TYPE:
             outer = col.offsets.to_numpy().astype(np.int64)
-            inner = binary_offsets(col.values)
-            out += inner[outer[1:]] - inner[outer[:-1]]
+            segs = col.values.slice(int(outer[0]), int(outer[-1] - outer[0]))
+            lengths = np.diff(binary_offsets(segs.dictionary))
+            seg = lengths[segs.indices.to_numpy(zero_copy_only=False).astype(np.int64)]
+            sums = np.concatenate([[0], np.cumsum(seg)])
+            rel = outer - outer[0]
+            out += sums[rel[1:]] - sums[rel[:-1]]
         elif pa.types.is_primitive(t):
             out += max(t.bit_width // 8, 1)
     return out
+
+
+#: No chunk grows past this to keep shared media together (well below gRPC's 2 GiB).
+HARD_CHUNK_BYTES = 256 * 2**20
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, np.ndarray):
+        return int(x.nbytes)
+    if is_torch(x):
+        return int(x.numel() * x.element_size())
+    return 0
+
+
+def encode_chunks(
+    schema: Schema,
+    columns: Mapping[str, Any],
+    keys: Sequence[str],
+    tags: Sequence[Mapping[str, Any] | None] | None = None,
+    *,
+    max_bytes: int,
+    zero_copy: bool = False,
+) -> list[pa.RecordBatch]:
+    """Encode rows as several record batches of about ``max_bytes`` each.
+
+    Rows are cut into consecutive ranges before encoding, so each batch carries its own
+    dictionary of distinct media and no message grows with the whole put. A range is never
+    cut between rows that share a media segment (a prompt group's image stays one entry)
+    unless the range would pass :data:`HARD_CHUNK_BYTES`. Same parameters and errors as
+    :func:`encode`.
+    """
+    keys = list(keys)
+    n = len(keys)
+    lengths_ok = all(
+        hasattr(v, "__len__") and len(v) == n for name, v in columns.items() if name in schema
+    )
+    if n <= 1 or not lengths_ok or (tags is not None and len(tags) != n):
+        return [encode(schema, columns, keys, tags, zero_copy=zero_copy)]
+    sizes = np.zeros(n, dtype=np.int64)
+    shares_back = np.zeros(n, dtype=bool)  # row i shares media with an earlier row
+    first_row: dict[tuple[Any, ...], int] = {}
+    for name, data in columns.items():
+        if name not in schema:
+            continue
+        f = schema[name]
+        if f.role == "scalar":
+            sizes += f.dt.itemsize
+            continue
+        for i, row in enumerate(data):
+            if row is None:
+                continue
+            if f.role != "media":
+                sizes[i] += _nbytes(row)
+                continue
+            for x in row if isinstance(row, Sequence) else ():
+                mkey = _memory_key(x)
+                if mkey is not None and mkey in first_row:
+                    shares_back[i] |= first_row[mkey] < i
+                    continue
+                if mkey is not None:
+                    first_row[mkey] = i
+                sizes[i] += _nbytes(x)
+    if int(sizes.sum()) <= max_bytes:
+        return [encode(schema, columns, keys, tags, zero_copy=zero_copy)]
+    cuts = [0]
+    acc = 0
+    for i in range(n):
+        s = int(sizes[i])
+        over = acc + s > max_bytes
+        if i > cuts[-1] and over and (not shares_back[i] or acc + s > HARD_CHUNK_BYTES):
+            cuts.append(i)
+            acc = 0
+        acc += s
+    cuts.append(n)
+    out = []
+    for a, b in itertools.pairwise(cuts):
+        cols = {name: _rows_slice(v, a, b) for name, v in columns.items()}
+        out.append(
+            encode(
+                schema, cols, keys[a:b], None if tags is None else tags[a:b], zero_copy=zero_copy
+            )
+        )
+    return out
+
+
+def _rows_slice(v: Any, a: int, b: int) -> Any:
+    if isinstance(v, (list, tuple, np.ndarray)) or is_torch(v):
+        return v[a:b]
+    return list(v)[a:b]
 
 
 def split_batch(batch: pa.RecordBatch, max_bytes: int) -> list[pa.RecordBatch]:

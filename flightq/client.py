@@ -27,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from .batch import Batch, decode, encode, split_batch
+from .batch import Batch, decode, encode_chunks, split_batch
 from .errors import FlightqError, SchemaMismatchError, UnknownSchemaError
 from .protocol import from_flight_error, pack, unpack
 from .registry import SchemaRegistry
@@ -266,27 +266,33 @@ class Client:
             From the local encode or from the server; nothing is stored.
         """
         schema = self._partition_schema(partition)
-        rb = encode(schema, columns, keys, tags)
-        return self.put_batch(partition, rb, overwrite=overwrite, timeout=timeout)
+        batches = encode_chunks(schema, columns, keys, tags, max_bytes=self.max_batch_bytes)
+        return self.put_batch(partition, batches, overwrite=overwrite, timeout=timeout)
 
     def put_batch(
         self,
         partition: str,
-        batch: pa.RecordBatch,
+        batch: pa.RecordBatch | Sequence[pa.RecordBatch],
         *,
         overwrite: bool = False,
         timeout: float | None = None,
     ) -> int:
-        """Write an already encoded record batch (see :func:`flightq.encode`)."""
+        """Write already encoded record batches (see :func:`flightq.encode`) as one put."""
+        batches = [batch] if isinstance(batch, pa.RecordBatch) else list(batch)
+        if not batches:
+            raise ValueError(f"put to {partition!r}: no record batches")
         wait = self.timeout if timeout is None else timeout
         # The server may wait for space (memory budget) for most of the call's timeout.
         cmd = {"op": "put", "partition": partition, "overwrite": overwrite, "timeout": 0.8 * wait}
         desc = fl.FlightDescriptor.for_command(pack(cmd))
         try:
-            writer, reader = self._flight.do_put(desc, batch.schema, options=self._options(timeout))
+            writer, reader = self._flight.do_put(
+                desc, batches[0].schema, options=self._options(timeout)
+            )
             with writer:
-                for chunk in split_batch(batch, self.max_batch_bytes):
-                    writer.write_batch(chunk)
+                for b in batches:
+                    for chunk in split_batch(b, self.max_batch_bytes):
+                        writer.write_batch(chunk)
                 writer.done_writing()
                 ack = reader.read()
         except (pa.ArrowException, fl.FlightError) as e:

@@ -38,6 +38,7 @@ from .schema import Field, Schema
 
 __all__ = [
     "KEY",
+    "MEDIA_TYPE",
     "TAGS",
     "SHAPE_SUFFIX",
     "WIRE_VERSION",
@@ -338,7 +339,10 @@ def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
         batch.validate(full=True)
     except pa.ArrowException as e:
         raise DecodeError(f"malformed record batch: {e}") from e
-    names = batch.schema.names
+    try:
+        names = batch.schema.names
+    except UnicodeDecodeError as e:
+        raise DecodeError(f"malformed record batch: a column name is not UTF-8 ({e})") from e
     if names[:2] != [KEY, TAGS]:
         raise DecodeError(f"a flightq batch starts with columns {KEY!r}, {TAGS!r}; got {names[:2]}")
     keycol = batch.column(0)
@@ -383,9 +387,9 @@ def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
             raise DecodeError(
                 f"{where}expected Arrow type {payload_type(f)} for role {f.role}, got {col.type}"
             )
-        if meta.get(FIELD_DTYPE, f.dtype.encode()).decode() != f.dtype:
+        if meta.get(FIELD_DTYPE, f.dtype.encode()).decode(errors="replace") != f.dtype:
             raise DecodeError(
-                f"{where}field metadata says dtype {meta[FIELD_DTYPE].decode()!r}, "
+                f"{where}field metadata says dtype {meta[FIELD_DTYPE].decode(errors='replace')!r}, "
                 f"schema {schema.ref} declares {f.dtype!r}"
             )
         codec_meta = meta.get(FIELD_CODEC)
