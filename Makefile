@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints-test.txt
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found; set PYTHON=python3.x"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints-test.txt -e '.[torch,test,bench]'
+	$(PIP) install --quiet -c constraints-test.txt -e '.[torch,test,bench,ray]'
 	@touch $(STAMP)
 
 venv: $(STAMP)

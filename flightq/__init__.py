@@ -16,6 +16,7 @@ from .errors import (
     ClaimTimeoutError,
     ConflictError,
     DecodeError,
+    DeviceError,
     DTypeError,
     EncodeError,
     EvolutionError,
@@ -40,10 +41,18 @@ if TYPE_CHECKING:
     from .aio import AsyncClient
     from .client import Client, connect
     from .server import Server
+    from .sharded import ShardedClient, connect_sharded
 
 __version__ = "0.1.0.dev0"
 
-_LAZY = {"Server": "server", "Client": "client", "connect": "client", "AsyncClient": "aio"}
+_LAZY = {
+    "Server": "server",
+    "Client": "client",
+    "connect": "client",
+    "AsyncClient": "aio",
+    "ShardedClient": "sharded",
+    "connect_sharded": "sharded",
+}
 
 
 def __getattr__(name: str) -> object:
@@ -60,11 +69,14 @@ __all__ = [
     "Batch",
     "Client",
     "Server",
+    "ShardedClient",
     "connect",
+    "connect_sharded",
     "ClaimTimeoutError",
     "ConflictError",
     "DTypeError",
     "DecodeError",
+    "DeviceError",
     "EncodeError",
     "EvolutionError",
     "Field",

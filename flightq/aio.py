@@ -49,6 +49,7 @@ _METHODS = (
     "stats",
     "inspect",
     "partitions",
+    "snapshot",
 )
 
 

@@ -11,8 +11,9 @@ read-only views over the received Arrow buffers (pass ``copy=True`` for writable
 
 from __future__ import annotations
 
+import contextvars
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -44,6 +45,13 @@ __all__ = [
     "encode_chunks",
     "row_nbytes",
 ]
+
+#: A writer that copies payloads straight to their destination (:mod:`flightq.shm`) sets
+#: this while it encodes: ``_binary`` then hands it the payloads and offsets and uses the
+#: placeholder buffer it returns instead of gathering the bytes itself.
+GATHER: contextvars.ContextVar[Callable[[list[Any], np.ndarray], pa.Buffer | None] | None] = (
+    contextvars.ContextVar("flightq_gather", default=None)
+)
 
 _CAST_HINT = {
     "torch": "cast with .to(torch.{want})",
@@ -162,10 +170,14 @@ def _binary(payloads: list[Any], valid: list[bool] | None) -> pa.Array:
     lengths = np.fromiter((len(memoryview(p).cast("B")) for p in payloads), np.int64, len(payloads))
     offsets = np.zeros(len(payloads) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    buf = np.empty(int(offsets[-1]), dtype=np.uint8)
-    for p, lo, hi in zip(payloads, offsets[:-1], offsets[1:], strict=True):
-        if hi > lo:
-            buf[lo:hi] = np.frombuffer(p, dtype=np.uint8)
+    gather = GATHER.get()
+    data = gather(payloads, offsets) if gather is not None else None
+    if data is None:
+        buf = np.empty(int(offsets[-1]), dtype=np.uint8)
+        for p, lo, hi in zip(payloads, offsets[:-1], offsets[1:], strict=True):
+            if hi > lo:
+                buf[lo:hi] = np.frombuffer(p, dtype=np.uint8)
+        data = pa.py_buffer(buf)
     mask = None
     null_count = 0
     if valid is not None and not all(valid):
@@ -174,7 +186,7 @@ def _binary(payloads: list[Any], valid: list[bool] | None) -> pa.Array:
     return pa.LargeBinaryArray.from_buffers(
         pa.large_binary(),
         len(payloads),
-        [mask, pa.py_buffer(offsets), pa.py_buffer(buf)],
+        [mask, pa.py_buffer(offsets), data],
         null_count,
     )
 
@@ -815,6 +827,7 @@ def encode_chunks(
     *,
     max_bytes: int,
     zero_copy: bool = False,
+    on_range: Callable[[int, int], None] | None = None,
 ) -> list[pa.RecordBatch]:
     """Encode rows as several record batches of about ``max_bytes`` each.
 
@@ -822,7 +835,8 @@ def encode_chunks(
     dictionary of distinct media and no message grows with the whole put. A range is never
     cut between rows that share a media segment (a prompt group's image stays one entry)
     unless the range would pass :data:`HARD_CHUNK_BYTES`. Same parameters and errors as
-    :func:`encode`.
+    :func:`encode`; ``on_range(start, stop)`` is called before rows ``[start, stop)`` are
+    encoded (CUDA puts wait there for those rows' device-to-host copies).
     """
     keys = list(keys)
     n = len(keys)
@@ -830,6 +844,8 @@ def encode_chunks(
         hasattr(v, "__len__") and len(v) == n for name, v in columns.items() if name in schema
     )
     if n <= 1 or not lengths_ok or (tags is not None and len(tags) != n):
+        if on_range is not None:
+            on_range(0, n)
         return [encode(schema, columns, keys, tags, zero_copy=zero_copy)]
     sizes = np.zeros(n, dtype=np.int64)
     shares_back = np.zeros(n, dtype=bool)  # row i shares media with an earlier row
@@ -856,6 +872,8 @@ def encode_chunks(
                     first_row[mkey] = i
                 sizes[i] += _nbytes(x)
     if int(sizes.sum()) <= max_bytes:
+        if on_range is not None:
+            on_range(0, n)
         return [encode(schema, columns, keys, tags, zero_copy=zero_copy)]
     cuts = [0]
     acc = 0
@@ -869,6 +887,8 @@ def encode_chunks(
     cuts.append(n)
     out = []
     for a, b in itertools.pairwise(cuts):
+        if on_range is not None:
+            on_range(a, b)
         cols = {name: _rows_slice(v, a, b) for name, v in columns.items()}
         out.append(
             encode(

@@ -119,6 +119,21 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8815)
     sv.add_argument("--schemas", help="schema folder (default: the shipped schemas)")
     sv.add_argument("--memory-budget", type=int, default=None, help="bytes the store may hold")
+    sv.add_argument(
+        "--peers",
+        help="every shard's location, comma-separated, this one's included "
+        "(GetFlightInfo lists one endpoint per peer; see docs/sharding.md)",
+    )
+    sv.add_argument("--snapshot-dir", help="directory the snapshot action writes into")
+    sv.add_argument("--restore", help="a snapshot directory to load before serving")
+    sv.add_argument("--tls-cert", help="PEM certificate: serve grpc+tls:// (with --tls-key)")
+    sv.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    sv.add_argument("--token-file", help="accepted bearer tokens, one per line")
+    sv.add_argument(
+        "--tokens-from-env",
+        action="store_true",
+        help="accepted bearer tokens from $FLIGHTQ_TOKENS, one per line",
+    )
     sv.set_defaults(func=_cmd_serve)
 
     st = sub.add_parser("stats", help="what a running server holds")

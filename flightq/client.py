@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as fl
 
 from .batch import Batch, decode, encode_chunks, split_batch
-from .errors import FlightqError, SchemaMismatchError, UnknownSchemaError
+from .cuda import PinnedPool, decode_to_device, resolve_device, stage
+from .errors import FlightqError, ProtocolError, SchemaMismatchError, UnknownSchemaError
 from .protocol import from_flight_error, pack, unpack
 from .registry import SchemaRegistry
 from .schema import Schema
@@ -61,6 +62,7 @@ def connect(
     registry: SchemaRegistry | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+    shm: bool | str = False,
     **flight_kwargs: Any,
 ) -> Client:
     """Connect to a server and check the schema versions this process was built for.
@@ -78,6 +80,13 @@ def connect(
         Default seconds for every call.
     max_batch_bytes:
         Payload bytes per record batch a put sends.
+    shm:
+        Same host only (a loopback location): move the bytes of puts, gets and claims
+        through shared memory in this directory (True: ``/dev/shm``) instead of the
+        socket; same API, same validation (:mod:`flightq.shm`).
+    **flight_kwargs:
+        ``token="..."`` for a server that requires a bearer token; ``tls_root_certs``
+        (PEM bytes) for a ``grpc+tls://`` server; anything else ``FlightClient`` takes.
 
     Returns
     -------
@@ -92,10 +101,21 @@ def connect(
         If the server does not know a schema.
     UnavailableError, FlightqTimeoutError
         If the server cannot be reached within ``timeout``.
+    UnauthenticatedError
+        If the server requires a token and none, or a wrong one, was given.
+    ProtocolError
+        With ``shm``: the location is not loopback, the server has shared memory
+        disabled, or it does not see this process's shared-memory directory.
     """
-    client = Client(location, timeout=timeout, max_batch_bytes=max_batch_bytes, **flight_kwargs)
+    client = Client(
+        location, timeout=timeout, max_batch_bytes=max_batch_bytes, shm=shm, **flight_kwargs
+    )
     try:
         client.health()
+        if client.shm_dir is not None:
+            from .shm import handshake
+
+            handshake(client)
         wanted = _resolve(schemas, registry)
         if wanted:
             client.check_schemas(wanted)
@@ -117,13 +137,35 @@ class Client:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        token: str | None = None,
+        shm: bool | str = False,
         **flight_kwargs: Any,
     ) -> None:
+        self.shm_dir: str | None = None
+        self._shm_pool: Any = None
+        if shm:
+            from .shm import directory, is_local
+
+            if not is_local(location):
+                raise ProtocolError(
+                    f"shared memory needs a server on this host; {location} is not loopback "
+                    "(127.0.0.0/8, ::1, localhost) or unix: connect without shm"
+                )
+            self.shm_dir = directory(shm)
+        if token is not None:
+            from .auth import BearerTokenClientMiddlewareFactory
+
+            flight_kwargs["middleware"] = [
+                *(flight_kwargs.get("middleware") or []),
+                BearerTokenClientMiddlewareFactory(token),
+            ]
         self.location = location
         self.timeout = timeout
         self.max_batch_bytes = max_batch_bytes
         self._schemas: dict[str, Schema] = {}
         self._lock = threading.Lock()
+        #: Pinned host buffers and copy streams for CUDA tensors (empty until first used).
+        self._pinned = PinnedPool()
         try:
             self._flight = fl.FlightClient(location, **flight_kwargs)
         except (pa.ArrowException, fl.FlightError) as e:
@@ -253,21 +295,39 @@ class Client:
         *,
         overwrite: bool = False,
         timeout: float | None = None,
+        put_id: str | None = None,
     ) -> int:
         """Write rows, all or nothing, in one DoPut. Returns the rows written.
 
         New rows must carry every required field; onto existing rows any subset of fields
         may be written. Writing a column a row already has needs ``overwrite=True``.
-        Tags are merged into the rows' tags.
+        Tags are merged into the rows' tags. Retrying a put after a timeout is safe: a
+        put whose cells all equal what the rows hold already, or that repeats a recent
+        ``put_id`` (any unique string), is acknowledged again without storing anything.
 
         Raises
         ------
         UndeclaredFieldError, DTypeError, ShapeError, MissingFieldError, ConflictError
             From the local encode or from the server; nothing is stored.
+
+        Tensors may be on a CUDA device: they are copied into pinned host memory on a side
+        stream, each record batch encoded as soon as its rows have arrived (see
+        :mod:`flightq.cuda`); the bytes sent are the same as for CPU tensors.
         """
         schema = self._partition_schema(partition)
-        batches = encode_chunks(schema, columns, keys, tags, max_bytes=self.max_batch_bytes)
-        return self.put_batch(partition, batches, overwrite=overwrite, timeout=timeout)
+        # Through shared memory, payloads are copied once: from the tensors into the segment.
+        with stage(columns, self._pinned) as staged, _gathering(self.shm_dir):
+            batches = encode_chunks(
+                schema,
+                staged.columns,
+                keys,
+                tags,
+                max_bytes=self.max_batch_bytes,
+                on_range=staged.on_range,
+            )
+            return self.put_batch(
+                partition, batches, overwrite=overwrite, timeout=timeout, put_id=put_id
+            )
 
     def put_batch(
         self,
@@ -276,14 +336,26 @@ class Client:
         *,
         overwrite: bool = False,
         timeout: float | None = None,
+        put_id: str | None = None,
     ) -> int:
-        """Write already encoded record batches (see :func:`flightq.encode`) as one put."""
+        """Write already encoded record batches (see :func:`flightq.encode`) as one put.
+
+        Several batches (one schema) travel in one DoPut and are stored all or nothing.
+        """
         batches = [batch] if isinstance(batch, pa.RecordBatch) else list(batch)
         if not batches:
             raise ValueError(f"put to {partition!r}: no record batches")
         wait = self.timeout if timeout is None else timeout
         # The server may wait for space (memory budget) for most of the call's timeout.
         cmd = {"op": "put", "partition": partition, "overwrite": overwrite, "timeout": 0.8 * wait}
+        # The row count lets the server refuse a stream cut short; the id makes retries safe.
+        cmd["rows"] = sum(b.num_rows for b in batches)
+        if put_id is not None:
+            cmd["put_id"] = put_id
+        if self.shm_dir is not None:
+            from .shm import put_via_shm
+
+            return put_via_shm(self, cmd, batches, timeout)
         desc = fl.FlightDescriptor.for_command(pack(cmd))
         try:
             writer, reader = self._flight.do_put(
@@ -304,11 +376,41 @@ class Client:
     def _read(
         self, ticket: Mapping[str, Any], what: str, timeout: float | None
     ) -> list[pa.RecordBatch]:
+        if self.shm_dir is not None:
+            ticket = {**ticket, "shm": True}
         try:
             reader = self._flight.do_get(fl.Ticket(pack(ticket)), options=self._options(timeout))
-            return [chunk.data for chunk in reader]
+            batches = [chunk.data for chunk in reader]
         except (pa.ArrowException, fl.FlightError) as e:
             raise from_flight_error(e, what) from e
+        if self.shm_dir is not None:
+            from .shm import take
+
+            return take(batches, self.shm_dir, what)
+        return batches
+
+    def _read_to_device(
+        self,
+        device: Any,
+        ticket: Mapping[str, Any],
+        what: str,
+        timeout: float | None,
+        *,
+        copy: bool,
+        sync: bool,
+    ) -> Batch:
+        """A DoGet stream decoded into CUDA tensors as its record batches arrive."""
+
+        def chunks() -> Iterator[pa.RecordBatch]:
+            try:
+                opts = self._options(timeout)
+                reader = self._flight.do_get(fl.Ticket(pack(ticket)), options=opts)
+                for chunk in reader:
+                    yield chunk.data
+            except (pa.ArrowException, fl.FlightError) as e:
+                raise from_flight_error(e, what) from e
+
+        return decode_to_device(chunks(), device, self._pinned, copy=copy, sync=sync)
 
     def get(
         self,
@@ -319,10 +421,16 @@ class Client:
         as_: str = "torch",
         copy: bool = False,
         timeout: float | None = None,
+        device: Any = None,
+        sync: bool = True,
     ) -> Batch:
         """Rows by key, in the order asked, with any subset of fields.
 
         ``fields=None`` returns every column the rows have (``None`` where a row lacks one).
+        ``device="cuda:N"`` returns a :class:`flightq.cuda.DeviceBatch` of CUDA tensors,
+        copied from pinned buffers while later record batches arrive; ``sync=False``
+        returns once the copies are queued (the device's current stream waits for them;
+        other streams wait on ``batch.event``). ``None`` or ``"cpu"``: CPU tensors.
 
         Raises
         ------
@@ -330,9 +438,15 @@ class Client:
             Naming unknown keys.
         MissingFieldError
             Naming a requested field and the rows that lack it.
+        DeviceError
+            If ``device`` cannot be used here (no CUDA, no such device, ``as_='numpy'``).
         """
         t: dict[str, Any] = {"op": "get", "partition": partition, "keys": list(keys)}
         t["fields"] = None if fields is None else list(fields)
+        dev = resolve_device(device, as_)
+        if dev is not None:
+            what = f"get from {partition!r}"
+            return self._read_to_device(dev, t, what, timeout, copy=copy, sync=sync)
         return decode(self._read(t, f"get from {partition!r}", timeout), as_=as_, copy=copy)
 
     def claim(
@@ -346,6 +460,8 @@ class Client:
         timeout: float | None = None,
         as_: str = "torch",
         copy: bool = False,
+        device: Any = None,
+        sync: bool = True,
     ) -> Batch:
         """Block until ``batch_size`` rows are ready for ``task``, take them, return them.
 
@@ -354,13 +470,17 @@ class Client:
         ``wait_for``; whole groups when the partition has a group size. The rows come back
         with ``fields``, or with every column they have when ``fields`` is None: a trainer
         calls ``claim(p, "train", n, wait_for=["prev_logprobs"])``. Rows count as
-        delivered once claimed; :meth:`reset` releases them.
+        delivered once claimed; :meth:`reset` releases them. ``device`` and ``sync`` as
+        for :meth:`get` (a bad device is refused before anything is claimed).
 
         Raises
         ------
         ClaimTimeoutError
             (also a ``TimeoutError``) if not enough rows are ready within ``timeout``.
+        DeviceError
+            If ``device`` cannot be used here; nothing is claimed.
         """
+        dev = resolve_device(device, as_)
         wait = self.timeout if timeout is None else timeout
         t = {
             "op": "claim",
@@ -372,8 +492,29 @@ class Client:
             "timeout": wait,
         }
         # The server answers within `wait`; the transport gets a margin on top.
+        if dev is not None:
+            what, limit = f"claim from {partition!r}", wait + max(5.0, 0.1 * wait)
+            return self._read_to_device(dev, t, what, limit, copy=copy, sync=sync)
         batches = self._read(t, f"claim from {partition!r}", wait + max(5.0, 0.1 * wait))
         return decode(batches, as_=as_, copy=copy)
+
+    def snapshot(
+        self, name: str, partition: str | None = None, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Make the server write a snapshot of one partition (all when None) to disk.
+
+        The snapshot lands atomically in the server's snapshot directory under ``name``
+        (a plain name, no path); ``flightq serve --restore DIR/NAME`` loads it.
+        Returns ``{"path": where on the server, "partitions": {name: rows}}``.
+
+        Raises
+        ------
+        ProtocolError
+            If the server has no snapshot directory or ``name`` is not a plain name.
+        ConflictError
+            If a snapshot of that name exists.
+        """
+        return self._action("snapshot", {"name": name, "partition": partition}, timeout)
 
     def partitions(self) -> list[str]:
         """Names of the partitions the server holds (ListFlights)."""
@@ -389,6 +530,8 @@ class Client:
 
     def close(self) -> None:
         """Close the connection."""
+        if self._shm_pool is not None:
+            self._shm_pool.close()
         with contextlib.suppress(pa.ArrowException, fl.FlightError):
             self._flight.close()
 
@@ -397,3 +540,11 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _gathering(shm_dir: str | None) -> contextlib.AbstractContextManager[None]:
+    if shm_dir is None:
+        return contextlib.nullcontext()
+    from .shm import gathering
+
+    return gathering()

@@ -27,6 +27,7 @@ __all__ = [
     "UnavailableError",
     "ResourceExhaustedError",
     "UnauthenticatedError",
+    "DeviceError",
     "ERROR_CLASSES",
 ]
 
@@ -111,6 +112,10 @@ class ResourceExhaustedError(FlightqError, MemoryError):
 
 class UnauthenticatedError(FlightqError, PermissionError):
     """The request carries no valid credentials."""
+
+
+class DeviceError(FlightqError, RuntimeError):
+    """A device cannot be used here: no CUDA, no torch, no such device, or a bad name."""
 
 
 #: Wire name to class, for carrying errors from server to client (see protocol).

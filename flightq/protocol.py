@@ -50,6 +50,7 @@ ACTIONS: dict[str, str] = {
     "stats": "what the server holds: {}",
     "inspect": "one partition in detail: {partition}",
     "health": "liveness and version: {}",
+    "snapshot": "write partitions to the snapshot directory: {name, partition (null: all)}",
 }
 
 #: Largest ticket, descriptor or action body accepted (bytes).

@@ -17,25 +17,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from .errors import FlightqError, ProtocolError, SchemaError, SchemaMismatchError
+from .errors import (
+    FlightqError,
+    ProtocolError,
+    SchemaError,
+    SchemaMismatchError,
+    UnknownSchemaError,
+)
 from .layout import validate
 from .protocol import PROTOCOL_VERSION, pack, require, to_flight_error, unpack
 from .registry import SchemaRegistry
 from .schema import Schema, diff_schemas
 from .store import Store, assemble, make_piece
 
-__all__ = ["Server", "serve_forever", "DEFAULT_MAX_BATCH_BYTES"]
+__all__ = ["Server", "serve_forever", "DEFAULT_MAX_BATCH_BYTES", "DEFAULT_MAX_PUT_BATCH_BYTES"]
 
 #: Payload bytes per record batch served (batches are cut there; well below gRPC's 2 GiB).
 DEFAULT_MAX_BATCH_BYTES = 16 * 2**20
+#: Largest record batch a put may send (Arrow buffer bytes); the client cuts at 16 MiB.
+DEFAULT_MAX_PUT_BATCH_BYTES = 2**30
 
 
 class Server(fl.FlightServerBase):
@@ -53,6 +62,26 @@ class Server(fl.FlightServerBase):
     memory_budget:
         Payload bytes the store may hold; a put that does not fit waits (up to its
         timeout) for clears, then fails with ResourceExhaustedError. None: unbounded.
+    max_put_batch_bytes:
+        Largest record batch (Arrow buffer bytes) a put may send; a larger one is refused
+        with ProtocolError and nothing of the put is stored.
+    tokens:
+        Accepted bearer tokens; when given, every call without one is refused with
+        UnauthenticatedError before it touches data (:mod:`flightq.auth`).
+    snapshot_dir:
+        Directory the ``snapshot`` action writes into; None: snapshots are refused.
+    restore:
+        A snapshot directory to load before serving (:mod:`flightq.snapshot`).
+    peers:
+        Every shard's location, this server's included, as clients reach them (see
+        ``docs/sharding.md``); GetFlightInfo then lists one endpoint per peer. May be set
+        after construction (``server.peers = [...]``) when ports come from the OS.
+    shm:
+        Serve same-host clients that ask for it through shared memory (:mod:`flightq.shm`)
+        in this directory (True: ``/dev/shm``); False refuses such requests.
+    **kwargs:
+        Passed to ``pyarrow.flight.FlightServerBase``, e.g. ``tls_certificates`` (see
+        :func:`flightq.auth.tls_certificates`) with a ``grpc+tls://`` location.
     """
 
     def __init__(
@@ -62,16 +91,40 @@ class Server(fl.FlightServerBase):
         *,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         memory_budget: int | None = None,
+        max_put_batch_bytes: int = DEFAULT_MAX_PUT_BATCH_BYTES,
+        tokens: Iterable[str] | None = None,
+        snapshot_dir: str | os.PathLike[str] | None = None,
+        restore: str | os.PathLike[str] | None = None,
+        peers: Iterable[str] | None = None,
+        shm: bool | str = True,
         **kwargs: Any,
     ) -> None:
-        super().__init__(location, **kwargs)
+        if tokens is not None:
+            from .auth import BearerTokenServerMiddlewareFactory
+
+            kwargs["middleware"] = {
+                **kwargs.get("middleware", {}),
+                "flightq.auth": BearerTokenServerMiddlewareFactory(tokens),
+            }
         self.registry = registry if registry is not None else SchemaRegistry.default()
         self.store = Store(memory_budget)
+        if restore is not None:
+            self._restore(restore)
+        super().__init__(location, **kwargs)
         self.max_batch_bytes = max_batch_bytes
+        self.max_put_batch_bytes = max_put_batch_bytes
+        self.snapshot_dir = snapshot_dir
         host = location.split("://", 1)[-1].rsplit(":", 1)[0]
         scheme = location.split("://", 1)[0]
         self._location = f"{scheme}://{host}:{self.port}"
         self._thread: threading.Thread | None = None
+        self._stopper: threading.Thread | None = None
+        self.peers: list[str] = list(peers or [])
+        from . import shm as _shm
+
+        self.shm_dir = _shm.directory(shm) if shm else None
+        self._shm_pool: _shm.SegmentPool | None = None
+        self._shm_lock = threading.Lock()
 
     @property
     def location(self) -> str:
@@ -85,12 +138,45 @@ class Server(fl.FlightServerBase):
             self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Shut down, finishing in-flight requests, and wait for the serving thread."""
-        self.shutdown()
+    def stop(self, deadline: float = 10.0) -> bool:
+        """Shut down gracefully within ``deadline`` seconds.
+
+        New calls are refused; claims and puts waiting for rows or space fail at once
+        with UnavailableError; requests being processed (a put streaming in, a read
+        streaming out) finish. Returns whether everything finished within the deadline.
+        """
+        self.store.close()
+        if self._stopper is None:
+            self._stopper = threading.Thread(
+                target=self.shutdown, name="flightq-shutdown", daemon=True
+            )
+            self._stopper.start()
+        self._stopper.join(timeout=deadline)
+        if self._stopper.is_alive():
+            return False
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=deadline)
             self._thread = None
+        if self._shm_pool is not None:
+            self._shm_pool.close()
+        return True
+
+    def _restore(self, path: str | os.PathLike[str]) -> None:
+        from .snapshot import read_snapshot
+
+        parts = read_snapshot(path)
+        for p in parts:
+            try:
+                mine = self.registry.get(p.schema.ref)
+            except UnknownSchemaError:
+                mine = self.registry.register(p.schema)
+            if mine.fingerprint != p.schema.fingerprint:
+                raise SchemaMismatchError(
+                    f"snapshot partition {p.name!r} has schema {p.schema.ref} "
+                    f"({p.schema.fingerprint}); the server's differs ({mine.fingerprint}): "
+                    + "; ".join(diff_schemas(mine, p.schema))
+                )
+        self.store.restore(parts)
 
     def __enter__(self) -> Server:
         return self.start()
@@ -127,13 +213,14 @@ class Server(fl.FlightServerBase):
         reader: fl.MetadataRecordBatchReader,
         writer: fl.FlightMetadataWriter,
     ) -> None:
-        self._guard(self._do_put, descriptor, reader, writer)
+        self._guard(self._do_put, descriptor, reader, writer, context)
 
     def _do_put(
         self,
         descriptor: fl.FlightDescriptor,
         reader: fl.MetadataRecordBatchReader,
         writer: fl.FlightMetadataWriter,
+        context: fl.ServerCallContext | None = None,
     ) -> None:
         cmd = _command(descriptor, "put descriptor")
         name = require(cmd, "partition", str, "put")
@@ -141,24 +228,49 @@ class Server(fl.FlightServerBase):
         wait = cmd.get("timeout", 0.0)
         if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not wait >= 0:
             raise ProtocolError("put descriptor: 'timeout' must be a non-negative number")
+        rows = cmd.get("rows")
+        if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 0):
+            raise ProtocolError("put descriptor: 'rows' must be a non-negative integer")
+        put_id = cmd.get("put_id")
+        if put_id is not None and (not isinstance(put_id, str) or len(put_id) > 256):
+            raise ProtocolError("put descriptor: 'put_id' must be a string of <= 256 chars")
         part = self.store.partition(name)
         pieces = []
+        got = 0
         try:
-            for chunk in reader:
-                pieces.append(make_piece(chunk.data, validate(chunk.data, part.schema)))
+            for data in self._put_source(cmd, reader, context, f"put to {name!r}"):
+                size = data.nbytes
+                if size > self.max_put_batch_bytes:
+                    raise ProtocolError(
+                        f"put to {name!r}: a record batch of {size} bytes exceeds the "
+                        f"server's limit of {self.max_put_batch_bytes} bytes per batch; "
+                        "send smaller batches (Client(max_batch_bytes=...))"
+                    )
+                got += data.num_rows
+                pieces.append(make_piece(data, validate(data, part.schema)))
         except pa.ArrowException as e:
             raise ProtocolError(
                 f"put to {name!r}: the stream broke off or is malformed: {e}"
             ) from e
-        n = self.store.put(name, pieces, overwrite, float(wait))
+        # A writer that died mid-put may look like a clean end of stream: never store it.
+        if context is not None and context.is_cancelled():
+            raise ProtocolError(f"put to {name!r}: the client went away; nothing was stored")
+        if rows is not None and got != rows:
+            raise ProtocolError(
+                f"put to {name!r}: the stream ended after {got} of the {rows} rows announced; "
+                "nothing was stored"
+            )
+        n = self.store.put(name, pieces, overwrite, float(wait), put_id)
         writer.write(pa.py_buffer(pack({"rows": n})))
 
     # ------------------------------------------------------------------ DoGet
 
     def do_get(self, context: fl.ServerCallContext, ticket: fl.Ticket) -> fl.FlightDataStream:
-        return self._guard(self._do_get, ticket)
+        return self._guard(self._do_get, ticket, context)
 
-    def _do_get(self, ticket: fl.Ticket) -> fl.FlightDataStream:
+    def _do_get(
+        self, ticket: fl.Ticket, context: fl.ServerCallContext | None = None
+    ) -> fl.FlightDataStream:
         t = unpack(ticket.ticket, "ticket")
         op = require(t, "op", str, "ticket")
         name = require(t, "partition", str, "ticket")
@@ -173,11 +285,11 @@ class Server(fl.FlightServerBase):
                 raise ProtocolError("get ticket: keys must be strings")
             part, rows, names = self.store.rows_for_get(name, keys, fields)
             schema, batches = assemble(part, rows, names, self.max_batch_bytes)
-            return _stream(schema, batches)
+            return _stream(*self._shm_reply(t, schema, batches, context))
         if op == "scan":
             part, rows, names = self.store.scan(name)
             schema, batches = assemble(part, rows, names, self.max_batch_bytes)
-            return _stream(schema, batches)
+            return _stream(*self._shm_reply(t, schema, batches, context))
         if op == "claim":
             task = require(t, "task", str, "claim ticket")
             size = require(t, "batch_size", int, "claim ticket")
@@ -187,9 +299,17 @@ class Server(fl.FlightServerBase):
             wait_for = t.get("wait_for") or []
             if not isinstance(wait_for, list) or not all(isinstance(f, str) for f in wait_for):
                 raise ProtocolError("claim ticket: 'wait_for' must be a list of names")
-            part, rows, names = self.store.claim(name, task, size, fields, timeout, wait_for)
+            cancelled = context.is_cancelled if context is not None else None
+            part, rows, names = self.store.claim(
+                name, task, size, fields, timeout, wait_for, cancelled
+            )
             schema, batches = assemble(part, rows, names, self.max_batch_bytes)
             keys = [r.key for r in rows]
+            try:
+                schema, batches = self._shm_reply(t, schema, batches, context)
+            except BaseException:
+                self.store.unclaim(name, task, keys)
+                raise
             return _stream(schema, self._claimed(name, task, keys, batches))
         raise ProtocolError(f"ticket: unknown op {op!r}; expected get, claim or scan")
 
@@ -204,6 +324,53 @@ class Server(fl.FlightServerBase):
         finally:
             if not done:
                 self.store.unclaim(name, task, keys)
+
+    # ------------------------------------------------------------------ shared memory
+
+    def _put_source(
+        self,
+        cmd: dict[str, Any],
+        reader: fl.MetadataRecordBatchReader,
+        context: fl.ServerCallContext | None,
+        what: str,
+    ) -> Iterator[pa.RecordBatch]:
+        """A put's record batches: from the stream, or mapped from a shm segment."""
+        ref = cmd.get("shm")
+        if ref is None:
+            return (chunk.data for chunk in reader)
+        from . import shm
+
+        if self.shm_dir is None:
+            raise ProtocolError(f"{what}: this server has shared memory disabled")
+        if context is not None:
+            shm.check_peer(context.peer(), what)
+        return iter(shm.read(ref, self.shm_dir, what, populate=False))
+
+    def _shm_reply(
+        self,
+        t: dict[str, Any],
+        schema: pa.Schema,
+        batches: Iterator[pa.RecordBatch],
+        context: fl.ServerCallContext | None,
+    ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+        """A read's answer: the batches, or (ticket ``shm``) the segment holding them."""
+        if not t.get("shm"):
+            return schema, batches
+        from . import shm
+
+        what = f"{t.get('op')} from {t.get('partition')!r}"
+        if self.shm_dir is None:
+            raise ProtocolError(f"{what}: this server has shared memory disabled")
+        if context is not None:
+            shm.check_peer(context.peer(), what)
+        with self._shm_lock:
+            pool = self._shm_pool
+            if pool is None or pool.dir != self.shm_dir:  # first use, or moved
+                if pool is not None:
+                    pool.close()
+                pool = self._shm_pool = shm.SegmentPool(self.shm_dir)
+        out_schema, out = shm.answer(pool, schema, batches, what)
+        return out_schema, iter(out)
 
     # ------------------------------------------------------------------ DoAction
 
@@ -220,10 +387,13 @@ class Server(fl.FlightServerBase):
         kind = action.type
         body = unpack(action.body, f"action {kind!r}") if action.body.size else {}
         if kind == "health":
+            from .shm import probe_reply
+
             return {
                 "ok": True,
                 "protocol": PROTOCOL_VERSION,
                 "partitions": len(self.store.partitions()),
+                "shm": probe_reply(self.shm_dir, body),
             }
         if kind == "check_schemas":
             schemas = require(body, "schemas", list, "check_schemas")
@@ -267,6 +437,18 @@ class Server(fl.FlightServerBase):
             return self.store.stats()
         if kind == "inspect":
             return self.store.inspect(require(body, "partition", str, "inspect"))
+        if kind == "snapshot":
+            from .snapshot import snapshot_path, write_snapshot
+
+            dest = snapshot_path(self.snapshot_dir, body.get("name"))
+            only = body.get("partition")
+            if only is not None and not isinstance(only, str):
+                raise ProtocolError("snapshot: 'partition' must be a name or null")
+            manifest = write_snapshot(self.store, dest, None if only is None else [only])
+            return {
+                "path": str(dest),
+                "partitions": {e["name"]: e["rows"] for e in manifest["partitions"]},
+            }
         raise ProtocolError(f"unknown action {kind!r}")
 
     # ------------------------------------------------------------------ descriptions
@@ -277,9 +459,12 @@ class Server(fl.FlightServerBase):
 
         schema = arrow_schema(part.schema, names)
         ticket = fl.Ticket(pack({"op": "scan", "partition": name}))
-        endpoint = fl.FlightEndpoint(ticket, [fl.Location(self.location)])
+        # Sharded: one endpoint per peer, same scan ticket; totals of other shards unknown.
+        where = self.peers or [self.location]
+        endpoints = [fl.FlightEndpoint(ticket, [fl.Location(loc)]) for loc in where]
         descriptor = fl.FlightDescriptor.for_path(name)
-        return fl.FlightInfo(schema, descriptor, [endpoint], len(rows), part.nbytes)
+        n, nbytes = (-1, -1) if self.peers else (len(rows), part.nbytes)
+        return fl.FlightInfo(schema, descriptor, endpoints, n, nbytes)
 
     def list_flights(
         self, context: fl.ServerCallContext, criteria: bytes
@@ -329,8 +514,27 @@ def serve_forever(args: argparse.Namespace) -> int:
     host = args.host
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
+    extra: dict[str, Any] = {}
+    scheme = "grpc"
+    if getattr(args, "tls_cert", None) or getattr(args, "tls_key", None):
+        from .auth import tls_certificates
+
+        if not (args.tls_cert and args.tls_key):
+            raise ProtocolError("TLS needs both --tls-cert and --tls-key")
+        extra["tls_certificates"] = tls_certificates(args.tls_cert, args.tls_key)
+        scheme = "grpc+tls"
+    if getattr(args, "token_file", None) or getattr(args, "tokens_from_env", False):
+        from .auth import read_tokens
+
+        extra["tokens"] = read_tokens(args.token_file)
     server = Server(
-        f"grpc://{host}:{args.port}", registry=registry, memory_budget=args.memory_budget
+        f"{scheme}://{host}:{args.port}",
+        registry=registry,
+        memory_budget=args.memory_budget,
+        snapshot_dir=getattr(args, "snapshot_dir", None),
+        restore=getattr(args, "restore", None),
+        peers=[p for p in (getattr(args, "peers", None) or "").split(",") if p],
+        **extra,
     )
     stop = threading.Event()
 

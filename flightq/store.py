@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,16 +27,24 @@ from .errors import (
     ClaimTimeoutError,
     ConflictError,
     EncodeError,
+    FlightqTimeoutError,
     MissingFieldError,
     NotFoundError,
     ProtocolError,
     ResourceExhaustedError,
     ShapeError,
+    UnavailableError,
 )
 from .layout import KEY, SHAPE_SUFFIX, TAGS, Checked, arrow_schema, binary_offsets
 from .schema import Schema
 
 __all__ = ["Store", "Partition", "Row", "Piece"]
+
+#: Put ids remembered per partition (for idempotent retries).
+_RECENT_PUTS = 4096
+#: Seconds between checks that a waiting claim's caller is still there.
+_POLL = 0.2
+_MISSING = object()
 
 
 @dataclass
@@ -72,6 +80,8 @@ class Partition:
     delivered: dict[str, set[str]] = field(default_factory=dict)
     next_group: int = 0
     nbytes: int = 0
+    #: Acknowledgements of recent puts by put id (oldest first), for idempotent retries.
+    recent_puts: dict[str, int] = field(default_factory=dict)
 
     def declaration(self) -> dict[str, Any]:
         """The declaration as sent by ``declare``."""
@@ -114,6 +124,17 @@ class Store:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._parts: dict[str, Partition] = {}
+        self._closing = False
+
+    def close(self) -> None:
+        """Refuse new waits and wake every waiting claim and put (server shutdown)."""
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()
+
+    def _check_open(self, what: str) -> None:
+        if self._closing:
+            raise UnavailableError(f"{what}: the server is shutting down; retry on another")
 
     # ------------------------------------------------------------------ declarations
 
@@ -176,6 +197,47 @@ class Store:
         with self._lock:
             return [self._parts[n] for n in sorted(self._parts)]
 
+    def capture(self, names: Sequence[str] | None = None) -> list[Partition]:
+        """Consistent copies of partitions (all when ``names`` is None), for a snapshot.
+
+        Rows, cells, tags and delivered sets are copied under the lock; the stored record
+        batches they point to are immutable and shared.
+        """
+        with self._lock:
+            parts = list(self._parts.values()) if names is None else [self._get(n) for n in names]
+            return [
+                Partition(
+                    p.name,
+                    p.schema,
+                    p.tasks,
+                    p.group_size,
+                    rows={
+                        k: Row(r.key, r.group, dict(r.cells), dict(r.tags), r.seq_len, r.nbytes)
+                        for k, r in p.rows.items()
+                    },
+                    delivered={t: set(d) for t, d in p.delivered.items()},
+                    next_group=p.next_group,
+                    nbytes=p.nbytes,
+                )
+                for p in parts
+            ]
+
+    def restore(self, parts: Sequence[Partition]) -> None:
+        """Adopt restored partitions (see :mod:`flightq.snapshot`).
+
+        Raises
+        ------
+        ConflictError
+            If a partition of that name exists already (nothing is adopted then).
+        """
+        with self._changed:
+            clash = [p.name for p in parts if p.name in self._parts]
+            if clash:
+                raise ConflictError(f"cannot restore partitions that exist already: {clash}")
+            for p in parts:
+                self._parts[p.name] = p
+            self._changed.notify_all()
+
     def drop(self, name: str) -> None:
         """Remove a partition and its rows."""
         with self._changed:
@@ -201,6 +263,7 @@ class Store:
             )
         deadline = time.monotonic() + timeout
         while True:
+            self._check_open(f"put to {name!r}")
             held = sum(p.nbytes for p in self._parts.values())
             if held + need <= budget:
                 return
@@ -213,10 +276,20 @@ class Store:
                 )
             self._changed.wait(min(left, 3600.0))  # inf or huge: wait in chunks
 
-    def put(self, name: str, pieces: list[Piece], overwrite: bool, timeout: float = 0.0) -> int:
+    def put(
+        self,
+        name: str,
+        pieces: list[Piece],
+        overwrite: bool,
+        timeout: float = 0.0,
+        put_id: str | None = None,
+    ) -> int:
         """Store the rows of validated pieces, all or nothing. Returns the rows written.
 
         With a memory budget, waits up to ``timeout`` seconds for clears to make space.
+        A retry is idempotent: a ``put_id`` seen recently in the partition, or a put whose
+        every cell and tag equals what its rows already hold, is acknowledged again and
+        stores nothing.
 
         Raises
         ------
@@ -231,7 +304,11 @@ class Store:
             dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
             raise EncodeError(f"duplicate row key {dup!r} within one put")
         with self._changed:
-            self._get(name)
+            p = self._get(name)
+            if put_id is not None and put_id in p.recent_puts:
+                return p.recent_puts[put_id]
+            if not overwrite and _is_replay(p, pieces):
+                return len(keys)
             self._wait_for_space(name, sum(int(pc.checked.nbytes.sum()) for pc in pieces), timeout)
             p = self._get(name)
             new: list[str] = []
@@ -297,6 +374,10 @@ class Store:
                     row.nbytes += int(ck.nbytes[i])
                     p.nbytes += int(ck.nbytes[i])
             p.next_group += (n_new // g) if g else n_new
+            if put_id is not None:
+                p.recent_puts[put_id] = len(keys)
+                while len(p.recent_puts) > _RECENT_PUTS:
+                    del p.recent_puts[next(iter(p.recent_puts))]
             self._changed.notify_all()
             return len(keys)
 
@@ -373,6 +454,7 @@ class Store:
         fields: Sequence[str] | None,
         timeout: float,
         wait_for: Sequence[str] = (),
+        cancelled: Callable[[], bool] | None = None,
     ) -> tuple[Partition, list[Row], list[str]]:
         """Wait for ``batch_size`` ready rows, mark them delivered to ``task``, return them.
 
@@ -380,12 +462,17 @@ class Store:
         ``fields`` (the schema's required fields when ``fields`` is None) and in
         ``wait_for``. In a partition with a group size, only whole ready groups are taken,
         in creation order. The rows are returned with ``fields`` (every column they have
-        when None).
+        when None). ``cancelled`` (e.g. ``ServerCallContext.is_cancelled``) is polled while
+        waiting: a claim its caller abandoned stops waiting and takes no rows.
 
         Raises
         ------
         ClaimTimeoutError
             If not enough rows become ready within ``timeout`` seconds.
+        FlightqTimeoutError
+            If ``cancelled()`` turns true while waiting.
+        UnavailableError
+            If the store closes (server shutdown) while waiting.
         """
         deadline = time.monotonic() + timeout
         with self._changed:
@@ -402,6 +489,12 @@ class Store:
             for f in need:
                 p.schema[f]  # raises on an undeclared field
             while True:
+                self._check_open(f"claim from {name!r}")
+                if cancelled is not None and cancelled():
+                    raise FlightqTimeoutError(
+                        f"claim from {name!r} for task {task!r} was cancelled by its caller; "
+                        "no rows were taken"
+                    )
                 p = self._get(name)  # the partition may have been dropped meanwhile
                 picked = _ready(p, task, need, batch_size)
                 if picked is not None:
@@ -415,7 +508,8 @@ class Store:
                         f" timed out after {timeout:g}s: {ready} rows ready with fields "
                         f"{list(need)}"
                     )
-                self._changed.wait(min(left, 3600.0))  # inf or huge: wait in chunks
+                # inf or huge: wait in chunks; poll a caller that may go away more often.
+                self._changed.wait(min(left, 3600.0 if cancelled is None else _POLL))
 
     def unclaim(self, name: str, task: str, keys: Sequence[str]) -> None:
         """Undo a claim whose rows never reached the consumer."""
@@ -447,6 +541,34 @@ class Store:
         """One partition in detail: fields present, per task delivered and ready rows."""
         with self._lock:
             return _describe(self._get(name), detail=True)
+
+
+def _is_replay(p: Partition, pieces: list[Piece]) -> bool:
+    """Whether every row of the put exists and already holds each of its cells and tags.
+
+    Such a put is a retry of one that landed (its acknowledgement was lost): answering it
+    again stores nothing, so a retry never duplicates or conflicts.
+    """
+    for pc in pieces:
+        for i, k in enumerate(pc.checked.keys):
+            row = p.rows.get(k)
+            if row is None:
+                return False
+            t = pc.tags[i]
+            if t and any(row.tags.get(a, _MISSING) != b for a, b in t.items()):
+                return False
+            for f in pc.checked.fields:
+                if not _valid_at(pc.batch, f, i):
+                    continue
+                cell = row.cells.get(f)
+                if cell is None:
+                    return False
+                names = [f] if p.schema[f].role == "scalar" else [f, f + SHAPE_SUFFIX]
+                for c in names:
+                    mine = cell[0].batch.column(c).slice(cell[1], 1)
+                    if not pc.batch.column(c).slice(i, 1).equals(mine):
+                        return False
+    return True
 
 
 def _cell_nbytes(batch: pa.RecordBatch, f: str, i: int) -> int:

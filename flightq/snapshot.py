@@ -1,0 +1,240 @@
+"""Snapshots of a server's partitions on disk, and restoring them.
+
+A snapshot is a directory::
+
+    manifest.json            format, creation time, and per partition: its declaration,
+                             next group, row and byte counts, file names and SHA-256s
+    p0.rows.arrows           Arrow IPC stream: the partition's rows in the flightq layout
+                             (keys, tags, every field any row has; null where one lacks it)
+    p0.state.arrows          Arrow IPC stream: per row key, its group, and per task
+                             whether the row was delivered
+
+It is written into a temporary directory next to its destination, flushed to disk, then
+renamed into place, so a snapshot directory is either complete or absent. Everything is
+Arrow IPC or JSON: nothing is pickled. Restoring validates every record batch against
+its schema (:func:`flightq.layout.validate`) and checks every file's SHA-256.
+
+Snapshots are written on the server's own disk, under the directory the server was
+started with (``Server(snapshot_dir=...)``); a client names a snapshot, never a path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .errors import ConflictError, DecodeError, ProtocolError
+from .layout import validate
+from .schema import Schema
+from .store import Partition, Row, Store, assemble, make_piece
+
+__all__ = ["FORMAT", "MANIFEST", "snapshot_path", "write_snapshot", "read_snapshot"]
+
+#: Version of the snapshot layout.
+FORMAT = 1
+MANIFEST = "manifest.json"
+_BATCH_BYTES = 64 * 2**20
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def snapshot_path(root: str | os.PathLike[str] | None, name: Any) -> Path:
+    """Where snapshot ``name`` lives under ``root``.
+
+    Raises
+    ------
+    ProtocolError
+        If the server has no snapshot directory, or ``name`` is not a plain name
+        (letters, digits, ``.``, ``_``, ``-``; no ``/``, no ``..``).
+    """
+    if root is None:
+        raise ProtocolError(
+            "snapshot: this server has no snapshot directory; start it with "
+            "Server(snapshot_dir=...) or flightq serve --snapshot-dir DIR"
+        )
+    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+        raise ProtocolError(
+            f"snapshot: name {name!r} must be 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return Path(root) / name
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(2**20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_ipc(path: Path, schema: pa.Schema, batches: Any) -> None:
+    # The stream format, since batches may carry different dictionaries (media).
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for b in batches:
+            writer.write_batch(b)
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+def _state_table(p: Partition) -> pa.Table:
+    rows = list(p.rows.values())
+    cols: dict[str, pa.Array] = {
+        "key": pa.array([r.key for r in rows], type=pa.utf8()),
+        "group": pa.array([r.group for r in rows], type=pa.int64()),
+    }
+    for t in p.tasks:
+        d = p.delivered[t]
+        cols[f"delivered:{t}"] = pa.array([r.key in d for r in rows], type=pa.bool_())
+    return pa.table(cols)
+
+
+def write_snapshot(
+    store: Store, path: str | os.PathLike[str], partitions: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """Write partitions (all when None) of ``store`` to a new snapshot directory ``path``.
+
+    The state is captured at one instant under the store's lock; the files are written
+    outside it. Returns the manifest.
+
+    Raises
+    ------
+    ConflictError
+        If ``path`` exists already.
+    NotFoundError
+        If a named partition does not exist.
+    """
+    dest = Path(path)
+    if dest.exists():
+        raise ConflictError(f"snapshot {dest.name!r} exists already; choose a new name")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    parts = store.capture(partitions)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        entries = []
+        for i, p in enumerate(parts):
+            rows = list(p.rows.values())
+            present = set().union(*(r.cells for r in rows)) if rows else set()
+            fields = [f.name for f in p.schema.fields if f.name in present]
+            schema, batches = assemble(p, rows, fields, _BATCH_BYTES)
+            rows_file, state_file = f"p{i}.rows.arrows", f"p{i}.state.arrows"
+            _write_ipc(tmp / rows_file, schema, batches)
+            state = _state_table(p)
+            _write_ipc(tmp / state_file, state.schema, state.to_batches())
+            entries.append(
+                {
+                    "name": p.name,
+                    "schema": p.schema.canonical_json,
+                    "tasks": list(p.tasks),
+                    "group_size": p.group_size,
+                    "next_group": p.next_group,
+                    "rows": len(rows),
+                    "bytes": p.nbytes,
+                    "delivered": {t: len(d) for t, d in p.delivered.items()},
+                    "files": {"rows": rows_file, "state": state_file},
+                    "sha256": {
+                        rows_file: _sha256(tmp / rows_file),
+                        state_file: _sha256(tmp / state_file),
+                    },
+                }
+            )
+        manifest = {"format": FORMAT, "created": time.time(), "partitions": entries}
+        with open(tmp / MANIFEST, "w") as fh:
+            json.dump(manifest, fh, indent=1, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.rename(tmp, dest)  # atomic: the snapshot is complete or absent
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fd = os.open(dest.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return manifest
+
+
+def _read_ipc(path: Path) -> pa.Table:
+    try:
+        with pa.OSFile(str(path), "rb") as src:
+            return pa.ipc.open_stream(src).read_all()
+    except (OSError, pa.ArrowException) as e:
+        raise DecodeError(f"snapshot file {path.name!r} cannot be read: {e}") from e
+
+
+def _restore_partition(root: Path, e: dict[str, Any]) -> Partition:
+    schema = Schema.from_json(e["schema"])
+    files = e["files"]
+    for fname, digest in e["sha256"].items():
+        if _sha256(root / fname) != digest:
+            raise DecodeError(f"snapshot file {fname!r} is corrupt: its SHA-256 differs")
+    tasks = tuple(e["tasks"])
+    part = Partition(
+        e["name"],
+        schema,
+        tasks,
+        e["group_size"],
+        delivered={t: set() for t in tasks},
+        next_group=int(e["next_group"]),
+    )
+    state = _read_ipc(root / files["state"])
+    keys = state.column("key").to_pylist()
+    group = dict(zip(keys, state.column("group").to_pylist(), strict=True))
+    for t in tasks:
+        flags = state.column(f"delivered:{t}").to_pylist()
+        part.delivered[t] = {k for k, f in zip(keys, flags, strict=True) if f}
+    for batch in _read_ipc(root / files["rows"]).to_batches():
+        piece = make_piece(batch, validate(batch, schema))
+        ck = piece.checked
+        valid = {
+            f: np.asarray(batch.column(f).is_valid().to_numpy(zero_copy_only=False))
+            for f in ck.fields
+        }
+        for i, k in enumerate(ck.keys):
+            if k not in group:
+                raise DecodeError(f"snapshot row {k!r} of {part.name!r} has no state")
+            row = Row(k, int(group[k]), seq_len=int(ck.seq_lens[i]), nbytes=int(ck.nbytes[i]))
+            row.cells = {f: (piece, i) for f in ck.fields if valid[f][i]}
+            row.tags = dict(piece.tags[i] or {})
+            part.rows[k] = row
+            part.nbytes += row.nbytes
+    if len(part.rows) != int(e["rows"]):
+        raise DecodeError(
+            f"snapshot of {part.name!r} holds {len(part.rows)} rows, its manifest says {e['rows']}"
+        )
+    return part
+
+
+def read_snapshot(path: str | os.PathLike[str]) -> list[Partition]:
+    """The partitions a snapshot directory holds, every batch validated.
+
+    Raises
+    ------
+    DecodeError
+        If the manifest or a file is missing, corrupt, or of another format.
+    """
+    root = Path(path)
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise DecodeError(f"{str(root)!r} is not a readable flightq snapshot: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else None
+        raise DecodeError(f"snapshot format {got!r} is not supported (this flightq reads {FORMAT})")
+    try:
+        return [_restore_partition(root, e) for e in manifest["partitions"]]
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, DecodeError):
+            raise
+        raise DecodeError(f"snapshot {str(root)!r} is malformed: {type(e).__name__}: {e}") from e
