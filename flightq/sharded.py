@@ -1,0 +1,379 @@
+"""A client over a partition spread across several flightq servers (shards).
+
+:func:`connect_sharded` gives a :class:`ShardedClient` with the methods of
+:class:`flightq.Client`. Rows are routed by :class:`flightq.shard.Router` (rendezvous
+hashing of the group prefix, so a prompt group stays on one shard). A put is split by
+shard and written to the shards in parallel, one atomic DoPut each; a get fans out and
+comes back in the order asked; a claim gathers whole groups from the shards in rotating
+order. Every error names the shard it came from. Semantics: ``docs/sharding.md``.
+
+Examples
+--------
+>>> import flightq, numpy as np
+>>> with flightq.Server() as a, flightq.Server() as b:
+...     c = flightq.connect_sharded([a.location, b.location], ["rollout_text@1"])
+...     c.create_partition("rollouts", "rollout_text@1", tasks=["train"])
+...     keys = [f"p{p}_g{i}" for p in range(4) for i in range(2)]
+...     c.put("rollouts", keys, {"input_ids": [np.arange(3)] * 8})
+...     c.get("rollouts", keys[::-1], as_="numpy").keys == keys[::-1]
+...     c.close()
+True
+8
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import pyarrow as pa
+
+from .batch import Batch, decode, encode_chunks
+from .client import DEFAULT_MAX_BATCH_BYTES, DEFAULT_TIMEOUT, Client, _resolve
+from .errors import (
+    ClaimTimeoutError,
+    FlightqError,
+    ProtocolError,
+    UnavailableError,
+)
+from .fanout import DEFAULT_POLL, Fanout, at_shard
+from .registry import SchemaRegistry
+from .schema import Schema
+from .shard import (
+    created_rows,
+    gather,
+    group_key,
+    keys_of,
+    merge,
+    runs,
+    sequential,
+    spans,
+)
+
+__all__ = ["ShardedClient", "connect_sharded"]
+
+
+def connect_sharded(
+    locations: Sequence[str],
+    schemas: Iterable[str | Schema] = (),
+    *,
+    registry: SchemaRegistry | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+    key_fn: Callable[[str], str] = group_key,
+    poll: float = DEFAULT_POLL,
+    **flight_kwargs: Any,
+) -> ShardedClient:
+    """Connect to every shard and check the schema versions on each, in parallel.
+
+    Parameters
+    ----------
+    locations:
+        Every shard's ``grpc://host:port``; the same strings in every process (they are
+        the shards' identity in routing; their order does not matter).
+    schemas, registry, timeout, max_batch_bytes:
+        As in :func:`flightq.connect`.
+    key_fn:
+        Row key to routing key (:func:`flightq.shard.group_key`: the group prefix).
+    poll:
+        Seconds a claim waits on one shard before looking at the others again.
+
+    Returns
+    -------
+    ShardedClient
+
+    Raises
+    ------
+    UnavailableError
+        Naming each shard that cannot be reached.
+    SchemaMismatchError, UnknownSchemaError
+        Naming the shard whose schema differs.
+
+    Examples
+    --------
+    >>> c = flightq.connect_sharded(["grpc://node1:8815", "grpc://node2:8815"],
+    ...                             ["rollout_vlm@1"])  # doctest: +SKIP
+    """
+    client = ShardedClient(
+        locations,
+        timeout=timeout,
+        max_batch_bytes=max_batch_bytes,
+        key_fn=key_fn,
+        poll=poll,
+        **flight_kwargs,
+    )
+    try:
+        client.health()
+        wanted = _resolve(schemas, registry)
+        if wanted:
+            client.check_schemas(wanted)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+class ShardedClient(Fanout):
+    """Partitions spread over several flightq servers. Thread-safe; one per process.
+
+    Prefer :func:`connect_sharded`, which also checks every shard's schemas. Control
+    calls (``create_partition``, ``clear``, ``reset``, ``drop``, ``stats``, ``inspect``,
+    ``describe``, ``partitions``, ``health``, ...) come from :class:`~flightq.fanout.Fanout`.
+    """
+
+    def put(
+        self,
+        partition: str,
+        keys: Sequence[str],
+        columns: Mapping[str, Any],
+        tags: Sequence[Mapping[str, Any] | None] | None = None,
+        *,
+        overwrite: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """Write rows, split by shard, to the shards in parallel. Returns the rows written.
+
+        Each shard's part is one atomic DoPut. If a part fails, the rows this put created
+        on the other shards are cleared again, so a put that creates rows (a generator's)
+        is all or nothing; columns a write-back added to existing rows on the shards that
+        succeeded stay, and the error says where (retry with ``overwrite=True``).
+
+        Raises
+        ------
+        ShapeError
+            If ``group_size`` consecutive rows of a grouped partition do not share a
+            routing key (a group would be split over shards).
+        UnavailableError, and every error of :meth:`flightq.Client.put`
+            Naming the shard that failed and what was rolled back.
+        """
+        schema, g = self._decl(partition)
+        ks = list(keys)
+        self.router.check_groups(ks, g, f"put to {partition!r}")
+        tg = None if tags is None else list(tags)
+        # Each shard's rows are encoded on their own, so a part carries only its own media.
+        parts = {
+            s: [
+                b
+                for lo, hi in spans(pos)
+                for b in encode_chunks(
+                    schema,
+                    {name: _rows(v, lo, hi) for name, v in columns.items()},
+                    ks[lo:hi],
+                    None if tg is None else tg[lo:hi],
+                    max_bytes=self._clients[s].max_batch_bytes,
+                )
+            ]
+            for s, pos in self.router.split(ks).items()
+        }
+        return self._put_parts(partition, schema, parts, overwrite, timeout)
+
+    def put_batch(
+        self,
+        partition: str,
+        batch: pa.RecordBatch,
+        *,
+        overwrite: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """Write an already encoded record batch, split by shard (see :meth:`put`).
+
+        Each shard gets zero-copy slices of ``batch``; a media column's dictionary is the
+        whole batch's, so a shard also receives the media of rows it does not hold:
+        prefer :meth:`put` for media.
+        """
+        schema, g = self._decl(partition)
+        keys = keys_of([batch])
+        self.router.check_groups(keys, g, f"put to {partition!r}")
+        parts = {s: runs(batch, pos) for s, pos in self.router.split(keys).items()}
+        return self._put_parts(partition, schema, parts, overwrite, timeout)
+
+    def _put_parts(
+        self,
+        partition: str,
+        schema: Schema,
+        parts: Mapping[int, list[pa.RecordBatch]],
+        overwrite: bool,
+        timeout: float | None,
+    ) -> int:
+        """Each shard's batches as one DoPut, in parallel; roll back if any part fails."""
+        calls = {
+            s: (lambda c, bs=bs: c.put_batch(partition, bs, overwrite=overwrite, timeout=timeout))
+            for s, bs in parts.items()
+        }
+        done, failed = self._run(calls)
+        if failed:
+            note = (
+                ""
+                if len(parts) == 1
+                else self._roll_back(partition, schema, parts, done, overwrite)
+            )
+            raise self._error(failed, note) from failed[0][1]
+        return sum(done.values())
+
+    def _roll_back(
+        self,
+        partition: str,
+        schema: Schema,
+        parts: Mapping[int, list[pa.RecordBatch]],
+        done: Mapping[int, int],
+        overwrite: bool,
+    ) -> str:
+        """Clear the rows a failed put created on the shards whose part succeeded."""
+        if not done:
+            return f"nothing of the put to {partition!r} was stored"
+        lines = []
+        for s in done:
+            keys = keys_of(parts[s])
+            # Without overwrite, a row that took a required field was created by this put
+            # (an existing row already has every required field: rewriting one conflicts).
+            created = [x for b in parts[s] for x in created_rows(b, schema)]
+            mine = [] if overwrite else [k for k, new in zip(keys, created, strict=True) if new]
+            kept = len(keys) - len(mine)
+            where = f"shard {self.locations[s]}"
+            if mine:
+                try:
+                    self._clients[s].clear(partition, mine)
+                    lines.append(f"rolled back {len(mine)} new rows on {where}")
+                except FlightqError as e:
+                    lines.append(f"could not roll back {len(mine)} new rows on {where}: {e}")
+                    kept = len(keys)
+            if kept:
+                lines.append(
+                    f"{kept} rows on {where} keep what this put wrote; retry with overwrite=True"
+                )
+        return "; ".join(lines)
+
+    def get(
+        self,
+        partition: str,
+        keys: Sequence[str],
+        fields: Sequence[str] | None = None,
+        *,
+        as_: str = "torch",
+        copy: bool = False,
+        timeout: float | None = None,
+    ) -> Batch:
+        """Rows by key from their shards, in parallel, in the order asked.
+
+        Raises
+        ------
+        UnavailableError
+            Naming the shard that cannot be reached, when any asked row lives there; rows
+            on healthy shards stay readable by asking for them alone.
+        NotFoundError, MissingFieldError
+            As :meth:`flightq.Client.get`, naming the shard.
+        """
+        ks = list(keys)
+        parts = self.router.split(ks) if ks else {0: []}
+        f = None if fields is None else list(fields)
+
+        def one(pos: list[int]) -> Callable[[Client], list[pa.RecordBatch]]:
+            t = {"op": "get", "partition": partition, "keys": [ks[i] for i in pos], "fields": f}
+            return lambda c: c._read(t, f"get from {partition!r}", timeout)
+
+        res = self._fan({s: one(pos) for s, pos in parts.items()})
+        merged = merge(len(ks), [(pos, res[s]) for s, pos in parts.items()])
+        return decode(merged, as_=as_, copy=copy)
+
+    def claim(
+        self,
+        partition: str,
+        task: str,
+        batch_size: int,
+        fields: Sequence[str] | None = None,
+        *,
+        wait_for: Sequence[str] = (),
+        timeout: float | None = None,
+        as_: str = "torch",
+        copy: bool = False,
+    ) -> Batch:
+        """Take ``batch_size`` ready rows for ``task``, whole groups, from one or more shards.
+
+        Starting at a shard that rotates from call to call, each shard gives what it has
+        ready (the largest whole number of groups not above what is still needed, found
+        by halving), until ``batch_size`` rows are gathered. When no shard has any, the
+        claim waits on one shard for ``poll`` seconds, then looks at all again, until
+        ``timeout``. Rows of one group always come from one shard; rows of one shard come
+        in its creation order, shards in the order they answered. A shard that cannot be
+        reached is skipped while the others have enough rows; once they do not, the claim
+        fails at once with ``UnavailableError``.
+
+        Raises
+        ------
+        ClaimTimeoutError
+            If not enough rows become ready within ``timeout``; rows gathered meanwhile
+            are made claimable again first.
+        UnavailableError
+            Naming a shard that cannot be reached, when the others lack rows (gathered
+            rows are given back).
+        """
+        wait = self.timeout if timeout is None else timeout
+        _, g = self._decl(partition)
+        unit = g or 1
+        if batch_size < 1 or batch_size % unit:
+            raise ProtocolError(
+                f"claim from {partition!r}: batch_size {batch_size} must be >= 1"
+                + (f" and a multiple of the group size {g}" if g else "")
+            )
+        n = len(self._clients)
+        start = next(self._turn) % n
+        got: list[tuple[int, list[pa.RecordBatch]]] = []
+        base = {
+            "op": "claim",
+            "partition": partition,
+            "task": task,
+            "fields": None if fields is None else list(fields),
+            "wait_for": list(wait_for),
+        }
+
+        down: dict[int, UnavailableError] = {}
+
+        def take(s: int, size: int, secs: float) -> int:
+            if s in down:
+                return 0
+            t = {**base, "batch_size": size, "timeout": secs}
+            try:
+                bs = self._clients[s]._read(t, f"claim from {partition!r}", secs + 5.0)
+            except ClaimTimeoutError:
+                return 0
+            except UnavailableError as e:
+                down[s] = e  # the other shards may still have enough
+                return 0
+            except FlightqError as e:
+                raise at_shard(self.locations[s], e) from e
+            got.append((s, bs))
+            return size
+
+        def after_sweep(missing: int) -> None:
+            if down:
+                s, e = next(iter(down.items()))
+                raise UnavailableError(
+                    f"shard {self.locations[s]}: {e}; the other shards had "
+                    f"{batch_size - missing} of the {batch_size} rows asked (given back)"
+                ) from e
+
+        try:
+            order = [(start + i) % n for i in range(n)]
+            deadline = time.monotonic() + wait
+            missing = gather(order, batch_size, unit, take, deadline, self.poll, after_sweep)
+            if missing:
+                raise ClaimTimeoutError(
+                    f"claim of {batch_size} rows for task {task!r} from partition "
+                    f"{partition!r} over {n} shards timed out after {wait:g}s: "
+                    f"{batch_size - missing} rows were ready (given back)"
+                )
+        except BaseException:
+            for s, bs in got:
+                with contextlib.suppress(FlightqError):  # a shard that is gone keeps them
+                    self._clients[s].reset(partition, task, keys_of(bs))
+            raise
+        merged = merge(batch_size, sequential(got))
+        return decode(merged, as_=as_, copy=copy)
+
+
+def _rows(v: Any, lo: int, hi: int) -> Any:
+    """Rows ``lo:hi`` of a column as :func:`flightq.encode` takes it (views where possible)."""
+    return v[lo:hi] if hasattr(v, "__getitem__") else list(v)[lo:hi]

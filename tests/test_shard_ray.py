@@ -1,0 +1,61 @@
+"""Shards started as Ray actors on a local Ray cluster run the W1 write-back pattern."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pyarrow.flight as fl
+import pytest
+
+import flightq
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'flightq[ray]')")
+
+from fixtures_shard import run_w1_writeback  # noqa: E402
+
+import flightq.ray as fray  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(name="local_ray", scope="module")
+def local_ray_fixture() -> Iterator[None]:
+    """A two-CPU Ray cluster on 127.0.0.1, shut down after the module."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def test_shards_started_as_actors_run_the_w1_writeback(local_ray: None) -> None:
+    with fray.start_shards(2, num_cpus=0.5, host="127.0.0.1", timeout=60) as shards:
+        assert len(shards.locations) == 2
+        assert all(loc.startswith("grpc://127.0.0.1:") for loc in shards.locations)
+        with (
+            fl.connect(shards.locations[0]) as plain,
+            flightq.connect_sharded(shards.locations, ["rollout_vlm@1"], timeout=30) as c,
+        ):
+            run_w1_writeback(c)
+            info = plain.get_flight_info(fl.FlightDescriptor.for_path("w1"))
+            assert [ep.locations[0].uri.decode() for ep in info.endpoints] == shards.locations
+    assert shards.actors == []
+
+
+def test_start_shards_refuses_what_cannot_be_placed(local_ray: None) -> None:
+    with pytest.raises(ValueError, match="num_cpus > 0"):
+        fray.start_shards(1, num_cpus=0)
+    with pytest.raises(TimeoutError, match="could not place 2 shards"):
+        fray.start_shards(2, num_cpus=1, strategy="STRICT_SPREAD", timeout=2)
