@@ -3,7 +3,10 @@
 Examples
 --------
 ``flightq bench --quick`` (under two minutes on 2 cores, reduced rows),
-``flightq bench --workloads W2,W4 --systems raw-tcp,flightq,transferqueue``.
+``flightq bench --workloads W2,W4 --systems raw-tcp,flightq,transferqueue``,
+``flightq bench --device cuda --workloads W1,W1-bf16 --systems flightq`` (puts from and
+gets into CUDA tensors against the CPU path of the same run, and the pinned
+host-to-device copy as the limit).
 """
 
 from __future__ import annotations
@@ -43,11 +46,29 @@ def _parser() -> argparse.ArgumentParser:
         "--pings", type=int, default=None, help="W4 round trips (default 1000, quick 150)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: also flightq from and into CUDA tensors (cuda:0) and the pinned "
+        "host-to-device copy, against flightq on the CPU in the same run",
+    )
     return p
 
 
 def _split(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _cuda_problem() -> str:
+    """Why ``--device cuda`` cannot run here, or ``""``."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed (pip install 'flightq[torch]')"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device"
+    return ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,6 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reps < 1 or pings < 1:
         print("flightq bench: --reps and --pings must be at least 1", file=sys.stderr)
         return 2
+    if args.device == "cuda":
+        problem = _cuda_problem()
+        if problem:
+            print(f"flightq bench: --device cuda: {problem}", file=sys.stderr)
+            return 2
     opts = Options(
         workloads=workloads,
         systems=_split(args.systems) or None,
@@ -81,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command=shlex.join(["flightq", "bench", *argv]),
         progress=lambda line: print(line, flush=True),
         call_timeout=120.0 if args.quick else 300.0,
+        device=args.device,
     )
     t = time.monotonic()
     try:

@@ -4,6 +4,12 @@ The producer passes the generator's per-row tensors as torch views (encoding is 
 the timed put); the consumer's timed get ends once every field's per-row tensors are built
 (``batch[field]`` for each field, torch views). The server runs in its own process
 (``python -m flightq.cli serve --host 127.0.0.1 --port 0``).
+
+With ``flightq bench --device cuda``: ``flightq-cuda`` puts the same rows from CUDA tensors
+(moved to the GPU once, untimed) and gets them with ``device="cuda:0"``, the timed get
+ending once every field's CUDA tensors are built and their copies have completed;
+``h2d-pinned`` times one torch copy of the step's bytes from a pinned host buffer to the
+GPU, the limit of any get into GPU memory on the machine.
 """
 
 from __future__ import annotations
@@ -12,11 +18,23 @@ import contextlib
 import sys
 from typing import Any
 
-from ..workloads import to_torch
+from ..workloads import Step, to_torch
 from .endpoint import Consumer, Producer, now_ns, timed
-from .payload import check_rows
+from .payload import check_flat, check_rows, flat_buffers
 
-__all__ = ["FlightqProducer", "FlightqConsumer", "server_argv"]
+__all__ = [
+    "FlightqProducer",
+    "FlightqConsumer",
+    "FlightqShmProducer",
+    "FlightqShmConsumer",
+    "FlightqCudaProducer",
+    "FlightqCudaConsumer",
+    "PinnedH2DConsumer",
+    "server_argv",
+]
+
+#: The GPU the CUDA systems use.
+DEVICE = "cuda:0"
 
 
 def server_argv() -> list[str]:
@@ -31,11 +49,16 @@ def _partition(info: dict[str, Any], workload: str) -> str:
 class FlightqProducer(Producer):
     """One ``put`` of the whole step (all groups) per repetition."""
 
+    #: Move the bytes through shared memory (``connect(..., shm=True)``).
+    shm = False
+
     def setup(self) -> dict[str, Any]:
         import flightq
 
-        self.client = flightq.connect(self.info["location"], schemas=[self.step.schema])
-        self.partition = _partition(self.info, self.step.name)
+        self.client = flightq.connect(
+            self.info["location"], schemas=[self.step.schema], shm=self.shm
+        )
+        self.partition = _partition(self.info, self.step.name) + ("-shm" if self.shm else "")
         self.client.create_partition(
             self.partition,
             schema=self.step.schema,
@@ -68,11 +91,15 @@ class FlightqProducer(Producer):
 class FlightqConsumer(Consumer):
     """``get`` by key, then every field's per-row tensors."""
 
+    shm = False
+
     def setup(self) -> dict[str, Any]:
         import flightq
 
-        self.client = flightq.connect(self.info["location"], schemas=[self.ref.schema])
-        self.partition = _partition(self.info, self.ref.name)
+        self.client = flightq.connect(
+            self.info["location"], schemas=[self.ref.schema], shm=self.shm
+        )
+        self.partition = _partition(self.info, self.ref.name) + ("-shm" if self.shm else "")
         self._got: Any = None
         return {}
 
@@ -92,3 +119,128 @@ class FlightqConsumer(Consumer):
 
     def close(self) -> None:
         self.client.close()
+
+
+class FlightqShmProducer(FlightqProducer):
+    """``put`` through shared memory: the DoPut carries a segment reference."""
+
+    shm = True
+
+
+class FlightqShmConsumer(FlightqConsumer):
+    """``get`` through shared memory: the answer names a segment the client maps."""
+
+    shm = True
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+def _to_device(step: Step, device: str) -> Step:
+    """The step's torch tensors moved to ``device``; a group's shared image stays shared."""
+    import torch
+
+    memo: dict[int, Any] = {}
+
+    def mv(t: Any) -> Any:
+        if id(t) not in memo:
+            memo[id(t)] = (t, t.to(device))
+        return memo[id(t)][1]
+
+    cols: dict[str, Any] = {}
+    for name, col in step.columns.items():
+        if isinstance(col, torch.Tensor):
+            cols[name] = mv(col)
+            continue
+        cols[name] = [
+            None if r is None else [mv(x) for x in r] if isinstance(r, list) else mv(r) for r in col
+        ]
+    torch.cuda.synchronize(device)
+    return Step(step.name, step.schema, step.keys, cols, step.tags, step.group_size)
+
+
+def _to_host(x: Any) -> Any:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        if not x.is_cuda:
+            raise AssertionError(f"flightq-cuda: a {tuple(x.shape)} tensor is on {x.device}")
+        return x.cpu()
+    if isinstance(x, list):
+        return [_to_host(v) for v in x]
+    return x
+
+
+def _own_partition(info: dict[str, Any]) -> dict[str, Any]:
+    # Same server as flightq, another partition: the systems' cycles never share rows.
+    return {**info, "run": f"{info['run']}-cuda"}
+
+
+class FlightqCudaProducer(FlightqProducer):
+    """``put`` from CUDA tensors: the step lives on the GPU, as a generator's rollouts do."""
+
+    def setup(self) -> dict[str, Any]:
+        self.info = _own_partition(self.info)
+        return super().setup()
+
+    def prepare(self) -> None:
+        if getattr(self, "_torch", None) is None:
+            self._torch = _to_device(to_torch(self.step), DEVICE)
+
+
+class FlightqCudaConsumer(FlightqConsumer):
+    """``get(device="cuda:0")``, then every field's per-row CUDA tensors (copies done)."""
+
+    def setup(self) -> dict[str, Any]:
+        self.info = _own_partition(self.info)
+        return super().setup()
+
+    def get(self) -> dict[str, Any]:
+        t0 = now_ns()
+        batch = self.client.get(self.partition, self.ref.keys, device=DEVICE)
+        cols = {f: batch[f] for f in batch.fields}
+        self._got = (batch, cols)
+        return timed(t0)
+
+    def verify(self) -> None:
+        batch, cols = self._got
+        host = {f: _to_host(v) for f, v in cols.items()}
+        check_rows(self.ref, batch.keys, host, batch.tags, "flightq-cuda")
+
+
+class PinnedH2DConsumer(Consumer):
+    """One non-blocking copy of the step's bytes from a pinned buffer to the GPU, synced."""
+
+    def setup(self) -> dict[str, Any]:
+        import torch
+
+        bufs = flat_buffers(self.ref)
+        n = sum(len(b) for b in bufs)
+        self._host: Any = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        view, off = self._host.numpy(), 0
+        for b in bufs:
+            view[off : off + len(b)] = b
+            off += len(b)
+        self._dev: Any = torch.zeros(n, dtype=torch.uint8, device=DEVICE)
+        torch.cuda.synchronize(DEVICE)
+        return {}
+
+    def get(self) -> dict[str, Any]:
+        import torch
+
+        t0 = now_ns()
+        self._dev.copy_(self._host, non_blocking=True)
+        torch.cuda.synchronize(DEVICE)
+        return timed(t0)
+
+    def verify(self) -> None:
+        check_flat(self.ref, self._dev.cpu().numpy(), "h2d-pinned")
+
+    def release(self) -> None:
+        import torch
+
+        self._dev.zero_()
+        torch.cuda.synchronize(DEVICE)
+
+    def close(self) -> None:
+        self._host = self._dev = None

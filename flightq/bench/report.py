@@ -103,6 +103,27 @@ def markdown(doc: dict[str, Any]) -> str:
         for peer, rat in wd.get("ratios", {}).get("flightq_vs", {}).items():
             row = [w, peer, _ratio(rat, "put"), _ratio(rat, "get"), _ratio(rat, "step")]
             out.append("| " + " | ".join(row) + " |")
+    cuda_rows = [(w, wd) for w, wd in doc["workloads"].items() if wd.get("ratios", {}).get("cuda")]
+    if cuda_rows:
+        out += [
+            "",
+            "## CUDA tensors (--device cuda): flightq-cuda against flightq on the CPU, and "
+            "against the pinned host-to-device copy",
+            "",
+            "| workload | put cuda/cpu | get cuda/cpu | get vs pinned H2D | pinned H2D GB/s |",
+            "|---|---|---|---|---|",
+        ]
+        for w, wd in cuda_rows:
+            c = wd["ratios"]["cuda"]
+            h2d = wd["results"].get("h2d-pinned", {}).get("get_gbps", {})
+            row = [
+                w,
+                _ratio(c.get("flightq", {}), "put"),
+                _ratio(c.get("flightq", {}), "get"),
+                _ratio(c.get("h2d-pinned", {}), "get"),
+                fmt_spread(h2d),
+            ]
+            out.append("| " + " | ".join(row) + " |")
     out += ["", "## Systems", ""]
     for n, s in doc["systems"].items():
         extra = f" ({s['reason']})" if s.get("reason") else ""

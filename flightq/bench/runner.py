@@ -46,6 +46,9 @@ class Options:
         Wall-clock cap on the timed repetitions of one workload.
     command:
         The command line, recorded in the output.
+    device:
+        ``cpu``, or ``cuda`` to add flightq into and out of CUDA memory and the pinned
+        host-to-device copy (see :data:`flightq.bench.systems.CUDA_SYSTEMS`).
     """
 
     workloads: list[str]
@@ -58,6 +61,7 @@ class Options:
     command: str = "flightq bench"
     progress: Callable[[str], None] = print
     call_timeout: float = 300.0
+    device: str = "cpu"
 
 
 @dataclass
@@ -78,7 +82,7 @@ def run(opts: Options) -> dict[str, Any]:
     """Run the benchmark; returns the results document (see :mod:`flightq.bench.report`)."""
     say = opts.progress
     run_id = secrets.token_hex(3)
-    chosen = resolve(opts.systems)
+    chosen = resolve(opts.systems, opts.device)
     doc: dict[str, Any] = {
         "flightq_bench": 1,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -89,6 +93,7 @@ def run(opts: Options) -> dict[str, Any]:
         "repetitions": opts.reps,
         "pings": opts.pings,
         "seed": opts.seed,
+        "device": opts.device,
         "systems": {},
         "workloads": {},
     }
@@ -207,6 +212,8 @@ class _Ctx:
         out["ratios"] = summarize.ratios(name, samples, nbytes)
         for a in runnable:
             say(summarize.progress_line(name, a.system.name, out["results"][a.system.name]))
+        if out["ratios"].get("cuda"):
+            say(summarize.cuda_line(name, out["ratios"]["cuda"], out["results"]))
         return out
 
     def _setup(self, a: _Active) -> None:

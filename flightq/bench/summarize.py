@@ -15,7 +15,7 @@ import numpy as np
 from .stats import fmt_spread, paired_ratio, percentiles, summary
 from .systems import BASELINE, PEERS
 
-__all__ = ["results", "ratios", "progress_line", "per_rep"]
+__all__ = ["results", "ratios", "progress_line", "cuda_line", "per_rep"]
 
 _MIB = 2**20
 
@@ -112,7 +112,25 @@ def ratios(workload: str, samples: dict[str, list[dict[str, Any]]], nbytes: int)
         out["vs_" + BASELINE] = {n: pair(n, BASELINE) for n in per if n != BASELINE}
     if "flightq" in per:
         out["flightq_vs"] = {p: pair("flightq", p) for p in (*PEERS, "memcpy") if p in per}
+    if "flightq-cuda" in per:
+        # GPU against CPU of the same run, and against the pinned host-to-device limit.
+        out["cuda"] = {
+            ref: pair("flightq-cuda", ref) for ref in ("flightq", "h2d-pinned") if ref in per
+        }
     return out
+
+
+def cuda_line(workload: str, cuda: dict[str, Any], res: dict[str, Any]) -> str:
+    """The ``--device cuda`` figures of one workload: CUDA against CPU, and the H2D limit."""
+    vs = cuda.get("flightq", {})
+    line = (
+        f"{workload:8} cuda/cpu       put {fmt_spread(vs.get('put', {}), 2, 'x')}  "
+        f"get {fmt_spread(vs.get('get', {}), 2, 'x')}"
+    )
+    h2d = res.get("h2d-pinned", {}).get("get_gbps")
+    if h2d:
+        line += f"  pinned H2D {fmt_spread(h2d)} GB/s"
+    return line
 
 
 def progress_line(workload: str, system: str, r: dict[str, Any]) -> str:

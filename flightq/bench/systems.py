@@ -14,7 +14,16 @@ from dataclasses import dataclass
 
 from . import flightq_system, peers, procs
 
-__all__ = ["System", "SYSTEMS", "BASELINE", "PEERS", "resolve", "missing_module", "server_for"]
+__all__ = [
+    "System",
+    "SYSTEMS",
+    "BASELINE",
+    "PEERS",
+    "CUDA_SYSTEMS",
+    "resolve",
+    "missing_module",
+    "server_for",
+]
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,8 @@ class System:
         (empty: the server group's main process).
     note:
         What exactly is measured.
+    device:
+        ``cpu``, or ``cuda`` for the systems that ``flightq bench --device cuda`` adds.
     """
 
     name: str
@@ -48,6 +59,7 @@ class System:
     requires: tuple[str, ...] = ()
     server_procs: tuple[str, ...] = ()
     note: str = ""
+    device: str = "cpu"
 
 
 _M = "flightq.bench."
@@ -113,8 +125,43 @@ SYSTEMS: dict[str, System] = {
             requires=("flightq.client", "flightq.server"),
             note="Client.put / Client.get by key, torch views of every field",
         ),
+        System(
+            "flightq-shm",
+            "server",
+            _M + "flightq_system:FlightqShmProducer",
+            _M + "flightq_system:FlightqShmConsumer",
+            server="flightq",
+            requires=("flightq.client", "flightq.server", "flightq.shm"),
+            note="the same through /dev/shm (connect(shm=True)): Flight carries the "
+            "segment reference, the bytes are mapped",
+        ),
+        System(
+            "flightq-cuda",
+            "server",
+            _M + "flightq_system:FlightqCudaProducer",
+            _M + "flightq_system:FlightqCudaConsumer",
+            server="flightq",
+            requires=("flightq.client", "flightq.server", "torch"),
+            note="Client.put from CUDA tensors / Client.get(device='cuda:0'), CUDA tensors "
+            "of every field, copies completed",
+            device="cuda",
+        ),
+        System(
+            "h2d-pinned",
+            "local",
+            "",
+            _M + "flightq_system:PinnedH2DConsumer",
+            requires=("torch",),
+            note="one torch copy of the step's bytes from a pinned host buffer to the GPU "
+            "(non_blocking, then synchronize): the limit of any get into GPU memory",
+            device="cuda",
+        ),
     ]
 }
+
+#: What ``--device cuda`` measures besides the systems asked for: flightq on the CPU
+#: (the baseline of the same run), flightq into and out of CUDA memory, and the H2D limit.
+CUDA_SYSTEMS = ("flightq", "flightq-cuda", "h2d-pinned")
 
 #: The wire reference every ratio is also taken against.
 BASELINE = "raw-tcp"
@@ -133,19 +180,25 @@ def missing_module(system: System) -> str | None:
     return None
 
 
-def resolve(names: list[str] | None) -> list[System]:
-    """The systems named (all when None), in the canonical order.
+def resolve(names: list[str] | None, device: str = "cpu") -> list[System]:
+    """The systems named (all the CPU ones when None), in the canonical order.
+
+    With ``device="cuda"`` the :data:`CUDA_SYSTEMS` are added to those.
 
     Raises
     ------
     ValueError
         For an unknown name, listing the known ones.
     """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r}; expected cpu or cuda")
     if not names:
-        return list(SYSTEMS.values())
+        names = [s.name for s in SYSTEMS.values() if s.device == "cpu"]
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
         raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
+    if device == "cuda":
+        names = [*names, *CUDA_SYSTEMS]
     return [s for s in SYSTEMS.values() if s.name in names]
 
 
