@@ -1,0 +1,402 @@
+"""CUDA tensors through the data plane: puts from device memory, gets and claims into it.
+
+Tests marked ``gpu`` need a CUDA device and are skipped, with the reason, where torch sees
+none. The others run everywhere: the CPU paths keep their behaviour, a device that cannot
+be used is refused with a typed error before anything is read or claimed, and torch stays
+unimported by ``import flightq.client``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from fixtures_dataplane import (
+    TEXT,
+    TIMEOUT,
+    VLM,
+    client_fixture,  # noqa: F401
+    raw,
+    server_fixture,  # noqa: F401
+    text_columns,
+    text_keys,
+)
+
+import flightq
+import flightq.aio
+from flightq import workloads
+from flightq.batch import decode, encode, encode_chunks
+from flightq.bench.payload import check_rows
+from flightq.cuda import DeviceBatch, PinnedPool, has_cuda, rebase, resolve_device, stage
+from flightq.schema import Field, Schema
+
+pytestmark = pytest.mark.timeout(120)
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(
+    not CUDA, reason="needs a CUDA device; torch.cuda.is_available() is False"
+)
+
+
+def _on_device(x: Any, device: str) -> Any:
+    """A step's column structure with every tensor moved to ``device``; shared stays shared."""
+    memo: dict[int, Any] = {}
+
+    def mv(t: Any) -> Any:
+        if isinstance(t, np.ndarray):
+            t = torch.from_numpy(t)
+        if id(t) not in memo:
+            memo[id(t)] = (t, t.to(device))
+        return memo[id(t)][1]
+
+    out: dict[str, Any] = {}
+    for name, col in x.items():
+        if isinstance(col, (np.ndarray, torch.Tensor)):
+            out[name] = mv(col)
+        else:
+            out[name] = [
+                None if r is None else [mv(s) for s in r] if isinstance(r, list) else mv(r)
+                for r in col
+            ]
+    return out
+
+
+def _cuda_step(step: workloads.Step) -> workloads.Step:
+    t = workloads.to_torch(step)
+    cols = _on_device(t.columns, "cuda:0")
+    torch.cuda.synchronize()
+    return workloads.Step(t.name, t.schema, t.keys, cols, t.tags, t.group_size)
+
+
+def _to_host(x: Any) -> Any:
+    """A column's rows with every (CUDA) tensor copied to the host."""
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, list):
+        return [_to_host(v) for v in x]
+    return x
+
+
+def _all_tensors(batch: flightq.Batch) -> list[Any]:
+    out: list[Any] = []
+    for name in batch.fields:
+        rows = batch[name]
+        if isinstance(rows, torch.Tensor):
+            out.append(rows)
+            continue
+        for r in rows:
+            if isinstance(r, list):
+                out.extend(r)
+            elif isinstance(r, torch.Tensor):
+                out.append(r)
+    return out
+
+
+# --------------------------------------------------------------------------- everywhere
+
+
+def test_import_flightq_client_and_cuda_leaves_torch_unloaded():
+    code = "import sys, flightq.client, flightq.cuda; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_device_none_and_cpu_read_cpu_tensors(client):
+    keys = text_keys(2, 4)
+    cols = text_columns(keys)
+    client.create_partition("p", TEXT, tasks=["train"], group_size=4)
+    client.put("p", keys, cols)
+    plain = client.get("p", keys)
+    for device in (None, "cpu", torch.device("cpu")):
+        b = client.get("p", keys, device=device)
+        assert type(b) is flightq.Batch
+        assert all(t.device.type == "cpu" for t in _all_tensors(b))
+        for name in plain.fields:
+            got, want = b[name], plain[name]
+            if isinstance(want, torch.Tensor):
+                assert raw(got) == raw(want)
+            else:
+                assert [raw(x) for x in got] == [raw(x) for x in want]
+    numpy_rows = client.get("p", keys, as_="numpy", device="cpu")["input_ids"]
+    assert [x.tolist() for x in numpy_rows] == [c.tolist() for c in cols["input_ids"]]
+    claimed = client.claim("p", "train", 8, timeout=TIMEOUT, device="cpu")
+    assert claimed.keys == keys
+
+
+@pytest.mark.skipif(CUDA, reason="checks the refusal on a machine without CUDA")
+def test_cuda_device_without_cuda_is_refused_before_claiming(client):
+    keys = text_keys(1, 4)
+    client.create_partition("p", TEXT, tasks=["train"], group_size=4)
+    client.put("p", keys, text_columns(keys))
+    with pytest.raises(flightq.DeviceError, match=r"CUDA is not available here") as e:
+        client.get("p", keys, device="cuda:0")
+    assert isinstance(e.value, RuntimeError) and isinstance(e.value, flightq.FlightqError)
+    with pytest.raises(flightq.DeviceError, match=r"device=None"):
+        client.claim("p", "train", 4, timeout=TIMEOUT, device="cuda")
+    # Nothing was claimed by the refused call.
+    assert client.claim("p", "train", 4, timeout=TIMEOUT).keys == keys
+
+
+@pytest.mark.parametrize(
+    ("device", "as_", "match"),
+    [
+        ("banana", "torch", r"device='banana' names no device; expected None, 'cpu'"),
+        ("meta", "torch", r"reads into 'cpu' or 'cuda\[:N\]', not 'meta'"),
+        ("cuda:0", "numpy", r"as_='numpy' is for CPU reads"),
+    ],
+)
+def test_unusable_device_is_a_device_error(client, device, as_, match):
+    keys = text_keys(1, 2)
+    client.create_partition("p", TEXT)
+    client.put("p", keys, text_columns(keys))
+    with pytest.raises(flightq.DeviceError, match=match):
+        client.get("p", keys, as_=as_, device=device)
+
+
+def test_async_client_passes_device_through(server):
+    keys = text_keys(1, 4)
+    cols = text_columns(keys)
+
+    async def main() -> tuple[flightq.Batch, BaseException | None]:
+        async with await flightq.aio.connect(server.location, [TEXT], timeout=TIMEOUT) as c:
+            await c.create_partition("p", TEXT)
+            await c.put("p", keys, cols)
+            b = await c.get("p", keys, device="cpu")
+            err = None
+            if not CUDA:
+                try:
+                    await c.get("p", keys, device="cuda:0")
+                except flightq.DeviceError as e:
+                    err = e
+            return b, err
+
+    b, err = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+    assert [raw(x) for x in b["input_ids"]] == [raw(torch.from_numpy(x)) for x in cols["input_ids"]]
+    assert CUDA or isinstance(err, flightq.DeviceError)
+
+
+def test_cpu_puts_are_not_staged():
+    keys = text_keys(1, 3)
+    cols = text_columns(keys)
+    as_torch = {
+        k: [torch.from_numpy(x) for x in v] if isinstance(v, list) else v for k, v in cols.items()
+    }
+    pool = PinnedPool()
+    for c in (cols, as_torch):
+        assert not has_cuda(c)
+        with stage(c, pool) as s:
+            assert s.columns is c and s.on_range is None
+    assert pool.allocated_bytes == 0
+    assert resolve_device(None) is None and resolve_device(" CPU ") is None
+
+
+def test_rebase_points_rows_at_a_new_flat_base():
+    # The device path swaps each column's flat base for a device copy; on the CPU the same
+    # swap to a modified copy shows that rows, segments and cat() all read from the base.
+    step = workloads.w1(groups=1, g=3)
+    s = flightq.SchemaRegistry.default().get(VLM)
+    b = decode(encode(s, step.columns, step.keys))
+    tok, med = b.column("input_ids"), b.column("pixel_values")
+    new_tok = tok._base.clone() + 1
+    new_med = med._base.clone() * 2
+    rebase(tok, new_tok)
+    rebase(med, new_med)
+    assert torch.equal(b["input_ids"][1], torch.from_numpy(step.columns["input_ids"][1]) + 1)
+    img = torch.from_numpy(step.columns["pixel_values"][2][0])
+    assert torch.equal(b["pixel_values"][2][0], img * 2)
+    assert torch.equal(med.cat()[0], torch.cat([img * 2] * 3))
+    # A compact base holding only some dictionary entries, in another order: rows follow
+    # the per-entry offsets given with it (how a read shares an image across chunks).
+    two = decode(encode(s, workloads.w1(groups=2, g=2).columns, ["a", "b", "c", "d"]))
+    m2 = two.column("pixel_values")
+    e0, e1 = (m2._base[m2._elem[e] : m2._elem[e] + 748 * 1176].clone() for e in (0, 1))
+    rebase(m2, torch.cat([e1, e0]), np.array([748 * 1176, 0]))
+    assert torch.equal(two["pixel_values"][0][0].reshape(-1), e0)
+    assert torch.equal(two["pixel_values"][3][0].reshape(-1), e1)
+    with pytest.raises(TypeError, match="no flat base"):
+        rebase(b.column("input_lengths"), new_tok)
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("bf16", [False, True], ids=["W1", "W1-bf16"])
+def test_w1_put_from_cuda_and_get_into_cuda_bit_exact(client, bf16):
+    step = workloads.w1(groups=2, bf16=bf16)
+    client.create_partition("p", step.schema, tasks=["train"], group_size=16)
+    dev = _cuda_step(step)
+    assert client.put("p", dev.keys, dev.columns, tags=dev.tags) == 32
+    b = client.get("p", step.keys, device="cuda:0")
+    assert isinstance(b, DeviceBatch) and b.device == torch.device("cuda", 0)
+    assert all(t.device == torch.device("cuda", 0) for t in _all_tensors(b))
+    if bf16:
+        assert b["pixel_values"][0][0].dtype == torch.bfloat16
+    check_rows(step, b.keys, {f: _to_host(b[f]) for f in b.fields}, b.tags, "get(device=)")
+    # The rows of a group share their image on the device, as in the put: an image
+    # crosses at most once per record batch, and not again in the group's next batches
+    # when they carry no other new image.
+    ptrs = [r[0].data_ptr() for r in b["pixel_values"]]
+    assert ptrs[0] == ptrs[1] and ptrs[0] != ptrs[16]
+    assert len(set(ptrs)) <= len(b._parts or [b])
+    c = client.claim("p", "train", 16, timeout=TIMEOUT, device="cuda")
+    assert c.keys == step.keys[:16] and c["input_ids"][0].is_cuda
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_put_sends_the_bytes_a_cpu_put_sends():
+    step = workloads.w1(groups=2, g=4)
+    s = flightq.SchemaRegistry.default().get(VLM)
+    cpu = workloads.to_torch(step)
+    dev = _cuda_step(step)
+    want = encode_chunks(s, cpu.columns, cpu.keys, cpu.tags, max_bytes=2**20)
+    pool = PinnedPool()
+    with stage(dev.columns, pool) as st:
+        assert st.on_range is not None
+        got = encode_chunks(
+            s, st.columns, dev.keys, dev.tags, max_bytes=2**20, on_range=st.on_range
+        )
+        assert len(got) == len(want) > 1
+        for g, w in zip(got, want, strict=True):
+            assert g.equals(w)
+        # The shared image is one dictionary entry per group, as on the CPU.
+        assert len(got[0].column("pixel_values").values.dictionary) == 1
+    allocated = pool.allocated_bytes
+    with stage(dev.columns, pool) as st:
+        encode_chunks(s, st.columns, dev.keys, dev.tags, max_bytes=2**20, on_range=st.on_range)
+    assert pool.allocated_bytes == allocated  # the pinned buffer was reused
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fp8_bf16_scalars_and_many_chunks_round_trip_on_the_gpu():
+    schema = Schema(
+        "gpu_dtypes",
+        1,
+        (
+            Field("tok8", "float8_e4m3fn", "token", (None,), required=True),
+            Field("t5", "float8_e5m2", "tensor", (None, 3)),
+            Field("img", "bfloat16", "media", None),
+            Field("score", "bfloat16", "scalar", ()),
+            Field("n", "int32", "scalar", ()),
+            Field("ok", "bool", "scalar", ()),
+        ),
+    )
+    g = torch.Generator().manual_seed(0)
+    n = 40
+    keys = [f"k{i}" for i in range(n)]
+    lens = torch.randint(1, 5000, (n,), generator=g)
+    tok = [torch.randn(int(s), generator=g).to(torch.float8_e4m3fn) for s in lens]
+    t5 = [torch.randn(int(s) % 7, 3, generator=g).to(torch.float8_e5m2) for s in lens]
+    img = [[torch.randn(2, 64, 64, generator=g).to(torch.bfloat16)] * (i % 3) for i in range(n)]
+    cols_cpu = {
+        "tok8": tok,
+        "t5": t5,
+        "img": img,
+        "score": torch.randn(n, generator=g).to(torch.bfloat16),
+        "n": lens.to(torch.int32),
+        "ok": lens % 2 == 0,
+    }
+    cols = _on_device(cols_cpu, "cuda:0")
+    with (
+        flightq.Server(max_batch_bytes=32 * 1024) as srv,
+        flightq.connect(srv.location, max_batch_bytes=32 * 1024, timeout=TIMEOUT) as c,
+    ):
+        c.register_schema(schema)
+        c.create_partition("p", schema, tasks=["train"])
+        assert c.put("p", keys, cols) == n
+        b = c.get("p", keys, device="cuda:0")
+        assert b._parts is not None and len(b._parts) > 3  # many record batches
+        for name in ("tok8", "t5"):
+            rows = b[name]
+            assert all(r.is_cuda and r.dtype == cols_cpu[name][0].dtype for r in rows)
+            assert [raw(r.view(torch.uint8)) for r in rows] == [
+                raw(x.view(torch.uint8)) for x in cols_cpu[name]
+            ]
+        for name in ("score", "n", "ok"):
+            v = b[name]
+            assert v.is_cuda and v.dtype == cols_cpu[name].dtype
+            assert torch.equal(v.cpu().view(torch.uint8), cols_cpu[name].view(torch.uint8))
+        got_img = b["img"]
+        for i in range(n):
+            assert len(got_img[i]) == i % 3
+            for x, w in zip(got_img[i], img[i], strict=True):
+                assert x.is_cuda and torch.equal(x.cpu().view(torch.int16), w.view(torch.int16))
+        vals, offs = b.column("img").cat()
+        assert vals.is_cuda and int(offs[-1]) == vals.shape[0] == sum(2 * (i % 3) for i in range(n))
+        copied = c.claim("p", "train", n, timeout=TIMEOUT, device="cuda:0", copy=True)
+        r0 = copied["tok8"][0]
+        r0.view(torch.uint8).zero_()  # a writable copy of its own
+        assert copied["tok8"][1].data_ptr() != r0.data_ptr()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_put_waits_for_work_queued_on_the_current_stream(client):
+    # The values are written by the current stream behind a long matmul chain; the put's
+    # side stream must copy them only after that.
+    client.create_partition("p", TEXT)
+    x = torch.empty(1 << 22, dtype=torch.int64, device="cuda")
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        a = a @ a
+        a = a / a.norm()
+    x.copy_(torch.full_like(x, 7) + (a[0, 0] * 0).long())
+    odd = torch.arange(30, device="cuda", dtype=torch.int64).reshape(10, 3).t()[0]  # strided
+    five = torch.arange(5, device="cuda")
+    w = torch.ones(5, device="cuda", requires_grad=True) * 0.5  # part of a graph
+    client.put(
+        "p",
+        ["a", "b", "c"],
+        {"input_ids": [x, odd, five], "generation_logprobs": [None, None, w]},
+    )
+    b = client.get("p", ["a", "b", "c"], as_="numpy")
+    assert (b["input_ids"][0] == 7).all()
+    assert b["input_ids"][1].tolist() == list(range(0, 30, 3))
+    assert b["generation_logprobs"][2].tolist() == [0.5] * 5
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_mixed_cpu_and_cuda_rows_and_unsynchronised_get(client):
+    keys = text_keys(1, 6)
+    cols = text_columns(keys)
+    mixed = dict(cols)
+    mixed["input_ids"] = [
+        torch.from_numpy(v).cuda() if i % 2 else torch.from_numpy(v)
+        for i, v in enumerate(cols["input_ids"])
+    ]
+    mixed["total_reward"] = torch.from_numpy(cols["total_reward"]).cuda()
+    client.create_partition("p", TEXT)
+    client.put("p", keys, mixed)
+    b = client.get("p", keys, device="cuda:0", sync=False)
+    assert b.event is not None and b.stream is not None
+    doubled = [r * 2 for r in b["input_ids"]]  # queued on the current stream, after the copies
+    torch.cuda.current_stream().synchronize()
+    assert [d.cpu().tolist() for d in doubled] == [(v * 2).tolist() for v in cols["input_ids"]]
+    assert torch.equal(b["total_reward"].cpu(), torch.from_numpy(cols["total_reward"]))
+    b.synchronize()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_async_client_gets_into_cuda(server):
+    keys = text_keys(1, 4)
+    cols = text_columns(keys)
+
+    async def main() -> flightq.Batch:
+        async with await flightq.aio.connect(server.location, [TEXT], timeout=TIMEOUT) as c:
+            await c.create_partition("p", TEXT)
+            await c.put("p", keys, _on_device(cols, "cuda:0"))
+            return await c.get("p", keys, device="cuda:0")
+
+    b = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+    assert all(r.is_cuda for r in b["input_ids"])
+    assert [r.cpu().tolist() for r in b["input_ids"]] == [v.tolist() for v in cols["input_ids"]]
