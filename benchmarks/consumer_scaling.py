@@ -1,0 +1,130 @@
+"""Aggregate get throughput of 1, 2, 4, 8 consumer processes against one flightq server.
+
+One ``flightq serve --port 0`` process on 127.0.0.1 holds a workload step (W2 by default:
+no shared media, so every byte crosses the wire). Each consumer is its own process: it
+connects, then gets every row of the step by key ``--gets`` times (every field, decoded
+as numpy views), checking the first answer bit for bit against the seeded step outside the
+timed part. The wall time from the moment all consumers are ready to the moment the last
+one finishes gives the aggregate GB/s of logical payload; the ratio to one consumer,
+measured in the same run, is printed. Timing decides nothing here.
+
+Run::
+
+    .venv/bin/python benchmarks/consumer_scaling.py --consumers 1,2,4,8 --workload W2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import flightq
+from flightq import workloads
+
+__all__ = ["main", "measure"]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _consumer(location: str, name: str, gets: int, ready: Any, go: Any, out: Any) -> None:
+    step = workloads.make(name)
+    with flightq.connect(location, [step.schema], timeout=300) as c:
+        b = c.get("p", step.keys, as_="numpy")
+        for f, want in step.columns.items():
+            got = b[f]
+            if isinstance(want, np.ndarray):
+                assert np.array_equal(got, want), f
+                continue
+            for g, w in zip(got, want, strict=True):
+                if isinstance(w, list):
+                    assert all(np.array_equal(x, y) for x, y in zip(g, w, strict=True)), f
+                else:
+                    assert np.array_equal(g, w), f
+        del b
+        ready.put(os.getpid())
+        go.wait()
+        t0 = time.perf_counter()
+        for _ in range(gets):
+            c.get("p", step.keys, as_="numpy").to_dict()
+        out.put(time.perf_counter() - t0)
+
+
+def measure(location: str, name: str, consumers: int, gets: int) -> float:
+    """Aggregate GB/s of ``consumers`` processes each getting the step ``gets`` times."""
+    ctx = mp.get_context("spawn")
+    ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = [
+        ctx.Process(target=_consumer, args=(location, name, gets, ready, go, out))
+        for _ in range(consumers)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            ready.get(timeout=300)
+        t0 = time.perf_counter()
+        go.set()
+        for _ in procs:
+            out.get(timeout=600)
+        wall = time.perf_counter() - t0
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    nbytes = workloads.make(name).nbytes() * gets * consumers
+    return nbytes / wall / 1e9
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the curve and print one line per consumer count."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--consumers", default="1,2,4,8")
+    p.add_argument("--workload", default="W2")
+    p.add_argument("--gets", type=int, default=4, help="gets per consumer per round")
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args(argv)
+    counts = [int(x) for x in args.consumers.split(",")]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "flightq.cli", "serve", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=str(ROOT),
+    )
+    try:
+        assert server.stdout is not None
+        location = json.loads(server.stdout.readline())["listening"]
+        step = workloads.make(args.workload)
+        with flightq.connect(location, [step.schema], timeout=300) as c:
+            c.create_partition("p", step.schema, tasks=["t"], group_size=step.group_size)
+            c.put("p", step.keys, step.columns, step.tags)
+        results: dict[int, list[float]] = {n: [] for n in counts}
+        for _ in range(args.reps):  # interleave counts so load drifts hit all alike
+            for n in counts:
+                results[n].append(measure(location, args.workload, n, args.gets))
+        base = statistics.median(results[counts[0]])
+        print(f"{args.workload}: {step.nbytes() / 2**20:.0f} MiB per get, {os.cpu_count()} CPUs")
+        print(f"{'consumers':>9} {'GB/s median':>12} {'min-max':>15} {'x one':>7}")
+        for n in counts:
+            med = statistics.median(results[n])
+            lo, hi = min(results[n]), max(results[n])
+            print(f"{n:>9} {med:>12.2f} {lo:>7.2f}-{hi:<7.2f} {med / base:>7.2f}")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
