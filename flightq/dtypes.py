@@ -104,6 +104,9 @@ def from_numpy(dt: np.dtype) -> str:
     DTypeError
         If numpy's dtype has no tag.
     """
+    tag = _NUMPY_TO_TAG.get(dt)  # the common case, without numpy's slow dtype.name
+    if tag is not None:
+        return tag
     dt = np.dtype(dt)
     if dt.name in DTYPES and not DTYPES[dt.name].native_numpy:
         return dt.name  # ml_dtypes.bfloat16 and friends
