@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .batch import Batch, MediaColumn, ScalarColumn, TensorColumn, decode, encode
+from .batch import Batch, MediaColumn, ScalarColumn, TensorColumn, decode
 from .codecs import Raw, Zstd
+from .encode import encode
 from .errors import (
     ClaimTimeoutError,
     ConflictError,

@@ -27,8 +27,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from .batch import Batch, decode, encode_chunks, split_batch
+from .batch import Batch, decode
 from .cuda import PinnedPool, decode_to_device, resolve_device, stage
+from .encode import encode_chunks, split_batch
 from .errors import FlightqError, ProtocolError, SchemaMismatchError, UnknownSchemaError
 from .protocol import from_flight_error, pack, unpack
 from .registry import SchemaRegistry

@@ -31,8 +31,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from .batch import Batch, decode, encode_chunks
+from .batch import Batch, decode
 from .client import DEFAULT_MAX_BATCH_BYTES, DEFAULT_TIMEOUT, Client, _resolve
+from .encode import encode_chunks
 from .errors import (
     ClaimTimeoutError,
     FlightqError,

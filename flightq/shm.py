@@ -433,7 +433,7 @@ class _Sink:
 
 
 def _current_gather() -> _Gather | None:
-    from .batch import GATHER
+    from .encode import GATHER
 
     g = GATHER.get()
     return g if isinstance(g, _Gather) else None
@@ -447,7 +447,7 @@ def gathering() -> Iterator[None]:
     the segment, instead of into an intermediate buffer first. The encoded batches hold
     placeholders: they are valid for :meth:`SegmentPool.write` in the same block only.
     """
-    from .batch import GATHER
+    from .encode import GATHER
 
     token = GATHER.set(_Gather())
     try:
@@ -676,7 +676,7 @@ def put_via_shm(
     """
     import pyarrow.flight as fl
 
-    from .batch import split_batch
+    from .encode import split_batch
     from .protocol import from_flight_error, pack, unpack
 
     what = f"put to {cmd['partition']!r}"
