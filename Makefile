@@ -26,10 +26,17 @@ lint: $(STAMP)
 test: lint
 	$(VENV)/bin/pytest -q
 
-bench: $(STAMP)
+# The side-by-side benchmark measures TransferQueue and Ray too: the peers extra.
+PEERS := $(VENV)/.peers
+
+$(PEERS): $(STAMP)
+	$(PIP) install --quiet -c constraints-test.txt -e '.[torch,test,bench,ray,peers]'
+	@touch $(PEERS)
+
+bench: $(PEERS)
 	$(VENV)/bin/flightq bench --out bench-results
 
-bench-quick: $(STAMP)
+bench-quick: $(PEERS)
 	$(VENV)/bin/flightq bench --quick --out bench-results
 
 clean:

@@ -12,6 +12,7 @@ host-to-device copy as the limit).
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -47,6 +48,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--shards",
+        default="",
+        help="e.g. 1,2,4: instead of the workloads, the aggregate W1 throughput of one "
+        "partition sharded over that many server processes (see flightq.bench.shards)",
+    )
+    p.add_argument(
+        "--workers", type=int, default=4, help="worker processes for --shards (default 4)"
+    )
+    p.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
@@ -71,6 +81,36 @@ def _cuda_problem() -> str:
     return ""
 
 
+def _shards(args: argparse.Namespace, reps: int, argv: list[str]) -> int:
+    from .shards import markdown, run_shards
+
+    try:
+        counts = [int(x) for x in _split(args.shards)]
+    except ValueError:
+        print(
+            f"flightq bench: --shards takes counts like 1,2,4, got {args.shards!r}", file=sys.stderr
+        )
+        return 2
+    if not counts or min(counts) < 1 or args.workers < 1:
+        print("flightq bench: --shards counts and --workers must be at least 1", file=sys.stderr)
+        return 2
+    command = shlex.join(["flightq", "bench", *argv])
+    rows = run_shards(
+        counts,
+        workers=args.workers,
+        groups=2 if args.quick else 8,
+        reps=reps,
+        seed=args.seed,
+        progress=lambda line: print(line, flush=True),
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shards.json").write_text(json.dumps({"command": command, "rows": rows}, indent=2))
+    (out / "shards.md").write_text(markdown(rows, command))
+    print(f"wrote {out / 'shards.json'}, {out / 'shards.md'}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``flightq bench``; returns the exit status (3: refused, a listener beyond loopback)."""
     from . import report
@@ -87,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     reps = args.reps or (3 if args.quick else 5)
+    if args.shards:
+        return _shards(args, reps, argv)
     pings = args.pings or (150 if args.quick else 1000)
     if reps < 1 or pings < 1:
         print("flightq bench: --reps and --pings must be at least 1", file=sys.stderr)
