@@ -227,16 +227,20 @@ class Client:
         tasks: Sequence[str] = (),
         group_size: int | None = None,
         *,
+        max_rows: int | None = None,
         registry: SchemaRegistry | None = None,
     ) -> bool:
         """Declare a partition before any producer writes; idempotent for the same arguments.
+
+        ``max_rows`` caps the rows it holds at once: a put that would create more waits up
+        to its timeout for clears, then fails with ResourceExhaustedError.
 
         Returns whether it was created by this call.
 
         Raises
         ------
         ConflictError
-            If it exists with another schema, tasks or group size.
+            If it exists with another schema, tasks, group size or row limit.
         """
         s = _resolve([schema], registry)[0]
         d = self._action(
@@ -246,6 +250,7 @@ class Client:
                 "schema": s.canonical_json,
                 "tasks": list(tasks),
                 "group_size": group_size,
+                "max_rows": max_rows,
             },
         )
         with self._lock:

@@ -418,7 +418,10 @@ class Server(fl.FlightServerBase):
             g = body.get("group_size")
             if g is not None and (not isinstance(g, int) or isinstance(g, bool)):
                 raise ProtocolError("declare: group_size must be an integer or null")
-            created = self.store.declare(name, schema, tasks, g)
+            m = body.get("max_rows")
+            if m is not None and (not isinstance(m, int) or isinstance(m, bool)):
+                raise ProtocolError("declare: max_rows must be an integer or null")
+            created = self.store.declare(name, schema, tasks, g, m)
             return {"created": created, **self.store.partition(name).declaration()}
         if kind == "describe":
             name = require(body, "partition", str, "describe")

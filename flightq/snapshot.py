@@ -137,6 +137,7 @@ def write_snapshot(
                     "schema": p.schema.canonical_json,
                     "tasks": list(p.tasks),
                     "group_size": p.group_size,
+                    "max_rows": p.max_rows,
                     "next_group": p.next_group,
                     "rows": len(rows),
                     "bytes": p.nbytes,
@@ -187,6 +188,7 @@ def _restore_partition(root: Path, e: dict[str, Any]) -> Partition:
         e["group_size"],
         delivered={t: set() for t in tasks},
         next_group=int(e["next_group"]),
+        max_rows=e.get("max_rows"),
     )
     state = _read_ipc(root / files["state"])
     keys = state.column("key").to_pylist()

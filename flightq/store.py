@@ -82,6 +82,8 @@ class Partition:
     nbytes: int = 0
     #: Acknowledgements of recent puts by put id (oldest first), for idempotent retries.
     recent_puts: dict[str, int] = field(default_factory=dict)
+    #: Most rows the partition holds at once; a put that would pass it waits for clears.
+    max_rows: int | None = None
 
     def declaration(self) -> dict[str, Any]:
         """The declaration as sent by ``declare``."""
@@ -92,6 +94,7 @@ class Partition:
             "fingerprint": self.schema.fingerprint,
             "tasks": list(self.tasks),
             "group_size": self.group_size,
+            "max_rows": self.max_rows,
         }
 
 
@@ -139,15 +142,22 @@ class Store:
     # ------------------------------------------------------------------ declarations
 
     def declare(
-        self, name: str, schema: Schema, tasks: Sequence[str], group_size: int | None
+        self,
+        name: str,
+        schema: Schema,
+        tasks: Sequence[str],
+        group_size: int | None,
+        max_rows: int | None = None,
     ) -> bool:
         """Declare a partition; idempotent for identical arguments. Returns whether new.
 
         Raises
         ------
         ConflictError
-            If the partition exists with another schema, tasks or group size.
+            If the partition exists with another schema, tasks, group size or row limit.
         """
+        if max_rows is not None and max_rows < 1:
+            raise ProtocolError(f"max_rows must be >= 1, got {max_rows}")
         if not name or "/" in name:
             raise ProtocolError(f"partition name {name!r} must be non-empty and without '/'")
         if group_size is not None and group_size < 1:
@@ -161,16 +171,27 @@ class Store:
                     p.schema.fingerprint != schema.fingerprint
                     or p.tasks != tuple(tasks)
                     or p.group_size != group_size
+                    or p.max_rows != max_rows
                 ):
                     raise ConflictError(
                         f"partition {name!r} is declared with schema {p.schema.ref} "
                         f"({p.schema.fingerprint}), tasks {list(p.tasks)}, group_size "
                         f"{p.group_size}; got {schema.ref} ({schema.fingerprint}), tasks "
                         f"{list(tasks)}, group_size {group_size}"
+                        + (
+                            f"; max_rows {p.max_rows}, got {max_rows}"
+                            if p.max_rows != max_rows
+                            else ""
+                        )
                     )
                 return False
             self._parts[name] = Partition(
-                name, schema, tuple(tasks), group_size, delivered={t: set() for t in tasks}
+                name,
+                schema,
+                tuple(tasks),
+                group_size,
+                delivered={t: set() for t in tasks},
+                max_rows=max_rows,
             )
             return True
 
@@ -218,6 +239,7 @@ class Store:
                     delivered={t: set(d) for t, d in p.delivered.items()},
                     next_group=p.next_group,
                     nbytes=p.nbytes,
+                    max_rows=p.max_rows,
                 )
                 for p in parts
             ]
@@ -251,6 +273,31 @@ class Store:
         """Payload bytes held across partitions."""
         with self._lock:
             return sum(p.nbytes for p in self._parts.values())
+
+    def _wait_for_rows(self, name: str, keys: list[str], timeout: float) -> None:
+        limit = self._get(name).max_rows
+        if limit is None:
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_open(f"put to {name!r}")
+            p = self._get(name)
+            new = sum(1 for k in keys if k not in p.rows)
+            if new > limit:
+                raise ResourceExhaustedError(
+                    f"put to {name!r} creates {new} rows, more than the partition's limit of "
+                    f"{limit} rows; split it"
+                )
+            if len(p.rows) + new <= limit:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ResourceExhaustedError(
+                    f"put to {name!r} of {new} new rows: the partition holds {len(p.rows)} of "
+                    f"its {limit}-row limit and no rows were cleared within {timeout:g}s; "
+                    "clear consumed rows"
+                )
+            self._changed.wait(min(left, 3600.0))
 
     def _wait_for_space(self, name: str, need: int, timeout: float) -> None:
         budget = self.memory_budget
@@ -310,6 +357,7 @@ class Store:
             if not overwrite and _is_replay(p, pieces):
                 return len(keys)
             self._wait_for_space(name, sum(int(pc.checked.nbytes.sum()) for pc in pieces), timeout)
+            self._wait_for_rows(name, keys, timeout)
             p = self._get(name)
             new: list[str] = []
             for pc in pieces:

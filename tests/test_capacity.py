@@ -47,3 +47,30 @@ def test_put_waiting_for_space_lands_once_rows_are_cleared() -> None:
         t.join(timeout=20)
         assert done == [1]
         assert c.get("p", ["b0"], as_="numpy")["input_ids"][0][0] == 0
+
+
+def test_partition_row_limit_makes_a_put_wait_for_clears_then_fail_typed() -> None:
+    with flightq.Server() as srv, flightq.connect(srv.location) as c:
+        c.create_partition("p", "rollout_text@1", tasks=["train"], max_rows=2)
+        assert c.create_partition("p", "rollout_text@1", tasks=["train"], max_rows=2) is False
+        with pytest.raises(flightq.ConflictError, match="max_rows 2, got 3"):
+            c.create_partition("p", "rollout_text@1", tasks=["train"], max_rows=3)
+        c.put("p", *_rows("a", 2, s=10))
+        with pytest.raises(flightq.ResourceExhaustedError, match="2-row limit"):
+            c.put("p", *_rows("b", 1, s=10), timeout=0.3)
+        with pytest.raises(flightq.ResourceExhaustedError, match="more than the partition's"):
+            c.put("p", *_rows("c", 3, s=10))
+        # writing a column back onto existing rows creates none: not limited
+        c.put("p", ["a0"], {"prev_logprobs": [np.zeros(10, dtype=np.float32)]})
+        done: list[int] = []
+        t = threading.Thread(
+            target=lambda: done.append(c.put("p", *_rows("d", 1, s=10), timeout=20)), daemon=True
+        )
+        t.start()
+        time.sleep(0.3)
+        assert not done, "the put must wait while the partition is full"
+        c.clear("p", ["a1"])
+        t.join(timeout=20)
+        assert done == [1]
+        assert c.stats()["partitions"]["p"]["rows"] == 2
+        assert c.describe("p")["max_rows"] == 2
