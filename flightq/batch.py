@@ -249,12 +249,7 @@ class TensorColumn(Column):
     def __init__(self, f: Field, rb: pa.RecordBatch, as_: str, copy: bool) -> None:
         super().__init__(f, rb, as_, copy)
         shapes = rb.column(f.name + SHAPE_SUFFIX)
-        offs = shapes.offsets.to_numpy()
-        vals = shapes.values.to_numpy()
-        self.shapes: list[tuple[int, ...] | None] = [
-            tuple(int(d) for d in vals[offs[i] : offs[i + 1]]) if self.valid[i] else None
-            for i in range(len(shapes))
-        ]
+        self.shapes: list[tuple[int, ...] | None] = _shape_list(shapes, self.valid)
         present = [s if s is not None else (0,) for s in self.shapes]
         self._base, self._elem = _decoded_base(f, self.payload, present, as_)
 
@@ -265,7 +260,27 @@ class TensorColumn(Column):
         return row_view(self._base, int(self._elem[i]), shape, self.copy)
 
     def rows(self) -> list[Any]:
-        return [self[i] for i in range(len(self))]
+        if self.copy or not self.valid.all() or not len(self):
+            return [self[i] for i in range(len(self))]
+        # Every row present: cut the base in one call, then shape the views.
+        counts = np.diff(self._elem, append=len(self._base))
+        if self.as_ == "torch":
+            pieces = list(self._base.split(counts.tolist()))
+        else:
+            pieces = np.split(self._base, self._elem[1:])
+        shapes: list[tuple[int, ...]] = self.shapes  # type: ignore[assignment]
+        return [
+            v if len(shape) == 1 else v.reshape(shape)
+            for v, shape in zip(pieces, shapes, strict=True)
+        ]
+
+
+def _shape_list(shapes: pa.Array, valid: np.ndarray) -> list[tuple[int, ...] | None]:
+    """Each row's shape as a tuple (None where the row lacks the field)."""
+    offs = shapes.offsets.to_numpy().tolist()
+    vals = shapes.values.to_numpy().tolist()
+    present = valid.tolist()
+    return [tuple(vals[offs[i] : offs[i + 1]]) if present[i] else None for i in range(len(present))]
 
 
 class MediaColumn(Column):

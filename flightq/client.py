@@ -20,8 +20,10 @@ Examples
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
@@ -30,7 +32,14 @@ import pyarrow.flight as fl
 from .batch import Batch, decode
 from .cuda import PinnedPool, decode_to_device, resolve_device, stage
 from .encode import encode_chunks, split_batch
-from .errors import FlightqError, ProtocolError, SchemaMismatchError, UnknownSchemaError
+from .errors import (
+    FlightqError,
+    MissingFieldError,
+    NotFoundError,
+    ProtocolError,
+    SchemaMismatchError,
+    UnknownSchemaError,
+)
 from .protocol import from_flight_error, pack, unpack
 from .registry import SchemaRegistry
 from .schema import Schema
@@ -41,6 +50,11 @@ __all__ = ["Client", "connect", "DEFAULT_TIMEOUT"]
 DEFAULT_TIMEOUT = 60.0
 #: Payload bytes per record batch sent by a put.
 DEFAULT_MAX_BATCH_BYTES = 16 * 2**20
+#: Most parallel DoGet streams (one connection each) a get of many rows is split over.
+_GET_STREAMS = 4
+#: Fewest bytes per stream, estimated from the partition's last answer: smaller gets (and
+#: a partition's first get) travel as one stream, where per-row work dominates.
+_MIN_STREAM_BYTES = 16 * 2**20
 
 
 def _resolve(schemas: Iterable[str | Schema], registry: SchemaRegistry | None) -> list[Schema]:
@@ -167,6 +181,11 @@ class Client:
         self._lock = threading.Lock()
         #: Pinned host buffers and copy streams for CUDA tensors (empty until first used).
         self._pinned = PinnedPool()
+        self._flight_kwargs = flight_kwargs
+        #: More connections to the server, opened on the first get split over streams.
+        self._streams: list[fl.FlightClient] = []
+        #: Per partition, payload bytes per row of the last get answer.
+        self._row_bytes: dict[str, float] = {}
         try:
             self._flight = fl.FlightClient(location, **flight_kwargs)
         except (pa.ArrowException, fl.FlightError) as e:
@@ -322,6 +341,10 @@ class Client:
         """
         schema = self._partition_schema(partition)
         # Through shared memory, payloads are copied once: from the tensors into the segment.
+        # Over the socket, every check runs before anything is sent; then each batch's copy
+        # is made while the previous batch is on the wire, and a payload alone in its column
+        # (or already end to end with its neighbours) is sent from the tensor's memory.
+        fills: list[Callable[[], None]] | None = None if self.shm_dir is not None else []
         with stage(columns, self._pinned) as staged, _gathering(self.shm_dir):
             batches = encode_chunks(
                 schema,
@@ -330,10 +353,9 @@ class Client:
                 tags,
                 max_bytes=self.max_batch_bytes,
                 on_range=staged.on_range,
+                fills=fills,
             )
-            return self.put_batch(
-                partition, batches, overwrite=overwrite, timeout=timeout, put_id=put_id
-            )
+            return self._put(partition, batches, fills, overwrite, timeout, put_id)
 
     def put_batch(
         self,
@@ -349,6 +371,18 @@ class Client:
         Several batches (one schema) travel in one DoPut and are stored all or nothing.
         """
         batches = [batch] if isinstance(batch, pa.RecordBatch) else list(batch)
+        return self._put(partition, batches, None, overwrite, timeout, put_id)
+
+    def _put(
+        self,
+        partition: str,
+        batches: list[pa.RecordBatch],
+        fills: list[Callable[[], None]] | None,
+        overwrite: bool,
+        timeout: float | None,
+        put_id: str | None,
+    ) -> int:
+        """One DoPut of ``batches``; ``fills[i]()`` completes batch i (encode_chunks)."""
         if not batches:
             raise ValueError(f"put to {partition!r}: no record batches")
         wait = self.timeout if timeout is None else timeout
@@ -368,7 +402,7 @@ class Client:
                 desc, batches[0].schema, options=self._options(timeout)
             )
             with writer:
-                for b in batches:
+                for b in _filled(batches, fills):
                     for chunk in split_batch(b, self.max_batch_bytes):
                         writer.write_batch(chunk)
                 writer.done_writing()
@@ -380,12 +414,17 @@ class Client:
         return int(unpack(ack, "put acknowledgement")["rows"])
 
     def _read(
-        self, ticket: Mapping[str, Any], what: str, timeout: float | None
+        self,
+        ticket: Mapping[str, Any],
+        what: str,
+        timeout: float | None,
+        flight: fl.FlightClient | None = None,
     ) -> list[pa.RecordBatch]:
         if self.shm_dir is not None:
             ticket = {**ticket, "shm": True}
+        flight = self._flight if flight is None else flight
         try:
-            reader = self._flight.do_get(fl.Ticket(pack(ticket)), options=self._options(timeout))
+            reader = flight.do_get(fl.Ticket(pack(ticket)), options=self._options(timeout))
             batches = [chunk.data for chunk in reader]
         except (pa.ArrowException, fl.FlightError) as e:
             raise from_flight_error(e, what) from e
@@ -394,6 +433,55 @@ class Client:
 
             return take(batches, self.shm_dir, what)
         return batches
+
+    def _read_keys(
+        self, ticket: dict[str, Any], what: str, timeout: float | None
+    ) -> list[pa.RecordBatch]:
+        """A get's record batches, over parallel streams when it asks for many rows.
+
+        Each stream has its own connection, so receiving and reassembling the messages
+        (the receiver's copies) runs on several cores; the parts come back in key order.
+        If a part finds a key or field missing, or the parts' columns differ (``fields``
+        None over rows holding different fields), the get runs again as one stream,
+        whose answer or complete error is the reference.
+        """
+        keys, partition = ticket["keys"], ticket["partition"]
+        guess = self._row_bytes.get(partition, 0.0) * len(keys)
+        n = min(_GET_STREAMS, len(keys), int(guess // _MIN_STREAM_BYTES))
+        if n < 2 or self.shm_dir is not None:
+            return self._learn(partition, len(keys), self._read(ticket, what, timeout))
+        flights = [self._flight, *self._stream_clients(n - 1)]
+        cuts = [len(keys) * i // n for i in range(n + 1)]
+        tickets = [{**ticket, "keys": keys[a:b]} for a, b in itertools.pairwise(cuts)]
+        try:
+            with ThreadPoolExecutor(n - 1, thread_name_prefix="flightq-get") as pool:
+                rest = [
+                    pool.submit(self._read, tickets[i], what, timeout, flights[i])
+                    for i in range(1, n)
+                ]
+                parts = [self._read(tickets[0], what, timeout), *(f.result() for f in rest)]
+        except (NotFoundError, MissingFieldError):
+            return self._read(ticket, what, timeout)
+        schema = parts[0][0].schema
+        if any(not b.schema.equals(schema, check_metadata=True) for p in parts for b in p):
+            return self._read(ticket, what, timeout)
+        return self._learn(partition, len(keys), [b for p in parts for b in p])
+
+    def _learn(
+        self, partition: str, rows: int, batches: list[pa.RecordBatch]
+    ) -> list[pa.RecordBatch]:
+        if rows:
+            self._row_bytes[partition] = sum(b.nbytes for b in batches) / rows
+        return batches
+
+    def _stream_clients(self, n: int) -> list[fl.FlightClient]:
+        with self._lock:
+            try:
+                while len(self._streams) < n:
+                    self._streams.append(fl.FlightClient(self.location, **self._flight_kwargs))
+            except (pa.ArrowException, fl.FlightError) as e:
+                raise from_flight_error(e, f"connect to {self.location}") from e
+            return self._streams[:n]
 
     def _read_to_device(
         self,
@@ -453,7 +541,7 @@ class Client:
         if dev is not None:
             what = f"get from {partition!r}"
             return self._read_to_device(dev, t, what, timeout, copy=copy, sync=sync)
-        return decode(self._read(t, f"get from {partition!r}", timeout), as_=as_, copy=copy)
+        return decode(self._read_keys(t, f"get from {partition!r}", timeout), as_=as_, copy=copy)
 
     def claim(
         self,
@@ -538,14 +626,46 @@ class Client:
         """Close the connection."""
         if self._shm_pool is not None:
             self._shm_pool.close()
-        with contextlib.suppress(pa.ArrowException, fl.FlightError):
-            self._flight.close()
+        for flight in [self._flight, *self._streams]:
+            with contextlib.suppress(pa.ArrowException, fl.FlightError):
+                flight.close()
 
     def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _filled(
+    batches: list[pa.RecordBatch], fills: list[Callable[[], None]] | None
+) -> Iterator[pa.RecordBatch]:
+    """The batches in order, each filled first; the next one fills while one is written.
+
+    A batch is dropped from ``batches`` once handed out, so its buffers go as soon as the
+    transport is done with them. The fills copy with the GIL released (numpy), as does
+    the writer: on two cores, the copy for batch i+1 overlaps sending batch i.
+    """
+    if fills is None:
+        yield from batches
+        return
+    if len(batches) == 1:
+        fills.pop()()
+        yield batches.pop()
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="flightq-fill") as pool:
+        pending = pool.submit(fills[0])
+        for i in range(len(batches)):
+            pending.result()
+            fills[i] = _done  # its closure holds the batch's buffer
+            if i + 1 < len(batches):
+                pending = pool.submit(fills[i + 1])
+            b, batches[i] = batches[i], None  # let the transport free it once sent
+            yield b
+
+
+def _done() -> None:
+    pass
 
 
 def _gathering(shm_dir: str | None) -> contextlib.AbstractContextManager[None]:

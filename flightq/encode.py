@@ -11,6 +11,7 @@ put into record batches of bounded size without splitting shared media.
 from __future__ import annotations
 
 import contextvars
+import functools
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -23,7 +24,7 @@ from .codecs import RAW
 from .errors import DTypeError, EncodeError, ShapeError, UndeclaredFieldError
 from .layout import MEDIA_TYPE, arrow_schema, binary_offsets
 from .schema import Field, Schema
-from .tensor import Encoded, is_torch, nbytes_for, to_bytes
+from .tensor import Bulk, Encoded, bulk_to_bytes, is_torch, nbytes_for, to_bytes
 
 __all__ = [
     "encode",
@@ -39,6 +40,10 @@ __all__ = [
 #: placeholder buffer it returns instead of gathering the bytes itself.
 GATHER: contextvars.ContextVar[Callable[[list[Any], np.ndarray], pa.Buffer | None] | None] = (
     contextvars.ContextVar("flightq_gather", default=None)
+)
+#: Set by :func:`encode_chunks` given ``fills``: ``_binary`` queues its copies here.
+_DEFERRED: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.ContextVar(
+    "flightq_deferred", default=None
 )
 
 _CAST_HINT = {
@@ -151,18 +156,36 @@ def _checked(f: Field, x: Any, key: str, zero_copy: bool, what: str = "") -> Enc
 
 
 def _binary(payloads: list[Any], valid: list[bool] | None) -> pa.Array:
-    """A large_binary array over the payloads, copied once into one contiguous buffer."""
+    """A large_binary array over the payloads, copied once into one contiguous buffer.
+
+    Under :func:`encode_chunks` with ``fills``, the copy is left to the batch's fill, and
+    payloads that already lie end to end in one array (a lone payload, views of one
+    buffer) become the data buffer as they are: the caller sends the batch at once.
+    """
     lengths = np.fromiter((len(memoryview(p).cast("B")) for p in payloads), np.int64, len(payloads))
-    offsets = np.zeros(len(payloads) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = _offsets(lengths)
     gather = GATHER.get()
     data = gather(payloads, offsets) if gather is not None else None
+    deferred = _DEFERRED.get()
+    if data is None and deferred is not None:
+        data = _in_place(payloads, lengths)
     if data is None:
         buf = np.empty(int(offsets[-1]), dtype=np.uint8)
-        for p, lo, hi in zip(payloads, offsets[:-1], offsets[1:], strict=True):
-            if hi > lo:
-                buf[lo:hi] = np.frombuffer(p, dtype=np.uint8)
+        if deferred is None:
+            _gather_into(buf, payloads, offsets)
+        else:
+            deferred.append(functools.partial(_gather_into, buf, payloads, offsets))
         data = pa.py_buffer(buf)
+    return _binary_array(offsets, data, valid)
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
+def _binary_array(offsets: np.ndarray, data: pa.Buffer, valid: list[bool] | None) -> pa.Array:
     mask = None
     null_count = 0
     if valid is not None and not all(valid):
@@ -170,10 +193,45 @@ def _binary(payloads: list[Any], valid: list[bool] | None) -> pa.Array:
         null_count = valid.count(False)
     return pa.LargeBinaryArray.from_buffers(
         pa.large_binary(),
-        len(payloads),
+        len(offsets) - 1,
         [mask, pa.py_buffer(offsets), data],
         null_count,
     )
+
+
+def _gather_into(buf: np.ndarray, payloads: list[Any], offsets: np.ndarray) -> None:
+    for p, lo, hi in zip(payloads, offsets[:-1], offsets[1:], strict=True):
+        if hi > lo:
+            buf[lo:hi] = np.frombuffer(p, dtype=np.uint8)
+
+
+def _in_place(payloads: list[Any], lengths: np.ndarray) -> pa.Buffer | None:
+    """The payloads' own memory as one buffer, if the non-empty ones lie end to end.
+
+    That holds for a lone payload, and for views of one array placed back to back (rows
+    split from a packed tensor, a pinned staging buffer). None otherwise: copy them.
+    """
+    parts = [p for p, n in zip(payloads, lengths.tolist(), strict=True) if n]
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return pa.py_buffer(parts[0])
+    if not all(type(p) is np.ndarray for p in parts):
+        return None
+    root = parts[0]
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if not root.flags.c_contiguous:
+        return None
+    start = end = parts[0].ctypes.data
+    for p in parts:
+        if p.ctypes.data != end:
+            return None
+        end += p.nbytes
+    base = root.ctypes.data
+    if start < base or end > base + root.nbytes:
+        return None
+    return pa.py_buffer(root.reshape(-1).view(np.uint8)[start - base : end - base])
 
 
 def _shapes(shapes: list[tuple[int, ...] | None], large: bool = False) -> pa.Array:
@@ -190,9 +248,13 @@ def _shapes(shapes: list[tuple[int, ...] | None], large: bool = False) -> pa.Arr
 def _encode_tensor(
     f: Field, data: Any, keys: list[str], zero_copy: bool, seq: list[int]
 ) -> list[pa.Array]:
+    rows = _rows(f, data, keys)
+    fast = _encode_tensor_bulk(f, rows, seq)
+    if fast is not None:
+        return fast
     payloads: list[Any] = []
     shapes: list[tuple[int, ...] | None] = []
-    for i, x in enumerate(_rows(f, data, keys)):
+    for i, x in enumerate(rows):
         if x is None:
             payloads.append(b"")
             shapes.append(None)
@@ -210,6 +272,64 @@ def _encode_tensor(
         shapes.append(enc.shape)
     valid = [s is not None for s in shapes]
     return [_binary(payloads, valid), _shapes(shapes)]
+
+
+def _encode_tensor_bulk(f: Field, rows: list[Any], seq: list[int]) -> list[pa.Array] | None:
+    """What the per-row path builds, in a few calls per column; None if it does not apply.
+
+    Applies to a raw field whose present rows convert in bulk
+    (:func:`flightq.tensor.bulk_to_bytes`) and all pass the per-row checks: declared
+    dtype and shape, token lengths agreeing with the row's other token fields. Otherwise
+    the per-row path runs, raising its precise errors. Shared-memory gathering places
+    the payloads itself: the per-row path serves it. Deferred fills get the one copy.
+    """
+    if f.codec is not RAW or GATHER.get() is not None:
+        return None
+    present = [i for i, x in enumerate(rows) if x is not None]
+    if len(present) < 2:  # one tensor: converting it directly is cheaper
+        return None
+    bulk = bulk_to_bytes(rows if len(present) == len(rows) else [rows[i] for i in present])
+    if bulk is None or bulk.dtype != f.dtype or not _fits(f, bulk):
+        return None
+    if f.role == "token":
+        lens = [s[0] for s in bulk.shapes]
+        if any(seq[i] >= 0 and seq[i] != s for i, s in zip(present, lens, strict=True)):
+            return None
+        for i, s in zip(present, lens, strict=True):
+            seq[i] = s
+    n = len(rows)
+    lengths = bulk.nbytes
+    shapes: list[tuple[int, ...] | None] = list(bulk.shapes)
+    valid = None
+    if len(present) < n:
+        lengths = np.zeros(n, dtype=np.int64)
+        lengths[present] = bulk.nbytes
+        shapes = [None] * n
+        for i, shape in zip(present, bulk.shapes, strict=True):
+            shapes[i] = shape
+        valid = [shape is not None for shape in shapes]
+    offsets = _offsets(lengths)
+    buf = np.empty(int(offsets[-1]), dtype=np.uint8)
+    deferred = _DEFERRED.get()
+    if deferred is None:
+        bulk.copy_into(buf)
+    else:
+        deferred.append(functools.partial(bulk.copy_into, buf))
+    return [_binary_array(offsets, pa.py_buffer(buf), valid), _shapes(shapes)]
+
+
+def _fits(f: Field, bulk: Bulk) -> bool:
+    """Whether every shape fits the declaration (as ``f.check_shape`` row by row)."""
+    if f.shape is None:
+        return True
+    rank = len(f.shape)
+    if any(len(s) != rank for s in bulk.shapes):
+        return False
+    return all(
+        all(s[axis] == want for s in bulk.shapes)
+        for axis, want in enumerate(f.shape)
+        if want is not None
+    )
 
 
 def _memory_key(x: Any) -> tuple[Any, ...] | None:
@@ -373,11 +493,9 @@ HARD_CHUNK_BYTES = 256 * 2**20
 
 
 def _nbytes(x: Any) -> int:
-    if isinstance(x, np.ndarray):
-        return int(x.nbytes)
-    if is_torch(x):
-        return int(x.numel() * x.element_size())
-    return 0
+    # numpy arrays and torch tensors both say; whatever else is there, encode refuses.
+    n = getattr(x, "nbytes", 0)
+    return n if isinstance(n, int) else 0
 
 
 def encode_chunks(
@@ -389,6 +507,7 @@ def encode_chunks(
     max_bytes: int,
     zero_copy: bool = False,
     on_range: Callable[[int, int], None] | None = None,
+    fills: list[Callable[[], None]] | None = None,
 ) -> list[pa.RecordBatch]:
     """Encode rows as several record batches of about ``max_bytes`` each.
 
@@ -398,16 +517,40 @@ def encode_chunks(
     unless the range would pass :data:`HARD_CHUNK_BYTES`. Same parameters and errors as
     :func:`encode`; ``on_range(start, stop)`` is called before rows ``[start, stop)`` are
     encoded (CUDA puts wait there for those rows' device-to-host copies).
+
+    Given ``fills``, every check still runs here but no payload is copied yet: one
+    callable per batch is appended, to run before that batch is written (a sender fills
+    the next batch while the wire carries this one); payloads already end to end in
+    memory are referenced, not copied, so the batches must be sent while the tensors
+    stay unchanged.
     """
     keys = list(keys)
     n = len(keys)
+
+    def encode_range(cols: Mapping[str, Any], ks: list[str], tg: Any) -> pa.RecordBatch:
+        if fills is None:
+            return encode(schema, cols, ks, tg, zero_copy=zero_copy)
+        jobs: list[Callable[[], None]] = []
+        token = _DEFERRED.set(jobs)
+        try:
+            batch = encode(schema, cols, ks, tg, zero_copy=zero_copy)
+        finally:
+            _DEFERRED.reset(token)
+
+        def fill() -> None:
+            for job in jobs:
+                job()
+
+        fills.append(fill)
+        return batch
+
     lengths_ok = all(
         hasattr(v, "__len__") and len(v) == n for name, v in columns.items() if name in schema
     )
     if n <= 1 or not lengths_ok or (tags is not None and len(tags) != n):
         if on_range is not None:
             on_range(0, n)
-        return [encode(schema, columns, keys, tags, zero_copy=zero_copy)]
+        return [encode_range(columns, keys, tags)]
     sizes = np.zeros(n, dtype=np.int64)
     shares_back = np.zeros(n, dtype=bool)  # row i shares media with an earlier row
     first_row: dict[tuple[Any, ...], int] = {}
@@ -435,7 +578,7 @@ def encode_chunks(
     if int(sizes.sum()) <= max_bytes:
         if on_range is not None:
             on_range(0, n)
-        return [encode(schema, columns, keys, tags, zero_copy=zero_copy)]
+        return [encode_range(columns, keys, tags)]
     cuts = [0]
     acc = 0
     for i in range(n):
@@ -451,11 +594,7 @@ def encode_chunks(
         if on_range is not None:
             on_range(a, b)
         cols = {name: _rows_slice(v, a, b) for name, v in columns.items()}
-        out.append(
-            encode(
-                schema, cols, keys[a:b], None if tags is None else tags[a:b], zero_copy=zero_copy
-            )
-        )
+        out.append(encode_range(cols, keys[a:b], None if tags is None else tags[a:b]))
     return out
 
 

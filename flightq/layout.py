@@ -215,7 +215,7 @@ def shape_products(
     if v.min() < 0:
         i = int(np.searchsorted(offsets[1:], lo + int(np.argmax(v < 0)), side="right"))
         raise ShapeError(f"{where}expected dims >= 0, got shape {shape(i)}{name(i)}")
-    ranks = np.diff(offsets)
+    ranks = offsets[1:] - offsets[:-1]
     nz = ranks > 0
     starts = offsets[:-1][nz] - lo
     fprod = np.multiply.reduceat(v.astype(np.float64), starts) * itemsize
@@ -236,6 +236,10 @@ def binary_offsets(arr: pa.Array) -> np.ndarray:
     if buf is None:
         return np.zeros(n, dtype=np.int64)
     return np.frombuffer(buf, dtype=np.int64, count=n, offset=arr.offset * 8)
+
+
+def _lengths(offsets: np.ndarray) -> np.ndarray:
+    return offsets[1:] - offsets[:-1]
 
 
 def _np(arr: pa.Array) -> np.ndarray:
@@ -261,14 +265,16 @@ def _check_fixed(
     """Ranks and fixed dims of the valid rows against the declaration (vectorised)."""
     if f.shape is None:
         return
-    ranks = np.diff(offsets)
+    ranks = offsets[1:] - offsets[:-1]
     rank = len(f.shape)
-    bad = np.nonzero(valid & (ranks != rank))[0]
+    bad = (valid & (ranks != rank)).nonzero()[0]
     if bad.size:
         i = int(bad[0])
         got = tuple(int(x) for x in values[offsets[i] : offsets[i + 1]])
         raise ShapeError(f"{where}expected rank {rank} {_fmt(f)}, got shape {got}{keys(i)}")
-    rows = np.nonzero(valid)[0]
+    if all(d is None for d in f.shape):
+        return
+    rows = valid.nonzero()[0]
     if rows.size == 0 or rank == 0:
         return
     dims = values[offsets[0] : offsets[-1]].reshape(-1, rank)
@@ -417,7 +423,8 @@ def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
                 f"column {sname!r}: expected Arrow type {shape_type(f)}, got {shapes.type}"
             )
         valid = _valid(col)
-        if not np.array_equal(valid, _valid(shapes)):
+        nulls = bool(col.null_count or shapes.null_count)
+        if nulls and not np.array_equal(valid, _valid(shapes)):
             i = int(np.nonzero(valid != _valid(shapes))[0][0])
             raise ShapeError(
                 f"{where}payload and shape disagree on whether the row has the field{at(i)}"
@@ -469,21 +476,25 @@ def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
             seg_bytes[first] = np.diff(binary_offsets(entries))[idx[first]]
             np.add.at(nbytes, row_of_seg, seg_bytes)
             continue
-        if np.any(~valid & (np.diff(_np(shapes.offsets)) != 0)):
+        so_raw = _np(shapes.offsets)
+        if nulls and (~valid & (so_raw[1:] != so_raw[:-1])).any():
             raise DecodeError(f"{where}a null row has a shape")
         so, sv = _shape_arrays(shapes, where)
         _check_fixed(f, so, sv, valid, where, at)
         if f.role == "token":
-            ranks = np.diff(so)
-            bad = np.nonzero(valid & (ranks < 1))[0]
+            ranks = so[1:] - so[:-1]
+            bad = (valid & (ranks < 1)).nonzero()[0]
             if bad.size:
                 raise ShapeError(
                     f"{where}a token tensor has rank >= 1 (its first dim is S){at(int(bad[0]))}"
                 )
-            first = np.full(n, -1, dtype=np.int64)
-            rows = np.nonzero(valid)[0]
-            first[rows] = sv[so[rows]]
-            clash = np.nonzero((first >= 0) & (seq >= 0) & (first != seq))[0]
+            if nulls:
+                first = np.full(n, -1, dtype=np.int64)
+                rows = valid.nonzero()[0]
+                first[rows] = sv[so[rows]]
+            else:
+                first = sv[so[:-1]]
+            clash = ((first >= 0) & (seq >= 0) & (first != seq)).nonzero()[0]
             if clash.size:
                 i = int(clash[0])
                 raise ShapeError(
@@ -492,8 +503,9 @@ def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
                 )
             seq = np.where(first >= 0, first, seq)
         want = shape_products(so, sv, f.dt.itemsize, where, at)
-        got = _payload_lengths(f, col, valid, where)
-        bad = np.nonzero(valid & (want != got))[0]
+        sent = _lengths(binary_offsets(col))
+        got = sent if f.codec is RAW else _payload_lengths(f, col, valid, where)
+        bad = (valid & (want != got)).nonzero()[0]
         if bad.size:
             i = int(bad[0])
             shp = tuple(int(x) for x in sv[so[i] : so[i + 1]])
@@ -501,5 +513,5 @@ def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
                 f"{where}shape {shp} needs {want[i]} bytes of {f.dtype}, "
                 f"payload has {got[i]}{at(i)}"
             )
-        nbytes += np.where(valid, np.diff(binary_offsets(col)), 0)
+        nbytes += np.where(valid, sent, 0) if nulls else sent
     return Checked(schema, keys, present, seq, nbytes)

@@ -54,6 +54,14 @@ class Piece:
     batch: pa.RecordBatch
     checked: Checked
     tags: list[dict[str, Any] | None]
+    _valid: dict[str, list[bool] | None] = field(default_factory=dict, repr=False)
+
+    def valid(self, f: str) -> list[bool] | None:
+        """Per row whether the batch carries field ``f``; None when every row does."""
+        if f not in self._valid:
+            col = self.batch.column(f)
+            self._valid[f] = None if col.null_count == 0 else col.is_valid().to_pylist()
+        return self._valid[f]
 
 
 @dataclass
@@ -362,10 +370,10 @@ class Store:
             new: list[str] = []
             for pc in pieces:
                 ck = pc.checked
+                missing = [f for f in p.schema.required if f not in ck.fields]
                 for i, k in enumerate(ck.keys):
                     row = p.rows.get(k)
                     if row is None:
-                        missing = [f for f in p.schema.required if f not in ck.fields]
                         if missing:
                             raise MissingFieldError(
                                 f"row key {k!r} is new in partition {name!r} and lacks "
@@ -375,7 +383,7 @@ class Store:
                         new.append(k)
                         continue
                     for f in ck.fields:
-                        if not _valid_at(pc.batch, f, i):
+                        if not _valid_at(pc, f, i):
                             continue
                         if f in row.cells and not overwrite:
                             raise ConflictError(
@@ -408,7 +416,7 @@ class Store:
                     else:
                         row = p.rows[k]
                     for f in ck.fields:
-                        if _valid_at(pc.batch, f, i):
+                        if _valid_at(pc, f, i):
                             old = row.cells.get(f)
                             if old is not None:  # overwrite: stop counting the old cell
                                 gone = _cell_nbytes(old[0].batch, f, old[1])
@@ -606,7 +614,7 @@ def _is_replay(p: Partition, pieces: list[Piece]) -> bool:
             if t and any(row.tags.get(a, _MISSING) != b for a, b in t.items()):
                 return False
             for f in pc.checked.fields:
-                if not _valid_at(pc.batch, f, i):
+                if not _valid_at(pc, f, i):
                     continue
                 cell = row.cells.get(f)
                 if cell is None:
@@ -632,14 +640,14 @@ def _cell_nbytes(batch: pa.RecordBatch, f: str, i: int) -> int:
     return 0
 
 
-def _valid_at(batch: pa.RecordBatch, f: str, i: int) -> bool:
-    col = batch.column(f)
-    return col.null_count == 0 or col[i].is_valid
+def _valid_at(pc: Piece, f: str, i: int) -> bool:
+    valid = pc.valid(f)
+    return valid is None or valid[i]
 
 
 def _check_required_not_null(pc: Piece, i: int, schema: Schema, key: str) -> None:
     for f in schema.required:
-        if not _valid_at(pc.batch, f, i):
+        if not _valid_at(pc, f, i):
             raise MissingFieldError(f"row key {key!r}: required field {f!r} is null")
 
 

@@ -1,0 +1,168 @@
+"""The put's deferred copies and zero-copy payloads, and gets split over parallel streams.
+
+Both paths must send and return exactly what the plain paths do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from helpers_wire import assert_same_rows, shipped
+
+import flightq
+import flightq.client as fq_client
+from flightq import workloads
+from flightq.batch import encode_chunks
+
+VLM = "rollout_vlm@1"
+TEXT = "rollout_text@1"
+
+
+def _ipc(batches: list[pa.RecordBatch]) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batches[0].schema) as w:
+        for b in batches:
+            w.write_batch(b)
+    return sink.getvalue().to_pybytes()
+
+
+def _data_address(batch: pa.RecordBatch, column: str) -> int:
+    col = batch.column(column)
+    if isinstance(col, pa.LargeListArray):  # media: the dictionary's values
+        col = col.values.dictionary
+    return col.buffers()[2].address
+
+
+def test_filled_batches_are_byte_identical_to_eagerly_encoded_ones() -> None:
+    step = workloads.w2(groups=1, g=8)
+    args = (shipped(VLM), step.columns, step.keys, step.tags)
+    eager = encode_chunks(*args, max_bytes=8 * 2**20)
+    fills: list = []
+    lazy = encode_chunks(*args, max_bytes=8 * 2**20, fills=fills)
+    assert len(fills) == len(lazy) == len(eager) > 1
+    for fill in fills:
+        fill()
+    assert _ipc(lazy) == _ipc(eager)
+
+
+def test_a_lone_payload_is_sent_from_the_tensors_memory_and_others_are_copied() -> None:
+    rng = np.random.default_rng(0)
+    one = [rng.standard_normal((1, 3, 448, 448), dtype=np.float32)]
+    two = [rng.standard_normal((1, 3, 448, 448), dtype=np.float32) for _ in range(2)]
+    for segs, alone in ((one, True), (two, False)):
+        t = np.ones((1, 2), dtype=np.int32)
+        cols = {
+            "input_ids": [np.arange(5)],
+            "pixel_values": [segs],
+            "imgs_sizes": [[t * 448 for _ in segs]],
+            "num_frames": [[np.ones(1, dtype=np.int32) for _ in segs]],
+        }
+        fills: list = []
+        (batch,) = encode_chunks(shipped(VLM), cols, ["k"], max_bytes=2**30, fills=fills)
+        at = _data_address(batch, "pixel_values")
+        assert (at == segs[0].ctypes.data) is alone
+        fills[0]()
+        out = flightq.decode(batch, as_="numpy")
+        assert_same_rows("media", out["pixel_values"], [segs])
+
+
+def test_payloads_end_to_end_in_one_array_are_referenced_not_copied() -> None:
+    rng = np.random.default_rng(1)
+    stack = rng.standard_normal((3, 1, 3, 448, 448), dtype=np.float32)  # a processor's output
+    for segs, in_place in (([stack[0], stack[1]], True), ([stack[0], stack[2]], False)):
+        cols = {
+            "input_ids": [np.arange(5)],
+            "pixel_values": [segs],
+            "imgs_sizes": [[np.full((1, 2), 448, dtype=np.int32) for _ in segs]],
+            "num_frames": [[np.ones(1, dtype=np.int32) for _ in segs]],
+        }
+        fills: list = []
+        (batch,) = encode_chunks(shipped(VLM), cols, ["k"], max_bytes=2**30, fills=fills)
+        assert (_data_address(batch, "pixel_values") == stack.ctypes.data) is in_place
+        fills[0]()
+        out = flightq.decode(batch, as_="numpy")
+        assert_same_rows("media", out["pixel_values"], [segs])
+
+
+def test_a_multi_batch_put_with_a_bad_late_row_is_refused_before_anything_is_sent() -> None:
+    step = workloads.w2(groups=1, g=8)
+    cols = dict(step.columns)
+    cols["input_ids"] = list(cols["input_ids"])
+    cols["input_ids"][7] = cols["input_ids"][7].astype(np.int32)  # in the last batch
+    with flightq.Server() as srv, flightq.connect(srv.location, max_batch_bytes=4 * 2**20) as c:
+        c.create_partition("p", VLM, tasks=["train"], group_size=8)
+        with pytest.raises(flightq.DTypeError, match=r"'input_ids'.*int64.*int32"):
+            c.put("p", step.keys, cols, step.tags)
+        assert c.stats()["partitions"]["p"]["rows"] == 0
+        # The same rows, whole and right, land bit-exact through the pipelined path.
+        assert c.put("p", step.keys, step.columns, step.tags) == 8
+        got = c.get("p", step.keys, as_="numpy")
+        assert_same_rows("media", got["pixel_values"], step.columns["pixel_values"])
+        assert_same_rows("token", got["input_ids"], step.columns["input_ids"])
+
+
+@pytest.fixture
+def split_gets(monkeypatch: pytest.MonkeyPatch) -> Iterator[flightq.Client]:
+    """A client that splits every get of 2 or more rows over up to 3 streams."""
+    monkeypatch.setattr(fq_client, "_GET_STREAMS", 3)
+    monkeypatch.setattr(fq_client, "_MIN_STREAM_BYTES", 1)
+    with flightq.Server() as srv, flightq.connect(srv.location, [TEXT]) as c:
+        c.create_partition("t", TEXT, tasks=["train"])
+        c._row_bytes["t"] = 1.0  # as if a get had been made
+        yield c
+
+
+def _text_rows(keys: list[str]) -> dict[str, list[np.ndarray]]:
+    return {"input_ids": [np.arange(i + 3, dtype=np.int64) for i in range(len(keys))]}
+
+
+def test_a_split_get_returns_rows_in_the_order_asked_with_repeats(split_gets) -> None:
+    c = split_gets
+    keys = [f"k{i}" for i in range(7)]
+    c.put("t", keys, _text_rows(keys))
+    asked = ["k6", "k0", "k3", "k3", "k5", "k1", "k2", "k4"]
+    got = c.get("t", asked, as_="numpy")
+    assert got.keys == asked
+    assert [len(r) for r in got["input_ids"]] == [int(k[1:]) + 3 for k in asked]
+    assert len(c._streams) == 2  # two more connections, reused by the next get
+    c.get("t", asked)
+    assert len(c._streams) == 2
+
+
+def test_a_partitions_first_get_and_small_gets_travel_as_one_stream(
+    split_gets, monkeypatch
+) -> None:
+    c = split_gets
+    monkeypatch.setattr(fq_client, "_MIN_STREAM_BYTES", 2**20)
+    c.create_partition("u", TEXT, tasks=["train"])
+    keys = [f"k{i}" for i in range(8)]
+    c.put("u", keys, _text_rows(keys))
+    assert c.get("u", keys).keys == keys  # nothing known yet about "u": one stream
+    assert 0 < c._row_bytes["u"] < 2**20 / len(keys)
+    assert c.get("u", keys).keys == keys  # known small: still one stream
+    assert c._streams == []
+
+
+def test_a_split_get_names_every_unknown_key_whichever_stream_had_it(split_gets) -> None:
+    c = split_gets
+    keys = [f"k{i}" for i in range(6)]
+    c.put("t", keys, _text_rows(keys))
+    with pytest.raises(flightq.NotFoundError, match=r"'nope0', 'nope5'"):
+        c.get("t", ["nope0", "k1", "k2", "k3", "k4", "nope5"])
+
+
+def test_a_split_get_of_rows_with_different_fields_returns_their_union(split_gets) -> None:
+    c = split_gets
+    keys = [f"k{i}" for i in range(6)]
+    c.put("t", keys, _text_rows(keys))
+    late = keys[:2]  # only the first stream's rows get the write-back column
+    c.put("t", late, {"prev_logprobs": [np.zeros(3, np.float32), np.zeros(4, np.float32)]})
+    got = c.get("t", keys, as_="numpy")
+    assert got.keys == keys
+    lp = got["prev_logprobs"]
+    assert [x is None for x in lp] == [False, False, True, True, True, True]
+    with pytest.raises(flightq.MissingFieldError, match=r"prev_logprobs"):
+        c.get("t", keys, fields=["prev_logprobs"])
