@@ -37,9 +37,11 @@ __all__ = ["main", "measure"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _consumer(location: str, name: str, gets: int, ready: Any, go: Any, out: Any) -> None:
+def _consumer(
+    location: str, name: str, gets: int, streams: int, ready: Any, go: Any, out: Any
+) -> None:
     step = workloads.make(name)
-    with flightq.connect(location, [step.schema], timeout=300) as c:
+    with flightq.connect(location, [step.schema], timeout=300, get_streams=streams) as c:
         b = c.get("p", step.keys, as_="numpy")
         for f, want in step.columns.items():
             got = b[f]
@@ -60,12 +62,13 @@ def _consumer(location: str, name: str, gets: int, ready: Any, go: Any, out: Any
         out.put(time.perf_counter() - t0)
 
 
-def measure(location: str, name: str, consumers: int, gets: int) -> float:
-    """Aggregate GB/s of ``consumers`` processes each getting the step ``gets`` times."""
+def measure(location: str, name: str, consumers: int, gets: int, streams: int = 1) -> float:
+    """Aggregate GB/s of ``consumers`` processes each getting the step ``gets`` times,
+    each get over at most ``streams`` parallel DoGet streams."""
     ctx = mp.get_context("spawn")
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [
-        ctx.Process(target=_consumer, args=(location, name, gets, ready, go, out))
+        ctx.Process(target=_consumer, args=(location, name, gets, streams, ready, go, out))
         for _ in range(consumers)
     ]
     for p in procs:
@@ -94,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workload", default="W2")
     p.add_argument("--gets", type=int, default=4, help="gets per consumer per round")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--streams", type=int, default=1, help="DoGet streams per get (default 1)")
     args = p.parse_args(argv)
     counts = [int(x) for x in args.consumers.split(",")]
     server = subprocess.Popen(
@@ -112,9 +116,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         results: dict[int, list[float]] = {n: [] for n in counts}
         for _ in range(args.reps):  # interleave counts so load drifts hit all alike
             for n in counts:
-                results[n].append(measure(location, args.workload, n, args.gets))
+                results[n].append(measure(location, args.workload, n, args.gets, args.streams))
         base = statistics.median(results[counts[0]])
-        print(f"{args.workload}: {step.nbytes() / 2**20:.0f} MiB per get, {os.cpu_count()} CPUs")
+        print(
+            f"{args.workload}: {step.nbytes() / 2**20:.0f} MiB per get, {args.streams} stream(s) "
+            f"per get, {os.cpu_count()} CPUs"
+        )
         print(f"{'consumers':>9} {'GB/s median':>12} {'min-max':>15} {'x one':>7}")
         for n in counts:
             med = statistics.median(results[n])

@@ -57,6 +57,19 @@ _GET_STREAMS = 4
 _MIN_STREAM_BYTES = 16 * 2**20
 
 
+def _distinct_nbytes(batches: list[pa.RecordBatch]) -> int:
+    """Bytes the batches hold, each buffer once: slices of one stored batch share a media
+    dictionary, which ``RecordBatch.nbytes`` would count in every slice."""
+    seen: set[tuple[int, int]] = set()
+    for b in batches:
+        for col in b.columns:
+            bufs = col.buffers()
+            if pa.types.is_large_list(col.type) and pa.types.is_dictionary(col.type.value_type):
+                bufs += col.values.dictionary.buffers()
+            seen.update((x.address, x.size) for x in bufs if x is not None)
+    return sum(size for _, size in seen)
+
+
 def _resolve(schemas: Iterable[str | Schema], registry: SchemaRegistry | None) -> list[Schema]:
     out: list[Schema] = []
     reg = registry
@@ -78,6 +91,7 @@ def connect(
     timeout: float = DEFAULT_TIMEOUT,
     max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
     shm: bool | str = False,
+    get_streams: int | None = None,
     **flight_kwargs: Any,
 ) -> Client:
     """Connect to a server and check the schema versions this process was built for.
@@ -99,6 +113,9 @@ def connect(
         Same host only (a loopback location): move the bytes of puts, gets and claims
         through shared memory in this directory (True: ``/dev/shm``) instead of the
         socket; same API, same validation (:mod:`flightq.shm`).
+    get_streams:
+        Most parallel DoGet streams (each on its own connection) for one large get;
+        default 4. 1 keeps every get on one stream.
     **flight_kwargs:
         ``token="..."`` for a server that requires a bearer token; ``tls_root_certs``
         (PEM bytes) for a ``grpc+tls://`` server; anything else ``FlightClient`` takes.
@@ -123,7 +140,12 @@ def connect(
         disabled, or it does not see this process's shared-memory directory.
     """
     client = Client(
-        location, timeout=timeout, max_batch_bytes=max_batch_bytes, shm=shm, **flight_kwargs
+        location,
+        timeout=timeout,
+        max_batch_bytes=max_batch_bytes,
+        shm=shm,
+        get_streams=get_streams,
+        **flight_kwargs,
     )
     try:
         client.health()
@@ -154,8 +176,12 @@ class Client:
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         token: str | None = None,
         shm: bool | str = False,
+        get_streams: int | None = None,
         **flight_kwargs: Any,
     ) -> None:
+        self.get_streams = _GET_STREAMS if get_streams is None else get_streams
+        if self.get_streams < 1:
+            raise ValueError(f"get_streams must be at least 1, got {get_streams}")
         self.shm_dir: str | None = None
         self._shm_pool: Any = None
         if shm:
@@ -447,7 +473,7 @@ class Client:
         """
         keys, partition = ticket["keys"], ticket["partition"]
         guess = self._row_bytes.get(partition, 0.0) * len(keys)
-        n = min(_GET_STREAMS, len(keys), int(guess // _MIN_STREAM_BYTES))
+        n = min(self.get_streams, len(keys), int(guess // _MIN_STREAM_BYTES))
         if n < 2 or self.shm_dir is not None:
             return self._learn(partition, len(keys), self._read(ticket, what, timeout))
         flights = [self._flight, *self._stream_clients(n - 1)]
@@ -471,7 +497,7 @@ class Client:
         self, partition: str, rows: int, batches: list[pa.RecordBatch]
     ) -> list[pa.RecordBatch]:
         if rows:
-            self._row_bytes[partition] = sum(b.nbytes for b in batches) / rows
+            self._row_bytes[partition] = _distinct_nbytes(batches) / rows
         return batches
 
     def _stream_clients(self, n: int) -> list[fl.FlightClient]:

@@ -166,3 +166,16 @@ def test_a_split_get_of_rows_with_different_fields_returns_their_union(split_get
     assert [x is None for x in lp] == [False, False, True, True, True, True]
     with pytest.raises(flightq.MissingFieldError, match=r"prev_logprobs"):
         c.get("t", keys, fields=["prev_logprobs"])
+
+
+def test_a_groups_shared_image_counts_once_when_a_get_is_sized() -> None:
+    # 2 groups of 16 rows share 2 images: what travels is about 8 MB, not 16 images' 57 MB.
+    step = workloads.w1(groups=2)
+    with flightq.Server() as srv, flightq.connect(srv.location, [VLM]) as c:
+        c.create_partition("v", VLM, tasks=["train"], group_size=16)
+        c.put("v", step.keys, step.columns, step.tags)
+        c.get("v", step.keys)
+        per_row = c._row_bytes["v"]
+        assert per_row * step.rows < 1.2 * step.nbytes(distinct_media=True)
+        assert c.get("v", step.keys).keys == step.keys  # under 2 x 16 MiB: one stream
+        assert c._streams == []
