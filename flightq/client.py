@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +69,17 @@ def _distinct_nbytes(batches: list[pa.RecordBatch]) -> int:
                 bufs += col.values.dictionary.buffers()
             seen.update((x.address, x.size) for x in bufs if x is not None)
     return sum(size for _, size in seen)
+
+
+class _Resplit(Exception):
+    """The parts of a split get differ in their columns: read it again as one stream."""
+
+
+def _tee(items: Iterable[pa.RecordBatch], got: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``items``, each also appended to ``got``."""
+    for x in items:
+        got.append(x)
+        yield x
 
 
 def _resolve(schemas: Iterable[str | Schema], registry: SchemaRegistry | None) -> list[Schema]:
@@ -472,13 +484,10 @@ class Client:
         whose answer or complete error is the reference.
         """
         keys, partition = ticket["keys"], ticket["partition"]
-        guess = self._row_bytes.get(partition, 0.0) * len(keys)
-        n = min(self.get_streams, len(keys), int(guess // _MIN_STREAM_BYTES))
-        if n < 2 or self.shm_dir is not None:
+        n = self._split_count(ticket)
+        if n < 2:
             return self._learn(partition, len(keys), self._read(ticket, what, timeout))
-        flights = [self._flight, *self._stream_clients(n - 1)]
-        cuts = [len(keys) * i // n for i in range(n + 1)]
-        tickets = [{**ticket, "keys": keys[a:b]} for a, b in itertools.pairwise(cuts)]
+        flights, tickets = self._split(ticket, n)
         try:
             with ThreadPoolExecutor(n - 1, thread_name_prefix="flightq-get") as pool:
                 rest = [
@@ -492,6 +501,25 @@ class Client:
         if any(not b.schema.equals(schema, check_metadata=True) for p in parts for b in p):
             return self._read(ticket, what, timeout)
         return self._learn(partition, len(keys), [b for p in parts for b in p])
+
+    def _split_count(self, ticket: Mapping[str, Any]) -> int:
+        """How many streams a get travels over (1: one stream), from the partition's last
+        answer: at least ``_MIN_STREAM_BYTES`` estimated per stream."""
+        if self.shm_dir is not None:
+            return 1
+        keys = ticket["keys"]
+        guess = self._row_bytes.get(ticket["partition"], 0.0) * len(keys)
+        return max(1, min(self.get_streams, len(keys), int(guess // _MIN_STREAM_BYTES)))
+
+    def _split(
+        self, ticket: Mapping[str, Any], n: int
+    ) -> tuple[list[fl.FlightClient], list[dict[str, Any]]]:
+        """The connections and tickets of a get split over ``n`` streams, keys in order."""
+        keys = ticket["keys"]
+        flights = [self._flight, *self._stream_clients(n - 1)]
+        cuts = [len(keys) * i // n for i in range(n + 1)]
+        tickets = [{**ticket, "keys": keys[a:b]} for a, b in itertools.pairwise(cuts)]
+        return flights, tickets
 
     def _learn(
         self, partition: str, rows: int, batches: list[pa.RecordBatch]
@@ -520,17 +548,100 @@ class Client:
         sync: bool,
     ) -> Batch:
         """A DoGet stream decoded into CUDA tensors as its record batches arrive."""
+        chunks = self._chunks(ticket, what, timeout)
+        return decode_to_device(chunks, device, self._pinned, copy=copy, sync=sync)
 
-        def chunks() -> Iterator[pa.RecordBatch]:
+    def _chunks(
+        self,
+        ticket: Mapping[str, Any],
+        what: str,
+        timeout: float | None,
+        flight: fl.FlightClient | None = None,
+        got: list[pa.RecordBatch] | None = None,
+        stop: threading.Event | None = None,
+    ) -> Iterator[pa.RecordBatch]:
+        """One DoGet stream's record batches as they arrive (also appended to ``got``);
+        ends early once ``stop`` is set."""
+        flight = self._flight if flight is None else flight
+        try:
+            reader = flight.do_get(fl.Ticket(pack(ticket)), options=self._options(timeout))
+            for chunk in reader:
+                if got is not None:
+                    got.append(chunk.data)
+                yield chunk.data
+                if stop is not None and stop.is_set():
+                    reader.cancel()
+                    return
+        except (pa.ArrowException, fl.FlightError) as e:
+            raise from_flight_error(e, what) from e
+
+    def _split_chunks(
+        self, ticket: Mapping[str, Any], what: str, timeout: float | None, n: int
+    ) -> Iterator[pa.RecordBatch]:
+        """A get's record batches over ``n`` parallel streams (as :meth:`_read_keys` splits
+        it), in key order: each stream's as they arrive, while the later streams keep
+        arriving. Raises ``_Resplit`` where a part's columns differ from the first's."""
+        flights, tickets = self._split(ticket, n)
+        queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(n)]
+        stop = threading.Event()
+
+        def pump(i: int) -> None:
             try:
-                opts = self._options(timeout)
-                reader = self._flight.do_get(fl.Ticket(pack(ticket)), options=opts)
-                for chunk in reader:
-                    yield chunk.data
-            except (pa.ArrowException, fl.FlightError) as e:
-                raise from_flight_error(e, what) from e
+                for rb in self._chunks(tickets[i], what, timeout, flights[i], stop=stop):
+                    queues[i].put(rb)
+                queues[i].put(None)
+            except BaseException as e:
+                queues[i].put(e)
 
-        return decode_to_device(chunks(), device, self._pinned, copy=copy, sync=sync)
+        schema: pa.Schema | None = None
+        with ThreadPoolExecutor(n, thread_name_prefix="flightq-get") as pool:
+            try:
+                for i in range(n):
+                    pool.submit(pump, i)
+                for q in queues:
+                    while (x := q.get()) is not None:
+                        if isinstance(x, BaseException):
+                            raise x
+                        if schema is None:
+                            schema = x.schema
+                        elif not x.schema.equals(schema, check_metadata=True):
+                            raise _Resplit
+                        yield x
+            finally:
+                stop.set()
+
+    def _get_to_device(
+        self,
+        device: Any,
+        ticket: Mapping[str, Any],
+        what: str,
+        timeout: float | None,
+        *,
+        copy: bool,
+        sync: bool,
+    ) -> Batch:
+        """A get into CUDA tensors, split over parallel streams as :meth:`_read_keys` splits
+        it; each stream's record batches are copied to the device, in key order, as they
+        arrive. On an unknown key, a missing field or parts whose columns differ, the get
+        runs again as one stream, whose answer or complete error is the reference."""
+        rows, partition = len(ticket["keys"]), ticket["partition"]
+        n = self._split_count(ticket)
+        got: list[pa.RecordBatch] = []
+        if n >= 2:
+            chunks = self._split_chunks(ticket, what, timeout, n)
+            try:
+                out = decode_to_device(
+                    _tee(chunks, got), device, self._pinned, copy=copy, sync=sync
+                )
+            except (NotFoundError, MissingFieldError, _Resplit):
+                got.clear()
+            else:
+                self._learn(partition, rows, got)
+                return out
+        chunks = self._chunks(ticket, what, timeout, got=got)
+        out = decode_to_device(chunks, device, self._pinned, copy=copy, sync=sync)
+        self._learn(partition, rows, got)
+        return out
 
     def get(
         self,
@@ -566,7 +677,7 @@ class Client:
         dev = resolve_device(device, as_)
         if dev is not None:
             what = f"get from {partition!r}"
-            return self._read_to_device(dev, t, what, timeout, copy=copy, sync=sync)
+            return self._get_to_device(dev, t, what, timeout, copy=copy, sync=sync)
         return decode(self._read_keys(t, f"get from {partition!r}", timeout), as_=as_, copy=copy)
 
     def claim(

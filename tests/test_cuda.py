@@ -400,3 +400,30 @@ def test_async_client_gets_into_cuda(server):
     b = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
     assert all(r.is_cuda for r in b["input_ids"])
     assert [r.cpu().tolist() for r in b["input_ids"]] == [v.tolist() for v in cols["input_ids"]]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_split_get_into_cuda_returns_the_rows_asked(client, monkeypatch):
+    import flightq.client as fq_client
+
+    monkeypatch.setattr(fq_client, "_MIN_STREAM_BYTES", 1)
+    step = workloads.w1(groups=2, bf16=True)
+    client.create_partition("p", step.schema, tasks=["train"], group_size=16)
+    client.put("p", step.keys, workloads.to_torch(step).columns, tags=step.tags)
+    client.get("p", step.keys[:2], device="cuda:0")  # learns the row size: one stream
+    asked = step.keys[::-1]
+    b = client.get("p", asked, device="cuda:0", sync=False)
+    assert isinstance(b, DeviceBatch) and b.keys == asked and len(client._streams) == 3
+    b.synchronize()
+    want = client.get("p", asked)
+
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+        if isinstance(x, list):
+            return isinstance(y, list) and len(x) == len(y) and all(map(same, x, y))
+        return x == y
+
+    assert b.fields == want.fields and b.tags == want.tags
+    assert all(same(_to_host(b[f]), want[f]) for f in b.fields)

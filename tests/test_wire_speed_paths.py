@@ -179,3 +179,65 @@ def test_a_groups_shared_image_counts_once_when_a_get_is_sized() -> None:
         assert per_row * step.rows < 1.2 * step.nbytes(distinct_media=True)
         assert c.get("v", step.keys).keys == step.keys  # under 2 x 16 MiB: one stream
         assert c._streams == []
+
+
+@pytest.fixture
+def fake_device(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``device="cuda"`` decoded on the CPU: a fake decode_to_device that takes the record
+    batches one by one, as the real one does; the list gets each call's batch count
+    (-1: the call raised)."""
+    calls: list[int] = []
+
+    def decode_to_device(chunks, device, pool, *, copy=False, sync=True):
+        calls.append(-1)
+        batches = []
+        for rb in chunks:  # an error of any stream surfaces here, as on the GPU
+            batches.append(rb)
+        calls[-1] = len(batches)
+        return flightq.decode(batches, copy=copy)
+
+    monkeypatch.setattr(fq_client, "resolve_device", lambda d, as_="torch": d)
+    monkeypatch.setattr(fq_client, "decode_to_device", decode_to_device)
+    return calls
+
+
+def test_a_device_get_splits_as_the_cpu_get_does(split_gets, fake_device) -> None:
+    c = split_gets
+    keys = [f"k{i}" for i in range(7)]
+    c.put("t", keys, _text_rows(keys))
+    asked = ["k6", "k0", "k3", "k3", "k5", "k1", "k2", "k4"]
+    got = c.get("t", asked, as_="numpy", device="cuda")
+    assert got.keys == asked
+    assert [len(r) for r in got["input_ids"]] == [int(k[1:]) + 3 for k in asked]
+    assert len(fake_device) == 1 and len(c._streams) == 2  # 3 streams, one decode
+    assert c._row_bytes["t"] > 1.0  # learned from the answer
+
+
+def test_a_device_gets_first_and_small_gets_travel_as_one_stream(
+    split_gets, fake_device, monkeypatch
+) -> None:
+    c = split_gets
+    monkeypatch.setattr(fq_client, "_MIN_STREAM_BYTES", 2**20)
+    c.create_partition("u", TEXT, tasks=["train"])
+    keys = [f"k{i}" for i in range(8)]
+    c.put("u", keys, _text_rows(keys))
+    assert c.get("u", keys, device="cuda").keys == keys
+    assert 0 < c._row_bytes["u"] < 2**20 / len(keys)
+    assert fake_device == [1] and c._streams == []
+
+
+def test_a_split_device_get_falls_back_to_one_stream(split_gets, fake_device) -> None:
+    c = split_gets
+    keys = [f"k{i}" for i in range(6)]
+    c.put("t", keys, _text_rows(keys))
+    with pytest.raises(flightq.NotFoundError, match=r"'nope0', 'nope5'"):
+        c.get("t", ["nope0", "k1", "k2", "k3", "k4", "nope5"], device="cuda")
+    assert fake_device == [-1, -1]  # the split's error, then the one stream's complete one
+    c.put("t", keys[:2], {"prev_logprobs": [np.zeros(3, np.float32), np.zeros(4, np.float32)]})
+    fake_device.clear()
+    got = c.get("t", keys, as_="numpy", device="cuda")
+    assert got.keys == keys
+    assert [x is None for x in got["prev_logprobs"]] == [False, False, True, True, True, True]
+    assert len(fake_device) == 2 and fake_device[0] == -1  # parts differed: one stream again
+    with pytest.raises(flightq.MissingFieldError, match=r"prev_logprobs"):
+        c.get("t", keys, fields=["prev_logprobs"], device="cuda")
