@@ -26,6 +26,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as fl
 
+from .assemble import assemble
 from .errors import (
     FlightqError,
     ProtocolError,
@@ -36,8 +37,9 @@ from .errors import (
 from .layout import validate
 from .protocol import PROTOCOL_VERSION, pack, require, to_flight_error, unpack
 from .registry import SchemaRegistry
+from .rows import make_piece
 from .schema import Schema, diff_schemas
-from .store import Store, assemble, make_piece
+from .store import Store
 
 __all__ = ["Server", "serve_forever", "DEFAULT_MAX_BATCH_BYTES", "DEFAULT_MAX_PUT_BATCH_BYTES"]
 

@@ -34,10 +34,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .assemble import assemble
 from .errors import ConflictError, DecodeError, ProtocolError
 from .layout import validate
+from .rows import Partition, Row, make_piece
 from .schema import Schema
-from .store import Partition, Row, Store, assemble, make_piece
+from .store import Store
 
 __all__ = ["FORMAT", "MANIFEST", "snapshot_path", "write_snapshot", "read_snapshot"]
 

@@ -1,11 +1,8 @@
 """Partitions, rows, columns, per-task claims: the server's in-memory state.
 
 A partition is declared once with a schema, the consumer tasks that will claim from it and
-an optional group size. Each row holds, per field, a reference to the received record batch
-and row index that carries it: nothing is rebuilt or copied on the way in. On the way out,
-rows are served as zero-copy slices of the stored batches wherever consecutive rows come
-from consecutive rows of the same stored batch (the usual case: a claim of what one put
-wrote, plus the columns a write-back added).
+an optional group size. Rows point into the received record batches (:mod:`flightq.rows`);
+serving them is :mod:`flightq.assemble`.
 
 Every mutation happens under one lock, after all checks pass, so a put is all or nothing.
 Claims wait on a condition variable that puts, clears and resets notify.
@@ -15,12 +12,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgpack
-import numpy as np
 import pyarrow as pa
 
 from .errors import (
@@ -35,96 +29,17 @@ from .errors import (
     ShapeError,
     UnavailableError,
 )
-from .layout import KEY, SHAPE_SUFFIX, TAGS, Checked, arrow_schema, binary_offsets
+from .layout import SHAPE_SUFFIX, binary_offsets
+from .rows import Partition, Piece, Row
 from .schema import Schema
 
-__all__ = ["Store", "Partition", "Row", "Piece"]
+__all__ = ["Store"]
 
 #: Put ids remembered per partition (for idempotent retries).
 _RECENT_PUTS = 4096
 #: Seconds between checks that a waiting claim's caller is still there.
 _POLL = 0.2
 _MISSING = object()
-
-
-@dataclass
-class Piece:
-    """One validated record batch of a put, with what validation learned."""
-
-    batch: pa.RecordBatch
-    checked: Checked
-    tags: list[dict[str, Any] | None]
-    _valid: dict[str, list[bool] | None] = field(default_factory=dict, repr=False)
-
-    def valid(self, f: str) -> list[bool] | None:
-        """Per row whether the batch carries field ``f``; None when every row does."""
-        if f not in self._valid:
-            col = self.batch.column(f)
-            self._valid[f] = None if col.null_count == 0 else col.is_valid().to_pylist()
-        return self._valid[f]
-
-
-@dataclass
-class Row:
-    """A stored row: per field, the piece and index holding it."""
-
-    key: str
-    group: int
-    cells: dict[str, tuple[Piece, int]] = field(default_factory=dict)
-    tags: dict[str, Any] = field(default_factory=dict)
-    seq_len: int = -1
-    nbytes: int = 0
-
-
-@dataclass
-class Partition:
-    """A declared partition and its rows (insertion-ordered)."""
-
-    name: str
-    schema: Schema
-    tasks: tuple[str, ...]
-    group_size: int | None
-    rows: dict[str, Row] = field(default_factory=dict)
-    delivered: dict[str, set[str]] = field(default_factory=dict)
-    next_group: int = 0
-    nbytes: int = 0
-    #: Acknowledgements of recent puts by put id (oldest first), for idempotent retries.
-    recent_puts: dict[str, int] = field(default_factory=dict)
-    #: Most rows the partition holds at once; a put that would pass it waits for clears.
-    max_rows: int | None = None
-
-    def declaration(self) -> dict[str, Any]:
-        """The declaration as sent by ``declare``."""
-        return {
-            "partition": self.name,
-            "schema": self.schema.canonical_json,
-            "schema_ref": self.schema.ref,
-            "fingerprint": self.schema.fingerprint,
-            "tasks": list(self.tasks),
-            "group_size": self.group_size,
-            "max_rows": self.max_rows,
-        }
-
-
-def _decode_tags(piece_batch: pa.RecordBatch, keys: list[str]) -> list[dict[str, Any] | None]:
-    out: list[dict[str, Any] | None] = []
-    for k, b in zip(keys, piece_batch.column(TAGS).to_pylist(), strict=True):
-        if b is None:
-            out.append(None)
-            continue
-        try:
-            t = msgpack.unpackb(b, raw=False)
-        except Exception as e:  # hostile bytes raise assorted errors
-            raise EncodeError(f"tags of row {k!r} are not valid msgpack: {e}") from e
-        if not isinstance(t, dict):
-            raise EncodeError(f"tags of row {k!r} must be a msgpack map, got {type(t).__name__}")
-        out.append(t)
-    return out
-
-
-def make_piece(batch: pa.RecordBatch, checked: Checked) -> Piece:
-    """Wrap a validated batch, parsing its tags (refusing invalid msgpack)."""
-    return Piece(batch, checked, _decode_tags(batch, checked.keys))
 
 
 class Store:
@@ -728,68 +643,3 @@ def _describe(p: Partition, detail: bool) -> dict[str, Any]:
         d["fields"] = {k: v for k, v in counts.items() if v}
         d["ready"] = {t: len(_ready(p, t, p.schema.required, None) or []) for t in p.tasks}
     return d
-
-
-# --------------------------------------------------------------------------- serving
-
-
-def assemble(
-    p: Partition, rows: list[Row], fields: list[str], max_bytes: int
-) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
-    """The Arrow schema and record batches that serve ``rows`` with ``fields``.
-
-    Consecutive rows whose cells come from consecutive rows of the same stored batches
-    are served as one zero-copy slice per column; a field a row lacks is null there.
-    Batches are cut at about ``max_bytes`` of payload.
-    """
-    schema = arrow_schema(p.schema, fields)
-    cols = [n for n in schema.names if n not in (KEY, TAGS)]
-
-    def runs() -> Iterator[tuple[int, int]]:
-        start = 0
-        acc = 0
-        for i in range(1, len(rows) + 1):
-            acc += rows[i - 1].nbytes
-            if i == len(rows) or acc >= max_bytes or not _continues(rows[i - 1], rows[i], fields):
-                yield start, i
-                start, acc = i, 0
-
-    def batches() -> Iterator[pa.RecordBatch]:
-        if not rows:
-            yield pa.RecordBatch.from_pylist([], schema=schema)
-            return
-        for lo, hi in runs():
-            run = rows[lo:hi]
-            n = hi - lo
-            arrays: list[pa.Array] = [
-                pa.array([r.key for r in run], type=pa.utf8()),
-                pa.array(
-                    [msgpack.packb(r.tags, use_bin_type=True) if r.tags else None for r in run],
-                    type=pa.binary(),
-                ),
-            ]
-            first = run[0]
-            for c in cols:
-                base = c[: -len(SHAPE_SUFFIX)] if c.endswith(SHAPE_SUFFIX) else c
-                cell = first.cells.get(base)
-                if cell is None:
-                    arrays.append(pa.nulls(n, type=schema.field(c).type))
-                else:
-                    pc, idx = cell
-                    arrays.append(pc.batch.column(c).slice(idx, n))
-            yield pa.RecordBatch.from_arrays(arrays, schema=schema)
-
-    return schema, batches()
-
-
-def _continues(prev: Row, row: Row, fields: list[str]) -> bool:
-    for f in fields:
-        a, b = prev.cells.get(f), row.cells.get(f)
-        if a is None and b is None:
-            continue
-        if a is None or b is None or a[0] is not b[0] or b[1] != a[1] + 1:
-            return False
-    return True
-
-
-_ = np  # numpy is used by callers through Checked arrays
