@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +30,7 @@ import pyarrow as pa
 import pyarrow.flight as fl
 
 from .batch import Batch, decode
-from .cuda import PinnedPool, decode_to_device, resolve_device, stage
+from .cuda import PinnedPool, decode_streams_to_device, decode_to_device, resolve_device, stage
 from .encode import encode_chunks, split_batch
 from .errors import (
     FlightqError,
@@ -73,13 +72,6 @@ def _distinct_nbytes(batches: list[pa.RecordBatch]) -> int:
 
 class _Resplit(Exception):
     """The parts of a split get differ in their columns: read it again as one stream."""
-
-
-def _tee(items: Iterable[pa.RecordBatch], got: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """``items``, each also appended to ``got``."""
-    for x in items:
-        got.append(x)
-        yield x
 
 
 def _resolve(schemas: Iterable[str | Schema], registry: SchemaRegistry | None) -> list[Schema]:
@@ -575,41 +567,6 @@ class Client:
         except (pa.ArrowException, fl.FlightError) as e:
             raise from_flight_error(e, what) from e
 
-    def _split_chunks(
-        self, ticket: Mapping[str, Any], what: str, timeout: float | None, n: int
-    ) -> Iterator[pa.RecordBatch]:
-        """A get's record batches over ``n`` parallel streams (as :meth:`_read_keys` splits
-        it), in key order: each stream's as they arrive, while the later streams keep
-        arriving. Raises ``_Resplit`` where a part's columns differ from the first's."""
-        flights, tickets = self._split(ticket, n)
-        queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(n)]
-        stop = threading.Event()
-
-        def pump(i: int) -> None:
-            try:
-                for rb in self._chunks(tickets[i], what, timeout, flights[i], stop=stop):
-                    queues[i].put(rb)
-                queues[i].put(None)
-            except BaseException as e:
-                queues[i].put(e)
-
-        schema: pa.Schema | None = None
-        with ThreadPoolExecutor(n, thread_name_prefix="flightq-get") as pool:
-            try:
-                for i in range(n):
-                    pool.submit(pump, i)
-                for q in queues:
-                    while (x := q.get()) is not None:
-                        if isinstance(x, BaseException):
-                            raise x
-                        if schema is None:
-                            schema = x.schema
-                        elif not x.schema.equals(schema, check_metadata=True):
-                            raise _Resplit
-                        yield x
-            finally:
-                stop.set()
-
     def _get_to_device(
         self,
         device: Any,
@@ -621,22 +578,45 @@ class Client:
         sync: bool,
     ) -> Batch:
         """A get into CUDA tensors, split over parallel streams as :meth:`_read_keys` splits
-        it; each stream's record batches are copied to the device, in key order, as they
-        arrive. On an unknown key, a missing field or parts whose columns differ, the get
-        runs again as one stream, whose answer or complete error is the reference."""
+        it; each stream's record batches are copied to the device on that stream's thread
+        as they arrive, and the parts are assembled in key order. On an unknown key, a
+        missing field or parts whose columns differ, the get runs again as one stream,
+        whose answer or complete error is the reference."""
         rows, partition = len(ticket["keys"]), ticket["partition"]
         n = self._split_count(ticket)
         got: list[pa.RecordBatch] = []
         if n >= 2:
-            chunks = self._split_chunks(ticket, what, timeout, n)
+            flights, tickets = self._split(ticket, n)
+            gots: list[list[pa.RecordBatch]] = [[] for _ in range(n)]
+            stop = threading.Event()
+            first: list[pa.Schema] = []
+            lock = threading.Lock()
+
+            def checked(i: int) -> Iterator[pa.RecordBatch]:
+                # Stream i's record batches; _Resplit where one's columns differ.
+                for rb in self._chunks(tickets[i], what, timeout, flights[i], gots[i], stop):
+                    with lock:
+                        if not first:
+                            first.append(rb.schema)
+                        same = rb.schema.equals(first[0], check_metadata=True)
+                    if not same:
+                        raise _Resplit
+                    yield rb
+
             try:
-                out = decode_to_device(
-                    _tee(chunks, got), device, self._pinned, copy=copy, sync=sync
+                # Each stream is copied to the device on its own thread, in parallel.
+                out = decode_streams_to_device(
+                    [checked(i) for i in range(n)],
+                    device,
+                    self._pinned,
+                    copy=copy,
+                    sync=sync,
+                    stop=stop,
                 )
             except (NotFoundError, MissingFieldError, _Resplit):
-                got.clear()
+                pass
             else:
-                self._learn(partition, rows, got)
+                self._learn(partition, rows, [b for g in gots for b in g])
                 return out
         chunks = self._chunks(ticket, what, timeout, got=got)
         out = decode_to_device(chunks, device, self._pinned, copy=copy, sync=sync)

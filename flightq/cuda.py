@@ -21,7 +21,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,6 +40,7 @@ __all__ = [
     "has_cuda",
     "stage",
     "decode_to_device",
+    "decode_streams_to_device",
 ]
 
 #: Byte alignment of every tensor inside a staging buffer (covers every dtype and
@@ -662,7 +663,7 @@ def _to_device(
     return event
 
 
-def _prefetched(items: Iterable[Any], depth: int) -> Iterator[Any]:
+def _prefetched(items: Iterable[Any], depth: int) -> Generator[Any, None, None]:
     """``items``, produced on a helper thread up to ``depth`` ahead of the consumer."""
     q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
     stop = threading.Event()
@@ -744,19 +745,100 @@ def decode_to_device(
     # The device buffers are allocated on the side stream and handed to the caller's stream
     # with record_stream, so the copies need not wait for work queued on the caller's.
     consumer = torch.cuda.current_stream(device)
+    parts = _decode_parts(chunks, device, side, consumer, pool, copy, prefetch)
+    return _assemble(parts, device, side, consumer, copy, sync)
+
+
+def decode_streams_to_device(
+    streams: Sequence[Iterable[pa.RecordBatch]],
+    device: Any,
+    pool: PinnedPool,
+    *,
+    copy: bool = False,
+    sync: bool = True,
+    prefetch: int = 2,
+    stop: threading.Event | None = None,
+) -> DeviceBatch:
+    """:func:`decode_to_device` over several streams read in parallel, parts in order.
+
+    Each stream is pulled and copied (pinned host copy, then the host-to-device copy) on
+    its own thread, so the host copies of the streams run side by side; every copy goes on
+    the pool's side stream, and one event recorded there once every thread queued its
+    copies covers them all. Media dictionaries are shared only within a stream. If a
+    stream raises, ``stop`` is set (the other streams may end early) and the error of the
+    first failing stream, in stream order, is raised once every thread finished.
+    """
+    torch = _torch()
+    side = pool.stream(device)
+    consumer = torch.cuda.current_stream(device)
+    results: list[list[DeviceBatch]] = [[] for _ in streams]
+    errors: list[BaseException | None] = [None] * len(streams)
+
+    def work(i: int) -> None:
+        try:
+            results[i] = _decode_parts(streams[i], device, side, consumer, pool, copy, prefetch)
+        except BaseException as e:
+            errors[i] = e
+            if stop is not None:
+                stop.set()
+
+    threads = [
+        threading.Thread(target=work, args=(i,), name=f"flightq-cuda-get-{i}", daemon=True)
+        for i in range(len(streams))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for e in errors:
+        if e is not None:
+            raise e
+    return _assemble([p for r in results for p in r], device, side, consumer, copy, sync)
+
+
+def _decode_parts(
+    chunks: Iterable[pa.RecordBatch],
+    device: Any,
+    side: Any,
+    consumer: Any,
+    pool: PinnedPool,
+    copy: bool,
+    prefetch: int,
+) -> list[DeviceBatch]:
+    """One stream's record batches, each queued for the device on ``side`` as it arrives."""
     parts: list[DeviceBatch] = []
-    event: Any = None
     seen: _Seen = {}
-    for rb in _prefetched(chunks, prefetch):
-        c = validate(rb)
-        if parts and (c.schema != parts[0].schema or c.fields != parts[0].fields):
-            raise DecodeError(
-                f"record batches of one stream differ: {parts[0].schema.ref} "
-                f"{parts[0].fields} then {c.schema.ref} {c.fields}"
-            )
-        part = DeviceBatch(rb, c.schema, c.keys, c.fields, "torch", copy)
-        event = _to_device(part, device, side, consumer, pool, seen)
-        parts.append(part)
+    items = _prefetched(chunks, prefetch)
+    try:
+        for rb in items:
+            c = validate(rb)
+            if parts and (c.schema != parts[0].schema or c.fields != parts[0].fields):
+                raise DecodeError(
+                    f"record batches of one stream differ: {parts[0].schema.ref} "
+                    f"{parts[0].fields} then {c.schema.ref} {c.fields}"
+                )
+            part = DeviceBatch(rb, c.schema, c.keys, c.fields, "torch", copy)
+            _to_device(part, device, side, consumer, pool, seen)
+            parts.append(part)
+    finally:
+        items.close()
+    return parts
+
+
+def _assemble(
+    parts: list[DeviceBatch], device: Any, side: Any, consumer: Any, copy: bool, sync: bool
+) -> DeviceBatch:
+    """The parts as one DeviceBatch, with an event after every copy queued on ``side``."""
+    torch = _torch()
+    odd = next(
+        (p for p in parts[1:] if p.schema != parts[0].schema or p.fields != parts[0].fields),
+        None,
+    )
+    if odd is not None:
+        raise DecodeError(
+            f"record batches of one get differ: {parts[0].schema.ref} "
+            f"{parts[0].fields} then {odd.schema.ref} {odd.fields}"
+        )
     if not parts:
         raise DecodeError("nothing to decode: no record batches")
     if len(parts) == 1:
@@ -767,6 +849,8 @@ def decode_to_device(
             p0.record_batch, p0.schema, [k for p in parts for k in p.keys], p0.fields, "torch", copy
         )
         whole._parts = list(parts)
+    event = torch.cuda.Event()
+    event.record(side)
     whole.device, whole.event, whole.stream = device, event, side
     if sync:
         event.synchronize()

@@ -196,8 +196,15 @@ def fake_device(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls[-1] = len(batches)
         return flightq.decode(batches, copy=copy)
 
+    def decode_streams_to_device(streams, device, pool, *, copy=False, sync=True, stop=None):
+        # The real one pulls each stream on its own thread; in stream order here.
+        return decode_to_device(
+            (rb for s in streams for rb in s), device, pool, copy=copy, sync=sync
+        )
+
     monkeypatch.setattr(fq_client, "resolve_device", lambda d, as_="torch": d)
     monkeypatch.setattr(fq_client, "decode_to_device", decode_to_device)
+    monkeypatch.setattr(fq_client, "decode_streams_to_device", decode_streams_to_device)
     return calls
 
 
