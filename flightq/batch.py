@@ -17,13 +17,14 @@ import pyarrow as pa
 from .codecs import RAW
 from .encode import GATHER, encode, encode_chunks, row_nbytes, split_batch
 from .errors import DecodeError, MissingFieldError, ShapeError
-from .layout import SHAPE_SUFFIX, TAGS, binary_offsets, validate
+from .layout import SHAPE_SUFFIX, TAGS, Checked, binary_offsets, validate
 from .schema import Field, Schema
 from .tensor import column_base, nbytes_for, row_view
 
 __all__ = [
     "encode",
     "decode",
+    "validate_part",
     "Batch",
     "Column",
     "TensorColumn",
@@ -35,6 +36,23 @@ __all__ = [
     "row_nbytes",
     "GATHER",
 ]
+
+
+def validate_part(batch: pa.RecordBatch, first: Batch | None) -> Checked:
+    """Validate one record batch of a stream whose first part (if any) is ``first``.
+
+    Raises
+    ------
+    DecodeError
+        If the batch is invalid or carries another schema or other fields than ``first``.
+    """
+    c = validate(batch)
+    if first is not None and (c.schema != first.schema or c.fields != first.fields):
+        raise DecodeError(
+            f"record batches of one stream differ: {first.schema.ref} {first.fields} "
+            f"then {c.schema.ref} {c.fields}"
+        )
+    return c
 
 
 def decode(
@@ -76,12 +94,7 @@ def decode(
         raise DecodeError("nothing to decode: no record batches")
     parts: list[Batch] = []
     for b in batches:
-        c = validate(b)
-        if parts and (c.schema != parts[0].schema or c.fields != parts[0].fields):
-            raise DecodeError(
-                f"record batches of one stream differ: {parts[0].schema.ref} "
-                f"{parts[0].fields} then {c.schema.ref} {c.fields}"
-            )
+        c = validate_part(b, parts[0] if parts else None)
         parts.append(Batch(b, c.schema, c.keys, c.fields, as_, copy))
     if len(parts) == 1:
         return parts[0]

@@ -27,10 +27,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .batch import Batch, Column, MediaColumn, ScalarColumn, TensorColumn
+from .batch import Batch, Column, MediaColumn, ScalarColumn, TensorColumn, validate_part
 from .dtypes import DTYPES
 from .errors import DecodeError, DeviceError
-from .layout import validate
 
 __all__ = [
     "PinnedPool",
@@ -811,12 +810,7 @@ def _decode_parts(
     items = _prefetched(chunks, prefetch)
     try:
         for rb in items:
-            c = validate(rb)
-            if parts and (c.schema != parts[0].schema or c.fields != parts[0].fields):
-                raise DecodeError(
-                    f"record batches of one stream differ: {parts[0].schema.ref} "
-                    f"{parts[0].fields} then {c.schema.ref} {c.fields}"
-                )
+            c = validate_part(rb, parts[0] if parts else None)
             part = DeviceBatch(rb, c.schema, c.keys, c.fields, "torch", copy)
             _to_device(part, device, side, consumer, pool, seen)
             parts.append(part)
