@@ -381,11 +381,19 @@ class Client:
                 staged.columns,
                 keys,
                 tags,
-                max_bytes=self.max_batch_bytes,
+                max_bytes=self._put_batch_bytes(),
                 on_range=staged.on_range,
                 fills=fills,
             )
             return self._put(partition, batches, fills, overwrite, timeout, put_id)
+
+    def _put_batch_bytes(self) -> int:
+        """Record-batch size of a put: bounded for the socket, large through a segment."""
+        if self.shm_dir is None:
+            return self.max_batch_bytes
+        from .shm import BATCH_BYTES
+
+        return max(self.max_batch_bytes, BATCH_BYTES)
 
     def put_batch(
         self,
@@ -459,7 +467,7 @@ class Client:
         except (pa.ArrowException, fl.FlightError) as e:
             raise from_flight_error(e, what) from e
         if self.shm_dir is not None:
-            from .shm import take
+            from .shmtable import take
 
             return take(batches, self.shm_dir, what)
         return batches

@@ -286,11 +286,11 @@ class Server(fl.FlightServerBase):
             if not all(isinstance(k, str) for k in keys):
                 raise ProtocolError("get ticket: keys must be strings")
             part, rows, names = self.store.rows_for_get(name, keys, fields)
-            schema, batches = assemble(part, rows, names, self.max_batch_bytes)
+            schema, batches = assemble(part, rows, names, self._answer_bytes(t))
             return _stream(*self._shm_reply(t, schema, batches, context))
         if op == "scan":
             part, rows, names = self.store.scan(name)
-            schema, batches = assemble(part, rows, names, self.max_batch_bytes)
+            schema, batches = assemble(part, rows, names, self._answer_bytes(t))
             return _stream(*self._shm_reply(t, schema, batches, context))
         if op == "claim":
             task = require(t, "task", str, "claim ticket")
@@ -305,7 +305,7 @@ class Server(fl.FlightServerBase):
             part, rows, names = self.store.claim(
                 name, task, size, fields, timeout, wait_for, cancelled
             )
-            schema, batches = assemble(part, rows, names, self.max_batch_bytes)
+            schema, batches = assemble(part, rows, names, self._answer_bytes(t))
             keys = [r.key for r in rows]
             try:
                 schema, batches = self._shm_reply(t, schema, batches, context)
@@ -314,6 +314,14 @@ class Server(fl.FlightServerBase):
                 raise
             return _stream(schema, self._claimed(name, task, keys, batches))
         raise ProtocolError(f"ticket: unknown op {op!r}; expected get, claim or scan")
+
+    def _answer_bytes(self, t: dict[str, Any]) -> int:
+        """Record-batch size of a read's answer: bounded on the socket, large over shm."""
+        if not t.get("shm"):
+            return self.max_batch_bytes
+        from .shm import BATCH_BYTES
+
+        return max(self.max_batch_bytes, BATCH_BYTES)
 
     def _claimed(
         self, name: str, task: str, keys: list[str], batches: Iterator[pa.RecordBatch]
@@ -358,7 +366,7 @@ class Server(fl.FlightServerBase):
         """A read's answer: the batches, or (ticket ``shm``) the segment holding them."""
         if not t.get("shm"):
             return schema, batches
-        from . import shm
+        from . import shm, shmtable
 
         what = f"{t.get('op')} from {t.get('partition')!r}"
         if self.shm_dir is None:
@@ -371,7 +379,7 @@ class Server(fl.FlightServerBase):
                 if pool is not None:
                     pool.close()
                 pool = self._shm_pool = shm.SegmentPool(self.shm_dir)
-        out_schema, out = shm.answer(pool, schema, batches, what)
+        out_schema, out = shmtable.answer(pool, schema, batches, what)
         return out_schema, iter(out)
 
     # ------------------------------------------------------------------ DoAction

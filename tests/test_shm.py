@@ -21,7 +21,7 @@ from fixtures_dataplane import TEXT, TIMEOUT, VLM, assert_rows_match, text_colum
 from helpers_wire import replace_column
 
 import flightq
-from flightq import shm, workloads
+from flightq import shm, shmtable, workloads
 from flightq.batch import encode_chunks, split_batch
 
 pytestmark = pytest.mark.timeout(120)
@@ -95,15 +95,76 @@ def test_a_claim_over_shm_delivers_whole_groups_once(client):
     assert client.reset("c", "train") == 8
 
 
+def _socket_client(server: flightq.Server) -> flightq.Client:
+    return flightq.connect(server.location, [TEXT, VLM], timeout=TIMEOUT)
+
+
 def test_a_claim_whose_answer_cannot_be_written_gives_its_rows_back(server, client, tmp_path):
-    keys = text_keys(1, 4)
+    # Rows that came over the socket (more than travels inline) need a server segment.
+    keys = text_keys(2, 4)
+    n = 40_000
+    cols = {
+        "input_ids": [np.arange(n) + i for i in range(8)],
+        "token_mask": [np.ones(n, np.int64) for _ in keys],
+        "input_lengths": np.full(8, n, np.int32),
+        "total_reward": np.zeros(8, np.float32),
+    }
     client.create_partition("c", TEXT, tasks=["train"], group_size=4)
-    client.put("c", keys, text_columns(keys))
+    with _socket_client(server) as plain:
+        plain.put("c", keys, cols)
     server.shm_dir = str(tmp_path / "gone")  # the server can no longer create segments
     with pytest.raises(flightq.ResourceExhaustedError, match=r"no room for .* shared memory"):
-        client.claim("c", "train", 4, timeout=TIMEOUT)
+        client.claim("c", "train", 8, timeout=TIMEOUT)
     server.shm_dir = SHM
-    assert client.claim("c", "train", 4, timeout=TIMEOUT).keys == keys
+    got = client.claim("c", "train", 8, timeout=TIMEOUT, as_="numpy")
+    assert got.keys == keys
+    assert all(
+        np.array_equal(a, b) for a, b in zip(got["input_ids"], cols["input_ids"], strict=True)
+    )
+    assert len(server._shm_pool.paths()) == 1
+
+
+def test_a_read_maps_the_segment_the_put_filled_and_the_server_copies_nothing(server, client):
+    step = workloads.w2(groups=1)
+    client.create_partition("m", step.schema, group_size=step.group_size)
+    client.put("m", step.keys, step.columns, tags=step.tags)
+    (put_seg,) = client._shm_pool.paths()
+    batch = client.get("m", step.keys, as_="numpy")
+    assert assert_rows_match(batch, step) > 0
+    for field in ("pixel_values", "input_ids"):
+        row = next(r for r in batch[field] if r is not None and len(r))
+        view = row[0] if isinstance(row, list) else row
+        assert _mapped_files(view.__array_interface__["data"][0]) == [put_seg]
+    assert server._shm_pool.paths() == []  # no answer needed a segment of its own
+
+
+def test_rows_written_over_the_socket_read_back_over_shm(server, client):
+    # Small answers travel inline in the table; large ones through one server segment.
+    step = workloads.w1(groups=1)
+    client.create_partition("s", step.schema, group_size=step.group_size)
+    with _socket_client(server) as plain:
+        plain.put("s", step.keys, step.columns, tags=step.tags)
+    batch = client.get("s", step.keys, as_="numpy")
+    assert assert_rows_match(batch, step) > 0
+    assert len(server._shm_pool.paths()) == 1
+    ids = client.get("s", step.keys, fields=["input_lengths"], as_="numpy")["input_lengths"]
+    assert ids.tolist() == [len(x) for x in step.columns["input_ids"]]
+
+
+def test_a_write_back_over_the_socket_joins_rows_put_through_shm(server, client):
+    keys = text_keys(2, 4)
+    cols = text_columns(keys)
+    client.create_partition("w", TEXT, tasks=["train"], group_size=4)
+    client.put("w", keys, cols)
+    lp = [np.full(len(x), 0.5, np.float32) for x in cols["input_ids"]]
+    with _socket_client(server) as plain:
+        plain.put("w", keys, {"prev_logprobs": lp})
+    got = client.claim("w", "train", 8, timeout=TIMEOUT, wait_for=["prev_logprobs"], as_="numpy")
+    assert got.keys == keys
+    assert all(np.array_equal(a, b) for a, b in zip(got["prev_logprobs"], lp, strict=True))
+    assert all(
+        np.array_equal(a, b) for a, b in zip(got["input_ids"], cols["input_ids"], strict=True)
+    )
 
 
 def test_segments_are_reused_across_puts_and_reads(server, client):
@@ -117,20 +178,70 @@ def test_segments_are_reused_across_puts_and_reads(server, client):
         client.clear("r")
         gc.collect()
     assert len(client._shm_pool.paths()) == 1
-    assert len(server._shm_pool.paths()) == 1
+    assert server._shm_pool.paths() == []
 
 
-def test_a_segment_goes_back_to_its_owner_only_when_the_last_view_dies(server, client):
+def test_a_segment_is_filled_again_only_once_no_reader_holds_it(server, client):
     keys = text_keys(1, 4)
+    cols = text_columns(keys)
     client.create_partition("v", TEXT, group_size=4)
-    client.put("v", keys, text_columns(keys))
+    client.put("v", keys, cols)
     ids = client.get("v", keys, as_="numpy")["input_ids"][0]
+    client.clear("v")
     gc.collect()
-    (seg,) = server._shm_pool._segs
-    assert seg.state() == shm.TAKEN
+    (seg,) = client._shm_pool._segs
+    assert seg.state() == shm.TAKEN and not seg.lock()  # the server let go; the view holds it
+    client.put("v", keys, cols)  # so this put fills a second segment
+    assert len(client._shm_pool.paths()) == 2
+    assert np.array_equal(ids, cols["input_ids"][0])
     del ids
+    client.clear("v")
     gc.collect()
-    assert seg.state() == shm.FREE
+    client.put("v", keys, cols)
+    assert len(client._shm_pool.paths()) == 2  # one of the two was free again
+
+
+def test_a_reference_to_a_segment_filled_again_is_refused(server, client):
+    pool = client._shm_pool = shm.SegmentPool()
+    rb = flightq.encode(flightq.SchemaRegistry.default().get(TEXT), text_columns(["k"]), ["k"])
+    ref = pool.write(rb.schema, [rb], "test")
+    (seg,) = pool._segs
+    struct_free(seg)
+    held = pool._acquire(ref["nbytes"])  # the owner fills it again: exclusive lock held
+    assert held is seg
+    with pytest.raises(flightq.ProtocolError, match="being filled again by its owner"):
+        shm.map_data(ref, SHM, "get")
+    pool._written(seg, ref["nbytes"])
+    with pytest.raises(flightq.ProtocolError, match=f"is not generation {ref['gen']} of"):
+        shm.map_data(ref, SHM, "get")
+    with pytest.raises(flightq.ProtocolError, match=r"bytes \[0, 99999\) lie outside"):
+        shm.map_data({**ref, "gen": seg.gen}, SHM, "get", 0, 99999)
+
+
+def struct_free(seg: shm._Segment) -> None:
+    """Mark a written segment as taken by a reader that has gone (its lock with it)."""
+    import struct
+
+    struct.pack_into("<q", seg.mm, 8, shm.TAKEN)
+
+
+def test_a_malformed_answer_table_is_refused(server, client):
+    keys = text_keys(1, 4)
+    client.create_partition("t", TEXT, group_size=4)
+    client.put("t", keys, text_columns(keys))
+    ticket = {"op": "get", "partition": "t", "keys": keys, "fields": None, "shm": True}
+    reader = fl.connect(server.location).do_get(fl.Ticket(msgpack.packb(ticket)))
+    (rb,) = [c.data for c in reader]
+    body = msgpack.unpackb(rb.column(0)[0].as_py())
+    col = body["batches"][0]["c"][2]  # input_ids: validity, offsets, data
+    col["b"][1][2] = 8  # offsets cut short: the rows would read past them
+    bad = pa.record_batch([pa.array([msgpack.packb(body)], pa.binary())], names=[shm.MARKER])
+    with pytest.raises(flightq.ProtocolError, match="shared-memory answer is malformed"):
+        shmtable.take([bad], SHM, "get")
+    body["batches"][0]["c"][2]["b"][2][0] = 7
+    bad = pa.record_batch([pa.array([msgpack.packb(body)], pa.binary())], names=[shm.MARKER])
+    with pytest.raises(flightq.ProtocolError, match="names segment 7 of"):
+        shmtable.take([bad], SHM, "get")
 
 
 # --------------------------------------------------------------------------- validation

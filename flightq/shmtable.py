@@ -1,0 +1,241 @@
+"""Reads through shared memory: record batches named by the segments that hold their bytes.
+
+A server answers a read over shared memory (a ticket with ``"shm": true``) with a *buffer
+table*: the Arrow schema and, for every record batch of the answer, its arrays as lengths,
+offsets and buffer references ``[segment, offset, size]``. A buffer that lies in a segment
+the server maps (the bytes a put through shared memory left there) is named where it lies
+and is not copied; the few others (keys, tags, a column written over the socket) travel
+inline in the table, or in one segment the server writes when they are large. The client
+maps each named segment once, read-only, rebuilds the arrays over the mapping, validates
+them in full (offsets, dictionary indices, buffer sizes) and decodes them with the same
+:func:`flightq.decode`: the tensors it hands out are views of the producer's pages.
+
+A reader holds a shared lock on every segment it maps while any view lives, so the owner
+does not fill it again under the reader (:func:`flightq.shm.map_data`); a segment whose
+rows were cleared and that was filled again before the reader came is refused by its
+generation.
+
+Answers whose types the table does not describe (none of flightq's layouts) are written
+whole into a server segment as one IPC stream instead, as are all answers of a server
+whose put bytes did not come through shared memory and exceed :data:`INLINE_BYTES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from . import shm
+from .errors import ProtocolError
+from .protocol import pack, unpack
+
+__all__ = ["INLINE_BYTES", "answer", "take"]
+
+#: Bytes not found in a mapped segment travel inline in the table up to this size.
+INLINE_BYTES = 2**20
+#: Alignment of each buffer copied into the table's own bytes.
+_ALIGN = 64
+_TABLE = "table"
+
+
+class _Unsupported(Exception):
+    """A type the buffer table does not describe: the answer goes as one IPC stream."""
+
+
+class _Describer:
+    """Names each buffer of an answer by segment and offset, collecting the others."""
+
+    def __init__(self) -> None:
+        self.segments: list[dict[str, Any]] = []
+        self._index: dict[tuple[str, int], int] = {}
+        self.extra: list[tuple[int, pa.Buffer]] = []
+        self.extra_refs: list[list[int]] = []
+        self.extra_bytes = 0
+
+    def buffer(self, buf: pa.Buffer | None) -> list[int] | None:
+        if buf is None:
+            return None
+        hit = shm.MAPPED.locate(buf.address, buf.size) if buf.size else None
+        if hit is not None:
+            ref, offset = hit
+            key = (ref["path"], ref["gen"])
+            i = self._index.get(key)
+            if i is None:
+                i = self._index[key] = len(self.segments)
+                self.segments.append(ref)
+            return [i, offset, buf.size]
+        at = self.extra_bytes
+        self.extra.append((at, buf))
+        self.extra_bytes = (at + buf.size + _ALIGN - 1) // _ALIGN * _ALIGN
+        out = [-1, at, buf.size]
+        self.extra_refs.append(out)
+        return out
+
+    def array(self, a: pa.Array) -> dict[str, Any]:
+        t = a.type
+        if pa.types.is_dictionary(t):
+            assert isinstance(a, pa.DictionaryArray)
+            return {"i": self.array(a.indices), "d": self.array(a.dictionary)}
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            children = [self.array(a.values)]
+        elif t.num_fields:
+            raise _Unsupported(str(t))
+        else:
+            children = []
+        return {
+            "n": len(a),
+            "o": a.offset,
+            "z": a.null_count,
+            "b": [self.buffer(b) for b in a.buffers()[: t.num_buffers]],
+            "c": children,
+        }
+
+
+def answer(
+    pool: shm.SegmentPool, schema: pa.Schema, batches: Iterable[pa.RecordBatch], what: str
+) -> tuple[pa.Schema, list[pa.RecordBatch]]:
+    """A read's answer over shared memory: the one-row stream that names its bytes.
+
+    Raises
+    ------
+    ResourceExhaustedError
+        If a segment the answer needs finds no room.
+    """
+    batches = list(batches)
+    d = _Describer()
+    try:
+        table = [{"n": b.num_rows, "c": [d.array(c) for c in b.columns]} for b in batches]
+    except _Unsupported:
+        return _reply(pool.write(schema, batches, what))
+    inline = b""
+    if d.extra_bytes > INLINE_BYTES:
+        ref = pool.write_bytes(d.extra, d.extra_bytes, what)
+        for r in d.extra_refs:
+            r[0] = len(d.segments)
+        d.segments.append(ref)
+    elif d.extra:
+        out = bytearray(d.extra_bytes)
+        for at, buf in d.extra:
+            out[at : at + buf.size] = memoryview(buf)
+        inline = bytes(out)
+    return _reply(
+        {
+            _TABLE: 1,
+            "schema": schema.serialize().to_pybytes(),
+            "segments": d.segments,
+            "inline": inline,
+            "batches": table,
+        }
+    )
+
+
+def _reply(body: dict[str, Any]) -> tuple[pa.Schema, list[pa.RecordBatch]]:
+    marker = pa.array([pack(body)], type=pa.binary())
+    return pa.schema([(shm.MARKER, pa.binary())]), [pa.record_batch([marker], names=[shm.MARKER])]
+
+
+def take(batches: list[pa.RecordBatch], dirpath: str, what: str) -> list[pa.RecordBatch]:
+    """The batches a read's answer names: rebuilt over mapped segments, or as they came.
+
+    Raises
+    ------
+    ProtocolError
+        If the answer is malformed, names segments outside ``dirpath`` or gone, or its
+        arrays do not validate.
+    """
+    if len(batches) != 1 or batches[0].schema.names != [shm.MARKER]:
+        return batches
+    body = unpack(batches[0].column(0)[0].as_py(), f"{what}: shared-memory answer")
+    if _TABLE not in body:
+        return shm.read(body, dirpath, what)
+    try:
+        return _rebuild(body, dirpath, what)
+    except (pa.ArrowException, KeyError, TypeError, ValueError, IndexError) as e:
+        if isinstance(e, ProtocolError):
+            raise
+        raise ProtocolError(f"{what}: the shared-memory answer is malformed: {e}") from e
+
+
+class _Views:
+    """The table's bytes: each segment mapped once over the span its buffers use."""
+
+    def __init__(self, body: dict[str, Any], dirpath: str, what: str) -> None:
+        segments = body["segments"]
+        spans: dict[int, tuple[int, int]] = {}
+        for b in body["batches"]:
+            for c in b["c"]:
+                _spans(c, spans)
+        self.maps: dict[int, tuple[int, pa.Buffer]] = {}
+        for i, (lo, hi) in spans.items():
+            if not 0 <= i < len(segments):
+                raise ProtocolError(f"{what}: the answer names segment {i} of {len(segments)}")
+            data = shm.map_data(segments[i], dirpath, what, lo, hi)
+            self.maps[i] = (lo, pa.py_buffer(data))
+        inline = body["inline"]
+        buf = pa.allocate_buffer(len(inline))  # aligned for every buffer in it
+        np.frombuffer(buf, dtype=np.uint8)[:] = np.frombuffer(inline, dtype=np.uint8)
+        self.maps[-1] = (0, buf)
+        self.what = what
+
+    def buffer(self, ref: list[int] | None) -> pa.Buffer | None:
+        if ref is None:
+            return None
+        i, at, size = ref
+        lo, data = self.maps[i]
+        if at < lo or at + size > lo + data.size:
+            raise ProtocolError(
+                f"{self.what}: buffer [{at}, {at + size}) lies outside segment {i}'s mapping"
+            )
+        return data.slice(at - lo, size)
+
+
+def _spans(desc: dict[str, Any], spans: dict[int, tuple[int, int]]) -> None:
+    """Widen ``spans`` (segment -> bytes) to cover the buffers of one array."""
+    if "i" in desc:
+        _spans(desc["i"], spans)
+        _spans(desc["d"], spans)
+        return
+    for ref in desc["b"]:
+        if ref is not None and ref[0] >= 0:
+            i, at, size = ref
+            lo, hi = spans.get(i, (at, at + size))
+            spans[i] = (min(lo, at), max(hi, at + size))
+    for child in desc["c"]:
+        _spans(child, spans)
+
+
+def _array(t: pa.DataType, desc: dict[str, Any], views: _Views) -> pa.Array:
+    if pa.types.is_dictionary(t):
+        indices = _array(t.index_type, desc["i"], views)
+        dictionary = _array(t.value_type, desc["d"], views)
+        return pa.DictionaryArray.from_arrays(indices, dictionary)
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        (child,) = desc["c"]
+        children = [_array(t.value_type, child, views)]
+    else:
+        children = []
+    bufs = [views.buffer(b) for b in desc["b"]]
+    return pa.Array.from_buffers(
+        t, desc["n"], bufs, null_count=desc["z"], offset=desc["o"], children=children or None
+    )
+
+
+def _rebuild(body: dict[str, Any], dirpath: str, what: str) -> list[pa.RecordBatch]:
+    schema = pa.ipc.read_schema(pa.py_buffer(body["schema"]))
+    views = _Views(body, dirpath, what)
+    out = []
+    for b in body["batches"]:
+        if len(b["c"]) != len(schema):
+            raise ProtocolError(
+                f"{what}: a batch of the answer has {len(b['c'])} columns, the schema {len(schema)}"
+            )
+        arrays = [_array(f.type, c, views) for f, c in zip(schema, b["c"], strict=True)]
+        rb = pa.RecordBatch.from_arrays(arrays, schema=schema)
+        if rb.num_rows != b["n"]:
+            raise ProtocolError(f"{what}: a batch of {rb.num_rows} rows, {b['n']} announced")
+        rb.validate(full=True)
+        out.append(rb)
+    return out
