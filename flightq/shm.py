@@ -73,6 +73,7 @@ __all__ = [
     "read",
     "map_data",
     "MAPPED",
+    "still_there",
     "probe_reply",
     "check_peer",
     "handshake",
@@ -628,7 +629,10 @@ class _Mapped:
                 self._starts.pop(bisect.bisect_left(self._starts, start))
 
     def locate(self, address: int, size: int) -> tuple[dict[str, Any], int] | None:
-        """The reference of the mapped segment holding a buffer, and its offset there."""
+        """The reference of the mapped segment holding a buffer, and its offset there.
+
+        The reference carries the file's inode (``"ino"``): see :func:`still_there`.
+        """
         with self._lock:
             i = bisect.bisect_right(self._starts, address) - 1
             if i < 0:
@@ -700,7 +704,9 @@ def map_data(
     try:
         fd = os.open(real, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
     except OSError as e:
-        raise ProtocolError(f"{what}: shared-memory segment {path!r} is gone: {e}") from e
+        raise ProtocolError(
+            f"{what}: shared-memory segment {path!r} is gone: {e}; retry the call"
+        ) from e
     head = None
     try:
         try:
@@ -740,9 +746,18 @@ def map_data(
     struct.pack_into("<q", head, _STATE_AT, TAKEN)
     data = np.frombuffer(body, dtype=np.uint8, count=hi - lo, offset=lo - start)
     addr = int(data.ctypes.data)
-    MAPPED.add(addr, hi - lo, {"path": real, "gen": gen, "nbytes": n}, lo)
+    MAPPED.add(addr, hi - lo, {"path": real, "gen": gen, "nbytes": n, "ino": st.st_ino}, lo)
     weakref.finalize(data, _unmap, fd, head, addr)
     return data
+
+
+def still_there(ref: Mapping[str, Any]) -> bool:
+    """Whether a mapped segment's file is still in its directory (its owner may have
+    unlinked it, e.g. by exiting: the mapping stays valid, but no one else can open it)."""
+    try:
+        return os.stat(ref["path"]).st_ino == ref["ino"]
+    except OSError:
+        return False
 
 
 def read(ref: Any, dirpath: str, what: str, populate: bool = True) -> list[pa.RecordBatch]:

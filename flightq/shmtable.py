@@ -50,7 +50,7 @@ class _Describer:
 
     def __init__(self) -> None:
         self.segments: list[dict[str, Any]] = []
-        self._index: dict[tuple[str, int], int] = {}
+        self._index: dict[tuple[str, int], int | None] = {}
         self.extra: list[tuple[int, pa.Buffer]] = []
         self.extra_refs: list[list[int]] = []
         self.extra_bytes = 0
@@ -62,11 +62,15 @@ class _Describer:
         if hit is not None:
             ref, offset = hit
             key = (ref["path"], ref["gen"])
-            i = self._index.get(key)
-            if i is None:
-                i = self._index[key] = len(self.segments)
-                self.segments.append(ref)
-            return [i, offset, buf.size]
+            if key not in self._index:
+                # A file its owner unlinked (it exited) cannot be opened: copy its bytes.
+                live = shm.still_there(ref)
+                self._index[key] = len(self.segments) if live else None
+                if live:
+                    self.segments.append({k: ref[k] for k in ("path", "gen", "nbytes")})
+            i = self._index[key]
+            if i is not None:
+                return [i, offset, buf.size]
         at = self.extra_bytes
         self.extra.append((at, buf))
         self.extra_bytes = (at + buf.size + _ALIGN - 1) // _ALIGN * _ALIGN

@@ -360,3 +360,22 @@ def test_a_gathered_stream_is_byte_for_byte_the_plain_one_also_for_row_slices():
             assert f.read(ref["nbytes"]) == sink.getvalue().to_pybytes()
     finally:
         pool.close()
+
+
+def test_rows_outlive_the_producer_that_put_them_through_shm(server, client):
+    # The producer exits, its pool unlinks its segment: the server still maps the pages
+    # and serves them through a segment of its own.
+    script = (
+        "import sys, flightq\n"
+        "from flightq import workloads\n"
+        "step = workloads.w1(groups=1)\n"
+        "with flightq.connect(sys.argv[1], [step.schema], shm=True) as c:\n"
+        "    c.create_partition('gone', step.schema, group_size=step.group_size)\n"
+        "    c.put('gone', step.keys, step.columns, tags=step.tags)\n"
+    )
+    subprocess.run([sys.executable, "-c", script, server.location], check=True, timeout=60)
+    step = workloads.w1(groups=1)
+    batch = client.get("gone", step.keys, as_="numpy")
+    assert assert_rows_match(batch, step) > 0
+    row = batch["pixel_values"][0][0]
+    assert _mapped_files(row.__array_interface__["data"][0]) == server._shm_pool.paths()
