@@ -118,3 +118,32 @@ def test_serve_exits_cleanly_on_a_signal(sig):
         proc.send_signal(sig)
         proc.wait(timeout=TIMEOUT)
         assert proc.returncode == 0
+
+
+_KEPT = """
+import sys
+import numpy as np
+from flightq.server import keep_freed_memory
+if sys.argv[1] == "tuned":
+    assert keep_freed_memory()
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("RssAnon:")) * 1024
+np.empty(16 * 2**20, np.uint8)  # one block freed: glibc's own threshold rises to it
+blocks = [np.ones(16 * 2**20, np.uint8) for _ in range(16)]  # what a put leaves
+held = rss()
+del blocks  # the rows are cleared
+print(held - rss())
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt: Linux only")
+def test_serve_keeps_freed_blocks_so_the_next_put_reuses_warm_pages():
+    def returned(mode: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", _KEPT, mode], check=True, capture_output=True, text=True
+        )
+        return int(out.stdout)
+
+    assert returned("plain") > 128 * 2**20  # given back to the kernel: the next put faults
+    assert returned("tuned") < 32 * 2**20  # kept for the next put
