@@ -280,10 +280,10 @@ def _encode_tensor_bulk(f: Field, rows: list[Any], seq: list[int]) -> list[pa.Ar
     Applies to a raw field whose present rows convert in bulk
     (:func:`flightq.tensor.bulk_to_bytes`) and all pass the per-row checks: declared
     dtype and shape, token lengths agreeing with the row's other token fields. Otherwise
-    the per-row path runs, raising its precise errors. Shared-memory gathering places
-    the payloads itself: the per-row path serves it. Deferred fills get the one copy.
+    the per-row path runs, raising its precise errors. Under shared-memory gathering the
+    rows' memory is handed to the gatherer as it is; deferred fills get the one copy.
     """
-    if f.codec is not RAW or GATHER.get() is not None:
+    if f.codec is not RAW:
         return None
     present = [i for i, x in enumerate(rows) if x is not None]
     if len(present) < 2:  # one tensor: converting it directly is cheaper
@@ -309,6 +309,17 @@ def _encode_tensor_bulk(f: Field, rows: list[Any], seq: list[int]) -> list[pa.Ar
             shapes[i] = shape
         valid = [shape is not None for shape in shapes]
     offsets = _offsets(lengths)
+    gather = GATHER.get()
+    views = bulk.byte_views() if gather is not None else None
+    if gather is not None and views is not None:
+        payloads: list[Any] = views
+        if len(present) < n:
+            payloads = [b""] * n
+            for i, v in zip(present, views, strict=True):
+                payloads[i] = v
+        data = gather(payloads, offsets)
+        if data is not None:
+            return [_binary_array(offsets, data, valid), _shapes(shapes)]
     buf = np.empty(int(offsets[-1]), dtype=np.uint8)
     deferred = _DEFERRED.get()
     if deferred is None:

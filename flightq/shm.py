@@ -413,8 +413,8 @@ class SegmentPool:
 _GATHER_MIN = 256 * 2**10
 #: Copies into a segment run on up to this many threads, one per this many bytes.
 _COPY_THREADS = 4
-_COPY_MIN = 32 * 2**20
-_COPY_PIECE = 16 * 2**20
+_COPY_MIN = 8 * 2**20
+_COPY_PIECE = 8 * 2**20
 
 
 class _Gather:

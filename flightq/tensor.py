@@ -182,6 +182,18 @@ class Bulk:
         with torch.no_grad():  # cat resolves conjugate and negative views as to_bytes does
             torch.cat(flat, out=torch.from_numpy(out).view(x.dtype))
 
+    def byte_views(self) -> list[np.ndarray] | None:
+        """Each tensor's bytes as a flat uint8 view of its memory (no copy), or None for
+        torch conjugate or negative views (their memory is not their value)."""
+        x = self.tensors[0]
+        if isinstance(x, np.ndarray):
+            return [t.reshape(-1).view(np.uint8) for t in self.tensors]
+        import torch
+
+        if any(t.is_conj() or t.is_neg() for t in self.tensors):
+            return None
+        return [t.reshape(-1).view(torch.uint8).numpy() for t in self.tensors]
+
 
 def bulk_to_bytes(xs: Sequence[Any]) -> Bulk | None:
     """Check many tensors for one flat little-endian copy, when none needs normalising.
