@@ -6,11 +6,11 @@ few MiB; each record batch is encoded once the copies of its rows are done (one
 synchronize per chunk), while later rows are still being copied. The wire format is the
 CPU path's, byte for byte.
 
-Gets and claims with ``device="cuda:N"``: the record batches of a DoGet stream are read on a
-helper thread; as each arrives its payloads are copied into a pinned buffer (one host
-copy) and from there to the device with one non-blocking copy on a side stream, while the
-next batch is still arriving. The result is a :class:`DeviceBatch` whose columns yield CUDA
-tensors (bf16 and fp8 included) viewing one device buffer per chunk.
+Gets and claims with ``device="cuda:N"``: the DoGet streams are read to their end as the CPU
+get reads them, then every payload is copied once into pinned memory (on a few threads)
+and crosses to the device in one non-blocking copy per window of pinned memory on a side
+stream. The result is a :class:`DeviceBatch` whose columns yield CUDA tensors (bf16 and fp8
+included) viewing one device buffer per get.
 
 torch is imported inside the functions that need it: a CPU-only process never loads it
 through this module.
@@ -18,10 +18,10 @@ through this module.
 
 from __future__ import annotations
 
-import queue
 import sys
 import threading
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -51,6 +51,13 @@ _EVENT_BYTES = 4 * 2**20
 _GRAIN = 2**20
 #: CUDA tensors below this are gathered on the device and cross in one copy per dtype.
 _SMALL = 2**20
+#: A get's bytes cross to the device through pinned windows of at most this size.
+_WINDOW = 64 * 2**20
+#: Threads copying a window's large payloads into pinned memory, each given at least
+#: ``_THREAD_BYTES``; payloads under ``_LARGE`` bytes are copied by the calling thread.
+_COPY_THREADS = 4
+_THREAD_BYTES = 4 * 2**20
+_LARGE = 2**18
 
 
 def _align(n: int) -> int:
@@ -497,8 +504,8 @@ def stage(columns: Mapping[str, Any], pool: PinnedPool) -> Staged:
 class DeviceBatch(Batch):
     """A :class:`~flightq.batch.Batch` whose tensors live on a CUDA device.
 
-    Token, tensor and media rows are views over one device buffer per received record
-    batch; scalar columns are device tensors; keys and tags stay on the host.
+    Token, tensor and media rows and scalar columns are views over one device buffer per
+    get; keys and tags stay on the host.
 
     Attributes
     ----------
@@ -548,155 +555,204 @@ def rebase(col: Column, base: Any, elem: np.ndarray | None = None) -> None:
         col._elem = elem
 
 
-#: Where a host payload already sits on the device during one read:
-#: (host address, bytes) -> (device buffer, byte offset in it).
-_Seen = dict[tuple[int, int], tuple[Any, int]]
-
-
 class _Region:
-    """One column's bytes inside a chunk's staging buffer: what to copy, how to rebase."""
+    """One column of one part inside a get's device buffer: what to copy, how to rebase."""
 
-    def __init__(self, name: str, col: Column, base: Any) -> None:
-        self.name, self.col, self.base = name, col, base
+    __slots__ = ("base", "col", "elem", "name", "nbytes", "offset", "part", "pieces")
+
+    def __init__(self, part: DeviceBatch, name: str, col: Column, base: Any) -> None:
+        self.part, self.name, self.col, self.base = part, name, col, base
         self.offset = 0
-        #: (source byte range in ``base``, destination offset in the region) per piece.
-        self.pieces: list[tuple[int, int, int]] = []
         self.nbytes = 0
-        self.elem: np.ndarray | None = None  # media: per entry, byte offset in the region
-        self.reuse: Any = None  # media: an earlier chunk's device buffer holding it all
+        #: (source byte offset in ``base``, bytes, destination byte offset in the buffer)
+        self.pieces: list[tuple[int, int, int]] = []
+        #: Media: per dictionary entry, its element offset in the whole buffer.
+        self.elem: np.ndarray | None = None
 
-    def plan(self, seen: _Seen) -> None:
+    def place(self, at: int, seen: dict[tuple[int, int], int]) -> int:
+        """Lay the column out from byte ``at``; returns where the next column starts.
+
+        ``seen`` maps the host bytes of media entries placed earlier in this get,
+        ``(address, size)``, to their byte offset: the chunks of one prompt group carry
+        the same dictionary, and its image crosses once.
+        """
         base, col = self.base, self.col
-        isz = base.element_size()
+        self.offset = at
         if not isinstance(col, MediaColumn):
-            self.nbytes = base.numel() * isz
-            self.pieces = [(0, self.nbytes, 0)] if self.nbytes else []
-            return
-        # Media: only the dictionary entries some row refers to, each once per read (the
-        # chunks of one prompt group carry the same dictionary; the rows use one entry).
-        elem = np.asarray(col._elem, dtype=np.int64)
-        ends = np.append(elem[1:], base.numel()) if len(elem) else elem
-        used = np.unique(col.entry)
+            self.nbytes = base.nbytes
+            if self.nbytes:
+                self.pieces.append((0, self.nbytes, at))
+            return _align(at + self.nbytes)
+        # Python lists: a prompt group's few entries cost less than numpy calls on them.
+        isz = base.element_size()
+        elem = col._elem.tolist()
+        ends = [*elem[1:], base.numel()]
         addr = base.data_ptr()
-        keys = [(addr + int(elem[e]) * isz, int(ends[e] - elem[e]) * isz) for e in used]
-        hits = [seen.get(k) for k in keys]
-        if used.size and all(h is not None for h in hits):
-            bufs = {id(h[0]) for h in hits if h is not None}
-            if len(bufs) == 1:
-                self.reuse = hits[0][0] if hits[0] is not None else None
-                self.elem = np.zeros(len(elem), dtype=np.int64)
-                for e, h in zip(used, hits, strict=True):
-                    self.elem[e] = h[1] if h is not None else 0
-                return
-        self.elem = np.zeros(len(elem), dtype=np.int64)
-        pos = 0
-        for e, (_, n) in zip(used, keys, strict=True):
-            if n:
-                self.pieces.append((int(elem[e]) * isz, n, pos))
-            self.elem[e] = pos
-            pos += n
-        self.nbytes = pos
-        self._keys = list(zip(used, keys, strict=True))
+        starts = [0] * len(elem)
+        pos = at
+        for e in dict.fromkeys(col.entry.tolist()):  # the entries some row uses, once
+            a, n = elem[e] * isz, (ends[e] - elem[e]) * isz
+            hit = seen.get((addr + a, n))
+            if hit is None:
+                hit = seen[addr + a, n] = pos
+                if n:
+                    self.pieces.append((a, n, pos))
+                pos += n
+            starts[e] = hit // isz
+        self.elem = np.array(starts, dtype=np.int64)
+        self.nbytes = pos - at
+        return _align(pos)
 
-    def finish(self, part: DeviceBatch, dev: Any, seen: _Seen) -> None:
-        dt = self.base.dtype
-        isz = self.base.element_size()
-        col = self.col
+    def source(self) -> np.ndarray:
+        """The host bytes the pieces are cut from."""
+        return self.base.reshape(-1).view(_torch().uint8).numpy()
+
+    def finish(self, dev: Any) -> None:
+        """Point the column at its bytes in ``dev``, the get's device buffer."""
+        dt, col = self.base.dtype, self.col
+        if self.elem is not None:
+            rebase(col, dev.view(dt), self.elem)
+            return
+        view = dev[self.offset : self.offset + self.nbytes].view(dt)
         if isinstance(col, ScalarColumn):
-            view = dev[self.offset : self.offset + self.nbytes].view(dt)
-            part._columns[self.name] = _DeviceScalarColumn(col, view)
-        elif self.elem is None:
-            rebase(col, dev[self.offset : self.offset + self.nbytes].view(dt))
-        elif self.reuse is not None:
-            rebase(col, self.reuse.view(dt), self.elem // isz)
+            self.part._columns[self.name] = _DeviceScalarColumn(col, view)
         else:
-            for e, key in self._keys:
-                seen[key] = (dev, self.offset + int(self.elem[e]))
-            rebase(col, dev.view(dt), (self.elem + self.offset) // isz)
+            rebase(col, view)
+
+
+#: A host copy: (destination byte offset, source bytes, source byte offset, bytes).
+_Copy = tuple[int, np.ndarray, int, int]
+
+
+def _plan(parts: list[DeviceBatch]) -> tuple[list[_Region], int]:
+    """Where every column of every part lands in one device buffer, and its size."""
+    seen: dict[tuple[int, int], int] = {}
+    regions: list[_Region] = []
+    total = 0
+    for part in parts:
+        for name in part.fields:
+            col = part.column(name)
+            if isinstance(col, ScalarColumn):
+                if not col.valid.all():
+                    continue  # rows with gaps come back as a Python list, as on the CPU path
+                r = _Region(part, name, col, col.tensor())
+            else:
+                assert isinstance(col, (TensorColumn, MediaColumn))
+                r = _Region(part, name, col, col._base)
+            total = r.place(total, seen)
+            regions.append(r)
+    return regions, total
+
+
+def _windows(regions: list[_Region], total: int) -> Iterator[tuple[int, int, list[_Copy]]]:
+    """The host copies of ``regions`` cut into windows of at most :data:`_WINDOW` bytes:
+    ``(start, stop, copies)``, destination offsets relative to ``start``."""
+    todo: list[_Copy] = []
+    for r in regions:
+        if r.pieces:
+            src = r.source()
+            todo += [(to, src, a, n) for a, n, to in r.pieces]
+    k = 0
+    for start in range(0, total, _WINDOW):
+        stop = min(total, start + _WINDOW)
+        copies: list[_Copy] = []
+        while k < len(todo) and todo[k][0] < stop:
+            to, src, a, n = todo[k]
+            m = min(n, stop - to)
+            copies.append((to - start, src, a, m))
+            if m < n:
+                todo[k] = (to + m, src, a + m, n - m)
+                break
+            k += 1
+        yield start, stop, copies
+
+
+def _copy(copies: list[_Copy], dst: np.ndarray, meanwhile: Callable[[], None]) -> None:
+    """Run the host copies into ``dst``: the large ones shared among up to
+    :data:`_COPY_THREADS` threads, the small ones and then ``meanwhile()`` on this thread
+    in the meantime.
+
+    numpy's copy is a plain memcpy that releases the GIL, so the threads copy side by side
+    (one core fills pinned memory at a fraction of the memory bandwidth); every copy holds
+    the GIL a moment, so the many small ones stay on one thread rather than queue for it.
+    """
+
+    def run(group: list[_Copy]) -> None:
+        for to, src, a, n in group:
+            np.copyto(dst[to : to + n], src[a : a + n])
+
+    large = [c for c in copies if c[3] >= _LARGE]
+    nbytes = sum(c[3] for c in large)
+    k = min(_COPY_THREADS, nbytes // _THREAD_BYTES)
+    if k < 2:
+        run(copies)
+        meanwhile()
+        return
+    share = -(-nbytes // k)
+    groups: list[list[_Copy]] = [[]]
+    room = share
+    for to, src, a, n in large:
+        while n:
+            m = min(n, room)
+            groups[-1].append((to, src, a, m))
+            to, a, n, room = to + m, a + m, n - m, room - m
+            if not room:
+                groups.append([])
+                room = share
+    with ThreadPoolExecutor(k, thread_name_prefix="flightq-cuda-copy") as ex:
+        done = [ex.submit(run, g) for g in groups if g]
+        run([c for c in copies if c[3] < _LARGE])
+        meanwhile()
+        for f in done:
+            f.result()
 
 
 def _to_device(
-    part: DeviceBatch, device: Any, side: Any, consumer: Any, pool: PinnedPool, seen: _Seen
-) -> Any:
-    """Copy one decoded chunk's payloads to the device; returns the chunk's event."""
+    parts: list[DeviceBatch], device: Any, side: Any, consumer: Any, pool: PinnedPool
+) -> None:
+    """Copy the parts' payloads into one new device buffer and point their columns at it.
+
+    The bytes go through pinned windows (two taking turns when the get is larger than
+    one), each copied to the device with one non-blocking copy on ``side``.
+    """
     torch = _torch()
-    regions: list[_Region] = []
-    total = 0
-    for name in part.fields:
-        col = part.column(name)
-        if isinstance(col, ScalarColumn):
-            if not col.valid.all():
-                continue  # rows with gaps come back as a Python list, as on the CPU path
-            r = _Region(name, col, col.tensor())
-        else:
-            assert isinstance(col, (TensorColumn, MediaColumn))
-            r = _Region(name, col, col._base)
-        r.plan(seen)
-        r.offset = total
-        total = _align(total + r.nbytes)
-        regions.append(r)
+    regions, total = _plan(parts)
     with torch.cuda.stream(side):
         dev = torch.empty(max(total, _ALIGN), dtype=torch.uint8, device=device)
-    if total:
-        pinned = pool.take(total)
-        # numpy's copy: a plain memcpy that releases the GIL (the next record batch keeps
-        # arriving on the reader thread), without torch's per-call thread-pool start.
-        dst = pinned.numpy()
-        for r in regions:
-            if not r.pieces:
-                continue
-            src = r.base.reshape(-1).view(torch.uint8).numpy()
-            for a, n, to in r.pieces:
-                at = r.offset + to
-                np.copyto(dst[at : at + n], src[a : a + n])
-        with torch.cuda.stream(side):
-            dev[:total].copy_(pinned[:total], non_blocking=True)
-    event = torch.cuda.Event()
-    event.record(side)
-    if total:
-        pool.give(pinned, [event])
     # Allocated on the side stream, used on the caller's: tell the caching allocator.
     dev.record_stream(consumer)
-    for r in regions:
-        r.finish(part, dev, seen)
-    return event
+
+    def finish() -> None:
+        for r in regions:
+            r.finish(dev)
+
+    if not total:
+        finish()
+        return
+    size = min(total, _WINDOW)
+    bufs = [pool.take(size) for _ in range(1 if total <= _WINDOW else 2)]
+    events: list[Any] = [None] * len(bufs)
+    for i, (start, stop, copies) in enumerate(_windows(regions, total)):
+        j = i % len(bufs)
+        if events[j] is not None:
+            events[j].synchronize()  # its previous window reached the device
+        # The columns are pointed at the device buffer while the first copies run.
+        _copy(copies, bufs[j].numpy(), finish if i == 0 else lambda: None)
+        with torch.cuda.stream(side):
+            dev[start:stop].copy_(bufs[j][: stop - start], non_blocking=True)
+        events[j] = torch.cuda.Event()
+        events[j].record(side)
+    for buf, event in zip(bufs, events, strict=True):
+        pool.give(buf, [event])
 
 
-def _prefetched(items: Iterable[Any], depth: int) -> Generator[Any, None, None]:
-    """``items``, produced on a helper thread up to ``depth`` ahead of the consumer."""
-    q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def offer(msg: tuple[str, Any]) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(msg, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def pump() -> None:
-        try:
-            for x in items:
-                if not offer(("item", x)):
-                    return
-            offer(("end", None))
-        except BaseException as e:
-            offer(("error", e))
-
-    t = threading.Thread(target=pump, name="flightq-cuda-read", daemon=True)
-    t.start()
-    try:
-        while True:
-            kind, x = q.get()
-            if kind == "end":
-                return
-            if kind == "error":
-                raise x
-            yield x
-    finally:
-        stop.set()
+def _validated(batches: list[pa.RecordBatch], copy: bool) -> list[DeviceBatch]:
+    """One stream's record batches, validated as host-side parts (nothing copied yet)."""
+    parts: list[DeviceBatch] = []
+    for rb in batches:
+        c = validate_part(rb, parts[0] if parts else None)
+        parts.append(DeviceBatch(rb, c.schema, c.keys, c.fields, "torch", copy))
+    return parts
 
 
 def decode_to_device(
@@ -706,29 +762,29 @@ def decode_to_device(
     *,
     copy: bool = False,
     sync: bool = True,
-    prefetch: int = 2,
 ) -> DeviceBatch:
-    """Decode a stream of record batches into CUDA tensors, chunk by chunk as they arrive.
+    """Decode a stream of record batches into CUDA tensors.
+
+    The stream is read to its end first, as the CPU get reads it (a thread copying while
+    the stream arrives slows the reader down: they share the GIL). Then every payload is
+    copied once into pinned memory, on several threads, and crosses to the device in one
+    non-blocking copy per :data:`_WINDOW` bytes on the pool's side stream.
 
     Parameters
     ----------
     chunks:
         The record batches of one stream (same schema and fields), e.g. a DoGet reader's.
-        They are pulled on a helper thread, so the next one arrives while this one is
-        copied.
     device:
         A ``torch.device`` of type cuda (see :func:`resolve_device`).
     pool:
         Pinned buffers and the copy stream.
     copy:
-        Give every row its own device allocation instead of a view of the chunk's buffer.
+        Give every row its own device allocation instead of a view of the get's buffer.
     sync:
         Wait (host) until every copy reached the device before returning. When False, the
         call returns once the last copy is queued, and the current stream of ``device``
         is made to wait for the copies, so work queued on it afterwards sees the data;
         other streams wait on :attr:`DeviceBatch.event`.
-    prefetch:
-        Record batches read ahead of the copies.
 
     Returns
     -------
@@ -739,13 +795,7 @@ def decode_to_device(
     DecodeError, ShapeError, UndeclaredFieldError
         As :func:`flightq.batch.decode`.
     """
-    torch = _torch()
-    side = pool.stream(device)
-    # The device buffers are allocated on the side stream and handed to the caller's stream
-    # with record_stream, so the copies need not wait for work queued on the caller's.
-    consumer = torch.cuda.current_stream(device)
-    parts = _decode_parts(chunks, device, side, consumer, pool, copy, prefetch)
-    return _assemble(parts, device, side, consumer, copy, sync)
+    return _assemble(_validated(list(chunks), copy), device, pool, copy, sync)
 
 
 def decode_streams_to_device(
@@ -755,27 +805,22 @@ def decode_streams_to_device(
     *,
     copy: bool = False,
     sync: bool = True,
-    prefetch: int = 2,
     stop: threading.Event | None = None,
 ) -> DeviceBatch:
     """:func:`decode_to_device` over several streams read in parallel, parts in order.
 
-    Each stream is pulled and copied (pinned host copy, then the host-to-device copy) on
-    its own thread, so the host copies of the streams run side by side; every copy goes on
-    the pool's side stream, and one event recorded there once every thread queued its
-    copies covers them all. Media dictionaries are shared only within a stream. If a
-    stream raises, ``stop`` is set (the other streams may end early) and the error of the
-    first failing stream, in stream order, is raised once every thread finished.
+    Each stream is read on its own thread, as the CPU get reads a split get; once all are
+    in, their parts are validated and copied to the device together (media entries are
+    shared within a stream). If a stream raises, ``stop`` is set (the other streams may end
+    early) and the error of the first failing stream, in stream order, is raised once
+    every thread finished.
     """
-    torch = _torch()
-    side = pool.stream(device)
-    consumer = torch.cuda.current_stream(device)
-    results: list[list[DeviceBatch]] = [[] for _ in streams]
+    results: list[list[pa.RecordBatch]] = [[] for _ in streams]
     errors: list[BaseException | None] = [None] * len(streams)
 
     def work(i: int) -> None:
         try:
-            results[i] = _decode_parts(streams[i], device, side, consumer, pool, copy, prefetch)
+            results[i] = list(streams[i])
         except BaseException as e:
             errors[i] = e
             if stop is not None:
@@ -783,46 +828,25 @@ def decode_streams_to_device(
 
     threads = [
         threading.Thread(target=work, args=(i,), name=f"flightq-cuda-get-{i}", daemon=True)
-        for i in range(len(streams))
+        for i in range(1, len(streams))
     ]
     for t in threads:
         t.start()
+    if streams:
+        work(0)
     for t in threads:
         t.join()
     for e in errors:
         if e is not None:
             raise e
-    return _assemble([p for r in results for p in r], device, side, consumer, copy, sync)
-
-
-def _decode_parts(
-    chunks: Iterable[pa.RecordBatch],
-    device: Any,
-    side: Any,
-    consumer: Any,
-    pool: PinnedPool,
-    copy: bool,
-    prefetch: int,
-) -> list[DeviceBatch]:
-    """One stream's record batches, each queued for the device on ``side`` as it arrives."""
-    parts: list[DeviceBatch] = []
-    seen: _Seen = {}
-    items = _prefetched(chunks, prefetch)
-    try:
-        for rb in items:
-            c = validate_part(rb, parts[0] if parts else None)
-            part = DeviceBatch(rb, c.schema, c.keys, c.fields, "torch", copy)
-            _to_device(part, device, side, consumer, pool, seen)
-            parts.append(part)
-    finally:
-        items.close()
-    return parts
+    parts = [p for r in results for p in _validated(r, copy)]
+    return _assemble(parts, device, pool, copy, sync)
 
 
 def _assemble(
-    parts: list[DeviceBatch], device: Any, side: Any, consumer: Any, copy: bool, sync: bool
+    parts: list[DeviceBatch], device: Any, pool: PinnedPool, copy: bool, sync: bool
 ) -> DeviceBatch:
-    """The parts as one DeviceBatch, with an event after every copy queued on ``side``."""
+    """The parts, copied to ``device``, as one DeviceBatch with an event after the copies."""
     torch = _torch()
     odd = next(
         (p for p in parts[1:] if p.schema != parts[0].schema or p.fields != parts[0].fields),
@@ -835,6 +859,11 @@ def _assemble(
         )
     if not parts:
         raise DecodeError("nothing to decode: no record batches")
+    side = pool.stream(device)
+    # The device buffer is allocated on the side stream and handed to the caller's stream
+    # with record_stream, so the copies need not wait for work queued on the caller's.
+    consumer = torch.cuda.current_stream(device)
+    _to_device(parts, device, side, consumer, pool)
     if len(parts) == 1:
         whole = parts[0]
     else:

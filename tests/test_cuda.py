@@ -29,6 +29,7 @@ from fixtures_dataplane import (
 
 import flightq
 import flightq.aio
+from flightq import cuda as fq_cuda
 from flightq import workloads
 from flightq.batch import decode, encode, encode_chunks
 from flightq.bench.payload import check_rows
@@ -222,6 +223,59 @@ def test_rebase_points_rows_at_a_new_flat_base():
         rebase(b.column("input_lengths"), new_tok)
 
 
+def test_a_device_get_lays_its_parts_out_in_one_buffer_filled_window_by_window(monkeypatch):
+    # The host half of a device get, on the CPU: every part's columns are placed in one
+    # buffer (a group's image once, though each part of the group carries it), copied in
+    # through windows that cut payloads, on several threads; the rows then read from it.
+    monkeypatch.setattr(fq_cuda, "_WINDOW", 100_000)
+    monkeypatch.setattr(fq_cuda, "_THREAD_BYTES", 10_000)
+    step = workloads.w1(groups=2, g=4)
+    s = flightq.SchemaRegistry.default().get(VLM)
+    chunks = encode_chunks(s, step.columns, step.keys, step.tags, max_bytes=2**20)
+    # One row per part, as a get's slices of stored batches: a group's parts share its
+    # dictionary.
+    parts = fq_cuda._validated([c.slice(i, 1) for c in chunks for i in range(c.num_rows)], False)
+    assert len(parts) == 8
+    regions, total = fq_cuda._plan(parts)
+    image = 748 * 1176 * 4
+    assert 2 * image < total < 3 * image
+    buf = np.zeros(total, dtype=np.uint8)
+    windows = list(fq_cuda._windows(regions, total))
+    assert [(a, b) for a, b, _ in windows] == [
+        (a, min(a + 100_000, total)) for a in range(0, total, 100_000)
+    ]
+    for start, stop, copies in windows:
+        assert all(to >= 0 and to + n <= stop - start for to, _, _, n in copies)
+        fq_cuda._copy(copies, buf[start:stop], lambda: None)
+    for r in regions:
+        r.finish(torch.from_numpy(buf))
+    whole = DeviceBatch(
+        parts[0].record_batch, parts[0].schema, step.keys, parts[0].fields, "torch", False
+    )
+    whole._parts = parts
+    check_rows(step, whole.keys, {f: whole[f] for f in whole.fields}, whole.tags, "one buffer")
+    lo, hi = buf.ctypes.data, buf.ctypes.data + total
+    views = [whole["input_ids"], [r[0] for r in whole["pixel_values"]]]
+    assert all(lo <= t.data_ptr() < hi for rows in views for t in rows)
+
+
+def test_host_copies_split_over_threads_land_where_asked():
+    rng = np.random.default_rng(0)
+    srcs = [rng.integers(0, 255, n, dtype=np.uint8) for n in (5, 3 * 2**20, 1, 9 * 2**20 + 7)]
+    copies, at = [], 0
+    for src in srcs:
+        copies.append((at, src, 1, len(src) - 1))
+        at += len(src) + 3
+    dst = np.zeros(at, dtype=np.uint8)
+    ran: list[int] = []
+    fq_cuda._copy(copies, dst, lambda: ran.append(1))
+    assert ran == [1]
+    want = np.zeros(at, dtype=np.uint8)
+    for to, src, a, n in copies:
+        want[to : to + n] = src[a : a + n]
+    assert np.array_equal(dst, want)
+
+
 # --------------------------------------------------------------------------- on a GPU
 
 
@@ -247,6 +301,18 @@ def test_w1_put_from_cuda_and_get_into_cuda_bit_exact(client, bf16):
     assert len(set(ptrs)) <= len(b._parts or [b])
     c = client.claim("p", "train", 16, timeout=TIMEOUT, device="cuda")
     assert c.keys == step.keys[:16] and c["input_ids"][0].is_cuda
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_get_larger_than_a_pinned_window_crosses_window_by_window(client, monkeypatch):
+    monkeypatch.setattr(fq_cuda, "_WINDOW", 2**20)
+    step = workloads.w1(groups=2, bf16=True)
+    client.create_partition("p", step.schema, tasks=["train"], group_size=16)
+    client.put("p", step.keys, workloads.to_torch(step).columns, tags=step.tags)
+    b = client.get("p", step.keys, device="cuda:0")
+    check_rows(step, b.keys, {f: _to_host(b[f]) for f in b.fields}, b.tags, "get(device=)")
+    assert client._pinned.allocated_bytes == 2 * 2**20  # two windows, taking turns
 
 
 @pytest.mark.gpu
