@@ -24,6 +24,8 @@ from .tensor import column_base, nbytes_for, row_view
 __all__ = [
     "encode",
     "decode",
+    "PartDecoder",
+    "join",
     "validate_part",
     "Batch",
     "Column",
@@ -90,18 +92,64 @@ def decode(
                 "decoding to torch needs torch (pip install 'flightq[torch]'), or pass as_='numpy'"
             ) from e
     batches = [batch] if isinstance(batch, pa.RecordBatch) else list(batch)
-    if not batches:
-        raise DecodeError("nothing to decode: no record batches")
-    parts: list[Batch] = []
+    d = PartDecoder(as_, copy, prepare=False)
     for b in batches:
-        c = validate_part(b, parts[0] if parts else None)
-        parts.append(Batch(b, c.schema, c.keys, c.fields, as_, copy))
+        d.add(b)
+    return join(d.parts)
+
+
+class PartDecoder:
+    """Decodes the record batches of one stream as they arrive (see :func:`decode`).
+
+    With ``prepare``, each part's per-row tensors are built at once (:meth:`Batch.prepare`):
+    a reader that decodes while the next record batch is still arriving leaves almost
+    nothing to do once the last one is in.
+    """
+
+    def __init__(self, as_: str = "torch", copy: bool = False, prepare: bool = True) -> None:
+        self.as_ = as_
+        self.copy = copy
+        self.prepare = prepare
+        self.parts: list[Batch] = []
+
+    def add(self, rb: pa.RecordBatch) -> None:
+        """Validate one record batch against the stream's first and decode it.
+
+        Raises
+        ------
+        DecodeError, ShapeError, UndeclaredFieldError
+            As :func:`decode`.
+        """
+        c = validate_part(rb, self.parts[0] if self.parts else None)
+        part = Batch(rb, c.schema, c.keys, c.fields, self.as_, self.copy)
+        if self.prepare:
+            part.prepare()
+        self.parts.append(part)
+
+
+def join(parts: Sequence[Batch]) -> Batch:
+    """Decoded parts (of one stream, or of several in order) as one :class:`Batch`.
+
+    Raises
+    ------
+    DecodeError
+        If there are no parts, or they carry other schemas or fields.
+    """
+    if not parts:
+        raise DecodeError("nothing to decode: no record batches")
+    p0 = parts[0]
+    odd = next((p for p in parts[1:] if p.schema != p0.schema or p.fields != p0.fields), None)
+    if odd is not None:
+        raise DecodeError(
+            f"record batches of one answer differ: {p0.schema.ref} {p0.fields} "
+            f"then {odd.schema.ref} {odd.fields}"
+        )
     if len(parts) == 1:
-        return parts[0]
+        return p0
     whole = Batch(
-        batches[0], parts[0].schema, [k for p in parts for k in p.keys], parts[0].fields, as_, copy
+        p0.record_batch, p0.schema, [k for p in parts for k in p.keys], p0.fields, p0._as, p0._copy
     )
-    whole._parts = parts
+    whole._parts = list(parts)
     return whole
 
 
@@ -199,7 +247,14 @@ class Batch:
         return col
 
     def __getitem__(self, name: str) -> Any:
-        return self.column(name).rows()
+        rows = self.column(name).cached_rows()
+        return list(rows) if isinstance(rows, list) else rows
+
+    def prepare(self) -> None:
+        """Build every field's per-row tensors now (and the tags), instead of on access."""
+        for name in self.fields:
+            self.column(name).cached_rows()
+        _ = self.tags
 
     def to_dict(self) -> dict[str, Any]:
         """Every field present, as ``{name: batch[name]}``."""
@@ -226,6 +281,13 @@ class Column:
     def rows(self) -> Any:
         """The per-row structure of ``Batch.__getitem__``."""
         raise NotImplementedError
+
+    def cached_rows(self) -> Any:
+        """:meth:`rows`, built once (callers copy a list before handing it out)."""
+        rows = self.__dict__.get("_rows")
+        if rows is None:
+            rows = self._rows = self.rows()
+        return rows
 
 
 def _decoded_base(
@@ -461,7 +523,7 @@ class ChunkedColumn(Column):
             return self.tensor()
         out: list[Any] = []
         for p in self.parts:
-            r = p.rows()
+            r = p.cached_rows()
             out.extend(r if isinstance(r, list) else list(r))
         return out
 

@@ -29,7 +29,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from .batch import Batch, decode
+from .batch import Batch, PartDecoder, join
 from .cuda import PinnedPool, decode_streams_to_device, decode_to_device, resolve_device, stage
 from .encode import encode_chunks, split_batch
 from .errors import (
@@ -457,50 +457,69 @@ class Client:
         what: str,
         timeout: float | None,
         flight: fl.FlightClient | None = None,
+        decoder: PartDecoder | None = None,
     ) -> list[pa.RecordBatch]:
+        """One DoGet's record batches; given a ``decoder``, each is decoded as it arrives
+        (while gRPC receives the next one)."""
         if self.shm_dir is not None:
             ticket = {**ticket, "shm": True}
         flight = self._flight if flight is None else flight
+        batches: list[pa.RecordBatch] = []
         try:
             reader = flight.do_get(fl.Ticket(pack(ticket)), options=self._options(timeout))
-            batches = [chunk.data for chunk in reader]
+            for chunk in reader:
+                batches.append(chunk.data)
+                if decoder is not None and self.shm_dir is None:
+                    decoder.add(chunk.data)
         except (pa.ArrowException, fl.FlightError) as e:
             raise from_flight_error(e, what) from e
         if self.shm_dir is not None:
             from .shmtable import take
 
-            return take(batches, self.shm_dir, what)
+            batches = take(batches, self.shm_dir, what)
+            if decoder is not None:
+                for b in batches:
+                    decoder.add(b)
         return batches
 
     def _read_keys(
-        self, ticket: dict[str, Any], what: str, timeout: float | None
-    ) -> list[pa.RecordBatch]:
-        """A get's record batches, over parallel streams when it asks for many rows.
+        self, ticket: dict[str, Any], what: str, timeout: float | None, as_: str, copy: bool
+    ) -> Batch:
+        """A get's rows, over parallel streams when it asks for many rows.
 
         Each stream has its own connection, so receiving and reassembling the messages
-        (the receiver's copies) runs on several cores; the parts come back in key order.
-        If a part finds a key or field missing, or the parts' columns differ (``fields``
-        None over rows holding different fields), the get runs again as one stream,
-        whose answer or complete error is the reference.
+        (the receiver's copies) runs on several cores, and each stream's record batches
+        are decoded on its thread as they arrive, while gRPC receives the next ones: little
+        is left to do once the last one is in. The parts come back in key order. If a part
+        finds a key or field missing, or the parts' columns differ (``fields`` None over
+        rows holding different fields), the get runs again as one stream, whose answer or
+        complete error is the reference.
         """
         keys, partition = ticket["keys"], ticket["partition"]
+
+        def one(t: dict[str, Any], flight: fl.FlightClient | None = None) -> PartDecoder:
+            d = PartDecoder(as_, copy)
+            self._read(t, what, timeout, flight, d)
+            return d
+
         n = self._split_count(ticket)
         if n < 2:
-            return self._learn(partition, len(keys), self._read(ticket, what, timeout))
+            return self._learned(partition, len(keys), one(ticket).parts)
         flights, tickets = self._split(ticket, n)
         try:
             with ThreadPoolExecutor(n - 1, thread_name_prefix="flightq-get") as pool:
-                rest = [
-                    pool.submit(self._read, tickets[i], what, timeout, flights[i])
-                    for i in range(1, n)
-                ]
-                parts = [self._read(tickets[0], what, timeout), *(f.result() for f in rest)]
+                rest = [pool.submit(one, tickets[i], flights[i]) for i in range(1, n)]
+                parts = [one(tickets[0]), *(f.result() for f in rest)]
         except (NotFoundError, MissingFieldError):
-            return self._read(ticket, what, timeout)
-        schema = parts[0][0].schema
-        if any(not b.schema.equals(schema, check_metadata=True) for p in parts for b in p):
-            return self._read(ticket, what, timeout)
-        return self._learn(partition, len(keys), [b for p in parts for b in p])
+            return join(one(ticket).parts)
+        schema = parts[0].parts[0].record_batch.schema
+        if any(
+            not b.record_batch.schema.equals(schema, check_metadata=True)
+            for d in parts
+            for b in d.parts
+        ):
+            return join(one(ticket).parts)
+        return self._learned(partition, len(keys), [b for d in parts for b in d.parts])
 
     def _split_count(self, ticket: Mapping[str, Any]) -> int:
         """How many streams a get travels over (1: one stream), from the partition's last
@@ -521,12 +540,14 @@ class Client:
         tickets = [{**ticket, "keys": keys[a:b]} for a, b in itertools.pairwise(cuts)]
         return flights, tickets
 
-    def _learn(
-        self, partition: str, rows: int, batches: list[pa.RecordBatch]
-    ) -> list[pa.RecordBatch]:
+    def _learn(self, partition: str, rows: int, batches: list[pa.RecordBatch]) -> None:
+        """Remember the bytes per row a partition's answer carried (to split later gets)."""
         if rows:
             self._row_bytes[partition] = _distinct_nbytes(batches) / rows
-        return batches
+
+    def _learned(self, partition: str, rows: int, parts: list[Batch]) -> Batch:
+        self._learn(partition, rows, [p.record_batch for p in parts])
+        return join(parts)
 
     def _stream_clients(self, n: int) -> list[fl.FlightClient]:
         with self._lock:
@@ -666,7 +687,7 @@ class Client:
         if dev is not None:
             what = f"get from {partition!r}"
             return self._get_to_device(dev, t, what, timeout, copy=copy, sync=sync)
-        return decode(self._read_keys(t, f"get from {partition!r}", timeout), as_=as_, copy=copy)
+        return self._read_keys(t, f"get from {partition!r}", timeout, as_, copy)
 
     def claim(
         self,
@@ -714,8 +735,9 @@ class Client:
         if dev is not None:
             what, limit = f"claim from {partition!r}", wait + max(5.0, 0.1 * wait)
             return self._read_to_device(dev, t, what, limit, copy=copy, sync=sync)
-        batches = self._read(t, f"claim from {partition!r}", wait + max(5.0, 0.1 * wait))
-        return decode(batches, as_=as_, copy=copy)
+        d = PartDecoder(as_, copy)
+        self._read(t, f"claim from {partition!r}", wait + max(5.0, 0.1 * wait), None, d)
+        return join(d.parts)
 
     def snapshot(
         self, name: str, partition: str | None = None, timeout: float | None = None
