@@ -132,6 +132,28 @@ def test_a_split_get_returns_rows_in_the_order_asked_with_repeats(split_gets) ->
     assert len(c._streams) == 2
 
 
+def test_each_streams_rows_are_decoded_as_they_arrive_and_built_once(
+    split_gets, monkeypatch
+) -> None:
+    c = split_gets
+    keys = [f"k{i}" for i in range(7)]
+    c.put("t", keys, _text_rows(keys))
+    built: list[int] = []
+    rows = flightq.batch.TensorColumn.rows
+
+    def counting(col: flightq.batch.TensorColumn) -> list:
+        built.append(len(col))
+        return rows(col)
+
+    monkeypatch.setattr(flightq.batch.TensorColumn, "rows", counting)
+    got = c.get("t", keys, as_="numpy")
+    assert len(got._parts) == 3 and sum(built) == 7  # every part, before any access
+    first, again = got["input_ids"], got["input_ids"]
+    assert sum(built) == 7 and first is not again  # a new list of the same views
+    assert all(a is b for a, b in zip(first, again, strict=True))
+    assert [len(r) for r in first] == [i + 3 for i in range(7)]
+
+
 def test_a_partitions_first_get_and_small_gets_travel_as_one_stream(
     split_gets, monkeypatch
 ) -> None:
