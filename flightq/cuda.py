@@ -746,9 +746,8 @@ def _to_device(
         pool.give(buf, [event])
 
 
-def _validated(batches: Iterable[pa.RecordBatch], copy: bool) -> list[DeviceBatch]:
-    """One stream's record batches, each validated as a host-side part as it arrives
-    (while gRPC receives the next one; nothing is copied yet)."""
+def _validated(batches: list[pa.RecordBatch], copy: bool) -> list[DeviceBatch]:
+    """One stream's record batches, validated as host-side parts (nothing copied yet)."""
     parts: list[DeviceBatch] = []
     for rb in batches:
         c = validate_part(rb, parts[0] if parts else None)
@@ -766,9 +765,8 @@ def decode_to_device(
 ) -> DeviceBatch:
     """Decode a stream of record batches into CUDA tensors.
 
-    The stream is read to its end first, each record batch validated as it arrives, as the
-    CPU get reads it (a thread copying while the stream arrives slows the reader down: they
-    share the GIL). Then every payload is
+    The stream is read to its end first, as the CPU get reads it (a thread copying while
+    the stream arrives slows the reader down: they share the GIL). Then every payload is
     copied once into pinned memory, on several threads, and crosses to the device in one
     non-blocking copy per :data:`_WINDOW` bytes on the pool's side stream.
 
@@ -797,7 +795,7 @@ def decode_to_device(
     DecodeError, ShapeError, UndeclaredFieldError
         As :func:`flightq.batch.decode`.
     """
-    return _assemble(_validated(chunks, copy), device, pool, copy, sync)
+    return _assemble(_validated(list(chunks), copy), device, pool, copy, sync)
 
 
 def decode_streams_to_device(
@@ -811,19 +809,18 @@ def decode_streams_to_device(
 ) -> DeviceBatch:
     """:func:`decode_to_device` over several streams read in parallel, parts in order.
 
-    Each stream is read (and its record batches validated as they arrive) on its own
-    thread, as the CPU get reads a split get; once all are in, their parts are copied to
-    the device together (media entries are
+    Each stream is read on its own thread, as the CPU get reads a split get; once all are
+    in, their parts are validated and copied to the device together (media entries are
     shared within a stream). If a stream raises, ``stop`` is set (the other streams may end
     early) and the error of the first failing stream, in stream order, is raised once
     every thread finished.
     """
-    results: list[list[DeviceBatch]] = [[] for _ in streams]
+    results: list[list[pa.RecordBatch]] = [[] for _ in streams]
     errors: list[BaseException | None] = [None] * len(streams)
 
     def work(i: int) -> None:
         try:
-            results[i] = _validated(streams[i], copy)
+            results[i] = list(streams[i])
         except BaseException as e:
             errors[i] = e
             if stop is not None:
@@ -842,7 +839,8 @@ def decode_streams_to_device(
     for e in errors:
         if e is not None:
             raise e
-    return _assemble([p for r in results for p in r], device, pool, copy, sync)
+    parts = [p for r in results for p in _validated(r, copy)]
+    return _assemble(parts, device, pool, copy, sync)
 
 
 def _assemble(
