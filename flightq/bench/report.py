@@ -98,11 +98,12 @@ def markdown(doc: dict[str, Any]) -> str:
             out.append(f"| {name} | {s['status']} |" + " |" * (len(cols) - 2))
         out.append("")
     out += ["## flightq against each peer (ratio of flightq's speed to the peer's)", ""]
-    out += ["| workload | peer | put | get | step |", "|---|---|---|---|---|"]
+    out += ["| workload | flightq | peer | put | get | step |", "|---|---|---|---|---|---|"]
     for w, wd in doc["workloads"].items():
-        for peer, rat in wd.get("ratios", {}).get("flightq_vs", {}).items():
-            row = [w, peer, _ratio(rat, "put"), _ratio(rat, "get"), _ratio(rat, "step")]
-            out.append("| " + " | ".join(row) + " |")
+        for mine in ("flightq", "flightq-shm"):
+            for peer, rat in wd.get("ratios", {}).get(f"{mine}_vs", {}).items():
+                row = [w, mine, peer, _ratio(rat, "put"), _ratio(rat, "get"), _ratio(rat, "step")]
+                out.append("| " + " | ".join(row) + " |")
     cuda_rows = [(w, wd) for w, wd in doc["workloads"].items() if wd.get("ratios", {}).get("cuda")]
     if cuda_rows:
         out += [

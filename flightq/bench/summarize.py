@@ -110,8 +110,9 @@ def ratios(workload: str, samples: dict[str, list[dict[str, Any]]], nbytes: int)
     out: dict[str, Any] = {"vs_" + BASELINE: {}, "flightq_vs": {}}
     if BASELINE in per:
         out["vs_" + BASELINE] = {n: pair(n, BASELINE) for n in per if n != BASELINE}
-    if "flightq" in per:
-        out["flightq_vs"] = {p: pair("flightq", p) for p in (*PEERS, "memcpy") if p in per}
+    for mine in ("flightq", "flightq-shm"):
+        if mine in per:
+            out[f"{mine}_vs"] = {p: pair(mine, p) for p in (*PEERS, "memcpy") if p in per}
     if "flightq-cuda" in per:
         # GPU against CPU of the same run, and against the pinned host-to-device limit.
         out["cuda"] = {
