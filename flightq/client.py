@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import secrets
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -96,6 +97,7 @@ def connect(
     max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
     shm: bool | str = False,
     get_streams: int | None = None,
+    put_streams: int | None = None,
     **flight_kwargs: Any,
 ) -> Client:
     """Connect to a server and check the schema versions this process was built for.
@@ -120,6 +122,10 @@ def connect(
     get_streams:
         Most parallel DoGet streams (each on its own connection) for one large get;
         default 4. 1 keeps every get on one stream.
+    put_streams:
+        Most parallel DoPut streams for one large put (at least 16 MiB each), stored
+        together or not at all (:mod:`flightq.staging`); default 4. 1 keeps every put on
+        one stream.
     **flight_kwargs:
         ``token="..."`` for a server that requires a bearer token; ``tls_root_certs``
         (PEM bytes) for a ``grpc+tls://`` server; anything else ``FlightClient`` takes.
@@ -149,6 +155,7 @@ def connect(
         max_batch_bytes=max_batch_bytes,
         shm=shm,
         get_streams=get_streams,
+        put_streams=put_streams,
         **flight_kwargs,
     )
     try:
@@ -181,11 +188,15 @@ class Client:
         token: str | None = None,
         shm: bool | str = False,
         get_streams: int | None = None,
+        put_streams: int | None = None,
         **flight_kwargs: Any,
     ) -> None:
         self.get_streams = _GET_STREAMS if get_streams is None else get_streams
-        if self.get_streams < 1:
-            raise ValueError(f"get_streams must be at least 1, got {get_streams}")
+        self.put_streams = _GET_STREAMS if put_streams is None else put_streams
+        if self.get_streams < 1 or self.put_streams < 1:
+            raise ValueError(
+                f"get_streams and put_streams must be at least 1, got {get_streams}, {put_streams}"
+            )
         self.shm_dir: str | None = None
         self._shm_pool: Any = None
         if shm:
@@ -434,6 +445,9 @@ class Client:
             from .shm import put_via_shm
 
             return put_via_shm(self, cmd, batches, timeout)
+        groups = _put_groups(batches, self.put_streams)
+        if len(groups) > 1:
+            return self._put_parts(cmd, batches, fills, groups, timeout)
         desc = fl.FlightDescriptor.for_command(pack(cmd))
         try:
             writer, reader = self._flight.do_put(
@@ -450,6 +464,69 @@ class Client:
         if ack is None:
             raise FlightqError(f"put to {partition!r}: the server sent no acknowledgement")
         return int(unpack(ack, "put acknowledgement")["rows"])
+
+    def _put_parts(
+        self,
+        cmd: dict[str, Any],
+        batches: list[pa.RecordBatch],
+        fills: list[Callable[[], None]] | None,
+        groups: list[range],
+        timeout: float | None,
+    ) -> int:
+        """One put over parallel DoPut streams, one range of batches each, on their own
+        connections; the server stores the parts together or not at all
+        (:mod:`flightq.staging`). Each stream fills its batches just before sending them."""
+        what = f"put to {cmd['partition']!r}"
+        stage = secrets.token_hex(8)
+        flights = [self._flight, *self._stream_clients(len(groups) - 1)]
+
+        def send(i: int) -> int:
+            part = groups[i]
+            mine = {
+                **cmd,
+                "rows": sum(batches[j].num_rows for j in part),
+                "stage": stage,
+                "part": i,
+                "parts": len(groups),
+            }
+            desc = fl.FlightDescriptor.for_command(pack(mine))
+            try:
+                writer, reader = flights[i].do_put(
+                    desc, batches[part[0]].schema, options=self._options(timeout)
+                )
+                with writer:
+                    for j in part:
+                        if fills is not None:
+                            fills[j]()
+                            fills[j] = _done
+                        b, batches[j] = batches[j], None
+                        for chunk in split_batch(b, self.max_batch_bytes):
+                            writer.write_batch(chunk)
+                    writer.done_writing()
+                    ack = reader.read()
+            except (pa.ArrowException, fl.FlightError) as e:
+                raise from_flight_error(e, what) from e
+            if ack is None:
+                raise FlightqError(f"{what}: the server sent no acknowledgement")
+            return int(unpack(ack, "put acknowledgement")["rows"])
+
+        with ThreadPoolExecutor(len(groups) - 1, thread_name_prefix="flightq-put") as pool:
+            rest = [pool.submit(send, i) for i in range(1, len(groups))]
+            results: list[int | BaseException] = []
+            for f in [None, *rest]:
+                try:
+                    results.append(send(0) if f is None else f.result())
+                except BaseException as e:  # the others must not wait for this part
+                    with contextlib.suppress(FlightqError):
+                        self._action(
+                            "abort_put",
+                            {"partition": cmd["partition"], "stage": stage, "parts": len(groups)},
+                        )
+                    results.append(e)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return int(results[0])  # type: ignore[arg-type]
 
     def _read(
         self,
@@ -813,6 +890,22 @@ def _filled(
 
 def _done() -> None:
     pass
+
+
+def _put_groups(batches: list[pa.RecordBatch], streams: int) -> list[range]:
+    """Consecutive ranges of ``batches`` for a put's parallel streams, about equal in
+    bytes, each at least ``_MIN_STREAM_BYTES``; one range for a small put."""
+    sizes = [b.nbytes for b in batches]
+    n = max(1, min(streams, len(batches), sum(sizes) // _MIN_STREAM_BYTES))
+    if n < 2:
+        return [range(len(batches))]
+    total, acc, cuts = sum(sizes), 0, [0]
+    for i, size in enumerate(sizes):
+        acc += size
+        if len(cuts) < n and acc >= total * len(cuts) / n and i + 1 < len(batches):
+            cuts.append(i + 1)
+    cuts.append(len(batches))
+    return [range(a, b) for a, b in itertools.pairwise(cuts) if b > a]
 
 
 def _gathering(shm_dir: str | None) -> contextlib.AbstractContextManager[None]:

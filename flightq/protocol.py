@@ -47,6 +47,7 @@ ACTIONS: dict[str, str] = {
     "clear": "remove rows: {partition, keys (null: all)}",
     "reset": "make rows claimable again for a task: {partition, task, keys (null: all)}",
     "drop": "remove a partition and its rows: {partition}",
+    "abort_put": "fail a put sent in parts, none stored: {partition, stage, parts}",
     "stats": "what the server holds: {}",
     "inspect": "one partition in detail: {partition}",
     "health": "liveness and version: {}",

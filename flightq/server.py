@@ -40,6 +40,7 @@ from .protocol import PROTOCOL_VERSION, pack, require, to_flight_error, unpack
 from .registry import SchemaRegistry
 from .rows import make_piece
 from .schema import Schema, diff_schemas
+from .staging import Staging
 from .store import Store
 
 __all__ = ["Server", "serve_forever", "DEFAULT_MAX_BATCH_BYTES", "DEFAULT_MAX_PUT_BATCH_BYTES"]
@@ -127,6 +128,7 @@ class Server(fl.FlightServerBase):
 
         self.shm_dir = _shm.directory(shm) if shm else None
         self._shm_pool: _shm.SegmentPool | None = None
+        self._staging = Staging()
         self._shm_lock = threading.Lock()
 
     @property
@@ -237,6 +239,35 @@ class Server(fl.FlightServerBase):
         put_id = cmd.get("put_id")
         if put_id is not None and (not isinstance(put_id, str) or len(put_id) > 256):
             raise ProtocolError("put descriptor: 'put_id' must be a string of <= 256 chars")
+        staged = self._staging.check(cmd)
+        try:
+            pieces = self._put_pieces(name, cmd, reader, context, rows)
+        except BaseException as e:
+            if staged is not None:  # the other parts fail with it
+                self._staging.fail(name, cmd["stage"], staged[1], e)
+            raise
+        if staged is None:
+            n = self.store.put(name, pieces, overwrite, float(wait), put_id)
+        else:
+            n = self._staging.join(
+                name,
+                cmd["stage"],
+                *staged,
+                pieces,
+                lambda every: self.store.put(name, every, overwrite, float(wait), put_id),
+                float(wait),
+            )
+        writer.write(pa.py_buffer(pack({"rows": n})))
+
+    def _put_pieces(
+        self,
+        name: str,
+        cmd: dict[str, Any],
+        reader: fl.MetadataRecordBatchReader,
+        context: fl.ServerCallContext | None,
+        rows: int | None,
+    ) -> list[Any]:
+        """One put stream's record batches, each checked against the partition's schema."""
         part = self.store.partition(name)
         pieces = []
         got = 0
@@ -263,8 +294,7 @@ class Server(fl.FlightServerBase):
                 f"put to {name!r}: the stream ended after {got} of the {rows} rows announced; "
                 "nothing was stored"
             )
-        n = self.store.put(name, pieces, overwrite, float(wait), put_id)
-        writer.write(pa.py_buffer(pack({"rows": n})))
+        return pieces
 
     # ------------------------------------------------------------------ DoGet
 
@@ -447,6 +477,14 @@ class Server(fl.FlightServerBase):
         if kind == "drop":
             self.store.drop(require(body, "partition", str, "drop"))
             return {"dropped": True}
+        if kind == "abort_put":
+            name = require(body, "partition", str, "abort_put")
+            stage = require(body, "stage", str, "abort_put")
+            parts = require(body, "parts", int, "abort_put")
+            self._staging.fail(
+                name, stage, parts, ProtocolError(f"put to {name!r}: the client gave up a part")
+            )
+            return {"aborted": True}
         if kind == "stats":
             return self.store.stats()
         if kind == "inspect":

@@ -1,0 +1,165 @@
+"""One put over several parallel DoPut streams, stored all or nothing.
+
+A large put may travel as ``parts`` streams at once (each on its own connection, so the
+receiver's copies run on several cores). Every stream's DoPut command carries the same
+``stage`` (a token the client draws for this one attempt) and its ``part`` index; the
+server checks each stream's record batches as usual, then the stream's handler waits here
+until every part has arrived. The handler of the last part stores all of them in one step
+(in part order, so rows keep the client's order), and every part's handler answers with
+the same result or raises the same error. If a part fails, or does not arrive within the
+put's timeout, every part fails and nothing is stored. A decided put is remembered for a
+while, so a part that comes late fails at once instead of waiting; a retry draws a new
+``stage``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import FlightqError, ProtocolError
+
+__all__ = ["Staging", "MAX_PARTS"]
+
+#: Most streams one put may use.
+MAX_PARTS = 16
+#: Seconds a decided put is remembered (for its late parts).
+_KEEP_S = 300.0
+
+
+@dataclass
+class _Put:
+    parts: int
+    pieces: dict[int, list[Any]] = field(default_factory=dict)
+    done: bool = False
+    decided_at: float = 0.0
+    result: int = 0
+    error: BaseException | None = None
+
+
+class Staging:
+    """The parts of puts arriving on parallel streams, keyed by partition and put id."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._puts: dict[tuple[str, str], _Put] = {}  # (partition, stage)
+
+    def check(self, cmd: dict[str, Any]) -> tuple[int, int] | None:
+        """``(part, parts)`` of a put command, None for a put of one stream.
+
+        Raises
+        ------
+        ProtocolError
+            If ``part`` / ``parts`` are malformed or come without a ``stage``.
+        """
+        parts = cmd.get("parts")
+        if parts is None:
+            return None
+        part = cmd.get("part")
+        if (
+            not isinstance(parts, int)
+            or not isinstance(part, int)
+            or isinstance(parts, bool)
+            or isinstance(part, bool)
+            or not 1 <= parts <= MAX_PARTS
+            or not 0 <= part < parts
+        ):
+            raise ProtocolError(
+                f"put descriptor: 'part' must be in [0, parts) and 'parts' in [1, {MAX_PARTS}]"
+            )
+        stage = cmd.get("stage")
+        if not isinstance(stage, str) or not 0 < len(stage) <= 64:
+            raise ProtocolError("put descriptor: a put in parts needs a 'stage' (<= 64 chars)")
+        return part, parts
+
+    def fail(self, partition: str, stage: str, parts: int, error: BaseException) -> None:
+        """A part could not be read or checked: the whole put fails, nothing is stored."""
+        with self._cond:
+            p = self._entry(partition, stage, parts)
+            self._decide(p, error=error)
+
+    def join(
+        self,
+        partition: str,
+        stage: str,
+        part: int,
+        parts: int,
+        pieces: list[Any],
+        commit: Callable[[list[Any]], int],
+        timeout: float,
+    ) -> int:
+        """Add one part's checked pieces; wait for the others; return the rows stored.
+
+        The last part to arrive runs ``commit`` on every part's pieces, in part order.
+
+        Raises
+        ------
+        FlightqError
+            The error ``commit`` raised, or that another part failed with (the same for
+            every part); ``ProtocolError`` if parts disagree on their count or the others
+            did not arrive within ``timeout``.
+        """
+        what = f"put to {partition!r} in {parts} parts"
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            p = self._entry(partition, stage, parts)
+            if not p.done and (p.parts != parts or part in p.pieces):
+                self._decide(
+                    p,
+                    error=ProtocolError(
+                        f"{what}: part {part} does not fit the parts already here "
+                        f"({sorted(p.pieces)} of {p.parts}); nothing was stored"
+                    ),
+                )
+            if not p.done:
+                p.pieces[part] = pieces
+            last = not p.done and len(p.pieces) == p.parts
+            everything = [pc for i in range(p.parts) for pc in p.pieces[i]] if last else []
+        if last:
+            try:
+                result = commit(everything)
+            except BaseException as e:
+                with self._cond:
+                    self._decide(p, error=e)
+            else:
+                with self._cond:
+                    self._decide(p, result=result)
+        with self._cond:
+            while not p.done:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._decide(
+                        p,
+                        error=ProtocolError(
+                            f"{what}: {len(p.pieces)} arrived within {timeout:.3g} s; "
+                            "nothing was stored"
+                        ),
+                    )
+                    break
+                self._cond.wait(left)
+        if p.error is not None:
+            if isinstance(p.error, FlightqError):
+                raise type(p.error)(str(p.error))
+            raise ProtocolError(f"{what}: {p.error}")
+        return p.result
+
+    def _entry(self, partition: str, stage: str, parts: int) -> _Put:
+        # With the lock held: the put of this stage, new or remembered; old ones go.
+        now = time.monotonic()
+        for k in [k for k, q in self._puts.items() if q.done and now - q.decided_at > _KEEP_S]:
+            del self._puts[k]
+        p = self._puts.get((partition, stage))
+        if p is None:
+            p = self._puts[(partition, stage)] = _Put(parts)
+        return p
+
+    def _decide(self, p: _Put, result: int = 0, error: BaseException | None = None) -> None:
+        # With the lock held: the first decision stands; the parts' pieces are let go.
+        if not p.done:
+            p.done, p.result, p.error = True, result, error
+            p.decided_at = time.monotonic()
+            p.pieces = {i: [] for i in p.pieces}
+            self._cond.notify_all()

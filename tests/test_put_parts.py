@@ -1,0 +1,162 @@
+"""One put over parallel DoPut streams (``put_streams``), stored all or nothing.
+
+Real servers on loopback; the parts travel on real connections. A part that fails, or
+never comes, fails the whole put: nothing is stored and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import msgpack
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as fl
+import pytest
+from fixtures_dataplane import TEXT, TIMEOUT, text_columns, text_keys
+
+import flightq
+import flightq.client as fq_client
+from flightq.encode import encode
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(name="server")
+def server_fixture() -> Iterator[flightq.Server]:
+    with flightq.Server() as srv:
+        yield srv
+
+
+@pytest.fixture(name="client")
+def client_fixture(server: flightq.Server, monkeypatch: pytest.MonkeyPatch) -> flightq.Client:
+    """A client that sends every put of 3 or more batches over 3 streams."""
+    monkeypatch.setattr(fq_client, "_MIN_STREAM_BYTES", 1)
+    with flightq.connect(
+        server.location, [TEXT], timeout=TIMEOUT, put_streams=3, max_batch_bytes=64
+    ) as c:
+        c.create_partition("p", TEXT, tasks=["train"])
+        yield c
+
+
+def _rows(n: int) -> tuple[list[str], dict[str, object]]:
+    keys = text_keys(n // 4, 4)
+    return keys, text_columns(keys)
+
+
+def test_a_put_in_parts_lands_whole_and_in_order(client):
+    keys, cols = _rows(12)
+    assert client.put("p", keys, cols) == 12
+    assert len(client._streams) == 2  # two more connections carried parts 1 and 2
+    got = client.get("p", keys, as_="numpy")
+    assert got.keys == keys
+    assert all(
+        np.array_equal(a, b) for a, b in zip(got["input_ids"], cols["input_ids"], strict=True)
+    )
+    assert client.claim("p", "train", 12, timeout=TIMEOUT).keys == keys  # one put's order
+
+
+def test_a_bad_row_in_a_later_part_is_refused_before_any_part_is_sent(client):
+    keys, cols = _rows(12)
+    cols["input_ids"][10] = cols["input_ids"][10][:-1]  # token lengths disagree
+    with pytest.raises(flightq.ShapeError, match=r"sequence length .* \(row key 'p2_g2'\)"):
+        client.put("p", keys, cols)
+    assert client.stats()["partitions"]["p"]["rows"] == 0
+    keys, cols = _rows(12)
+    assert client.put("p", keys, cols) == 12  # the server keeps serving
+
+
+def test_a_retried_put_in_parts_with_its_put_id_is_stored_once(client):
+    keys, cols = _rows(12)
+    assert client.put("p", keys, cols, put_id="step-7") == 12
+    assert client.put("p", keys, cols, put_id="step-7") == 12
+    assert client.stats()["partitions"]["p"]["rows"] == 12
+
+
+def _part(location: str, cmd: dict[str, object], rb: pa.RecordBatch) -> None:
+    c = fl.connect(location)
+    try:
+        desc = fl.FlightDescriptor.for_command(msgpack.packb(cmd))
+        writer, reader = c.do_put(desc, rb.schema)
+        with writer:
+            writer.write_batch(rb)
+            writer.done_writing()
+            reader.read()
+    finally:
+        c.close()
+
+
+def _cmd(**extra: object) -> dict[str, object]:
+    return {"op": "put", "partition": "p", "timeout": 1.0, "rows": 4, **extra}
+
+
+def _batch(client: flightq.Client, keys: list[str]) -> pa.RecordBatch:
+    return encode(client._partition_schema("p"), text_columns(keys), keys)
+
+
+def test_a_part_that_never_comes_fails_the_put_after_its_timeout(server, client):
+    rb = _batch(client, text_keys(1, 4))
+    with pytest.raises(fl.FlightServerError, match=r"ProtocolError: .* 1 arrived within 1 s"):
+        _part(server.location, _cmd(stage="s1", part=0, parts=2), rb)
+    assert client.stats()["partitions"]["p"]["rows"] == 0
+    # Its late twin fails at once: the put was decided.
+    with pytest.raises(fl.FlightServerError, match=r"ProtocolError: .* arrived within"):
+        _part(server.location, _cmd(stage="s1", part=1, parts=2), rb)
+
+
+def test_a_part_the_server_refuses_fails_every_part_with_its_error(server, client):
+    errors: dict[int, BaseException] = {}
+
+    def send(part: int, rows: int) -> None:
+        keys = text_keys(1, 4, prefix=f"r{part}")
+        cmd = _cmd(stage="s3", part=part, parts=2, timeout=30.0, rows=rows)
+        try:
+            _part(server.location, cmd, _batch(client, keys))
+        except fl.FlightServerError as e:
+            errors[part] = e
+
+    good = threading.Thread(target=send, args=(0, 4))
+    good.start()
+    while not server._staging._puts:
+        good.join(0.01)
+    send(1, 5)  # announces 5 rows, sends 4
+    good.join(10)
+    assert set(errors) == {0, 1}
+    assert all("stream ended after 4 of the 5 rows" in str(e) for e in errors.values())
+    assert client.stats()["partitions"]["p"]["rows"] == 0
+
+
+def test_an_aborted_put_wakes_its_waiting_parts(server, client):
+    rb = _batch(client, text_keys(1, 4))
+    errors: list[BaseException] = []
+
+    def waiting() -> None:
+        try:
+            _part(server.location, _cmd(stage="s2", part=0, parts=2, timeout=30.0), rb)
+        except fl.FlightServerError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=waiting)
+    t.start()
+    while not server._staging._puts:
+        t.join(0.01)
+    client._action("abort_put", {"partition": "p", "stage": "s2", "parts": 2})
+    t.join(10)
+    assert not t.is_alive() and "the client gave up a part" in str(errors[0])
+    assert client.stats()["partitions"]["p"]["rows"] == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"part": 2, "parts": 2, "stage": "x"}, r"'part' must be in \[0, parts\)"),
+        ({"part": 0, "parts": 99, "stage": "x"}, r"'parts' in \[1, 16\]"),
+        ({"part": 0, "parts": 2}, "needs a 'stage'"),
+    ],
+)
+def test_malformed_part_fields_are_refused(server, client, extra, message):
+    rb = _batch(client, text_keys(1, 4))
+    with pytest.raises(fl.FlightServerError, match=rf"ProtocolError: .*{message}"):
+        _part(server.location, _cmd(**extra), rb)
+    assert client.stats()["partitions"]["p"]["rows"] == 0
