@@ -478,7 +478,9 @@ def _encode_tags(tags: Sequence[Mapping[str, Any] | None] | None, keys: list[str
 def row_nbytes(batch: pa.RecordBatch) -> np.ndarray:
     """Per row, the bytes of its binary payloads (what dominates a batch's size).
 
-    A media segment counts its dictionary entry's bytes (shared entries in every row).
+    A media dictionary entry counts once, on the first row of the batch that uses it: it
+    travels once per batch (as a dictionary message beside the record batch), however
+    many rows of a prompt group view it.
     """
     n = batch.num_rows
     out = np.zeros(n, dtype=np.int64)
@@ -490,7 +492,10 @@ def row_nbytes(batch: pa.RecordBatch) -> np.ndarray:
             outer = col.offsets.to_numpy().astype(np.int64)
             segs = col.values.slice(int(outer[0]), int(outer[-1] - outer[0]))
             lengths = np.diff(binary_offsets(segs.dictionary))
-            seg = lengths[segs.indices.to_numpy(zero_copy_only=False).astype(np.int64)]
+            idx = segs.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+            _, first = np.unique(idx, return_index=True)
+            seg = np.zeros(len(idx), dtype=np.int64)
+            seg[first] = lengths[idx[first]]
             sums = np.concatenate([[0], np.cumsum(seg)])
             rel = outer - outer[0]
             out += sums[rel[1:]] - sums[rel[:-1]]

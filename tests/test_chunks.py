@@ -8,7 +8,7 @@ from helpers_wire import assert_same_rows, shipped
 
 import flightq
 from flightq import workloads
-from flightq.batch import encode_chunks
+from flightq.batch import encode_chunks, row_nbytes, split_batch
 
 VLM = "rollout_vlm@1"
 
@@ -22,6 +22,16 @@ def test_chunks_keep_a_groups_shared_image_in_one_batch() -> None:
     out = flightq.decode(batches)
     assert out.keys == step.keys
     assert_same_rows("media", out["pixel_values"], step.columns["pixel_values"])
+
+
+def test_a_split_counts_a_shared_image_once_so_a_group_stays_in_one_batch() -> None:
+    step = workloads.w1(groups=3, g=16)  # 16 views of a 3.4 MiB image per group
+    (batch,) = encode_chunks(shipped(VLM), step.columns, step.keys, step.tags, max_bytes=2**30)
+    # 54 MiB if every row counted the image, 3.4 MiB plus text per group counted once
+    assert [b.num_rows for b in split_batch(batch, 8 * 2**20)] == [32, 16]
+    sizes = row_nbytes(batch)
+    image = step.columns["pixel_values"][0][0].nbytes
+    assert sizes[0] > image and sizes[1:16].max() < image  # the group's first row pays
 
 
 def test_chunks_of_distinct_rows_stay_under_the_limit() -> None:
