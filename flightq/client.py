@@ -551,7 +551,7 @@ class Client:
         except (pa.ArrowException, fl.FlightError) as e:
             raise from_flight_error(e, what) from e
         if self.shm_dir is not None:
-            from .shmtable import take
+            from .shm.table import take
 
             batches = take(batches, self.shm_dir, what)
             if decoder is not None:

@@ -397,7 +397,8 @@ class Server(fl.FlightServerBase):
         """A read's answer: the batches, or (ticket ``shm``) the segment holding them."""
         if not t.get("shm"):
             return schema, batches
-        from . import shm, shmtable
+        from . import shm
+        from .shm import table as shmtable
 
         what = f"{t.get('op')} from {t.get('partition')!r}"
         if self.shm_dir is None:

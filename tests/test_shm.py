@@ -21,8 +21,10 @@ from fixtures_dataplane import TEXT, TIMEOUT, VLM, assert_rows_match, text_colum
 from helpers_wire import replace_column
 
 import flightq
-from flightq import shm, shmtable, workloads
+from flightq import shm, workloads
 from flightq.batch import encode_chunks, split_batch
+from flightq.shm import segments
+from flightq.shm import table as shmtable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -218,7 +220,7 @@ def test_a_reference_to_a_segment_filled_again_is_refused(server, client):
         shm.map_data({**ref, "gen": seg.gen}, SHM, "get", 0, 99999)
 
 
-def struct_free(seg: shm._Segment) -> None:
+def struct_free(seg: segments._Segment) -> None:
     """Mark a written segment as taken by a reader that has gone (its lock with it)."""
     import struct
 
@@ -344,7 +346,7 @@ def test_a_gathered_stream_is_byte_for_byte_the_plain_one_also_for_row_slices():
         for s in split_batch(b, 20 * 2**20)
     ]
     sink = pa.BufferOutputStream()
-    shm._write_stream(sink, plain[0].schema, plain)
+    segments._write_stream(sink, plain[0].schema, plain)
     pool = shm.SegmentPool()
     try:
         with shm.gathering():

@@ -11,7 +11,7 @@ them in full (offsets, dictionary indices, buffer sizes) and decodes them with t
 :func:`flightq.decode`: the tensors it hands out are views of the producer's pages.
 
 A reader holds a shared lock on every segment it maps while any view lives, so the owner
-does not fill it again under the reader (:func:`flightq.shm.map_data`); a segment whose
+does not fill it again under the reader (:func:`flightq.shm.mapping.map_data`); a segment whose
 rows were cleared and that was filled again before the reader came is refused by its
 generation.
 
@@ -28,9 +28,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from . import shm
-from .errors import ProtocolError
-from .protocol import pack, unpack
+from ..errors import ProtocolError
+from ..protocol import pack, unpack
+from .mapping import MAPPED, map_data, read, still_there
+from .segments import MARKER, SegmentPool
 
 __all__ = ["INLINE_BYTES", "answer", "take"]
 
@@ -58,13 +59,13 @@ class _Describer:
     def buffer(self, buf: pa.Buffer | None) -> list[int] | None:
         if buf is None:
             return None
-        hit = shm.MAPPED.locate(buf.address, buf.size) if buf.size else None
+        hit = MAPPED.locate(buf.address, buf.size) if buf.size else None
         if hit is not None:
             ref, offset = hit
             key = (ref["path"], ref["gen"])
             if key not in self._index:
                 # A file its owner unlinked (it exited) cannot be opened: copy its bytes.
-                live = shm.still_there(ref)
+                live = still_there(ref)
                 self._index[key] = len(self.segments) if live else None
                 if live:
                     self.segments.append({k: ref[k] for k in ("path", "gen", "nbytes")})
@@ -99,7 +100,7 @@ class _Describer:
 
 
 def answer(
-    pool: shm.SegmentPool, schema: pa.Schema, batches: Iterable[pa.RecordBatch], what: str
+    pool: SegmentPool, schema: pa.Schema, batches: Iterable[pa.RecordBatch], what: str
 ) -> tuple[pa.Schema, list[pa.RecordBatch]]:
     """A read's answer over shared memory: the one-row stream that names its bytes.
 
@@ -138,7 +139,7 @@ def answer(
 
 def _reply(body: dict[str, Any]) -> tuple[pa.Schema, list[pa.RecordBatch]]:
     marker = pa.array([pack(body)], type=pa.binary())
-    return pa.schema([(shm.MARKER, pa.binary())]), [pa.record_batch([marker], names=[shm.MARKER])]
+    return pa.schema([(MARKER, pa.binary())]), [pa.record_batch([marker], names=[MARKER])]
 
 
 def take(batches: list[pa.RecordBatch], dirpath: str, what: str) -> list[pa.RecordBatch]:
@@ -150,11 +151,11 @@ def take(batches: list[pa.RecordBatch], dirpath: str, what: str) -> list[pa.Reco
         If the answer is malformed, names segments outside ``dirpath`` or gone, or its
         arrays do not validate.
     """
-    if len(batches) != 1 or batches[0].schema.names != [shm.MARKER]:
+    if len(batches) != 1 or batches[0].schema.names != [MARKER]:
         return batches
     body = unpack(batches[0].column(0)[0].as_py(), f"{what}: shared-memory answer")
     if _TABLE not in body:
-        return shm.read(body, dirpath, what)
+        return read(body, dirpath, what)
     try:
         return _rebuild(body, dirpath, what)
     except (pa.ArrowException, KeyError, TypeError, ValueError, IndexError) as e:
@@ -176,7 +177,7 @@ class _Views:
         for i, (lo, hi) in spans.items():
             if not 0 <= i < len(segments):
                 raise ProtocolError(f"{what}: the answer names segment {i} of {len(segments)}")
-            data = shm.map_data(segments[i], dirpath, what, lo, hi)
+            data = map_data(segments[i], dirpath, what, lo, hi)
             self.maps[i] = (lo, pa.py_buffer(data))
         inline = body["inline"]
         buf = pa.allocate_buffer(len(inline))  # aligned for every buffer in it

@@ -1,0 +1,421 @@
+"""Shared-memory segments: the files, the pool that owns and reuses them, request checks."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import ipaddress
+import mmap
+import os
+import re
+import secrets
+import socket
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import ProtocolError, ResourceExhaustedError
+from .gather import _current_gather, _Sink
+
+#: Where segments live unless told otherwise.
+DEFAULT_DIR = "/dev/shm"
+#: The column of the one-row answer that carries a segment reference instead of rows.
+MARKER = "__shm__"
+#: Bytes before the data: one page, so the IPC stream starts page-aligned.
+HEADER = 4096
+#: Segment sizes are multiples of this (huge-page friendly, few distinct sizes).
+GRANULE = 2 * 2**20
+#: Record batches through a segment are cut at about this many bytes: no transport limit
+#: applies, and every batch costs a fixed amount to encode, check and decode.
+BATCH_BYTES = 256 * 2**20
+#: Free segments a pool keeps warm for reuse; beyond this they are unlinked.
+DEFAULT_KEEP_BYTES = 2 * 2**30
+#: Seconds a written segment may wait for its reader before the owner gives it up.
+DEFAULT_LEASE_S = 300.0
+
+_MAGIC = b"FQSHM001"
+# magic, state, generation, payload bytes, owner pid, written at (monotonic seconds)
+_HDR = struct.Struct("<8sqqqqd")
+_STATE_AT = 8
+FREE, WRITTEN, TAKEN = 0, 1, 2
+_NAME = re.compile(r"^flightq-(\d+)-[0-9a-f]{8}-\d+$")
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def is_local(location: str) -> bool:
+    """Whether a Flight location is on this host: loopback (127.0.0.0/8, ::1) or unix.
+
+    ``localhost`` counts when every address it resolves to is loopback.
+    """
+    scheme, _, rest = location.partition("://")
+    if scheme.endswith("unix"):
+        return True
+    host = rest.rsplit(":", 1)[0] if rest.count(":") == 1 or rest.startswith("[") else rest
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    if host != "localhost":
+        return False
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def _peer_is_local(peer: str) -> bool:
+    # gRPC peers read "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000" or "unix:..."
+    kind, _, addr = peer.partition(":")
+    if kind == "unix":
+        return True
+    host = addr.rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def directory(option: bool | str | os.PathLike[str]) -> str:
+    """The segment directory an ``shm=`` option names (``True``: ``/dev/shm``).
+
+    Raises
+    ------
+    ProtocolError
+        If it is not a writable directory.
+    """
+    path = DEFAULT_DIR if option is True else os.fspath(option)  # type: ignore[arg-type]
+    path = os.path.realpath(path)
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise ProtocolError(
+            f"shared memory: {path!r} is not a writable directory; pass shm=<a tmpfs "
+            "directory both processes can reach> or leave shm off"
+        )
+    return path
+
+
+# --------------------------------------------------------------------------- checks (server)
+
+
+def probe_reply(dirpath: str | None, body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``shm`` entry of a health reply: the directory, and the probe file's contents.
+
+    A client proves both sides see the same directory by naming a file it wrote there.
+    """
+    if dirpath is None:
+        return None
+    out: dict[str, Any] = {"dir": dirpath, "probe": None}
+    path = body.get("shm_probe")
+    if isinstance(path, str):
+        real = os.path.realpath(path)
+        if os.path.dirname(real) == dirpath and _NAME.match(os.path.basename(real)):
+            with contextlib.suppress(OSError), open(real, "rb") as f:
+                out["probe"] = f.read(64).hex()
+    return out
+
+
+def check_peer(peer: str, what: str) -> None:
+    """Refuse a shared-memory request that did not come from this host.
+
+    Raises
+    ------
+    ProtocolError
+        If the peer address is not loopback or a unix socket.
+    """
+    if not _peer_is_local(peer):
+        raise ProtocolError(
+            f"{what}: shared memory is for clients on this host (loopback); peer {peer!r}"
+        )
+
+
+# --------------------------------------------------------------------------- owner side
+
+
+@dataclass(eq=False)
+class _Segment:
+    path: str
+    fd: int
+    mm: mmap.mmap
+    capacity: int
+    gen: int = 0
+    written_at: float = 0.0
+
+    def state(self) -> int:
+        return int(struct.unpack_from("<q", self.mm, _STATE_AT)[0])
+
+    def lock(self) -> bool:
+        """Take the exclusive lock if no reader holds the segment (kept while writing)."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        return True
+
+    def unlock(self) -> None:
+        with contextlib.suppress(OSError):
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        with contextlib.suppress(BufferError, ValueError):
+            self.mm.close()  # views still exported (a writer mid-flight): dropped at GC
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+@dataclass
+class SegmentPool:
+    """The shared-memory segments one process writes, kept warm for reuse.
+
+    Parameters
+    ----------
+    dir:
+        Directory of the segments (a tmpfs such as ``/dev/shm``).
+    keep_bytes:
+        Capacity of free segments kept for reuse; the rest are unlinked.
+    lease_s:
+        Seconds a written segment may wait for its reader before it is given up.
+    """
+
+    dir: str = DEFAULT_DIR
+    keep_bytes: int = DEFAULT_KEEP_BYTES
+    lease_s: float = DEFAULT_LEASE_S
+    _segs: list[_Segment] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _token: str = field(default_factory=lambda: secrets.token_hex(4))
+    _count: int = 0
+    _closed: bool = False
+
+    def __post_init__(self) -> None:
+        _sweep(self.dir)
+        # A pool that is never closed still removes its files when the process exits.
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def write(
+        self, schema: pa.Schema, batches: Sequence[pa.RecordBatch], what: str
+    ) -> dict[str, Any]:
+        """Write ``batches`` as one IPC stream into a segment; returns its reference.
+
+        Raises
+        ------
+        ResourceExhaustedError
+            If the directory has no room.
+        """
+        sink = pa.MockOutputStream()
+        _write_stream(sink, schema, batches)
+        n = int(sink.size())
+        gather = _current_gather()
+        seg = self._room(n, what)
+        try:
+            view = memoryview(seg.mm)[HEADER : HEADER + n]
+            if gather is None:
+                out = pa.FixedSizeBufferWriter(pa.py_buffer(view))
+                _write_stream(out, schema, batches)
+                out.close()
+            else:
+                dest = _Sink(np.frombuffer(view, dtype=np.uint8), gather)
+                _write_stream(pa.PythonFile(dest, mode="w"), schema, batches)
+                if dest.pos != n:
+                    raise ProtocolError(f"{what}: wrote {dest.pos} bytes of a {n}-byte stream")
+                gather.copy()
+                del dest
+            del view
+            return self._written(seg, n)
+        except BaseException:
+            self._drop(seg)
+            raise
+
+    def write_bytes(self, parts: Sequence[tuple[int, Any]], n: int, what: str) -> dict[str, Any]:
+        """Write raw bytes into a segment: each ``(offset, buffer)`` at its offset.
+
+        Raises
+        ------
+        ResourceExhaustedError
+            If the directory has no room.
+        """
+        seg = self._room(n, what)
+        try:
+            dst = np.frombuffer(seg.mm, dtype=np.uint8, count=n, offset=HEADER)
+            for at, buf in parts:
+                src = np.frombuffer(buf, dtype=np.uint8)
+                dst[at : at + len(src)] = src
+            del dst
+            return self._written(seg, n)
+        except BaseException:
+            self._drop(seg)
+            raise
+
+    def _room(self, n: int, what: str) -> _Segment:
+        try:
+            return self._acquire(n)
+        except OSError as e:
+            raise ResourceExhaustedError(
+                f"{what}: no room for {n} bytes of shared memory in {self.dir}: {e}; "
+                "free space there or connect without shm"
+            ) from e
+
+    @staticmethod
+    def _written(seg: _Segment, n: int) -> dict[str, Any]:
+        # A new generation, then the exclusive lock goes: readers may come.
+        seg.gen += 1
+        seg.written_at = time.monotonic()
+        _HDR.pack_into(seg.mm, 0, _MAGIC, WRITTEN, seg.gen, n, os.getpid(), seg.written_at)
+        seg.unlock()
+        return {"path": seg.path, "gen": seg.gen, "nbytes": n}
+
+    def _drop(self, seg: _Segment) -> None:
+        with self._lock:
+            if seg in self._segs:
+                self._segs.remove(seg)
+        seg.close()
+
+    def abandon(self, ref: Mapping[str, Any]) -> None:
+        """After a failed call: the segment may be filled again once no reader holds it.
+
+        A reader that comes later finds another generation (or the writer's lock) and
+        refuses the reference.
+        """
+        with self._lock:
+            seg = next((s for s in self._segs if s.path == ref.get("path")), None)
+            if seg is not None and seg.gen == ref.get("gen") and seg.state() == WRITTEN:
+                struct.pack_into("<q", seg.mm, _STATE_AT, FREE)
+
+    def _acquire(self, n: int) -> _Segment:
+        need = -(-n // GRANULE) * GRANULE
+        drop: list[_Segment] = []
+        with self._lock:
+            if self._closed:
+                raise ProtocolError("shared memory: the segment pool is closed")
+            now = time.monotonic()
+            # Free: not waiting for its reader (unless the lease ran out) and no reader holds
+            # it (the exclusive lock is free; it stays taken on the one chosen).
+            free = [
+                s
+                for s in self._segs
+                if (s.state() != WRITTEN or now - s.written_at > self.lease_s) and s.lock()
+            ]
+            # Best fit that does not waste more than the request; else grow a small one.
+            fits = [s for s in free if need <= s.capacity <= 2 * need + GRANULE]
+            grow = [s for s in free if s.capacity < need]
+            seg = None
+            if fits:
+                seg = min(fits, key=lambda s: s.capacity)
+            elif grow:
+                seg = max(grow, key=lambda s: s.capacity)
+                self._segs.remove(seg)
+            if seg is not None:
+                free.remove(seg)
+                _HDR.pack_into(seg.mm, 0, _MAGIC, WRITTEN, seg.gen, 0, os.getpid(), now)
+                seg.written_at = now
+            self._count += 1
+            name = f"flightq-{os.getpid()}-{self._token}-{self._count}"
+            # Keep the warmest free capacity up to keep_bytes; unlink the rest.
+            kept = 0
+            for s in sorted(free, key=lambda s: -s.capacity):
+                if kept + s.capacity > self.keep_bytes:
+                    self._segs.remove(s)
+                    drop.append(s)
+                else:
+                    kept += s.capacity
+                    s.unlock()
+        for s in drop:
+            s.close()
+        if seg is not None and seg.capacity >= need:
+            return seg
+        if seg is not None:
+            seg = self._grow(seg, need)
+        else:
+            seg = self._create(os.path.join(self.dir, name), need)
+        with self._lock:
+            self._segs.append(seg)
+        return seg
+
+    @staticmethod
+    def _create(path: str, capacity: int) -> _Segment:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, HEADER + capacity)
+            mm = mmap.mmap(fd, HEADER + capacity, flags=mmap.MAP_SHARED | _POPULATE)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        now = time.monotonic()
+        _HDR.pack_into(mm, 0, _MAGIC, WRITTEN, 0, 0, os.getpid(), now)
+        seg = _Segment(path, fd, mm, capacity, written_at=now)
+        seg.lock()
+        return seg
+
+    @staticmethod
+    def _grow(seg: _Segment, capacity: int) -> _Segment:
+        try:
+            os.ftruncate(seg.fd, HEADER + capacity)
+            mm = mmap.mmap(seg.fd, HEADER + capacity, flags=mmap.MAP_SHARED | _POPULATE)
+        except BaseException:
+            seg.close()
+            raise
+        with contextlib.suppress(BufferError):
+            seg.mm.close()
+        return _Segment(seg.path, seg.fd, mm, capacity, seg.gen, seg.written_at)
+
+    def paths(self) -> list[str]:
+        """The files of this pool (for tests and diagnostics)."""
+        with self._lock:
+            return [s.path for s in self._segs]
+
+    def close(self) -> None:
+        """Unlink every segment; readers that mapped one keep valid pages."""
+        with self._lock:
+            segs, self._segs, self._closed = self._segs, [], True
+        for s in segs:
+            s.close()
+
+
+def _close_at_exit(ref: weakref.ref[SegmentPool]) -> None:
+    pool = ref()
+    if pool is not None:
+        pool.close()
+
+
+def _write_stream(sink: Any, schema: pa.Schema, batches: Sequence[pa.RecordBatch]) -> None:
+    with pa.ipc.new_stream(sink, schema) as w:
+        for b in batches:
+            w.write_batch(b)
+
+
+def _sweep(dirpath: str) -> None:
+    """Unlink segments of this user whose owner process no longer runs."""
+    uid = os.getuid()
+    with contextlib.suppress(OSError), os.scandir(dirpath) as it:
+        for e in it:
+            m = _NAME.match(e.name)
+            if m is None:
+                continue
+            with contextlib.suppress(OSError):
+                if e.stat(follow_symlinks=False).st_uid != uid or _alive(int(m.group(1))):
+                    continue
+                os.unlink(e.path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
