@@ -20,23 +20,18 @@ Examples
 from __future__ import annotations
 
 import contextlib
-import itertools
-import secrets
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as fl
 
 from .batch import Batch, PartDecoder, join
-from .cuda import PinnedPool, decode_streams_to_device, decode_to_device, resolve_device, stage
+from .cuda import PinnedPool, decode_to_device, resolve_device, stage
 from .encode import encode_chunks, split_batch
 from .errors import (
     FlightqError,
-    MissingFieldError,
-    NotFoundError,
     ProtocolError,
     SchemaMismatchError,
     UnknownSchemaError,
@@ -44,6 +39,15 @@ from .errors import (
 from .protocol import from_flight_error, pack, unpack
 from .registry import SchemaRegistry
 from .schema import Schema
+from .streams import (
+    DEFAULT_STREAMS,
+    distinct_nbytes,
+    filled,
+    get_to_device,
+    put_groups,
+    put_parts,
+    read_keys,
+)
 
 __all__ = ["Client", "connect", "DEFAULT_TIMEOUT"]
 
@@ -51,28 +55,6 @@ __all__ = ["Client", "connect", "DEFAULT_TIMEOUT"]
 DEFAULT_TIMEOUT = 60.0
 #: Payload bytes per record batch sent by a put.
 DEFAULT_MAX_BATCH_BYTES = 16 * 2**20
-#: Most parallel DoGet streams (one connection each) a get of many rows is split over.
-_GET_STREAMS = 4
-#: Fewest bytes per stream, estimated from the partition's last answer: smaller gets (and
-#: a partition's first get) travel as one stream, where per-row work dominates.
-_MIN_STREAM_BYTES = 16 * 2**20
-
-
-def _distinct_nbytes(batches: list[pa.RecordBatch]) -> int:
-    """Bytes the batches hold, each buffer once: slices of one stored batch share a media
-    dictionary, which ``RecordBatch.nbytes`` would count in every slice."""
-    seen: set[tuple[int, int]] = set()
-    for b in batches:
-        for col in b.columns:
-            bufs = col.buffers()
-            if pa.types.is_large_list(col.type) and pa.types.is_dictionary(col.type.value_type):
-                bufs += col.values.dictionary.buffers()
-            seen.update((x.address, x.size) for x in bufs if x is not None)
-    return sum(size for _, size in seen)
-
-
-class _Resplit(Exception):
-    """The parts of a split get differ in their columns: read it again as one stream."""
 
 
 def _resolve(schemas: Iterable[str | Schema], registry: SchemaRegistry | None) -> list[Schema]:
@@ -191,8 +173,8 @@ class Client:
         put_streams: int | None = None,
         **flight_kwargs: Any,
     ) -> None:
-        self.get_streams = _GET_STREAMS if get_streams is None else get_streams
-        self.put_streams = _GET_STREAMS if put_streams is None else put_streams
+        self.get_streams = DEFAULT_STREAMS if get_streams is None else get_streams
+        self.put_streams = DEFAULT_STREAMS if put_streams is None else put_streams
         if self.get_streams < 1 or self.put_streams < 1:
             raise ValueError(
                 f"get_streams and put_streams must be at least 1, got {get_streams}, {put_streams}"
@@ -445,16 +427,16 @@ class Client:
             from .shm import put_via_shm
 
             return put_via_shm(self, cmd, batches, timeout)
-        groups = _put_groups(batches, self.put_streams)
+        groups = put_groups(batches, self.put_streams)
         if len(groups) > 1:
-            return self._put_parts(cmd, batches, fills, groups, timeout)
+            return put_parts(self, cmd, batches, fills, groups, timeout)
         desc = fl.FlightDescriptor.for_command(pack(cmd))
         try:
             writer, reader = self._flight.do_put(
                 desc, batches[0].schema, options=self._options(timeout)
             )
             with writer:
-                for b in _filled(batches, fills):
+                for b in filled(batches, fills):
                     for chunk in split_batch(b, self.max_batch_bytes):
                         writer.write_batch(chunk)
                 writer.done_writing()
@@ -464,69 +446,6 @@ class Client:
         if ack is None:
             raise FlightqError(f"put to {partition!r}: the server sent no acknowledgement")
         return int(unpack(ack, "put acknowledgement")["rows"])
-
-    def _put_parts(
-        self,
-        cmd: dict[str, Any],
-        batches: list[pa.RecordBatch],
-        fills: list[Callable[[], None]] | None,
-        groups: list[range],
-        timeout: float | None,
-    ) -> int:
-        """One put over parallel DoPut streams, one range of batches each, on their own
-        connections; the server stores the parts together or not at all
-        (:mod:`flightq.staging`). Each stream fills its batches just before sending them."""
-        what = f"put to {cmd['partition']!r}"
-        stage = secrets.token_hex(8)
-        flights = [self._flight, *self._stream_clients(len(groups) - 1)]
-
-        def send(i: int) -> int:
-            part = groups[i]
-            mine = {
-                **cmd,
-                "rows": sum(batches[j].num_rows for j in part),
-                "stage": stage,
-                "part": i,
-                "parts": len(groups),
-            }
-            desc = fl.FlightDescriptor.for_command(pack(mine))
-            try:
-                writer, reader = flights[i].do_put(
-                    desc, batches[part[0]].schema, options=self._options(timeout)
-                )
-                with writer:
-                    for j in part:
-                        if fills is not None:
-                            fills[j]()
-                            fills[j] = _done
-                        b, batches[j] = batches[j], None
-                        for chunk in split_batch(b, self.max_batch_bytes):
-                            writer.write_batch(chunk)
-                    writer.done_writing()
-                    ack = reader.read()
-            except (pa.ArrowException, fl.FlightError) as e:
-                raise from_flight_error(e, what) from e
-            if ack is None:
-                raise FlightqError(f"{what}: the server sent no acknowledgement")
-            return int(unpack(ack, "put acknowledgement")["rows"])
-
-        with ThreadPoolExecutor(len(groups) - 1, thread_name_prefix="flightq-put") as pool:
-            rest = [pool.submit(send, i) for i in range(1, len(groups))]
-            results: list[int | BaseException] = []
-            for f in [None, *rest]:
-                try:
-                    results.append(send(0) if f is None else f.result())
-                except BaseException as e:  # the others must not wait for this part
-                    with contextlib.suppress(FlightqError):
-                        self._action(
-                            "abort_put",
-                            {"partition": cmd["partition"], "stage": stage, "parts": len(groups)},
-                        )
-                    results.append(e)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return int(results[0])  # type: ignore[arg-type]
 
     def _read(
         self,
@@ -559,68 +478,10 @@ class Client:
                     decoder.add(b)
         return batches
 
-    def _read_keys(
-        self, ticket: dict[str, Any], what: str, timeout: float | None, as_: str, copy: bool
-    ) -> Batch:
-        """A get's rows, over parallel streams when it asks for many rows.
-
-        Each stream has its own connection, so receiving and reassembling the messages
-        (the receiver's copies) runs on several cores, and each stream's record batches
-        are decoded on its thread as they arrive, while gRPC receives the next ones: little
-        is left to do once the last one is in. The parts come back in key order. If a part
-        finds a key or field missing, or the parts' columns differ (``fields`` None over
-        rows holding different fields), the get runs again as one stream, whose answer or
-        complete error is the reference.
-        """
-        keys, partition = ticket["keys"], ticket["partition"]
-
-        def one(t: dict[str, Any], flight: fl.FlightClient | None = None) -> PartDecoder:
-            d = PartDecoder(as_, copy)
-            self._read(t, what, timeout, flight, d)
-            return d
-
-        n = self._split_count(ticket)
-        if n < 2:
-            return self._learned(partition, len(keys), one(ticket).parts)
-        flights, tickets = self._split(ticket, n)
-        try:
-            with ThreadPoolExecutor(n - 1, thread_name_prefix="flightq-get") as pool:
-                rest = [pool.submit(one, tickets[i], flights[i]) for i in range(1, n)]
-                parts = [one(tickets[0]), *(f.result() for f in rest)]
-        except (NotFoundError, MissingFieldError):
-            return join(one(ticket).parts)
-        schema = parts[0].parts[0].record_batch.schema
-        if any(
-            not b.record_batch.schema.equals(schema, check_metadata=True)
-            for d in parts
-            for b in d.parts
-        ):
-            return join(one(ticket).parts)
-        return self._learned(partition, len(keys), [b for d in parts for b in d.parts])
-
-    def _split_count(self, ticket: Mapping[str, Any]) -> int:
-        """How many streams a get travels over (1: one stream), from the partition's last
-        answer: at least ``_MIN_STREAM_BYTES`` estimated per stream."""
-        if self.shm_dir is not None:
-            return 1
-        keys = ticket["keys"]
-        guess = self._row_bytes.get(ticket["partition"], 0.0) * len(keys)
-        return max(1, min(self.get_streams, len(keys), int(guess // _MIN_STREAM_BYTES)))
-
-    def _split(
-        self, ticket: Mapping[str, Any], n: int
-    ) -> tuple[list[fl.FlightClient], list[dict[str, Any]]]:
-        """The connections and tickets of a get split over ``n`` streams, keys in order."""
-        keys = ticket["keys"]
-        flights = [self._flight, *self._stream_clients(n - 1)]
-        cuts = [len(keys) * i // n for i in range(n + 1)]
-        tickets = [{**ticket, "keys": keys[a:b]} for a, b in itertools.pairwise(cuts)]
-        return flights, tickets
-
     def _learn(self, partition: str, rows: int, batches: list[pa.RecordBatch]) -> None:
         """Remember the bytes per row a partition's answer carried (to split later gets)."""
         if rows:
-            self._row_bytes[partition] = _distinct_nbytes(batches) / rows
+            self._row_bytes[partition] = distinct_nbytes(batches) / rows
 
     def _learned(self, partition: str, rows: int, parts: list[Batch]) -> Batch:
         self._learn(partition, rows, [p.record_batch for p in parts])
@@ -673,62 +534,6 @@ class Client:
         except (pa.ArrowException, fl.FlightError) as e:
             raise from_flight_error(e, what) from e
 
-    def _get_to_device(
-        self,
-        device: Any,
-        ticket: Mapping[str, Any],
-        what: str,
-        timeout: float | None,
-        *,
-        copy: bool,
-        sync: bool,
-    ) -> Batch:
-        """A get into CUDA tensors, split over parallel streams as :meth:`_read_keys` splits
-        it; each stream's record batches are copied to the device on that stream's thread
-        as they arrive, and the parts are assembled in key order. On an unknown key, a
-        missing field or parts whose columns differ, the get runs again as one stream,
-        whose answer or complete error is the reference."""
-        rows, partition = len(ticket["keys"]), ticket["partition"]
-        n = self._split_count(ticket)
-        got: list[pa.RecordBatch] = []
-        if n >= 2:
-            flights, tickets = self._split(ticket, n)
-            gots: list[list[pa.RecordBatch]] = [[] for _ in range(n)]
-            stop = threading.Event()
-            first: list[pa.Schema] = []
-            lock = threading.Lock()
-
-            def checked(i: int) -> Iterator[pa.RecordBatch]:
-                # Stream i's record batches; _Resplit where one's columns differ.
-                for rb in self._chunks(tickets[i], what, timeout, flights[i], gots[i], stop):
-                    with lock:
-                        if not first:
-                            first.append(rb.schema)
-                        same = rb.schema.equals(first[0], check_metadata=True)
-                    if not same:
-                        raise _Resplit
-                    yield rb
-
-            try:
-                # Each stream is copied to the device on its own thread, in parallel.
-                out = decode_streams_to_device(
-                    [checked(i) for i in range(n)],
-                    device,
-                    self._pinned,
-                    copy=copy,
-                    sync=sync,
-                    stop=stop,
-                )
-            except (NotFoundError, MissingFieldError, _Resplit):
-                pass
-            else:
-                self._learn(partition, rows, [b for g in gots for b in g])
-                return out
-        chunks = self._chunks(ticket, what, timeout, got=got)
-        out = decode_to_device(chunks, device, self._pinned, copy=copy, sync=sync)
-        self._learn(partition, rows, got)
-        return out
-
     def get(
         self,
         partition: str,
@@ -763,8 +568,8 @@ class Client:
         dev = resolve_device(device, as_)
         if dev is not None:
             what = f"get from {partition!r}"
-            return self._get_to_device(dev, t, what, timeout, copy=copy, sync=sync)
-        return self._read_keys(t, f"get from {partition!r}", timeout, as_, copy)
+            return get_to_device(self, dev, t, what, timeout, copy=copy, sync=sync)
+        return read_keys(self, t, f"get from {partition!r}", timeout, as_, copy)
 
     def claim(
         self,
@@ -859,53 +664,6 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _filled(
-    batches: list[pa.RecordBatch], fills: list[Callable[[], None]] | None
-) -> Iterator[pa.RecordBatch]:
-    """The batches in order, each filled first; the next one fills while one is written.
-
-    A batch is dropped from ``batches`` once handed out, so its buffers go as soon as the
-    transport is done with them. The fills copy with the GIL released (numpy), as does
-    the writer: on two cores, the copy for batch i+1 overlaps sending batch i.
-    """
-    if fills is None:
-        yield from batches
-        return
-    if len(batches) == 1:
-        fills.pop()()
-        yield batches.pop()
-        return
-    with ThreadPoolExecutor(1, thread_name_prefix="flightq-fill") as pool:
-        pending = pool.submit(fills[0])
-        for i in range(len(batches)):
-            pending.result()
-            fills[i] = _done  # its closure holds the batch's buffer
-            if i + 1 < len(batches):
-                pending = pool.submit(fills[i + 1])
-            b, batches[i] = batches[i], None  # let the transport free it once sent
-            yield b
-
-
-def _done() -> None:
-    pass
-
-
-def _put_groups(batches: list[pa.RecordBatch], streams: int) -> list[range]:
-    """Consecutive ranges of ``batches`` for a put's parallel streams, about equal in
-    bytes, each at least ``_MIN_STREAM_BYTES``; one range for a small put."""
-    sizes = [b.nbytes for b in batches]
-    n = max(1, min(streams, len(batches), sum(sizes) // _MIN_STREAM_BYTES))
-    if n < 2:
-        return [range(len(batches))]
-    total, acc, cuts = sum(sizes), 0, [0]
-    for i, size in enumerate(sizes):
-        acc += size
-        if len(cuts) < n and acc >= total * len(cuts) / n and i + 1 < len(batches):
-            cuts.append(i + 1)
-    cuts.append(len(batches))
-    return [range(a, b) for a, b in itertools.pairwise(cuts) if b > a]
 
 
 def _gathering(shm_dir: str | None) -> contextlib.AbstractContextManager[None]:

@@ -470,9 +470,9 @@ def test_async_client_gets_into_cuda(server):
 @pytest.mark.gpu
 @needs_cuda
 def test_a_split_get_into_cuda_returns_the_rows_asked(client, monkeypatch):
-    import flightq.client as fq_client
+    import flightq.streams as fq_streams
 
-    monkeypatch.setattr(fq_client, "_MIN_STREAM_BYTES", 1)
+    monkeypatch.setattr(fq_streams, "MIN_STREAM_BYTES", 1)
     step = workloads.w1(groups=2, bf16=True)
     client.create_partition("p", step.schema, tasks=["train"], group_size=16)
     client.put("p", step.keys, workloads.to_torch(step).columns, tags=step.tags)

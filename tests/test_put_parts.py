@@ -17,7 +17,7 @@ import pytest
 from fixtures_dataplane import TEXT, TIMEOUT, text_columns, text_keys
 
 import flightq
-import flightq.client as fq_client
+import flightq.streams as fq_streams
 from flightq.encode import encode
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,7 +32,7 @@ def server_fixture() -> Iterator[flightq.Server]:
 @pytest.fixture(name="client")
 def client_fixture(server: flightq.Server, monkeypatch: pytest.MonkeyPatch) -> flightq.Client:
     """A client that sends every put of 3 or more batches over 3 streams."""
-    monkeypatch.setattr(fq_client, "_MIN_STREAM_BYTES", 1)
+    monkeypatch.setattr(fq_streams, "MIN_STREAM_BYTES", 1)
     with flightq.connect(
         server.location, [TEXT], timeout=TIMEOUT, put_streams=3, max_batch_bytes=64
     ) as c:

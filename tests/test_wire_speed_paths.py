@@ -14,6 +14,7 @@ from helpers_wire import assert_same_rows, shipped
 
 import flightq
 import flightq.client as fq_client
+import flightq.streams as fq_streams
 from flightq import workloads
 from flightq.batch import encode_chunks
 
@@ -107,8 +108,8 @@ def test_a_multi_batch_put_with_a_bad_late_row_is_refused_before_anything_is_sen
 @pytest.fixture
 def split_gets(monkeypatch: pytest.MonkeyPatch) -> Iterator[flightq.Client]:
     """A client that splits every get of 2 or more rows over up to 3 streams."""
-    monkeypatch.setattr(fq_client, "_GET_STREAMS", 3)
-    monkeypatch.setattr(fq_client, "_MIN_STREAM_BYTES", 1)
+    monkeypatch.setattr(fq_client, "DEFAULT_STREAMS", 3)
+    monkeypatch.setattr(fq_streams, "MIN_STREAM_BYTES", 1)
     with flightq.Server() as srv, flightq.connect(srv.location, [TEXT]) as c:
         c.create_partition("t", TEXT, tasks=["train"])
         c._row_bytes["t"] = 1.0  # as if a get had been made
@@ -158,7 +159,7 @@ def test_a_partitions_first_get_and_small_gets_travel_as_one_stream(
     split_gets, monkeypatch
 ) -> None:
     c = split_gets
-    monkeypatch.setattr(fq_client, "_MIN_STREAM_BYTES", 2**20)
+    monkeypatch.setattr(fq_streams, "MIN_STREAM_BYTES", 2**20)
     c.create_partition("u", TEXT, tasks=["train"])
     keys = [f"k{i}" for i in range(8)]
     c.put("u", keys, _text_rows(keys))
@@ -225,8 +226,9 @@ def fake_device(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         )
 
     monkeypatch.setattr(fq_client, "resolve_device", lambda d, as_="torch": d)
-    monkeypatch.setattr(fq_client, "decode_to_device", decode_to_device)
-    monkeypatch.setattr(fq_client, "decode_streams_to_device", decode_streams_to_device)
+    for module in (fq_client, fq_streams):
+        monkeypatch.setattr(module, "decode_to_device", decode_to_device)
+    monkeypatch.setattr(fq_streams, "decode_streams_to_device", decode_streams_to_device)
     return calls
 
 
@@ -246,7 +248,7 @@ def test_a_device_gets_first_and_small_gets_travel_as_one_stream(
     split_gets, fake_device, monkeypatch
 ) -> None:
     c = split_gets
-    monkeypatch.setattr(fq_client, "_MIN_STREAM_BYTES", 2**20)
+    monkeypatch.setattr(fq_streams, "MIN_STREAM_BYTES", 2**20)
     c.create_partition("u", TEXT, tasks=["train"])
     keys = [f"k{i}" for i in range(8)]
     c.put("u", keys, _text_rows(keys))
