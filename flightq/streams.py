@@ -206,9 +206,9 @@ def get_to_device(
     sync: bool,
 ) -> Batch:
     """A get into CUDA tensors, split over parallel streams as :func:`read_keys` splits
-    it; each stream's record batches are copied to the device on that stream's thread
-    as they arrive, and the parts are assembled in key order. On an unknown key, a
-    missing field or parts whose columns differ, the get runs again as one stream,
+    it; each stream is read on its own thread, then the parts are copied to the device
+    together, in key order (:func:`flightq.cuda.decode_streams_to_device`). On an unknown
+    key, a missing field or parts whose columns differ, the get runs again as one stream,
     whose answer or complete error is the reference."""
     rows, partition = len(ticket["keys"]), ticket["partition"]
     n = split_count(client, ticket)
