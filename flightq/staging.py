@@ -35,6 +35,7 @@ class _Put:
     parts: int
     pieces: dict[int, list[Any]] = field(default_factory=dict)
     done: bool = False
+    committing: bool = False  # every part is here; only the commit decides now
     decided_at: float = 0.0
     result: int = 0
     error: BaseException | None = None
@@ -107,30 +108,33 @@ class Staging:
         with self._cond:
             p = self._entry(partition, stage, parts)
             if not p.done and (p.parts != parts or part in p.pieces):
-                self._decide(
-                    p,
-                    error=ProtocolError(
-                        f"{what}: part {part} does not fit the parts already here "
-                        f"({sorted(p.pieces)} of {p.parts}); nothing was stored"
-                    ),
+                unfit = ProtocolError(
+                    f"{what}: part {part} does not fit the parts already here "
+                    f"({sorted(p.pieces)} of {p.parts}); nothing was stored"
                 )
+                if p.committing:
+                    raise unfit  # the put goes on without this stray part
+                self._decide(p, error=unfit)
             if not p.done:
                 p.pieces[part] = pieces
             last = not p.done and len(p.pieces) == p.parts
             everything = [pc for i in range(p.parts) for pc in p.pieces[i]] if last else []
+            p.committing = p.committing or last
         if last:
             try:
                 result = commit(everything)
             except BaseException as e:
                 with self._cond:
-                    self._decide(p, error=e)
+                    self._decide(p, error=e, final=True)
             else:
                 with self._cond:
-                    self._decide(p, result=result)
+                    self._decide(p, result=result, final=True)
         with self._cond:
             while not p.done:
+                # Once every part is here, the commit's answer is the answer, however long
+                # the store takes (it waits for space within the put's own timeout).
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 and not p.committing:
                     self._decide(
                         p,
                         error=ProtocolError(
@@ -139,7 +143,7 @@ class Staging:
                         ),
                     )
                     break
-                self._cond.wait(left)
+                self._cond.wait(left if left > 0 else 1.0)
         if p.error is not None:
             if isinstance(p.error, FlightqError):
                 raise type(p.error)(str(p.error))
@@ -156,8 +160,13 @@ class Staging:
             p = self._puts[(partition, stage)] = _Put(parts)
         return p
 
-    def _decide(self, p: _Put, result: int = 0, error: BaseException | None = None) -> None:
-        # With the lock held: the first decision stands; the parts' pieces are let go.
+    def _decide(
+        self, p: _Put, result: int = 0, error: BaseException | None = None, final: bool = False
+    ) -> None:
+        # With the lock held: the first decision stands, and once every part is here only
+        # the commit's (``final``); the parts' pieces are let go.
+        if p.committing and not final:
+            return
         if not p.done:
             p.done, p.result, p.error = True, result, error
             p.decided_at = time.monotonic()

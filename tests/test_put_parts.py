@@ -19,6 +19,8 @@ from fixtures_dataplane import TEXT, TIMEOUT, text_columns, text_keys
 import flightq
 import flightq.streams as fq_streams
 from flightq.encode import encode
+from flightq.errors import ProtocolError
+from flightq.staging import Staging
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -160,3 +162,35 @@ def test_malformed_part_fields_are_refused(server, client, extra, message):
     with pytest.raises(fl.FlightServerError, match=rf"ProtocolError: .*{message}"):
         _part(server.location, _cmd(**extra), rb)
     assert client.stats()["partitions"]["p"]["rows"] == 0
+
+
+def test_once_every_part_is_here_only_the_commit_decides():
+    # The store may wait for space longer than the parts' own timeout, and an abort may
+    # come meanwhile: every part still answers with what the commit did.
+    staging = Staging()
+    started, release = threading.Event(), threading.Event()
+
+    def slow_commit(every: list[object]) -> int:
+        started.set()
+        release.wait(10)
+        return len(every)
+
+    answers: dict[int, int] = {}
+
+    def part(i: int) -> None:
+        answers[i] = staging.join("p", "s", i, 2, [f"piece{i}"], slow_commit, 0.05)
+
+    first = threading.Thread(target=part, args=(0,))
+    first.start()
+    while not staging._puts:
+        first.join(0.01)
+    last = threading.Thread(target=part, args=(1,))
+    last.start()
+    assert started.wait(10)
+    first.join(0.2)  # well past its 0.05 s timeout
+    assert first.is_alive()
+    staging.fail("p", "s", 2, ProtocolError("the client gave up a part"))
+    release.set()
+    first.join(10)
+    last.join(10)
+    assert answers == {0: 2, 1: 2}
