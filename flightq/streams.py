@@ -18,7 +18,7 @@ import itertools
 import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -115,23 +115,20 @@ def put_parts(
             raise FlightqError(f"{what}: the server sent no acknowledgement")
         return int(unpack(ack, "put acknowledgement")["rows"])
 
-    with ThreadPoolExecutor(len(groups) - 1, thread_name_prefix="flightq-put") as pool:
-        rest = [pool.submit(send, i) for i in range(1, len(groups))]
-        results: list[int | BaseException] = []
-        for f in [None, *rest]:
-            try:
-                results.append(send(0) if f is None else f.result())
-            except BaseException as e:  # the others must not wait for this part
-                with contextlib.suppress(FlightqError):
-                    client._action(
-                        "abort_put",
-                        {"partition": cmd["partition"], "stage": stage, "parts": len(groups)},
-                    )
-                results.append(e)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return int(results[0])  # type: ignore[arg-type]
+    with ThreadPoolExecutor(len(groups), thread_name_prefix="flightq-put") as pool:
+        futures = [pool.submit(send, i) for i in range(len(groups))]
+        finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        first = next((e for e in (f.exception() for f in finished) if e is not None), None)
+        if first is not None:
+            # The parts still waiting on the server must not wait for this one.
+            with contextlib.suppress(FlightqError):
+                client._action(
+                    "abort_put",
+                    {"partition": cmd["partition"], "stage": stage, "parts": len(groups)},
+                )
+            wait(futures)
+            raise first
+    return int(futures[0].result())
 
 
 def read_keys(

@@ -194,3 +194,18 @@ def test_once_every_part_is_here_only_the_commit_decides():
     first.join(10)
     last.join(10)
     assert answers == {0: 2, 1: 2}
+
+
+def test_a_part_the_client_cannot_send_aborts_the_others_at_once(server, client, monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"grpc://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setattr(client, "_stream_clients", lambda n: [fl.connect(dead)] * n)
+    keys, cols = _rows(12)
+    with pytest.raises(flightq.UnavailableError):
+        client.put("p", keys, cols)
+    (decided,) = server._staging._puts.values()
+    assert "the client gave up a part" in str(decided.error)  # not its timeout
+    assert client.stats()["partitions"]["p"]["rows"] == 0
