@@ -103,7 +103,7 @@ def put_parts(
                 for j in part:
                     if fills is not None:
                         fills[j]()
-                        fills[j] = done
+                        fills[j] = _done
                     b, batches[j] = batches[j], None
                     for chunk in split_batch(b, client.max_batch_bytes):
                         writer.write_batch(chunk)
@@ -269,14 +269,14 @@ def filled(
         pending = pool.submit(fills[0])
         for i in range(len(batches)):
             pending.result()
-            fills[i] = done  # its closure holds the batch's buffer
+            fills[i] = _done  # its closure holds the batch's buffer
             if i + 1 < len(batches):
                 pending = pool.submit(fills[i + 1])
             b, batches[i] = batches[i], None  # let the transport free it once sent
             yield b
 
 
-def done() -> None:
+def _done() -> None:
     pass
 
 
