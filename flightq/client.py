@@ -430,21 +430,33 @@ class Client:
         groups = put_groups(batches, self.put_streams)
         if len(groups) > 1:
             return put_parts(self, cmd, batches, fills, groups, timeout)
+        return self._do_put(cmd, batches[0].schema, filled(batches, fills), timeout)
+
+    def _do_put(
+        self,
+        cmd: Mapping[str, Any],
+        schema: pa.Schema,
+        batches: Iterable[pa.RecordBatch],
+        timeout: float | None,
+        flight: fl.FlightClient | None = None,
+    ) -> int:
+        """One DoPut exchange: the command, ``batches`` cut at ``max_batch_bytes``, then the
+        server's acknowledgement; returns the rows it acknowledged."""
+        what = f"put to {cmd['partition']!r}"
+        flight = self._flight if flight is None else flight
         desc = fl.FlightDescriptor.for_command(pack(cmd))
         try:
-            writer, reader = self._flight.do_put(
-                desc, batches[0].schema, options=self._options(timeout)
-            )
+            writer, reader = flight.do_put(desc, schema, options=self._options(timeout))
             with writer:
-                for b in filled(batches, fills):
+                for b in batches:
                     for chunk in split_batch(b, self.max_batch_bytes):
                         writer.write_batch(chunk)
                 writer.done_writing()
                 ack = reader.read()
         except (pa.ArrowException, fl.FlightError) as e:
-            raise from_flight_error(e, f"put to {partition!r}") from e
+            raise from_flight_error(e, what) from e
         if ack is None:
-            raise FlightqError(f"put to {partition!r}: the server sent no acknowledgement")
+            raise FlightqError(f"{what}: the server sent no acknowledgement")
         return int(unpack(ack, "put acknowledgement")["rows"])
 
     def _read(
@@ -459,16 +471,11 @@ class Client:
         (while gRPC receives the next one)."""
         if self.shm_dir is not None:
             ticket = {**ticket, "shm": True}
-        flight = self._flight if flight is None else flight
         batches: list[pa.RecordBatch] = []
-        try:
-            reader = flight.do_get(fl.Ticket(pack(ticket)), options=self._options(timeout))
-            for chunk in reader:
-                batches.append(chunk.data)
-                if decoder is not None and self.shm_dir is None:
-                    decoder.add(chunk.data)
-        except (pa.ArrowException, fl.FlightError) as e:
-            raise from_flight_error(e, what) from e
+        for rb in self._chunks(ticket, what, timeout, flight):
+            batches.append(rb)
+            if decoder is not None and self.shm_dir is None:
+                decoder.add(rb)
         if self.shm_dir is not None:
             from .shm.table import take
 

@@ -26,9 +26,7 @@ import pyarrow.flight as fl
 
 from .batch import Batch, PartDecoder, join
 from .cuda import decode_streams_to_device, decode_to_device
-from .encode import split_batch
 from .errors import FlightqError, MissingFieldError, NotFoundError
-from .protocol import from_flight_error, pack, unpack
 
 if TYPE_CHECKING:
     from .client import Client
@@ -81,7 +79,6 @@ def put_parts(
     """One put over parallel DoPut streams, one range of batches each, on their own
     connections; the server stores the parts together or not at all
     (:mod:`flightq.staging`). Each stream fills its batches just before sending them."""
-    what = f"put to {cmd['partition']!r}"
     stage = secrets.token_hex(8)
     flights = [client._flight, *client._stream_clients(len(groups) - 1)]
 
@@ -94,26 +91,17 @@ def put_parts(
             "part": i,
             "parts": len(groups),
         }
-        desc = fl.FlightDescriptor.for_command(pack(mine))
-        try:
-            writer, reader = flights[i].do_put(
-                desc, batches[part[0]].schema, options=client._options(timeout)
-            )
-            with writer:
-                for j in part:
-                    if fills is not None:
-                        fills[j]()
-                        fills[j] = _done
-                    b, batches[j] = batches[j], None
-                    for chunk in split_batch(b, client.max_batch_bytes):
-                        writer.write_batch(chunk)
-                writer.done_writing()
-                ack = reader.read()
-        except (pa.ArrowException, fl.FlightError) as e:
-            raise from_flight_error(e, what) from e
-        if ack is None:
-            raise FlightqError(f"{what}: the server sent no acknowledgement")
-        return int(unpack(ack, "put acknowledgement")["rows"])
+        schema = batches[part[0]].schema
+        return client._do_put(mine, schema, sent(part), timeout, flights[i])
+
+    def sent(part: range) -> Iterator[pa.RecordBatch]:
+        # Each batch filled just before it is sent, and let go once handed over.
+        for j in part:
+            if fills is not None:
+                fills[j]()
+                fills[j] = _done
+            b, batches[j] = batches[j], None
+            yield b
 
     with ThreadPoolExecutor(len(groups), thread_name_prefix="flightq-put") as pool:
         futures = [pool.submit(send, i) for i in range(len(groups))]

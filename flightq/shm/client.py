@@ -10,7 +10,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..errors import FlightqError, ProtocolError
+from ..errors import ProtocolError
 from .segments import SegmentPool
 
 # --------------------------------------------------------------------------- client side
@@ -62,10 +62,7 @@ def put_via_shm(
     FlightqError
         As a streamed put (the server validates the same way); nothing is stored.
     """
-    import pyarrow.flight as fl
-
     from ..encode import split_batch
-    from ..protocol import from_flight_error, pack, unpack
 
     what = f"put to {cmd['partition']!r}"
     with client._lock:
@@ -74,20 +71,8 @@ def put_via_shm(
         pool = client._shm_pool
     chunks = [c for b in batches for c in split_batch(b, client._put_batch_bytes())]
     ref = pool.write(chunks[0].schema, chunks, what)
-    desc = fl.FlightDescriptor.for_command(pack({**cmd, "shm": ref}))
-    ack = None
     try:
-        writer, reader = client._flight.do_put(
-            desc, chunks[0].schema, options=client._options(timeout)
-        )
-        with writer:
-            writer.done_writing()
-            ack = reader.read()
-    except (pa.ArrowException, fl.FlightError) as e:
-        raise from_flight_error(e, what) from e
-    finally:
-        if ack is None:
-            pool.abandon(ref)
-    if ack is None:
-        raise FlightqError(f"{what}: the server sent no acknowledgement")
-    return int(unpack(ack, "put acknowledgement")["rows"])
+        return int(client._do_put({**cmd, "shm": ref}, chunks[0].schema, (), timeout))
+    except BaseException:
+        pool.abandon(ref)
+        raise
