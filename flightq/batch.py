@@ -106,10 +106,17 @@ class PartDecoder:
     nothing to do once the last one is in.
     """
 
-    def __init__(self, as_: str = "torch", copy: bool = False, prepare: bool = True) -> None:
+    def __init__(
+        self,
+        as_: str = "torch",
+        copy: bool = False,
+        prepare: bool = True,
+        part: type[Batch] | None = None,
+    ) -> None:
         self.as_ = as_
         self.copy = copy
         self.prepare = prepare
+        self.part = Batch if part is None else part  # the class of each decoded part
         self.parts: list[Batch] = []
 
     def add(self, rb: pa.RecordBatch) -> None:
@@ -121,14 +128,14 @@ class PartDecoder:
             As :func:`decode`.
         """
         c = validate_part(rb, self.parts[0] if self.parts else None)
-        part = Batch(rb, c.schema, c.keys, c.fields, self.as_, self.copy)
+        part = self.part(rb, c.schema, c.keys, c.fields, self.as_, self.copy)
         if self.prepare:
             part.prepare()
         self.parts.append(part)
 
 
 def join(parts: Sequence[Batch]) -> Batch:
-    """Decoded parts (of one stream, or of several in order) as one :class:`Batch`.
+    """Decoded parts (of one stream, or of several in order) as one batch of their class.
 
     Raises
     ------
@@ -146,7 +153,7 @@ def join(parts: Sequence[Batch]) -> Batch:
         )
     if len(parts) == 1:
         return p0
-    whole = Batch(
+    whole = type(p0)(
         p0.record_batch, p0.schema, [k for p in parts for k in p.keys], p0.fields, p0._as, p0._copy
     )
     whole._parts = list(parts)

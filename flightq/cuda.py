@@ -27,9 +27,17 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .batch import Batch, Column, MediaColumn, ScalarColumn, TensorColumn, validate_part
+from .batch import (
+    Batch,
+    Column,
+    MediaColumn,
+    PartDecoder,
+    ScalarColumn,
+    TensorColumn,
+    join,
+)
 from .dtypes import DTYPES
-from .errors import DecodeError, DeviceError
+from .errors import DeviceError
 
 __all__ = [
     "PinnedPool",
@@ -748,11 +756,10 @@ def _to_device(
 
 def _validated(batches: list[pa.RecordBatch], copy: bool) -> list[DeviceBatch]:
     """One stream's record batches, validated as host-side parts (nothing copied yet)."""
-    parts: list[DeviceBatch] = []
+    d = PartDecoder("torch", copy, prepare=False, part=DeviceBatch)
     for rb in batches:
-        c = validate_part(rb, parts[0] if parts else None)
-        parts.append(DeviceBatch(rb, c.schema, c.keys, c.fields, "torch", copy))
-    return parts
+        d.add(rb)
+    return d.parts  # type: ignore[return-value]
 
 
 def decode_to_device(
@@ -795,7 +802,7 @@ def decode_to_device(
     DecodeError, ShapeError, UndeclaredFieldError
         As :func:`flightq.batch.decode`.
     """
-    return _assemble(_validated(list(chunks), copy), device, pool, copy, sync)
+    return _assemble(_validated(list(chunks), copy), device, pool, sync)
 
 
 def decode_streams_to_device(
@@ -840,38 +847,19 @@ def decode_streams_to_device(
         if e is not None:
             raise e
     parts = [p for r in results for p in _validated(r, copy)]
-    return _assemble(parts, device, pool, copy, sync)
+    return _assemble(parts, device, pool, sync)
 
 
-def _assemble(
-    parts: list[DeviceBatch], device: Any, pool: PinnedPool, copy: bool, sync: bool
-) -> DeviceBatch:
+def _assemble(parts: list[DeviceBatch], device: Any, pool: PinnedPool, sync: bool) -> DeviceBatch:
     """The parts, copied to ``device``, as one DeviceBatch with an event after the copies."""
     torch = _torch()
-    odd = next(
-        (p for p in parts[1:] if p.schema != parts[0].schema or p.fields != parts[0].fields),
-        None,
-    )
-    if odd is not None:
-        raise DecodeError(
-            f"record batches of one get differ: {parts[0].schema.ref} "
-            f"{parts[0].fields} then {odd.schema.ref} {odd.fields}"
-        )
-    if not parts:
-        raise DecodeError("nothing to decode: no record batches")
+    whole = join(parts)  # refuses no parts, or parts of other schemas or fields
+    assert isinstance(whole, DeviceBatch)
     side = pool.stream(device)
     # The device buffer is allocated on the side stream and handed to the caller's stream
     # with record_stream, so the copies need not wait for work queued on the caller's.
     consumer = torch.cuda.current_stream(device)
     _to_device(parts, device, side, consumer, pool)
-    if len(parts) == 1:
-        whole = parts[0]
-    else:
-        p0 = parts[0]
-        whole = DeviceBatch(
-            p0.record_batch, p0.schema, [k for p in parts for k in p.keys], p0.fields, "torch", copy
-        )
-        whole._parts = list(parts)
     event = torch.cuda.Event()
     event.record(side)
     whole.device, whole.event, whole.stream = device, event, side
