@@ -289,12 +289,13 @@ class Column:
         """The per-row structure of ``Batch.__getitem__``."""
         raise NotImplementedError
 
+    _rows: Any = None
+
     def cached_rows(self) -> Any:
         """:meth:`rows`, built once (callers copy a list before handing it out)."""
-        rows = self.__dict__.get("_rows")
-        if rows is None:
-            rows = self._rows = self.rows()
-        return rows
+        if self._rows is None:
+            self._rows = self.rows()
+        return self._rows
 
 
 def _decoded_base(

@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from .codecs import RAW
 from .errors import DTypeError, EncodeError, ShapeError, UndeclaredFieldError
-from .layout import MEDIA_TYPE, arrow_schema, binary_offsets
+from .layout import MEDIA_TYPE, arrow_schema, binary_offsets, first_use_bytes
 from .schema import Field, Schema
 from .tensor import Bulk, Encoded, bulk_to_bytes, is_torch, nbytes_for, to_bytes
 
@@ -493,9 +493,7 @@ def row_nbytes(batch: pa.RecordBatch) -> np.ndarray:
             segs = col.values.slice(int(outer[0]), int(outer[-1] - outer[0]))
             lengths = np.diff(binary_offsets(segs.dictionary))
             idx = segs.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-            _, first = np.unique(idx, return_index=True)
-            seg = np.zeros(len(idx), dtype=np.int64)
-            seg[first] = lengths[idx[first]]
+            seg = first_use_bytes(idx, lengths)
             sums = np.concatenate([[0], np.cumsum(seg)])
             rel = outer - outer[0]
             out += sums[rel[1:]] - sums[rel[:-1]]

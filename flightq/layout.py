@@ -238,6 +238,15 @@ def binary_offsets(arr: pa.Array) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.int64, count=n, offset=arr.offset * 8)
 
 
+def first_use_bytes(indices: np.ndarray, entry_bytes: np.ndarray) -> np.ndarray:
+    """Per media segment (dictionary ``indices`` in row order), its entry's bytes where the
+    entry is used first, 0 where it repeats: a shared entry counts once, on its first row."""
+    _, first = np.unique(indices, return_index=True)
+    out = np.zeros(len(indices), dtype=np.int64)
+    out[first] = entry_bytes[indices[first]]
+    return out
+
+
 def _lengths(offsets: np.ndarray) -> np.ndarray:
     return offsets[1:] - offsets[:-1]
 
@@ -470,10 +479,7 @@ def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
                     f"{where}segment of shape {shp} needs {want[j]} bytes of {f.dtype}, "
                     f"payload has {got[j]}{seg_at(j)}"
                 )
-            # A shared entry is counted once, on the first row that uses it.
-            _, first = np.unique(idx, return_index=True)
-            seg_bytes = np.zeros(len(idx), dtype=np.int64)
-            seg_bytes[first] = np.diff(binary_offsets(entries))[idx[first]]
+            seg_bytes = first_use_bytes(idx, np.diff(binary_offsets(entries)))
             np.add.at(nbytes, row_of_seg, seg_bytes)
             continue
         so_raw = _np(shapes.offsets)
