@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,7 @@ from flightq import (
     workloads,
 )
 from flightq.batch import split_batch
-from flightq.layout import binary_offsets, validate
+from flightq.layout import binary_offsets, shape_products, validate
 
 TEXT = "rollout_text@1"
 VLM = "rollout_vlm@1"
@@ -724,6 +725,9 @@ def test_payload_column_of_the_wrong_arrow_type_is_refused() -> None:
 
 def test_field_metadata_naming_another_dtype_is_refused() -> None:
     rb = _text_batch()
+    # Layouts are checked once per Arrow schema; a batch that differs only in one field's
+    # metadata is another layout and checked afresh.
+    assert validate(rb).fields == ["input_ids", "token_mask"]
     i = rb.schema.get_field_index("input_ids")
     f = rb.schema.field(i)
     arrow = rb.schema.set(i, f.with_metadata(f.metadata | {b"flightq.dtype": b"float64"}))
@@ -747,6 +751,30 @@ def test_undeclared_column_in_a_received_batch_is_refused() -> None:
         UndeclaredFieldError,
         r"column 'secret' is not declared by schema rollout_text@1; declared: input_ids, ",
     )
+
+
+def test_a_column_name_appearing_twice_is_refused() -> None:
+    rb = _text_batch()
+    i = rb.schema.get_field_index("token_mask")
+    rb = pa.RecordBatch.from_arrays(
+        [*rb.columns, rb.column(i)], schema=rb.schema.append(rb.schema.field(i))
+    )
+    _refused_by_validate_and_decode(rb, DecodeError, r"column 'token_mask' appears more than once")
+
+
+def test_shape_byte_lengths_match_the_product_of_dims_for_any_mix_of_ranks() -> None:
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        n = int(rng.integers(1, 6))
+        uniform = trial % 2 == 0
+        rank = int(rng.integers(0, 4))
+        ranks = [rank if uniform else int(rng.integers(0, 4)) for _ in range(n)]
+        big = trial % 5 == 0  # dims near the overflow guard take the exact path
+        shapes = [[int(d) for d in rng.integers(0, 2**20 if big else 9, size=r)] for r in ranks]
+        offsets = np.concatenate([[0], np.cumsum(ranks)]).astype(np.int64)
+        values = np.array([d for s in shapes for d in s], dtype=np.int64)
+        got = shape_products(offsets, values, 4, "")
+        assert got.tolist() == [4 * math.prod(s) for s in shapes], shapes
 
 
 def test_duplicate_keys_in_a_received_batch_are_refused() -> None:
