@@ -346,8 +346,12 @@ class TensorColumn(Column):
         if self.copy or not self.valid.all() or not len(self):
             return [self[i] for i in range(len(self))]
         # Every row present: cut the base in one call, then shape the views.
-        counts = np.diff(self._elem, append=len(self._base))
-        if self.as_ == "torch":
+        if len(self) == 1:
+            pieces = [self._base]
+        elif self.as_ == "torch":
+            counts = np.empty(len(self._elem), dtype=np.int64)
+            np.subtract(self._elem[1:], self._elem[:-1], out=counts[:-1])
+            counts[-1] = len(self._base) - self._elem[-1]
             pieces = list(self._base.split(counts.tolist()))
         else:
             pieces = np.split(self._base, self._elem[1:])

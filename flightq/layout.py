@@ -69,6 +69,8 @@ FIELD_ROLE = b"flightq.role"
 FIELD_CODEC = b"flightq.codec"
 
 _LIMIT = float(2**62)
+#: Bound on the cached Arrow schemas and checked layouts (cleared when reached).
+_MAX_PLANS = 256
 
 
 #: Media payloads: per row a list of segments, each an index into a per-batch dictionary of
@@ -103,7 +105,21 @@ def arrow_field(f: Field) -> pa.Field:
 
 def arrow_schema(schema: Schema, names: list[str] | None = None) -> pa.Schema:
     """The Arrow schema of a batch carrying ``names`` (all fields when None), schema order."""
-    wanted = set(schema[n].name for n in names) if names is not None else None
+    wanted = frozenset(schema[n].name for n in names) if names is not None else None
+    # Schemas are frozen and named by their fingerprint: each field subset is built once.
+    key = (schema.fingerprint, wanted)
+    arrow = _ARROW_SCHEMAS.get(key)
+    if arrow is None:
+        if len(_ARROW_SCHEMAS) >= _MAX_PLANS:
+            _ARROW_SCHEMAS.clear()
+        arrow = _ARROW_SCHEMAS[key] = _arrow_schema(schema, wanted)
+    return arrow
+
+
+_ARROW_SCHEMAS: dict[tuple[str, frozenset[str] | None], pa.Schema] = {}
+
+
+def _arrow_schema(schema: Schema, wanted: frozenset[str] | None) -> pa.Schema:
     cols = [pa.field(KEY, pa.utf8(), nullable=False), pa.field(TAGS, pa.binary())]
     for f in schema.fields:
         if wanted is not None and f.name not in wanted:
@@ -354,7 +370,6 @@ class _Plan:
 #: Plans by schema fingerprint; each list holds one plan per distinct Arrow schema (field
 #: subsets). Every batch of a stream, and every put of a partition, carries the same one.
 _PLANS: dict[bytes, list[_Plan]] = {}
-_MAX_PLANS = 256
 
 
 def _plan(arrow: pa.Schema) -> _Plan:

@@ -255,6 +255,11 @@ def _torch_bulk(xs: Sequence[Any]) -> Bulk | None:
     return Bulk(list(xs), nbytes, [tuple(x.shape) for x in xs], tag)
 
 
+#: Set once torch has given (and flightq silenced) its once-per-process warning about
+#: tensors over read-only memory.
+_TORCH_WARNED = False
+
+
 def column_base(buf: Any, start: int, stop: int, dt: DType, as_: str) -> Any:
     """View ``buf[start:stop]`` as a flat array of ``dt`` elements, without copying.
 
@@ -284,10 +289,16 @@ def column_base(buf: Any, start: int, stop: int, dt: DType, as_: str) -> Any:
         return arr
     import torch
 
-    with warnings.catch_warnings():
-        # Received buffers are read-only; the tensors are documented as read-only views.
-        warnings.filterwarnings("ignore", message=".*not writable.*")
+    global _TORCH_WARNED
+    if arr.flags.writeable or _TORCH_WARNED:
         t = torch.from_numpy(arr)
+    else:
+        # Received buffers are read-only; the tensors are documented as read-only views.
+        # torch warns about that once per process: silence that one warning.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            t = torch.from_numpy(arr)
+        _TORCH_WARNED = True
     if not dt.native_numpy:
         t = t.view(dt.torch())
     return t
