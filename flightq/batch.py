@@ -17,9 +17,10 @@ import pyarrow as pa
 from .codecs import RAW
 from .encode import GATHER, encode, encode_chunks, row_nbytes, split_batch
 from .errors import DecodeError, MissingFieldError, ShapeError
-from .layout import SHAPE_SUFFIX, TAGS, Checked, binary_offsets, validate
+from .layout import SHAPE_SUFFIX, TAGS, binary_offsets
 from .schema import Field, Schema
 from .tensor import column_base, nbytes_for, row_view
+from .validation import Checked, validate
 
 __all__ = [
     "encode",

@@ -16,24 +16,19 @@ Every flightq record batch has these columns, in this order:
 
 The schema-level metadata carries the whole schema (``flightq.schema``, canonical JSON),
 its fingerprint and the wire version; each payload column's metadata names its dtype,
-role and codec. :func:`validate` checks a batch against its schema using only the Arrow
-offsets and the shape columns: it never rebuilds a tensor, so the server can use it.
+role and codec. :func:`flightq.validation.validate` checks a batch against this layout.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from .codecs import RAW, codec_from_dict
-from .errors import DecodeError, EncodeError, SchemaError, ShapeError, UndeclaredFieldError
+from .codecs import RAW
+from .errors import DecodeError, SchemaError
 from .schema import Field, Schema
 
 __all__ = [
@@ -50,9 +45,6 @@ __all__ = [
     "arrow_field",
     "arrow_schema",
     "schema_of",
-    "Checked",
-    "validate",
-    "shape_products",
     "binary_offsets",
 ]
 
@@ -68,9 +60,8 @@ FIELD_DTYPE = b"flightq.dtype"
 FIELD_ROLE = b"flightq.role"
 FIELD_CODEC = b"flightq.codec"
 
-_LIMIT = float(2**62)
-#: Bound on the cached Arrow schemas and checked layouts (cleared when reached).
-_MAX_PLANS = 256
+#: Bound on the remembered Arrow schemas (cleared when reached).
+_MAX_SCHEMAS = 256
 
 
 #: Media payloads: per row a list of segments, each an index into a per-batch dictionary of
@@ -110,12 +101,13 @@ def arrow_schema(schema: Schema, names: list[str] | None = None) -> pa.Schema:
     key = (schema.fingerprint, wanted)
     arrow = _ARROW_SCHEMAS.get(key)
     if arrow is None:
-        if len(_ARROW_SCHEMAS) >= _MAX_PLANS:
+        if len(_ARROW_SCHEMAS) >= _MAX_SCHEMAS:
             _ARROW_SCHEMAS.clear()
         arrow = _ARROW_SCHEMAS[key] = _arrow_schema(schema, wanted)
     return arrow
 
 
+#: A bounded memo of :func:`_arrow_schema` (schemas are frozen).
 _ARROW_SCHEMAS: dict[tuple[str, frozenset[str] | None], pa.Schema] = {}
 
 
@@ -171,84 +163,6 @@ def _parse_schema(text: bytes, fingerprint: bytes) -> Schema:
     return schema
 
 
-@dataclass(frozen=True)
-class Checked:
-    """What :func:`validate` learned about a batch.
-
-    Attributes
-    ----------
-    schema:
-        The schema the batch carries (or was checked against).
-    keys:
-        Row keys, in order.
-    fields:
-        Names of the fields present, in schema order.
-    seq_lens:
-        Per row, the sequence length shared by its token fields (-1 where it has none).
-    nbytes:
-        Per row, payload bytes (as sent, compressed where a codec applies).
-    """
-
-    schema: Schema
-    keys: list[str]
-    fields: list[str]
-    seq_lens: np.ndarray
-    nbytes: np.ndarray
-
-
-def shape_products(
-    offsets: np.ndarray,
-    values: np.ndarray,
-    itemsize: int,
-    where: str,
-    at: Callable[[int], str] | None = None,
-) -> np.ndarray:
-    """Byte length of each shape in a flattened shape list, overflow-safe.
-
-    ``offsets`` (n+1) delimit each shape's dims in ``values``. Returns int64 byte lengths.
-    ``at(i)`` names shape ``i`` in error messages (e.g. its row key).
-
-    Raises
-    ------
-    ShapeError
-        On a negative dim or a byte length that does not fit in int64.
-    """
-    n = len(offsets) - 1
-    out = np.full(n, itemsize, dtype=np.int64)
-    if n == 0:
-        return out
-    lo, hi = int(offsets[0]), int(offsets[-1])
-    v = values[lo:hi]
-    if v.size == 0:
-        return out
-
-    def shape(i: int) -> tuple[int, ...]:
-        return tuple(int(d) for d in values[offsets[i] : offsets[i + 1]])
-
-    def name(i: int) -> str:
-        return at(i) if at is not None else f" (shape {i})"
-
-    if v.min() < 0:
-        i = int(np.searchsorted(offsets[1:], lo + int(np.argmax(v < 0)), side="right"))
-        raise ShapeError(f"{where}expected dims >= 0, got shape {shape(i)}{name(i)}")
-    ranks = offsets[1:] - offsets[:-1]
-    r = int(ranks[0])
-    if r and (ranks == r).all() and float(v.max()) ** r * itemsize < _LIMIT:
-        # Every shape of one rank, products far from overflow: one reduction.
-        return v.reshape(n, r).prod(axis=1) * itemsize if r > 1 else v * itemsize
-    nz = ranks > 0
-    starts = offsets[:-1][nz] - lo
-    fprod = np.multiply.reduceat(v.astype(np.float64), starts) * itemsize
-    if fprod.max(initial=0.0) >= _LIMIT:
-        i = int(np.nonzero(nz)[0][int(np.argmax(fprod >= _LIMIT))])
-        raise ShapeError(
-            f"{where}shape {shape(i)} needs {math.prod(shape(i)) * itemsize} bytes, more than "
-            f"a payload may hold (2**62){name(i)}"
-        )
-    out[nz] = np.multiply.reduceat(v, starts) * itemsize
-    return out
-
-
 def binary_offsets(arr: pa.Array) -> np.ndarray:
     """The int64 offsets (length + 1) of a large_binary array, honouring its slice offset."""
     buf = arr.buffers()[1]
@@ -265,378 +179,3 @@ def first_use_bytes(indices: np.ndarray, entry_bytes: np.ndarray) -> np.ndarray:
     out = np.zeros(len(indices), dtype=np.int64)
     out[first] = entry_bytes[indices[first]]
     return out
-
-
-def _lengths(offsets: np.ndarray) -> np.ndarray:
-    return offsets[1:] - offsets[:-1]
-
-
-def _np(arr: pa.Array) -> np.ndarray:
-    return arr.to_numpy(zero_copy_only=False)
-
-
-def _valid(arr: pa.Array) -> np.ndarray:
-    if arr.null_count == 0:
-        return np.ones(len(arr), dtype=bool)
-    return _np(arr.is_valid())
-
-
-def _shape_arrays(shapes: pa.Array, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """Offsets and dims of a ``list<int64>`` array (sliced or not)."""
-    if shapes.values.null_count:
-        raise ShapeError(f"{where}a shape has a null dim")
-    return _np(shapes.offsets).astype(np.int64), _np(shapes.values).astype(np.int64)
-
-
-def _check_fixed(
-    f: Field,
-    offsets: np.ndarray,
-    values: np.ndarray,
-    valid: np.ndarray | None,
-    where: str,
-    keys: Any,
-) -> None:
-    """Ranks and fixed dims of the valid rows (all when ``valid`` is None) against the
-    declaration (vectorised)."""
-    if f.shape is None:
-        return
-    ranks = offsets[1:] - offsets[:-1]
-    rank = len(f.shape)
-    wrong = ranks != rank if valid is None else valid & (ranks != rank)
-    bad = wrong.nonzero()[0]
-    if bad.size:
-        i = int(bad[0])
-        got = tuple(int(x) for x in values[offsets[i] : offsets[i + 1]])
-        raise ShapeError(f"{where}expected rank {rank} {_fmt(f)}, got shape {got}{keys(i)}")
-    if all(d is None for d in f.shape):
-        return
-    rows = np.arange(len(ranks)) if valid is None else valid.nonzero()[0]
-    if rows.size == 0 or rank == 0:
-        return
-    dims = values[offsets[0] : offsets[-1]].reshape(-1, rank)
-    for axis, want in enumerate(f.shape):
-        if want is None:
-            continue
-        bad = np.nonzero(dims[:, axis] != want)[0]
-        if bad.size:
-            k = int(bad[0])
-            raise ShapeError(
-                f"{where}expected shape {_fmt(f)}, got "
-                f"{tuple(int(x) for x in dims[k])}{keys(int(rows[k]))}"
-            )
-
-
-def _fmt(f: Field) -> str:
-    assert f.shape is not None
-    return "[" + ", ".join("?" if d is None else str(d) for d in f.shape) + "]"
-
-
-def _payload_lengths(f: Field, payload: pa.Array, valid: np.ndarray, where: str) -> np.ndarray:
-    """Decoded byte length of each payload (raw: from offsets; zstd: from frame headers)."""
-    offs = binary_offsets(payload)
-    lengths = np.diff(offs)
-    if f.codec is RAW:
-        return lengths
-    out = np.zeros(len(payload), dtype=np.int64)
-    data = payload.buffers()[2]
-    for i in np.nonzero(valid)[0]:
-        size = f.codec.decoded_size(memoryview(data)[offs[i] : offs[i + 1]]) if data else None
-        if size is None:
-            raise ShapeError(f"{where}row {i}: {f.codec.id} payload without a readable size")
-        out[i] = size
-    return out
-
-
-@dataclass(frozen=True)
-class _Column:
-    """A field present in a batch layout: its payload and shape column indices."""
-
-    f: Field
-    payload: int
-    shape: int  # -1 for a scalar field
-    where: str
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What the Arrow schema of a batch settles, checked once per distinct schema."""
-
-    arrow: pa.Schema
-    schema: Schema
-    present: tuple[str, ...]
-    columns: tuple[_Column, ...]
-
-
-#: Plans by schema fingerprint; each list holds one plan per distinct Arrow schema (field
-#: subsets). Every batch of a stream, and every put of a partition, carries the same one.
-_PLANS: dict[bytes, list[_Plan]] = {}
-
-
-def _plan(arrow: pa.Schema) -> _Plan:
-    """The checked layout of ``arrow`` (cached; Arrow schemas compare in C++, metadata too)."""
-    meta = arrow.metadata or {}
-    fp = meta.get(META_FINGERPRINT, b"")
-    for p in _PLANS.get(fp, ()):
-        if p.arrow.equals(arrow, check_metadata=True):
-            return p
-    p = _make_plan(arrow)
-    if sum(len(v) for v in _PLANS.values()) >= _MAX_PLANS:
-        _PLANS.clear()
-    _PLANS.setdefault(fp, []).append(p)
-    return p
-
-
-def _make_plan(arrow: pa.Schema) -> _Plan:
-    """Check an Arrow schema against the flightq schema its metadata carries."""
-    schema = schema_of(arrow)
-    try:
-        names = arrow.names
-    except UnicodeDecodeError as e:
-        raise DecodeError(f"malformed record batch: a column name is not UTF-8 ({e})") from e
-    if names[:2] != [KEY, TAGS]:
-        raise DecodeError(f"a flightq batch starts with columns {KEY!r}, {TAGS!r}; got {names[:2]}")
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise DecodeError(f"malformed record batch: column {dup!r} appears more than once")
-    if arrow.field(0).type != pa.utf8():
-        raise DecodeError(f"column {KEY!r} must be non-null utf8, got {arrow.field(0).type}")
-    if arrow.field(1).type != pa.binary():
-        raise DecodeError(f"column {TAGS!r} must be binary (msgpack), got {arrow.field(1).type}")
-    rest = names[2:]
-    shape_cols = {c for c in rest if c.endswith(SHAPE_SUFFIX)}
-    present: list[str] = []
-    columns: list[_Column] = []
-    for name in rest:
-        if name in shape_cols:
-            base = name[: -len(SHAPE_SUFFIX)]
-            if base not in names:
-                raise DecodeError(f"shape column {name!r} has no payload column {base!r}")
-            if base in schema and schema[base].role == "scalar":
-                raise DecodeError(f"shape column {name!r}: scalar field {base!r} has no shape")
-            continue
-        if name not in schema:
-            raise UndeclaredFieldError(
-                f"column {name!r} is not declared by schema {schema.ref}; declared: "
-                f"{', '.join(f.name for f in schema.fields)}"
-            )
-        f = schema[name]
-        where = f"column {name!r}: "
-        i = arrow.get_field_index(name)
-        afield = arrow.field(i)
-        meta = afield.metadata or {}
-        if afield.type != payload_type(f):
-            raise DecodeError(
-                f"{where}expected Arrow type {payload_type(f)} for role {f.role}, got {afield.type}"
-            )
-        if meta.get(FIELD_DTYPE, f.dtype.encode()).decode(errors="replace") != f.dtype:
-            raise DecodeError(
-                f"{where}field metadata says dtype {meta[FIELD_DTYPE].decode(errors='replace')!r}, "
-                f"schema {schema.ref} declares {f.dtype!r}"
-            )
-        codec_meta = meta.get(FIELD_CODEC)
-        if codec_meta is not None:
-            try:
-                got_codec = codec_from_dict(json.loads(codec_meta))
-            except (ValueError, SchemaError) as e:
-                raise DecodeError(f"{where}bad codec metadata: {e}") from e
-            if got_codec != f.codec:
-                raise DecodeError(
-                    f"{where}codec {got_codec.to_dict()} differs from the schema's "
-                    f"{f.codec.to_dict()}"
-                )
-        present.append(name)
-        if f.role == "scalar":
-            columns.append(_Column(f, i, -1, where))
-            continue
-        sname = name + SHAPE_SUFFIX
-        if sname not in shape_cols:
-            raise ShapeError(
-                f"{where}has no shape column {sname!r}; tensors travel with their shapes"
-            )
-        j = arrow.get_field_index(sname)
-        if arrow.field(j).type != shape_type(f):
-            raise DecodeError(
-                f"column {sname!r}: expected Arrow type {shape_type(f)}, got {arrow.field(j).type}"
-            )
-        columns.append(_Column(f, i, j, where))
-    return _Plan(arrow, schema, tuple(present), tuple(columns))
-
-
-def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
-    """Check a record batch against its schema from Arrow offsets and shape columns alone.
-
-    Parameters
-    ----------
-    batch:
-        A record batch as built by :func:`flightq.encode` or any Arrow writer.
-    schema:
-        The schema to check against; when given, the batch's own metadata must carry the
-        same fingerprint. When None, the batch's metadata decides.
-
-    Returns
-    -------
-    Checked
-
-    Raises
-    ------
-    DecodeError, ShapeError, UndeclaredFieldError, SchemaMismatchError
-        Naming the column, the row key, what was expected and what arrived.
-    """
-    plan = _plan(batch.schema)
-    carried = plan.schema
-    if schema is not None and carried.fingerprint != schema.fingerprint:
-        from .errors import SchemaMismatchError
-        from .schema import diff_schemas
-
-        raise SchemaMismatchError(
-            f"batch carries schema {carried.ref} ({carried.fingerprint}), expected "
-            f"{schema.ref} ({schema.fingerprint}): " + "; ".join(diff_schemas(schema, carried))
-        )
-    try:
-        batch.validate(full=True)
-    except pa.ArrowException as e:
-        raise DecodeError(f"malformed record batch: {e}") from e
-    keycol = batch.column(0)
-    if keycol.null_count:
-        raise DecodeError(f"column {KEY!r} must be non-null utf8, got nulls")
-    keys: list[str] = keycol.to_pylist()
-    if len(set(keys)) != len(keys):
-        seen: set[str] = set()
-        dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise EncodeError(f"duplicate row key {dup!r} within one batch")
-
-    def at(i: int) -> str:
-        return f" (row key {keys[i]!r})"
-
-    n = batch.num_rows
-    seq = np.full(n, -1, dtype=np.int64)
-    nbytes = np.zeros(n, dtype=np.int64)
-    for c in plan.columns:
-        if c.shape < 0:
-            continue
-        col, shapes = batch.column(c.payload), batch.column(c.shape)
-        nulls = bool(col.null_count or shapes.null_count)
-        valid = _valid(col) if nulls else None
-        if nulls and not np.array_equal(valid, _valid(shapes)):
-            i = int(np.nonzero(valid != _valid(shapes))[0][0])
-            raise ShapeError(
-                f"{c.where}payload and shape disagree on whether the row has the field{at(i)}"
-            )
-        if c.f.role == "media":
-            nbytes += _check_media(c.f, c.where, col, shapes, valid, n, at)
-        else:
-            seq, sent = _check_tensor(c.f, c.where, col, shapes, valid, seq, at)
-            nbytes += sent
-    return Checked(carried, keys, list(plan.present), seq, nbytes)
-
-
-def _check_media(
-    f: Field,
-    where: str,
-    col: pa.Array,
-    shapes: pa.Array,
-    valid: np.ndarray | None,
-    n: int,
-    at: Callable[[int], str],
-) -> np.ndarray:
-    """Check a media column's segments against their shapes; per row, its bytes (a shared
-    entry counted on its first use)."""
-    ok = np.ones(n, dtype=bool) if valid is None else valid
-    outer_p = _np(col.offsets).astype(np.int64)
-    outer_s = _np(shapes.offsets).astype(np.int64)
-    counts_p, counts_s = np.diff(outer_p), np.diff(outer_s)
-    bad = np.nonzero(ok & (counts_p != counts_s))[0]
-    if bad.size:
-        i = int(bad[0])
-        raise ShapeError(f"{where}{counts_p[i]} segments but {counts_s[i]} shapes{at(i)}")
-    if np.any(~ok & ((counts_p != 0) | (counts_s != 0))):
-        raise DecodeError(f"{where}a null row has segments")
-    segs = col.values.slice(outer_p[0], outer_p[-1] - outer_p[0])
-    seg_shapes = shapes.values.slice(outer_s[0], outer_s[-1] - outer_s[0])
-    if segs.indices.null_count or seg_shapes.null_count:
-        raise DecodeError(f"{where}a media segment or its shape is null")
-    entries = segs.dictionary
-    if entries.null_count:
-        raise DecodeError(f"{where}a media dictionary entry is null")
-    idx = _np(segs.indices).astype(np.int64)
-    if idx.size and (idx.min() < 0 or idx.max() >= len(entries)):
-        raise DecodeError(f"{where}a media segment points outside its dictionary")
-    row_of_seg = np.repeat(np.arange(n), counts_p)
-
-    def seg_at(j: int) -> str:
-        return at(int(row_of_seg[j]))
-
-    so, sv = _shape_arrays(seg_shapes, where)
-    _check_fixed(f, so, sv, None, where, seg_at)
-    want = shape_products(so, sv, f.dt.itemsize, where, seg_at)
-    if f.codec is RAW and np.any(np.diff(binary_offsets(entries)) % f.dt.itemsize):
-        raise ShapeError(f"{where}a media entry is not a whole number of {f.dtype}")
-    used = np.zeros(len(entries), dtype=bool)
-    used[idx] = True
-    got = _payload_lengths(f, entries, used, where)[idx]
-    bad = np.nonzero(want != got)[0]
-    if bad.size:
-        j = int(bad[0])
-        shp = tuple(int(x) for x in sv[so[j] : so[j + 1]])
-        raise ShapeError(
-            f"{where}segment of shape {shp} needs {want[j]} bytes of {f.dtype}, "
-            f"payload has {got[j]}{seg_at(j)}"
-        )
-    out = np.zeros(n, dtype=np.int64)
-    np.add.at(out, row_of_seg, first_use_bytes(idx, np.diff(binary_offsets(entries))))
-    return out
-
-
-def _check_tensor(
-    f: Field,
-    where: str,
-    col: pa.Array,
-    shapes: pa.Array,
-    valid: np.ndarray | None,
-    seq: np.ndarray,
-    at: Callable[[int], str],
-) -> tuple[np.ndarray, np.ndarray]:
-    """Check a token or tensor column's payloads against their shapes (``valid`` None: no
-    row is null). Returns the rows' sequence lengths so far and the bytes sent per row."""
-    so, sv = _shape_arrays(shapes, where)
-    if valid is not None and (~valid & (so[1:] != so[:-1])).any():
-        raise DecodeError(f"{where}a null row has a shape")
-    _check_fixed(f, so, sv, valid, where, at)
-    if f.role == "token":
-        ranks = so[1:] - so[:-1]
-        short = ranks < 1 if valid is None else valid & (ranks < 1)
-        bad = short.nonzero()[0]
-        if bad.size:
-            raise ShapeError(
-                f"{where}a token tensor has rank >= 1 (its first dim is S){at(int(bad[0]))}"
-            )
-        if valid is not None:
-            first = np.full(len(seq), -1, dtype=np.int64)
-            rows = valid.nonzero()[0]
-            first[rows] = sv[so[rows]]
-        else:
-            first = sv[so[:-1]]
-        clash = ((first >= 0) & (seq >= 0) & (first != seq)).nonzero()[0]
-        if clash.size:
-            i = int(clash[0])
-            raise ShapeError(
-                f"{where}sequence length {first[i]} differs from the row's other token "
-                f"fields ({seq[i]}){at(i)}"
-            )
-        seq = np.where(first >= 0, first, seq)
-    want = shape_products(so, sv, f.dt.itemsize, where, at)
-    sent = _lengths(binary_offsets(col))
-    got = sent if f.codec is RAW else _payload_lengths(f, col, _all(valid, len(sent)), where)
-    wrong = want != got if valid is None else valid & (want != got)
-    bad = wrong.nonzero()[0]
-    if bad.size:
-        i = int(bad[0])
-        shp = tuple(int(x) for x in sv[so[i] : so[i + 1]])
-        raise ShapeError(
-            f"{where}shape {shp} needs {want[i]} bytes of {f.dtype}, payload has {got[i]}{at(i)}"
-        )
-    return seq, sent if valid is None else np.where(valid, sent, 0)
-
-
-def _all(valid: np.ndarray | None, n: int) -> np.ndarray:
-    return np.ones(n, dtype=bool) if valid is None else valid

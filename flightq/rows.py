@@ -13,8 +13,9 @@ import msgpack
 import pyarrow as pa
 
 from .errors import EncodeError
-from .layout import TAGS, Checked
+from .layout import TAGS
 from .schema import Schema
+from .validation import Checked
 
 __all__ = ["Piece", "Row", "Partition", "make_piece"]
 

@@ -1,7 +1,7 @@
 """The Flight edge of the server: DoPut, DoGet, DoAction, ListFlights, GetFlightInfo.
 
 The server validates every record batch against its partition's schema from Arrow offsets
-and shape columns (:func:`flightq.layout.validate`), never rebuilding a tensor, and stores
+and shape columns (:func:`flightq.validation.validate`), never rebuilding a tensor, and stores
 the received batches as they are. Errors reach the client as the same typed flightq error
 with the same message. See ``docs/protocol.md``.
 
@@ -35,13 +35,13 @@ from .errors import (
     SchemaMismatchError,
     UnknownSchemaError,
 )
-from .layout import validate
 from .protocol import PROTOCOL_VERSION, pack, require, to_flight_error, unpack
 from .registry import SchemaRegistry
 from .rows import make_piece
 from .schema import Schema, diff_schemas
 from .staging import Staging
 from .store import Store
+from .validation import validate
 
 __all__ = ["Server", "serve_forever", "DEFAULT_MAX_BATCH_BYTES", "DEFAULT_MAX_PUT_BATCH_BYTES"]
 

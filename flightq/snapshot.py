@@ -12,7 +12,7 @@ A snapshot is a directory::
 It is written into a temporary directory next to its destination, flushed to disk, then
 renamed into place, so a snapshot directory is either complete or absent. Everything is
 Arrow IPC or JSON: nothing is pickled. Restoring validates every record batch against
-its schema (:func:`flightq.layout.validate`) and checks every file's SHA-256.
+its schema (:func:`flightq.validation.validate`) and checks every file's SHA-256.
 
 Snapshots are written on the server's own disk, under the directory the server was
 started with (``Server(snapshot_dir=...)``); a client names a snapshot, never a path.
@@ -36,10 +36,10 @@ import pyarrow as pa
 
 from .assemble import assemble
 from .errors import ConflictError, DecodeError, ProtocolError
-from .layout import validate
 from .rows import Partition, Row, make_piece
 from .schema import Schema
 from .store import Store
+from .validation import validate
 
 __all__ = ["FORMAT", "MANIFEST", "snapshot_path", "write_snapshot", "read_snapshot"]
 

@@ -543,7 +543,7 @@ def _is_replay(p: Partition, pieces: list[Piece]) -> bool:
 
 
 def _cell_nbytes(batch: pa.RecordBatch, f: str, i: int) -> int:
-    """Payload bytes of one stored cell, counted as :func:`flightq.layout.validate` does."""
+    """Payload bytes of one stored cell, counted as :func:`flightq.validation.validate` does."""
     col = batch.column(f)
     if col.type == pa.large_binary():
         offs = binary_offsets(col)

@@ -37,7 +37,8 @@ from flightq import (
     workloads,
 )
 from flightq.batch import split_batch
-from flightq.layout import binary_offsets, shape_products, validate
+from flightq.layout import binary_offsets
+from flightq.validation import shape_products, validate
 
 TEXT = "rollout_text@1"
 VLM = "rollout_vlm@1"

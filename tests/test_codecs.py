@@ -14,7 +14,8 @@ from helpers_wire import assert_same_rows, replace_column, schema_of_fields
 import flightq
 from flightq import DecodeError, Field, SchemaError, ShapeError
 from flightq.codecs import RAW, Raw, Zstd, codec_from_dict
-from flightq.layout import binary_offsets, validate
+from flightq.layout import binary_offsets
+from flightq.validation import validate
 
 
 def _zstd_schema(level: int = 3) -> flightq.Schema:

@@ -1,6 +1,6 @@
 """Property-based fuzzing: hostile bytes give typed errors, never a crash or a foreign error.
 
-The decoder (:func:`flightq.decode`, :func:`flightq.layout.validate`) gets mutated IPC
+The decoder (:func:`flightq.decode`, :func:`flightq.validation.validate`) gets mutated IPC
 streams, record batches with a buffer overwritten, and random bytes; the server gets
 random tickets, action bodies and descriptors from a plain Flight client. Longer runs:
 ``fuzz/`` (atheris).
@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 import flightq
 from flightq.errors import ERROR_CLASSES
-from flightq.layout import validate
 from flightq.protocol import ACTIONS
+from flightq.validation import validate
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -22,7 +22,7 @@ import flightq
 from flightq import Field, Schema, Zstd
 from flightq.codecs import RAW
 from flightq.dtypes import DTYPES
-from flightq.layout import validate
+from flightq.validation import validate
 
 SETTINGS = settings(
     max_examples=300,
