@@ -271,6 +271,8 @@ def _done() -> None:
 def put_groups(batches: list[pa.RecordBatch], streams: int) -> list[range]:
     """Consecutive ranges of ``batches`` for a put's parallel streams, about equal in
     bytes, each at least ``MIN_STREAM_BYTES``; one range for a small put."""
+    if len(batches) < 2:
+        return [range(len(batches))]
     sizes = [b.nbytes for b in batches]
     n = max(1, min(streams, len(batches), sum(sizes) // MIN_STREAM_BYTES))
     if n < 2:
