@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -88,3 +89,24 @@ def test_a_tiny_run_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     md = (tmp_path / "bench.md").read_text()
     assert "## W4" in md and "command: `flightq bench --quick" in md
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_cpu_seconds_follows_this_process_cpu_clock() -> None:
+    before, start = procs.cpu_seconds(), time.process_time()
+    while time.process_time() - start < 0.3:  # burn CPU, not wall time
+        sum(range(1000))
+    assert procs.cpu_seconds() - before >= 0.2
+    assert procs.cpu_seconds(2**22 + 7) == 0.0  # no such process
+
+
+def test_a_run_reports_cpu_per_gb_of_writer_reader_and_server(tmp_path: Path) -> None:
+    argv = ["--quick", "--workloads", "W3", "--systems", "raw-tcp,flightq"]
+    argv += ["--reps", "2", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    res = doc["workloads"]["W3"]["results"]
+    for name in ("raw-tcp", "flightq"):
+        cpu = res[name]["cpu"]
+        assert cpu["put"] > 0 and cpu["get"] > 0, (name, cpu)
+    md = (tmp_path / "bench.md").read_text()
+    assert "CPU s/GB put / get" in md

@@ -29,6 +29,7 @@ __all__ = [
     "machine_info",
     "rss",
     "reset_peak",
+    "cpu_seconds",
     "listeners",
     "check_loopback",
     "session_pids",
@@ -72,6 +73,17 @@ def reset_peak(pid: int | str = "self") -> bool:
         return True
     except OSError:
         return False
+
+
+def cpu_seconds(pid: int | str = "self") -> float:
+    """CPU time (user + system, every thread) a process has used so far, in seconds."""
+    f = _stat_fields(str(pid))
+    if not f:
+        return 0.0
+    return (int(f[11]) + int(f[12])) / _TICKS
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _stat_fields(pid: str) -> list[str] | None:

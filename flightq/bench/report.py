@@ -42,6 +42,14 @@ def _rss(r: dict[str, Any]) -> str:
     )
 
 
+def _cpu(cpu: dict[str, Any], per_op: bool) -> str:
+    if "put" not in cpu:
+        return "-"
+    if per_op:
+        return f"{cpu['put_ms_per_op']:.2f} / {cpu['get_ms_per_op']:.2f}"
+    return f"{cpu['put']:.2f} / {cpu['get']:.2f}"
+
+
 def _ratio(rat: dict[str, Any], key: str) -> str:
     return fmt_spread(rat.get(key, {}), 2, "x") if rat else "-"
 
@@ -53,7 +61,12 @@ def markdown(doc: dict[str, Any]) -> str:
         "GB/s = 1e9 bytes of logical payload (`step.nbytes()`) per second: median "
         "[min-max] over repetitions. Ratios are taken per repetition (interleaved runs) "
         "and summarised the same way; above 1x means the row's system is faster. "
-        "Step = put + get (for memcpy, raw TCP and pickle5: the one transfer). Peak RSS "
+        "Step = put + get (for memcpy, raw TCP and pickle5: the one transfer). CPU: "
+        "seconds of CPU (user + system, every thread) per GB of logical payload, of the "
+        "writer and the server's processes during a put, of the reader and the server "
+        "during a get (for a direct transfer: both ends, in both columns; W4: "
+        "milliseconds per operation); on a machine of N cores a transfer costing C CPU "
+        "seconds per GB cannot pass N / C GB/s. Peak RSS "
         "in MiB of producer / server / consumer during the operation, and in brackets its "
         "growth over the RSS just before the operation: one producer and one consumer "
         "process serve every system in turn, so the growth is the system's own footprint "
@@ -68,7 +81,9 @@ def markdown(doc: dict[str, Any]) -> str:
         lat = w == "W4"
         cols = ["system", "put GB/s", "get GB/s", "step ms"]
         cols += ["p50 / p99 ms"] if lat else []
-        cols += [f"put vs {BASELINE}", f"get vs {BASELINE}", "peak RSS MiB p / s / c", "verified"]
+        cols += [f"put vs {BASELINE}", f"get vs {BASELINE}"]
+        cols += ["CPU ms put / get" if lat else "CPU s/GB put / get"]
+        cols += ["peak RSS MiB p / s / c", "verified"]
         out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         vs = wd.get("ratios", {}).get("vs_" + BASELINE, {})
         for name, r in wd["results"].items():
@@ -90,6 +105,7 @@ def markdown(doc: dict[str, Any]) -> str:
             row += [
                 _ratio(rat, "put"),
                 _ratio(rat, "get"),
+                _cpu(r.get("cpu") or {}, lat),
                 _rss(r),
                 f"yes ({r['verified_cycles']})",
             ]

@@ -260,6 +260,7 @@ class _Ctx:
             dt = (g["t1"] - g["t0"]) / 1e9
             res = {"put_s": dt, "get_s": dt, "step_s": dt, "peak_consumer": g["peak"]}
             res["rss0_consumer"] = g["rss0"]
+            res["cpu_put"] = res["cpu_get"] = g["cpu_s"]
         elif s.kind == "direct":
             p.call("call", system=name, method="prepare")
             c.send("call", system=name, method="get")
@@ -273,16 +274,25 @@ class _Ctx:
             dt = (g["t1"] - put["t0"]) / 1e9
             res = {"put_s": dt, "get_s": dt, "step_s": dt}
             res.update(_peaks(put, g))
+            # One transfer: its cost is both ends'.
+            res["cpu_put"] = res["cpu_get"] = put["cpu_s"] + g["cpu_s"]
         else:
             p.call("call", system=name, method="prepare")
             for pid in a.server_pids:
                 procs.reset_peak(pid)
             srv0 = sum(procs.rss(pid)[0] for pid in a.server_pids)
+            cpu0 = _cpu(a.server_pids)
             put = p.call("call", system=name, method="put")
+            cpu1 = _cpu(a.server_pids)
             g = c.call("call", system=name, method="get")
+            cpu2 = _cpu(a.server_pids)
             put_s, get_s = (put["t1"] - put["t0"]) / 1e9, (g["t1"] - g["t0"]) / 1e9
             res = {"put_s": put_s, "get_s": get_s, "step_s": put_s + get_s}
             res.update(_peaks(put, g))
+            # CPU of the writer or reader and of the server's processes, over the operation
+            # (the server's readings include the runner's round trips to the workers).
+            res["cpu_put"] = put["cpu_s"] + cpu1 - cpu0
+            res["cpu_get"] = g["cpu_s"] + cpu2 - cpu1
             res["peak_server"] = sum(procs.rss(pid)[1] for pid in a.server_pids)
             res["rss0_server"] = srv0
         if verify:
@@ -293,6 +303,10 @@ class _Ctx:
             p.call("call", system=name, method="clear")
         res["rep"] = rep
         return res
+
+
+def _cpu(pids: list[int]) -> float:
+    return sum(procs.cpu_seconds(pid) for pid in pids)
 
 
 def _peaks(put: dict[str, Any], get: dict[str, Any]) -> dict[str, Any]:

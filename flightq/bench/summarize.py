@@ -15,7 +15,7 @@ import numpy as np
 from .stats import fmt_spread, paired_ratio, percentiles, summary
 from .systems import BASELINE, PEERS
 
-__all__ = ["results", "ratios", "progress_line", "cuda_line", "per_rep"]
+__all__ = ["results", "ratios", "progress_line", "cpu_text", "cuda_line", "per_rep"]
 
 _MIB = 2**20
 
@@ -51,6 +51,18 @@ def _growth_mib(samples: list[dict[str, Any]], role: str) -> float | None:
     return round(max(vals) / _MIB, 1) if vals else None
 
 
+def _cpu(samples: list[dict[str, Any]], nbytes: int) -> dict[str, float]:
+    """CPU seconds per GB of logical payload, put and get: all cycles' CPU over all their
+    bytes (a mean: the server's CPU clock ticks in 10 ms steps)."""
+    out: dict[str, float] = {}
+    for k in ("put", "get"):
+        vals = [s[f"cpu_{k}"] for s in samples if f"cpu_{k}" in s]
+        if vals and nbytes:
+            out[k] = round(sum(vals) / (len(vals) * nbytes / 1e9), 3)
+            out[f"{k}_ms_per_op"] = round(1e3 * sum(vals) / len(vals), 3)
+    return out
+
+
 def results(
     workload: str,
     nbytes: int,
@@ -77,6 +89,7 @@ def results(
             r["put_ms"] = percentiles([s["put_s"] * 1e3 for s in got])
             r["get_ms"] = percentiles([s["get_s"] * 1e3 for s in got])
             r["pings"] = len(got)
+        r["cpu"] = _cpu(got, nbytes)
         r["peak_rss_mib"] = {k: _peak_mib(got, k) for k in ("producer", "server", "consumer")}
         r["baseline_rss_mib"] = {k: _base_mib(got, k) for k in ("producer", "server", "consumer")}
         r["rss_growth_mib"] = {k: _growth_mib(got, k) for k in ("producer", "server", "consumer")}
@@ -134,6 +147,15 @@ def cuda_line(workload: str, cuda: dict[str, Any], res: dict[str, Any]) -> str:
     return line
 
 
+def cpu_text(workload: str, cpu: dict[str, float]) -> str:
+    """CPU per put and get: seconds per GB, or (W4) milliseconds per operation."""
+    if "put" not in cpu:
+        return "CPU -"
+    if workload == "W4":
+        return f"CPU {cpu['put_ms_per_op']:.2f}/{cpu['get_ms_per_op']:.2f} ms"
+    return f"CPU {cpu['put']:.2f}/{cpu['get']:.2f} s/GB"
+
+
 def progress_line(workload: str, system: str, r: dict[str, Any]) -> str:
     """One line per system and workload, printed as the run goes."""
     head = f"{workload:8} {system:14}"
@@ -144,6 +166,7 @@ def progress_line(workload: str, system: str, r: dict[str, Any]) -> str:
     if "latency_ms" in r:
         lat = r["latency_ms"]
         line += f"  p50 {lat['p50']:.3f} ms  p99 {lat['p99']:.3f} ms"
+    line += "  " + cpu_text(workload, r.get("cpu") or {})
     rss, grow = r["peak_rss_mib"], r["rss_growth_mib"]
     peaks = "/".join("-" if rss[k] is None else f"{rss[k]:.0f}(+{grow[k]:.0f})" for k in rss)
     return f"{line}  peak RSS p/s/c {peaks} MiB  verified x{r['verified_cycles']}"

@@ -2,8 +2,9 @@
 
 Each process generates its own copy of the workload from the seed (so no step crosses a
 pipe), builds the systems' halves on request and runs their methods. Around every call it
-resets its peak RSS and reports the peak reached during the call. It exits when the pipe
-closes, so a crashed runner leaves no worker behind.
+resets its peak RSS and reports the peak reached during the call, and the CPU time the
+call used (every thread of the process). It exits when the pipe closes, so a crashed
+runner leaves no worker behind.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib
 import multiprocessing as mp
 import os
 import signal
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -62,8 +64,10 @@ def serve(conn: Connection, role: str) -> None:
                 half = halves[args["system"]]
                 rss0, _ = procs.rss()
                 procs.reset_peak()
+                cpu0 = time.process_time()
                 result = getattr(half, args["method"])() or {}
                 result["rss0"], result["peak"] = rss0, procs.rss()[1]
+                result["cpu_s"] = time.process_time() - cpu0
             elif cmd == "teardown":
                 half = halves.pop(args["system"], None)
                 if half is not None:
