@@ -49,10 +49,12 @@ from .streams import (
     read_keys,
 )
 
-__all__ = ["Client", "connect", "DEFAULT_TIMEOUT"]
+__all__ = ["Client", "connect", "DEFAULT_TIMEOUT", "SHM_MIN_BYTES"]
 
 #: Seconds a call may take unless told otherwise.
 DEFAULT_TIMEOUT = 60.0
+#: With shm, transfers of fewer bytes take the socket (``Client.shm_min_bytes``).
+SHM_MIN_BYTES = 2**20
 #: Payload bytes per record batch sent by a put.
 DEFAULT_MAX_BATCH_BYTES = 16 * 2**20
 
@@ -100,7 +102,9 @@ def connect(
     shm:
         Same host only (a loopback location): move the bytes of puts, gets and claims
         through shared memory in this directory (True: ``/dev/shm``) instead of the
-        socket; same API, same validation (:mod:`flightq.shm`).
+        socket; same API, same validation (:mod:`flightq.shm`). Transfers of less than
+        ``Client.shm_min_bytes`` (1 MiB) still take the socket, where a segment's
+        bookkeeping would cost more than the copy it saves.
     get_streams:
         Most parallel DoGet streams (each on its own connection) for one large get;
         default 4. 1 keeps every get on one stream.
@@ -181,6 +185,9 @@ class Client:
             )
         self.shm_dir: str | None = None
         self._shm_pool: Any = None
+        #: With shm: puts (and reads, estimated from the partition's last answer) of fewer
+        #: bytes travel over the socket.
+        self.shm_min_bytes = SHM_MIN_BYTES
         if shm:
             from .shm import directory, is_local
 
@@ -423,7 +430,7 @@ class Client:
         cmd["rows"] = sum(b.num_rows for b in batches)
         if put_id is not None:
             cmd["put_id"] = put_id
-        if self.shm_dir is not None:
+        if self.shm_dir is not None and not self._small_put(batches):
             from .shm import put_via_shm
 
             return put_via_shm(self, cmd, batches, timeout)
@@ -469,14 +476,16 @@ class Client:
     ) -> list[pa.RecordBatch]:
         """One DoGet's record batches; given a ``decoder``, each is decoded as it arrives
         (while gRPC receives the next one)."""
-        if self.shm_dir is not None:
+        via_shm = self._shm_read(ticket)
+        if via_shm:
             ticket = {**ticket, "shm": True}
         batches: list[pa.RecordBatch] = []
         for rb in self._chunks(ticket, what, timeout, flight):
             batches.append(rb)
-            if decoder is not None and self.shm_dir is None:
+            if decoder is not None and not via_shm:
                 decoder.add(rb)
-        if self.shm_dir is not None:
+        if via_shm:
+            assert self.shm_dir is not None
             from .shm.table import take
 
             batches = take(batches, self.shm_dir, what)
@@ -484,6 +493,27 @@ class Client:
                 for b in batches:
                     decoder.add(b)
         return batches
+
+    def _small_put(self, batches: list[pa.RecordBatch]) -> bool:
+        """Whether a put encoded for shm is better sent over the socket: it is small, and no
+        payload waits to be copied into a segment (:func:`flightq.shm.gathering`)."""
+        from .shm import gathered
+
+        if gathered():
+            return False
+        return sum(b.get_total_buffer_size() for b in batches) < self.shm_min_bytes
+
+    def _shm_read(self, ticket: Mapping[str, Any]) -> bool:
+        """Whether a read travels through shared memory: with shm, unless the partition's
+        last answer says it is small (its rows times their bytes)."""
+        if self.shm_dir is None:
+            return False
+        rows = ticket.get("keys") if ticket.get("op") == "get" else ticket.get("batch_size")
+        per_row = self._row_bytes.get(ticket.get("partition", ""))
+        if per_row is None or rows is None:
+            return True  # nothing known yet: a first read, or a scan
+        n = len(rows) if isinstance(rows, list) else int(rows)
+        return n * per_row >= self.shm_min_bytes
 
     def _learn(self, partition: str, rows: int, batches: list[pa.RecordBatch]) -> None:
         """Remember the bytes per row a partition's answer carried (to split later gets)."""
@@ -626,7 +656,7 @@ class Client:
             return self._read_to_device(dev, t, what, limit, copy=copy, sync=sync)
         d = PartDecoder(as_, copy)
         self._read(t, f"claim from {partition!r}", wait + max(5.0, 0.1 * wait), None, d)
-        return join(d.parts)
+        return self._learned(partition, sum(len(p) for p in d.parts), d.parts)
 
     def snapshot(
         self, name: str, partition: str | None = None, timeout: float | None = None

@@ -60,7 +60,36 @@ def server_fixture() -> Iterator[flightq.Server]:
 @pytest.fixture(name="client")
 def client_fixture(server: flightq.Server) -> Iterator[flightq.Client]:
     with flightq.connect(server.location, [TEXT, VLM], timeout=TIMEOUT, shm=True) as c:
+        c.shm_min_bytes = 0  # every transfer through shared memory, however small
         yield c
+
+
+def test_small_transfers_of_a_shm_client_take_the_socket_and_large_ones_a_segment(server):
+    keys = text_keys(2, 4)
+    cols = text_columns(keys)
+    step = workloads.w2(groups=1)
+    with flightq.connect(server.location, [TEXT, VLM], timeout=TIMEOUT, shm=True) as c:
+        assert c.shm_min_bytes == flightq.client.SHM_MIN_BYTES == 2**20
+        c.create_partition("t", TEXT, tasks=["train"], group_size=4)
+        c.put("t", keys, cols)
+        assert c._shm_pool is None  # no segment for a put of a few KiB
+        first = c.get("t", keys, as_="numpy")  # nothing known of the rows yet: shm
+        assert (
+            assert_rows_match(first, workloads.Step("t", TEXT, keys, cols, [{} for _ in keys], 4))
+            > 0
+        )
+        assert not c._shm_read({"op": "get", "partition": "t", "keys": keys})
+        assert not c._shm_read({"op": "claim", "partition": "t", "batch_size": 8})
+        got = c.claim("t", "train", 8, timeout=TIMEOUT, as_="numpy")
+        assert got.keys == keys
+        assert all(
+            np.array_equal(a, b) for a, b in zip(got["input_ids"], cols["input_ids"], strict=True)
+        )
+        c.create_partition("m", step.schema, group_size=step.group_size)
+        c.put("m", step.keys, step.columns, tags=step.tags)
+        assert len(c._shm_pool.paths()) == 1  # megabytes of tiles: through a segment
+        assert c._shm_read({"op": "get", "partition": "m", "keys": step.keys[:1]})
+        assert assert_rows_match(c.get("m", step.keys, as_="numpy"), step) > 0
 
 
 # --------------------------------------------------------------------------- round trips

@@ -44,7 +44,7 @@ Examples
 """
 
 from .client import handshake, put_via_shm
-from .gather import gathering
+from .gather import gathered, gathering
 from .mapping import MAPPED, map_data, read, still_there
 from .segments import (
     BATCH_BYTES,
@@ -73,6 +73,7 @@ __all__ = [
     "SegmentPool",
     "check_peer",
     "directory",
+    "gathered",
     "gathering",
     "handshake",
     "is_local",

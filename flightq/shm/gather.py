@@ -156,6 +156,15 @@ def _current_gather() -> _Gather | None:
     return g if isinstance(g, _Gather) else None
 
 
+def gathered() -> bool:
+    """Whether, in this :func:`gathering` block, the encoder left a payload column to be
+    copied into a segment (its batches then hold placeholders, valid only there)."""
+    from ..encode import GATHER
+
+    g = GATHER.get()
+    return isinstance(g, _Gather) and bool(g._spans)
+
+
 @contextlib.contextmanager
 def gathering() -> Iterator[None]:
     """Encode (:func:`flightq.batch.encode_chunks`) and write to a segment in this block.
