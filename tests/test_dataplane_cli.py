@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import signal
 import socket
 import subprocess
@@ -147,3 +149,31 @@ def test_serve_keeps_freed_blocks_so_the_next_put_reuses_warm_pages():
 
     assert returned("plain") > 128 * 2**20  # given back to the kernel: the next put faults
     assert returned("tuned") < 32 * 2**20  # kept for the next put
+
+
+def _serve_environ(env: dict[str, str]) -> dict[str, str]:
+    """The environment a ``flightq serve`` process runs with, once it listens."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flightq.cli", "serve", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline())["listening"].startswith("grpc://127.0.0.1:")
+        with open(f"/proc/{proc.pid}/environ", "rb") as f:
+            pairs = [kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv]
+        return {k.decode(): v.decode() for k, v in pairs}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc arenas"
+)
+def test_serve_runs_with_one_malloc_arena_unless_the_environment_says_otherwise():
+    env = {k: v for k, v in python_env().items() if k != "MALLOC_ARENA_MAX"}
+    assert _serve_environ(env)["MALLOC_ARENA_MAX"] == "1"
+    assert _serve_environ({**env, "MALLOC_ARENA_MAX": "3"})["MALLOC_ARENA_MAX"] == "3"
