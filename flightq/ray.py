@@ -42,8 +42,9 @@ class _ShardServer:
         self, host: str | None, port: int, schemas: str | None, memory_budget: int | None
     ) -> None:
         from .registry import SchemaRegistry
-        from .server import Server
+        from .server import Server, keep_freed_memory
 
+        keep_freed_memory()  # the actor's process is the server's own, as with flightq serve
         if host is None:
             host = _ray().util.get_node_ip_address()
         if ":" in host and not host.startswith("["):
@@ -156,9 +157,12 @@ def start_shards(
                 placement_group=pg, placement_group_bundle_index=i
             )
             actors.append(
-                cls.options(num_cpus=num_cpus, scheduling_strategy=placed).remote(
-                    host, port, schemas, memory_budget
-                )
+                cls.options(
+                    num_cpus=num_cpus,
+                    scheduling_strategy=placed,
+                    # As `flightq serve` runs (see flightq.cli): one malloc arena.
+                    runtime_env={"env_vars": {"MALLOC_ARENA_MAX": "1"}},
+                ).remote(host, port, schemas, memory_budget)
             )
         locations = ray.get([a.location.remote() for a in actors], timeout=timeout)
         nodes = ray.get([a.node_id.remote() for a in actors], timeout=timeout)

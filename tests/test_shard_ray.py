@@ -49,6 +49,9 @@ def test_shards_started_as_actors_run_the_w1_writeback(local_ray: None) -> None:
             flightq.connect_sharded(shards.locations, ["rollout_vlm@1"], timeout=30) as c,
         ):
             run_w1_writeback(c)
+            # Each shard's process holds malloc to one arena, as `flightq serve` does.
+            env = ray.get(shards.actors[0].__ray_call__.remote(lambda _: dict(os.environ)))
+            assert env.get("MALLOC_ARENA_MAX") == "1"
             info = plain.get_flight_info(fl.FlightDescriptor.for_path("w1"))
             assert [ep.locations[0].uri.decode() for ep in info.endpoints] == shards.locations
     assert shards.actors == []
