@@ -17,7 +17,7 @@ import torch
 
 from flightq import SchemaRegistry, decode, encode
 from flightq.errors import DTypeError, ShapeError
-from flightq.tensor import bulk_to_bytes
+from flightq.tensor import bulk_to_bytes, to_bytes
 
 encode_module = importlib.import_module("flightq.encode")  # the package exports encode()
 TEXT = SchemaRegistry.default().get("rollout_text@1")
@@ -126,3 +126,29 @@ def test_bulk_copy_waits_for_the_fill_when_deferred(lib: str) -> None:
     for fill in fills:
         fill()
     assert _ipc(deferred) == _ipc(encode(TEXT, cols, KEYS))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "grad"),
+    [
+        (torch.int64, False),
+        (torch.float32, False),
+        (torch.bool, False),
+        (torch.int32, False),
+        (torch.float32, True),  # requires grad: copied by torch, detached
+        (torch.bfloat16, False),  # no numpy dtype: copied by torch
+    ],
+)
+def test_bulk_copy_of_torch_rows_lays_their_bytes_end_to_end(
+    dtype: torch.dtype, grad: bool
+) -> None:
+    rng = np.random.default_rng(3)
+    rows = [torch.from_numpy(rng.random(n) * 50).to(dtype) for n in (5, 0, 11, 1)]
+    if grad:
+        rows = [r.requires_grad_() for r in rows]
+    bulk = bulk_to_bytes(rows)
+    assert bulk is not None
+    out = np.empty(int(bulk.nbytes.sum()), dtype=np.uint8)
+    bulk.copy_into(out)
+    want = b"".join(bytes(to_bytes(r).data) for r in rows)  # the per-row conversion
+    assert out.tobytes() == want
