@@ -29,11 +29,11 @@ from fixtures_dataplane import (
 
 import flightq
 import flightq.aio
-from flightq import cuda as fq_cuda
 from flightq import workloads
 from flightq.batch import decode, encode, encode_chunks
 from flightq.bench.payload import check_rows
 from flightq.cuda import DeviceBatch, PinnedPool, has_cuda, rebase, resolve_device, stage
+from flightq.cuda import get as fq_cuda  # the reading side: windows, threads, plans
 from flightq.schema import Field, Schema
 
 pytestmark = pytest.mark.timeout(120)
