@@ -35,6 +35,7 @@ from .errors import (
     UndeclaredFieldError,
     UnknownSchemaError,
 )
+from .memory import keep_freed_memory
 from .registry import SchemaRegistry
 from .schema import Field, Schema
 
@@ -103,4 +104,5 @@ __all__ = [
     "Zstd",
     "decode",
     "encode",
+    "keep_freed_memory",
 ]

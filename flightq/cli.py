@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 from collections.abc import Sequence
 
@@ -159,30 +157,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _one_malloc_arena(argv: list[str]) -> None:
-    """Start ``flightq serve`` again with glibc's malloc held to one arena, unless the
-    environment already sets ``MALLOC_ARENA_MAX``.
-
-    A server's memory is mostly what gRPC's threads allocate to receive puts. With an
-    arena per thread (glibc's default), the blocks a clear frees stay in the arenas of
-    the threads that received them, and the next put, received on other threads, grows
-    the heap instead of reusing them: in steady state (put, get, clear, again) W2 held
-    1.7x its bytes on the 2-core machine; with one arena 1.1x, put and get as fast.
-    glibc fixes the limit before a second thread allocates, so the limit must be in the
-    environment when the process starts.
-    """
-    if sys.platform != "linux" or "MALLOC_ARENA_MAX" in os.environ or not sys.executable:
-        return
-    if platform.libc_ver()[0] != "glibc":
-        return
-    os.environ["MALLOC_ARENA_MAX"] = "1"
-    os.execv(sys.executable, [sys.executable, "-m", "flightq.cli", *argv])
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     if argv is None and sys.argv[1:2] == ["serve"]:
-        _one_malloc_arena(sys.argv[1:])
+        from .memory import exec_with_one_arena
+
+        exec_with_one_arena(sys.argv[1:])
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         from .bench.cli import main as bench_main

@@ -41,8 +41,9 @@ class _ShardServer:
     def __init__(
         self, host: str | None, port: int, schemas: str | None, memory_budget: int | None
     ) -> None:
+        from .memory import keep_freed_memory
         from .registry import SchemaRegistry
-        from .server import Server, keep_freed_memory
+        from .server import Server
 
         keep_freed_memory()  # the actor's process is the server's own, as with flightq serve
         if host is None:
@@ -160,7 +161,7 @@ def start_shards(
                 cls.options(
                     num_cpus=num_cpus,
                     scheduling_strategy=placed,
-                    # As `flightq serve` runs (see flightq.cli): one malloc arena.
+                    # As `flightq serve` runs (flightq.memory): one malloc arena.
                     runtime_env={"env_vars": {"MALLOC_ARENA_MAX": "1"}},
                 ).remote(host, port, schemas, memory_budget)
             )

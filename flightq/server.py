@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import signal
-import sys
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -35,6 +34,7 @@ from .errors import (
     SchemaMismatchError,
     UnknownSchemaError,
 )
+from .memory import keep_freed_memory
 from .protocol import PROTOCOL_VERSION, pack, require, to_flight_error, unpack
 from .registry import SchemaRegistry
 from .rows import make_piece
@@ -43,7 +43,13 @@ from .staging import Staging
 from .store import Store
 from .validation import validate
 
-__all__ = ["Server", "serve_forever", "DEFAULT_MAX_BATCH_BYTES", "DEFAULT_MAX_PUT_BATCH_BYTES"]
+__all__ = [
+    "Server",
+    "serve_forever",
+    "keep_freed_memory",
+    "DEFAULT_MAX_BATCH_BYTES",
+    "DEFAULT_MAX_PUT_BATCH_BYTES",
+]
 
 #: Payload bytes per record batch served (batches are cut there; well below gRPC's 2 GiB).
 DEFAULT_MAX_BATCH_BYTES = 16 * 2**20
@@ -559,34 +565,6 @@ def _keys(body: dict[str, Any]) -> list[str] | None:
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise ProtocolError("keys must be a list of strings or null")
     return keys
-
-
-def keep_freed_memory() -> bool:
-    """Tune glibc's allocator of this process to reuse freed memory instead of returning it.
-
-    A server receives each record batch into a buffer gRPC allocates, and frees it when the
-    rows are cleared. By default glibc maps every block of 128 KiB to 32 MiB afresh and
-    unmaps it on free, so each put faults in new pages, zeroed by the kernel: on the 2-core
-    reference machine that halves a put's speed. Here blocks up to 32 MiB come from the
-    heap and up to 2 GiB of freed memory stays there for the next put: the process keeps
-    its high-water mark of memory. Called by ``flightq serve``, a process of its own;
-    an embedding process decides for itself. Returns False where glibc is absent.
-    """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if sys.platform != "linux" or name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 32 * 2**20)) and bool(
-        mallopt(m_trim_threshold, 2**31 - 1)
-    )
 
 
 def serve_forever(args: argparse.Namespace) -> int:

@@ -124,7 +124,7 @@ def test_serve_exits_cleanly_on_a_signal(sig):
 _KEPT = """
 import sys
 import numpy as np
-from flightq.server import keep_freed_memory
+from flightq import keep_freed_memory
 if sys.argv[1] == "tuned":
     assert keep_freed_memory()
 def rss():

@@ -1,0 +1,72 @@
+"""The allocator of a flightq process: keep freed memory for the next transfer.
+
+Every transfer over the socket lands in buffers that gRPC allocates with glibc's malloc:
+the server's stored rows, a consumer's received tensors. By default glibc hands large
+freed blocks back to the kernel, and the next transfer faults fresh pages in, zeroed one
+by one; on the 2-core reference machine (a VM, where a first touch is expensive) that is
+most of a receiver's CPU. A process that moves steps again and again is faster keeping
+them.
+
+``flightq serve`` (and shards on Ray) do both things below; a trainer or generator
+process that embeds a client decides for itself.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+__all__ = ["keep_freed_memory", "exec_with_one_arena"]
+
+
+def keep_freed_memory() -> bool:
+    """Tune glibc's allocator of this process to reuse freed memory instead of returning it.
+
+    Blocks up to 32 MiB come from the heap, and up to 2 GiB of freed memory stays there for
+    the next transfer: the process keeps its high-water mark of memory. Call it at startup
+    in a process that gets (or puts) a step after step. Measured on the 2-core machine, a
+    process getting full-size W2 (1.3 GB) every half second: 1.03-1.28 GB/s with 90-370
+    thousand page faults per get by default; 1.53-1.58 GB/s with this call; 1.75-1.78 GB/s
+    and no page faults with this call and ``MALLOC_ARENA_MAX=1`` in the environment.
+
+    Returns
+    -------
+    bool
+        False where glibc is absent (nothing changed).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if sys.platform != "linux" or name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 32 * 2**20)) and bool(
+        mallopt(m_trim_threshold, 2**31 - 1)
+    )
+
+
+def exec_with_one_arena(argv: list[str]) -> None:
+    """Start ``python -m flightq.cli *argv`` in this process again with glibc's malloc held
+    to one arena, unless the environment already sets ``MALLOC_ARENA_MAX``.
+
+    With an arena per thread (glibc's default), the blocks a server frees when rows are
+    cleared stay in the arenas of the gRPC threads that received them, and the next put,
+    received on other threads, grows the heap instead of reusing them: in steady state
+    (put, get, clear, again) W2 held 1.7x its bytes on the 2-core machine; with one arena
+    1.1x, put and get as fast (and on the 16-core host, 8 consumers as fast). glibc fixes
+    the limit when a second thread first allocates, so it must be in the environment
+    when the process starts. Returns only where nothing is to be done.
+    """
+    if sys.platform != "linux" or "MALLOC_ARENA_MAX" in os.environ or not sys.executable:
+        return
+    if platform.libc_ver()[0] != "glibc":
+        return
+    os.environ["MALLOC_ARENA_MAX"] = "1"
+    os.execv(sys.executable, [sys.executable, "-m", "flightq.cli", *argv])
