@@ -7,6 +7,7 @@ markdown and chart.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flightq import workloads
+from flightq import SchemaRegistry, workloads
 from flightq.bench import procs
 from flightq.bench.cli import main
 from flightq.bench.payload import VerifyError, check_flat, check_rows, flat_buffers
@@ -110,3 +111,21 @@ def test_a_run_reports_cpu_per_gb_of_writer_reader_and_server(tmp_path: Path) ->
         assert cpu["put"] > 0 and cpu["get"] > 0, (name, cpu)
     md = (tmp_path / "bench.md").read_text()
     assert "CPU s/GB put / get" in md
+
+
+def test_the_compression_benchmark_checks_both_codecs_and_prices_the_link() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "compression", Path(__file__).with_name("compression.py")
+    )
+    assert spec is not None and spec.loader is not None
+    compression = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compression)
+    r = compression.measure("W3", level=1, reps=1, quick=True)  # decoded rows compared inside
+    assert r["rows"] == 16 and r["ratio"] > 1.5  # small token ids in int64 compress well
+    assert r["zstd"]["bytes"] < r["raw"]["bytes"]
+    be = r["breakeven_gbps"]
+    assert be is not None and be > 0
+    schema = compression.compressed(SchemaRegistry.default().get("rollout_text@1"), 1)
+    assert schema.name == "rollout_text_zstd" and {
+        f.codec.to_dict()["id"] for f in schema.fields if f.role != "scalar"
+    } == {"zstd"}
