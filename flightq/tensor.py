@@ -297,7 +297,7 @@ def column_base(buf: Any, start: int, stop: int, dt: DType, as_: str) -> Any:
     import torch
 
     global _TORCH_WARNED
-    if arr.flags.writeable or _TORCH_WARNED:
+    if arr.flags.writeable or _TORCH_WARNED:  # writable: an empty column, no warning due
         t = torch.from_numpy(arr)
     else:
         # Received buffers are read-only; the tensors are documented as read-only views.

@@ -399,7 +399,7 @@ def _check_media(
 ) -> np.ndarray:
     """Check a media column's segments against their shapes; per row, its bytes (a shared
     entry counted on its first use)."""
-    ok = np.ones(n, dtype=bool) if valid is None else valid
+    ok = _all(valid, n)
     outer_p = _np(col.offsets).astype(np.int64)
     outer_s = _np(shapes.offsets).astype(np.int64)
     counts_p, counts_s = np.diff(outer_p), np.diff(outer_s)

@@ -159,10 +159,8 @@ def _current_gather() -> _Gather | None:
 def gathered() -> bool:
     """Whether, in this :func:`gathering` block, the encoder left a payload column to be
     copied into a segment (its batches then hold placeholders, valid only there)."""
-    from ..encode import GATHER
-
-    g = GATHER.get()
-    return isinstance(g, _Gather) and bool(g._spans)
+    g = _current_gather()
+    return g is not None and bool(g._spans)
 
 
 @contextlib.contextmanager
