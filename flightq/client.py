@@ -36,6 +36,7 @@ from .errors import (
     SchemaMismatchError,
     UnknownSchemaError,
 )
+from .memory import keep_freed_memory as _keep_freed_memory
 from .protocol import from_flight_error, pack, unpack
 from .registry import SchemaRegistry
 from .schema import Schema
@@ -82,6 +83,7 @@ def connect(
     shm: bool | str = False,
     get_streams: int | None = None,
     put_streams: int | None = None,
+    keep_freed_memory: bool = True,
     **flight_kwargs: Any,
 ) -> Client:
     """Connect to a server and check the schema versions this process was built for.
@@ -112,6 +114,11 @@ def connect(
         Most parallel DoPut streams for one large put (at least 16 MiB each), stored
         together or not at all (:mod:`flightq.staging`); default 4. 1 keeps every put on
         one stream.
+    keep_freed_memory:
+        Tune this process's malloc to keep freed memory for the next step
+        (:func:`flightq.keep_freed_memory`): received rows and put buffers then land in
+        pages the process already has instead of fresh ones that fault in one by one.
+        The process keeps its high-water mark of memory. False leaves malloc as it is.
     **flight_kwargs:
         ``token="..."`` for a server that requires a bearer token; ``tls_root_certs``
         (PEM bytes) for a ``grpc+tls://`` server; anything else ``FlightClient`` takes.
@@ -142,6 +149,7 @@ def connect(
         shm=shm,
         get_streams=get_streams,
         put_streams=put_streams,
+        keep_freed_memory=keep_freed_memory,
         **flight_kwargs,
     )
     try:
@@ -175,6 +183,7 @@ class Client:
         shm: bool | str = False,
         get_streams: int | None = None,
         put_streams: int | None = None,
+        keep_freed_memory: bool = True,
         **flight_kwargs: Any,
     ) -> None:
         self.get_streams = DEFAULT_STREAMS if get_streams is None else get_streams
@@ -183,6 +192,8 @@ class Client:
             raise ValueError(
                 f"get_streams and put_streams must be at least 1, got {get_streams}, {put_streams}"
             )
+        if keep_freed_memory:
+            _keep_freed_memory()
         self.shm_dir: str | None = None
         self._shm_pool: Any = None
         #: With shm: puts (and reads, estimated from the partition's last answer) of fewer

@@ -124,9 +124,14 @@ def test_serve_exits_cleanly_on_a_signal(sig):
 _KEPT = """
 import sys
 import numpy as np
+import flightq
 from flightq import keep_freed_memory
 if sys.argv[1] == "tuned":
     assert keep_freed_memory()
+elif sys.argv[1] == "connect":  # a trainer's client: keeps freed memory by default
+    flightq.connect(sys.argv[2]).close()
+elif sys.argv[1] == "connect-untuned":
+    flightq.connect(sys.argv[2], keep_freed_memory=False).close()
 def rss():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("RssAnon:")) * 1024
@@ -148,6 +153,19 @@ def test_serve_keeps_freed_blocks_so_the_next_put_reuses_warm_pages():
 
     assert returned("plain") > 128 * 2**20  # given back to the kernel: the next put faults
     assert returned("tuned") < 32 * 2**20  # kept for the next put
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt: Linux only")
+def test_a_client_keeps_freed_memory_for_the_next_step_unless_told_not_to():
+    def returned(*args: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", _KEPT, *args], check=True, capture_output=True, text=True
+        )
+        return int(out.stdout)
+
+    with cli_server() as (location, _):
+        assert returned("connect", location) < 32 * 2**20
+        assert returned("connect-untuned", location) > 128 * 2**20
 
 
 def _serve_environ(env: dict[str, str]) -> dict[str, str]:
