@@ -382,10 +382,10 @@ class MediaColumn(Column):
         shapes = rb.column(f.name + SHAPE_SUFFIX)
         souter = shapes.offsets.to_numpy().astype(np.int64)
         seg_shapes = shapes.values.slice(int(souter[0]), int(souter[-1] - souter[0]))
-        offs = seg_shapes.offsets.to_numpy()
-        vals = seg_shapes.values.to_numpy()
+        offs = seg_shapes.offsets.to_numpy().tolist()
+        vals = seg_shapes.values.to_numpy().tolist()
         self.segment_shapes: list[tuple[int, ...]] = [
-            tuple(int(d) for d in vals[offs[j] : offs[j + 1]]) for j in range(len(seg_shapes))
+            tuple(vals[offs[j] : offs[j + 1]]) for j in range(len(seg_shapes))
         ]
         #: Per segment, its entry in the batch's dictionary of distinct payloads.
         self.entry = segs.indices.to_numpy(zero_copy_only=False).astype(np.int64)
@@ -412,7 +412,26 @@ class MediaColumn(Column):
         return [self.segment(j) for j in range(self.row_segments[i], self.row_segments[i + 1])]
 
     def rows(self) -> list[list[Any] | None]:
-        return [self[i] for i in range(len(self))]
+        if self.copy:
+            return [self[i] for i in range(len(self))]
+        # One slice per distinct payload, then a view of it per segment: the rows of a
+        # prompt group get their own views of the one image.
+        starts = self._elem.tolist()
+        pieces: dict[int, Any] = {}
+        views = []
+        for e, shape in zip(self.entry.tolist(), self.segment_shapes, strict=True):
+            piece = pieces.get(e)
+            if piece is None:
+                n = 1
+                for d in shape:
+                    n *= d
+                piece = pieces[e] = self._base[starts[e] : starts[e] + n]
+            views.append(piece.reshape(shape) if self.as_ == "numpy" else piece.view(shape))
+        bounds = self.row_segments.tolist()
+        return [
+            views[bounds[i] : bounds[i + 1]] if ok else None
+            for i, ok in enumerate(self.valid.tolist())
+        ]
 
     def cat(self) -> tuple[Any, np.ndarray]:
         """All segments concatenated along dim 0, and each row's range along that dim.
