@@ -300,7 +300,7 @@ class Column:
 
 
 def _decoded_base(
-    f: Field, payloads: pa.Array, shapes: list[tuple[int, ...]], as_: str
+    f: Field, payloads: pa.Array, shapes: list[tuple[int, ...]] | None, as_: str
 ) -> tuple[Any, np.ndarray]:
     """One flat view over a binary array's payloads, and each payload's element offset.
 
@@ -312,6 +312,7 @@ def _decoded_base(
         data = payloads.buffers()[2]
         base = column_base(data if data is not None else b"", int(offs[0]), int(offs[-1]), dt, as_)
         return base, (offs[:-1] - offs[0]) // dt.itemsize
+    assert shapes is not None  # compressed payloads are sized by their shapes
     sizes = np.array([nbytes_for(s, dt.itemsize) for s in shapes], dtype=np.int64)
     starts = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=starts[1:])
@@ -333,9 +334,31 @@ class TensorColumn(Column):
     def __init__(self, f: Field, rb: pa.RecordBatch, as_: str, copy: bool) -> None:
         super().__init__(f, rb, as_, copy)
         shapes = rb.column(f.name + SHAPE_SUFFIX)
-        self.shapes: list[tuple[int, ...] | None] = _shape_list(shapes, self.valid)
-        present = [s if s is not None else (0,) for s in self.shapes]
+        offs = shapes.offsets.to_numpy()
+        lo, hi = int(offs[0]), int(offs[-1])
+        self._dims = shapes.values.to_numpy()[lo:hi]
+        self._offs = offs
+        #: Every row present with a 1-D shape (token fields: validation has seen rank >= 1
+        #: in each row, so one dim per row means rank 1): its dim is its element count.
+        self._flat = (
+            self.payload.null_count == 0
+            and hi - lo == len(offs) - 1
+            and (f.role == "token" or bool((offs[1:] - offs[:-1] == 1).all()))
+        )
+        self._shapes: list[tuple[int, ...] | None] | None = None
+        present = None if f.codec is RAW else [(0,) if s is None else s for s in self.shapes]
         self._base, self._elem = _decoded_base(f, self.payload, present, as_)
+
+    @property
+    def shapes(self) -> list[tuple[int, ...] | None]:
+        """Each row's shape (None where the row lacks the field)."""
+        if self._shapes is None:
+            offs, dims = (self._offs - self._offs[0]).tolist(), self._dims.tolist()
+            self._shapes = [
+                tuple(dims[offs[i] : offs[i + 1]]) if ok else None
+                for i, ok in enumerate(self.valid.tolist())
+            ]
+        return self._shapes
 
     def __getitem__(self, i: int) -> Any:
         shape = self.shapes[i]
@@ -349,6 +372,8 @@ class TensorColumn(Column):
         # Every row present: cut the base in one call, then shape the views.
         if len(self) == 1:
             pieces = [self._base]
+        elif self._flat and self.as_ == "torch":
+            return list(self._base.split(self._dims.tolist()))
         elif self.as_ == "torch":
             counts = np.empty(len(self._elem), dtype=np.int64)
             np.subtract(self._elem[1:], self._elem[:-1], out=counts[:-1])
@@ -356,19 +381,13 @@ class TensorColumn(Column):
             pieces = list(self._base.split(counts.tolist()))
         else:
             pieces = np.split(self._base, self._elem[1:])
+        if self._flat:
+            return pieces
         shapes: list[tuple[int, ...]] = self.shapes  # type: ignore[assignment]
         return [
             v if len(shape) == 1 else v.reshape(shape)
             for v, shape in zip(pieces, shapes, strict=True)
         ]
-
-
-def _shape_list(shapes: pa.Array, valid: np.ndarray) -> list[tuple[int, ...] | None]:
-    """Each row's shape as a tuple (None where the row lacks the field)."""
-    offs = shapes.offsets.to_numpy().tolist()
-    vals = shapes.values.to_numpy().tolist()
-    present = valid.tolist()
-    return [tuple(vals[offs[i] : offs[i + 1]]) if present[i] else None for i in range(len(present))]
 
 
 class MediaColumn(Column):
@@ -391,8 +410,8 @@ class MediaColumn(Column):
         self.entry = segs.indices.to_numpy(zero_copy_only=False).astype(np.int64)
         entries = segs.dictionary
         entry_shapes: list[tuple[int, ...]] = [(0,)] * len(entries)
-        for j, e in enumerate(self.entry):
-            entry_shapes[e] = self.segment_shapes[j]
+        for e, shape in zip(self.entry.tolist(), self.segment_shapes, strict=True):
+            entry_shapes[e] = shape
         self._base, self._elem = _decoded_base(f, entries, entry_shapes, as_)
 
     @property
