@@ -129,3 +129,22 @@ def test_the_compression_benchmark_checks_both_codecs_and_prices_the_link() -> N
     assert schema.name == "rollout_text_zstd" and {
         f.codec.to_dict()["id"] for f in schema.fields if f.role != "scalar"
     } == {"zstd"}
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="reads /proc (Linux)")
+def test_the_server_memory_benchmark_reads_a_real_servers_footprint_per_cycle() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "server_memory", Path(__file__).with_name("server_memory.py")
+    )
+    assert spec is not None and spec.loader is not None
+    server_memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(server_memory)
+    base, cycles = server_memory.measure("W1", cycles=2, quick=True, per_group=True)
+    assert base > 0 and len(cycles) == 2
+    step = workloads.to_torch(workloads.make("W1")).group(0)
+    image = step.columns["pixel_values"][0][0].nbytes
+    for c in cycles:
+        # 2 groups stored: 2 distinct images (a group's 16 rows share one) plus text.
+        assert 2 * image < c.held < 3 * image
+        assert c.ratio == max(c.put_peak, c.get_peak) / c.held
+    assert cycles[0].put_peak > c.held / 2  # the first put's rows are resident
