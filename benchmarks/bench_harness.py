@@ -13,6 +13,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -113,13 +114,17 @@ def test_a_run_reports_cpu_per_gb_of_writer_reader_and_server(tmp_path: Path) ->
     assert "CPU s/GB put / get" in md
 
 
-def test_the_compression_benchmark_checks_both_codecs_and_prices_the_link() -> None:
-    spec = importlib.util.spec_from_file_location(
-        "compression", Path(__file__).with_name("compression.py")
-    )
+def _script(name: str) -> Any:
+    """A benchmark script beside this file, loaded as a module."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
     assert spec is not None and spec.loader is not None
-    compression = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compression)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_compression_benchmark_checks_both_codecs_and_prices_the_link() -> None:
+    compression = _script("compression")
     r = compression.measure("W3", level=1, reps=1, quick=True)  # decoded rows compared inside
     assert r["rows"] == 16 and r["ratio"] > 1.5  # small token ids in int64 compress well
     assert r["zstd"]["bytes"] < r["raw"]["bytes"]
@@ -133,12 +138,7 @@ def test_the_compression_benchmark_checks_both_codecs_and_prices_the_link() -> N
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="reads /proc (Linux)")
 def test_the_server_memory_benchmark_reads_a_real_servers_footprint_per_cycle() -> None:
-    spec = importlib.util.spec_from_file_location(
-        "server_memory", Path(__file__).with_name("server_memory.py")
-    )
-    assert spec is not None and spec.loader is not None
-    server_memory = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(server_memory)
+    server_memory = _script("server_memory")
     base, cycles = server_memory.measure("W1", cycles=2, quick=True, per_group=True)
     assert base > 0 and len(cycles) == 2
     step = workloads.to_torch(workloads.make("W1")).group(0)

@@ -16,25 +16,21 @@ Run::
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import flightq
 from flightq import workloads
+from flightq.bench import procs
+from flightq.bench.flightq_system import server_argv
 
 __all__ = ["main", "measure"]
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _consumer(
@@ -100,15 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=1, help="DoGet streams per get (default 1)")
     args = p.parse_args(argv)
     counts = [int(x) for x in args.consumers.split(",")]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "flightq.cli", "serve", "--port", "0"],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=str(ROOT),
-    )
-    try:
-        assert server.stdout is not None
-        location = json.loads(server.stdout.readline())["listening"]
+    with procs.ServerProcess(server_argv(), "flightq") as server:
+        location = server.info["listening"]
         step = workloads.make(args.workload)
         with flightq.connect(location, [step.schema], timeout=300) as c:
             c.create_partition("p", step.schema, tasks=["t"], group_size=step.group_size)
@@ -127,9 +116,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             med = statistics.median(results[n])
             lo, hi = min(results[n]), max(results[n])
             print(f"{n:>9} {med:>12.2f} {lo:>7.2f}-{hi:<7.2f} {med / base:>7.2f}")
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     return 0
 
 

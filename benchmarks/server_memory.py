@@ -18,22 +18,17 @@ Run::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NamedTuple
 
 import flightq
 from flightq import workloads
 from flightq.bench import payload, procs
+from flightq.bench.flightq_system import server_argv
 from flightq.client import DEFAULT_MAX_BATCH_BYTES
 
 __all__ = ["Cycle", "main", "measure"]
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class Cycle(NamedTuple):
@@ -59,15 +54,9 @@ def measure(
     per_group: bool = False,
 ) -> tuple[int, list[Cycle]]:
     """The server's baseline RSS and one :class:`Cycle` per put/get/clear round."""
-    server = subprocess.Popen(
-        [sys.executable, "-m", "flightq.cli", "serve", "--host", "127.0.0.1", "--port", "0"],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=str(ROOT),
-    )
-    try:
-        assert server.stdout is not None
-        location = json.loads(server.stdout.readline())["listening"]
+    with procs.ServerProcess(server_argv(), "flightq") as server:
+        assert server.proc is not None
+        location = server.info["listening"]
         step = payload.generate(name, quick=quick)
         torch_step = workloads.to_torch(step)
         # A generator puts a prompt group at a time; a benchmark the whole step at once.
@@ -81,7 +70,7 @@ def measure(
             max_batch_bytes=batch_bytes,
         ) as c:
             c.create_partition("p", step.schema, tasks=["t"], group_size=step.group_size)
-            pid = server.pid
+            pid = server.proc.pid
             base = procs.rss(pid)[0]
             out: list[Cycle] = []
             for _ in range(cycles):
@@ -98,9 +87,6 @@ def measure(
                 c.clear("p")
                 out.append(Cycle(put_peak, get_peak, procs.rss(pid)[0] - base, held))
         return base, out
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
