@@ -2,7 +2,10 @@
 
 Consecutive rows whose cells come from consecutive rows of the same stored batches are one
 slice per column (the usual case: a claim of what one put wrote, plus the columns a
-write-back added); a field a row lacks is null there.
+write-back added); a field a row lacks is null there. A media slice carries only the part
+of the stored batch's dictionary that its rows use: Arrow IPC sends a record batch's
+dictionaries whole, so the slice of one prompt group would otherwise carry every image of
+the put.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from collections.abc import Iterator
 import msgpack
 import pyarrow as pa
 
-from .layout import KEY, SHAPE_SUFFIX, TAGS, arrow_schema
+from .layout import KEY, MEDIA_TYPE, SHAPE_SUFFIX, TAGS, arrow_schema
 from .rows import Partition, Row
 
 __all__ = ["assemble"]
@@ -61,10 +64,29 @@ def assemble(
                     arrays.append(pa.nulls(n, type=schema.field(c).type))
                 else:
                     pc, idx = cell
-                    arrays.append(pc.batch.column(c).slice(idx, n))
+                    col = pc.batch.column(c).slice(idx, n)
+                    arrays.append(_own_entries(col) if col.type == MEDIA_TYPE else col)
             yield pa.RecordBatch.from_arrays(arrays, schema=schema)
 
     return schema, batches()
+
+
+def _own_entries(col: pa.LargeListArray) -> pa.LargeListArray:
+    """A slice of a media column with its dictionary cut to the range of entries its
+    segments use (a zero-copy slice of the stored dictionary), indices shifted to match."""
+    outer = col.offsets.to_numpy()
+    lo, hi = int(outer[0]), int(outer[-1])
+    segs = col.values.slice(lo, hi - lo)
+    entries = segs.dictionary
+    idx = segs.indices.to_numpy(zero_copy_only=False)
+    first, stop = (int(idx.min()), int(idx.max()) + 1) if len(idx) else (0, 0)
+    if first == 0 and stop == len(entries):
+        return col
+    own = pa.DictionaryArray.from_arrays(
+        pa.array(idx - first, type=pa.int32()), entries.slice(first, stop - first)
+    )
+    mask = col.is_null() if col.null_count else None
+    return pa.LargeListArray.from_arrays(pa.array(outer - lo, type=pa.int64()), own, mask=mask)
 
 
 def _continues(prev: Row, row: Row, fields: list[str]) -> bool:

@@ -1,0 +1,92 @@
+"""Rows served from part of a put carry only their own media, against a real server.
+
+A put of several prompt groups is stored as record batches whose media dictionaries hold
+every group's image. Arrow IPC sends a record batch's dictionary whole, so each answer
+that serves some of those rows (a claim of one group, a get split over parallel streams)
+must carry a dictionary cut to the entries its rows use.
+"""
+
+from __future__ import annotations
+
+import pyarrow.compute as pc
+import pytest
+from fixtures_dataplane import assert_rows_match, client_fixture, server_fixture  # noqa: F401
+
+import flightq
+from flightq import workloads
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _media_entries(batch: flightq.Batch, field: str) -> list[int]:
+    """Per record batch received, the entries of the field's media dictionary."""
+    parts = batch._parts or [batch]
+    return [len(p.record_batch.column(field).values.dictionary) for p in parts]
+
+
+def _media_bytes(batch: flightq.Batch, field: str) -> int:
+    """Payload bytes of the field's media dictionaries received."""
+    parts = batch._parts or [batch]
+    dicts = [p.record_batch.column(field).values.dictionary for p in parts]
+    return sum(pc.sum(pc.binary_length(d)).as_py() or 0 for d in dicts)
+
+
+@pytest.fixture
+def vlm(client):
+    """Four W1 groups of 4 rows (one image per group) stored by one put."""
+    step = workloads.w1(0, groups=4, g=4)
+    client.create_partition("vlm", step.schema, tasks=["train"], group_size=step.group_size)
+    client.put("vlm", step.keys, step.columns, step.tags)
+    return step
+
+
+def test_a_claim_of_one_group_carries_its_image_and_no_other(client, vlm):
+    image = vlm.columns["pixel_values"][0][0].nbytes
+    for g in range(4):
+        batch = client.claim("vlm", "train", batch_size=4)
+        assert batch.keys == vlm.group(g).keys
+        assert _media_entries(batch, "pixel_values") == [1]
+        assert _media_bytes(batch, "pixel_values") == image
+        assert_rows_match(batch, vlm)
+
+
+def test_a_get_of_some_rows_carries_the_images_of_those_rows(client, vlm):
+    keys = vlm.keys[4:12]  # groups 1 and 2
+    batch = client.get("vlm", keys)
+    assert batch.keys == keys
+    assert sum(_media_entries(batch, "pixel_values")) == 2
+    assert_rows_match(batch, vlm)
+    shared = batch["pixel_values"]
+    # A group's rows still view its one image.
+    assert shared[0][0].data_ptr() == shared[3][0].data_ptr() != shared[4][0].data_ptr()
+
+
+def test_a_get_split_over_streams_sends_each_image_once(server):
+    step = workloads.w1(0, groups=4, g=4)
+    with flightq.connect(server.location, [step.schema], get_streams=4) as c:
+        c.create_partition("s", step.schema, tasks=["t"], group_size=step.group_size)
+        c.put("s", step.keys, step.columns, step.tags)
+        # As if the partition's rows were large: the get is split, a group per stream.
+        c._row_bytes["s"] = 2**30
+        batch = c.get("s", step.keys)
+        assert len(batch._parts or [batch]) == 4
+        assert _media_entries(batch, "pixel_values") == [1, 1, 1, 1]
+        assert_rows_match(batch, step)
+
+
+def test_rows_without_media_keep_their_place_in_a_trimmed_slice(client):
+    step = workloads.w1(0, groups=4, g=4)
+    pixels, grids = step.columns["pixel_values"], step.columns["image_grid_thw"]
+    for i in (5, 9):  # rows that lack the field (null) and a row with no segments
+        pixels[i] = grids[i] = None
+    pixels[6] = grids[6] = []
+    client.create_partition("mixed", step.schema, tasks=["t"], group_size=step.group_size)
+    client.put("mixed", step.keys, step.columns, step.tags)
+    keys = step.keys[5:11]  # starts and ends inside groups, across a null and an empty row
+    batch = client.get("mixed", keys)
+    assert batch.keys == keys
+    assert_rows_match(batch, step)
+    assert batch["pixel_values"][0] is None and batch["pixel_values"][1] == []
+    # A row that lacks the field ends a slice: rows 5 | 6-8 | 9 | 10, each slice with the
+    # images of its own rows (row 6 has none; 7 is in group 1, 8 and 10 in group 2).
+    assert _media_entries(batch, "pixel_values") == [0, 2, 0, 1]
