@@ -548,7 +548,8 @@ class Server(fl.FlightServerBase):
 
 def _stream(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> fl.FlightDataStream:
     # A reader-backed stream writes media dictionaries (and replaces them between stored
-    # batches); a dictionary shared by consecutive batches is sent once.
+    # batches); a dictionary shared by consecutive batches is sent once. A batch serving
+    # part of a stored batch carries a dictionary already cut to its rows (assemble).
     return fl.RecordBatchStream(pa.RecordBatchReader.from_batches(schema, batches))
 
 
