@@ -141,10 +141,9 @@ def test_the_server_memory_benchmark_reads_a_real_servers_footprint_per_cycle() 
     server_memory = _script("server_memory")
     base, cycles = server_memory.measure("W1", cycles=2, quick=True, per_group=True)
     assert base > 0 and len(cycles) == 2
-    step = workloads.to_torch(workloads.make("W1")).group(0)
-    image = step.columns["pixel_values"][0][0].nbytes
-    for c in cycles:
+    image = workloads.w1(0, groups=1, g=1).columns["pixel_values"][0][0].nbytes
+    for cycle in cycles:
         # 2 groups stored: 2 distinct images (a group's 16 rows share one) plus text.
-        assert 2 * image < c.held < 3 * image
-        assert c.ratio == max(c.put_peak, c.get_peak) / c.held
-    assert cycles[0].put_peak > c.held / 2  # the first put's rows are resident
+        assert 2 * image < cycle.held < 3 * image
+        assert cycle.ratio == max(cycle.put_peak, cycle.get_peak) / cycle.held
+    assert cycles[0].put_peak > cycles[0].held / 2  # the first put's rows are resident

@@ -4,8 +4,9 @@ One ``flightq serve --port 0`` process on 127.0.0.1 (as deployed: it keeps freed
 and runs with one malloc arena). This process puts a workload step (W2 by default: no
 shared media, every byte is stored; ``--per-group``: one put per prompt group, as
 generators write), gets every row by key, and clears the partition; again, ``--cycles``
-times. Before the first put the server's resident set is its baseline; during each put
-and get its peak (``VmHWM``, reset before each operation) is read from ``/proc``. Printed
+times. Before the first put the server's resident set is its baseline; its peak
+(``VmHWM``) is reset before the cycle's puts (all groups' puts together with
+``--per-group``) and again before its get, and read from ``/proc`` after each. Printed
 per cycle: the peak above the baseline as a multiple of the bytes the server holds (the
 step's distinct payload bytes, shared media once); the aim is at most 1.1x. Timing
 decides nothing here.
@@ -74,12 +75,12 @@ def measure(
             base = procs.rss(pid)[0]
             out: list[Cycle] = []
             for _ in range(cycles):
-                procs.reset_peak(pid)
+                _reset_peak(pid)
                 for part in puts:
                     c.put("p", part.keys, part.columns, part.tags)
                 put_peak = procs.rss(pid)[1] - base
                 held = int(c.stats()["partitions"]["p"]["bytes"])
-                procs.reset_peak(pid)
+                _reset_peak(pid)
                 batch = c.get("p", step.keys)
                 assert batch.keys == step.keys
                 get_peak = procs.rss(pid)[1] - base
@@ -87,6 +88,11 @@ def measure(
                 c.clear("p")
                 out.append(Cycle(put_peak, get_peak, procs.rss(pid)[0] - base, held))
         return base, out
+
+
+def _reset_peak(pid: int) -> None:
+    if not procs.reset_peak(pid):
+        raise RuntimeError(f"cannot reset the peak RSS of process {pid} (/proc/{pid}/clear_refs)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

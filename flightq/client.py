@@ -118,7 +118,9 @@ def connect(
         Tune this process's malloc to keep freed memory for the next step
         (:func:`flightq.keep_freed_memory`): received rows and put buffers then land in
         pages the process already has instead of fresh ones that fault in one by one.
-        The process keeps its high-water mark of memory. False leaves malloc as it is.
+        The setting is process-wide and stays once any client made it; the process keeps
+        its high-water mark of memory (per malloc arena: see that function). False leaves
+        malloc as it is; ``shm=True`` clients, whose payloads are mapped, do not touch it.
     **flight_kwargs:
         ``token="..."`` for a server that requires a bearer token; ``tls_root_certs``
         (PEM bytes) for a ``grpc+tls://`` server; anything else ``FlightClient`` takes.
@@ -192,8 +194,6 @@ class Client:
             raise ValueError(
                 f"get_streams and put_streams must be at least 1, got {get_streams}, {put_streams}"
             )
-        if keep_freed_memory:
-            _keep_freed_memory()
         self.shm_dir: str | None = None
         self._shm_pool: Any = None
         #: With shm: puts (and reads, estimated from the partition's last answer) of fewer
@@ -231,6 +231,8 @@ class Client:
             self._flight = fl.FlightClient(location, **flight_kwargs)
         except (pa.ArrowException, fl.FlightError) as e:
             raise from_flight_error(e, f"connect to {location}") from e
+        if keep_freed_memory and self.shm_dir is None:
+            _keep_freed_memory()
 
     # ------------------------------------------------------------------ plumbing
 

@@ -24,18 +24,26 @@ __all__ = ["keep_freed_memory", "exec_with_one_arena"]
 def keep_freed_memory() -> bool:
     """Tune glibc's allocator of this process to reuse freed memory instead of returning it.
 
-    Blocks up to 32 MiB come from the heap, and up to 2 GiB of freed memory stays there for
-    the next transfer: the process keeps its high-water mark of memory. A client calls it
-    when it connects (``connect(..., keep_freed_memory=False)`` does not); a process that
-    embeds a server calls it at startup. Measured on the 2-core machine, a
-    process getting full-size W2 (1.3 GB) every half second: 1.03-1.28 GB/s with 90-370
-    thousand page faults per get by default; 1.53-1.58 GB/s with this call; 1.75-1.78 GB/s
-    and no page faults with this call and ``MALLOC_ARENA_MAX=1`` in the environment.
+    Blocks up to 32 MiB come from the heap, and freed memory stays there (up to 2 GiB in
+    each malloc arena) for the next transfer: the process keeps its high-water mark of
+    memory. The setting is process-wide and stays. glibc gives threads several arenas
+    (up to 8 per core), each keeping its own freed memory: a process whose transfers run
+    on many threads can hold more than its peak of live data; ``MALLOC_ARENA_MAX=1`` (or
+    2) in its launch environment bounds that (``flightq serve`` starts itself so). A client
+    calls this function when it is created (``connect(..., keep_freed_memory=False)``
+    does not; neither does a ``shm=True`` client, whose payloads are mapped, not
+    allocated); a process that embeds a server calls it at startup.
+
+    Measured on the 2-core machine, a process getting full-size W2 (1.3 GB) every half
+    second: 1.03-1.28 GB/s with 90-370 thousand page faults per get by default;
+    1.53-1.58 GB/s with this call; 1.75-1.78 GB/s and no page faults with this call and
+    ``MALLOC_ARENA_MAX=1`` in the environment.
 
     Returns
     -------
     bool
-        False where glibc is absent (nothing changed).
+        True when both settings took; False where glibc is absent (nothing changed) or
+        refused a setting.
     """
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
         return False
@@ -47,9 +55,9 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 32 * 2**20)) and bool(
-        mallopt(m_trim_threshold, 2**31 - 1)
-    )
+    mmap_ok = bool(mallopt(m_mmap_threshold, 32 * 2**20))
+    trim_ok = bool(mallopt(m_trim_threshold, 2**31 - 1))
+    return mmap_ok and trim_ok
 
 
 def exec_with_one_arena(argv: list[str]) -> None:

@@ -132,6 +132,8 @@ elif sys.argv[1] == "connect":  # a trainer's client: keeps freed memory by defa
     flightq.connect(sys.argv[2]).close()
 elif sys.argv[1] == "connect-untuned":
     flightq.connect(sys.argv[2], keep_freed_memory=False).close()
+elif sys.argv[1] == "connect-shm":  # its payloads are mapped: malloc is left alone
+    flightq.connect(sys.argv[2], shm=True).close()
 def rss():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("RssAnon:")) * 1024
@@ -166,6 +168,17 @@ def test_a_client_keeps_freed_memory_for_the_next_step_unless_told_not_to():
     with cli_server() as (location, _):
         assert returned("connect", location) < 32 * 2**20
         assert returned("connect-untuned", location) > 128 * 2**20
+        assert returned("connect-shm", location) > 128 * 2**20
+
+
+@pytest.mark.parametrize(
+    "where", [("darwin", ("", "")), ("linux", ("musl", "1.2")), ("win32", ("", ""))]
+)
+def test_keep_freed_memory_changes_nothing_without_glibc(monkeypatch, where):
+    platform_name, libc = where
+    monkeypatch.setattr(sys, "platform", platform_name)
+    monkeypatch.setattr(platform, "libc_ver", lambda *a, **k: libc)
+    assert flightq.keep_freed_memory() is False
 
 
 def _serve_environ(env: dict[str, str]) -> dict[str, str]:

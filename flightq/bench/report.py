@@ -70,7 +70,9 @@ def markdown(doc: dict[str, Any]) -> str:
         "in MiB of producer / server / consumer during the operation, and in brackets its "
         "growth over the RSS just before the operation: one producer and one consumer "
         "process serve every system in turn, so the growth is the system's own footprint "
-        "(Ray's object store pages stay mapped into both, raising later baselines). "
+        "(Ray's object store pages stay mapped into both, raising later baselines); both "
+        "keep freed memory (`flightq.keep_freed_memory()`, as a flightq client does), so "
+        "memory one system freed can serve the next without growth. "
         "A server's figure sums its processes (Ray: raylet, GCS, reference actor; "
         "TransferQueue: controller and storage units).",
         "",

@@ -5,6 +5,10 @@ pipe), builds the systems' halves on request and runs their methods. Around ever
 resets its peak RSS and reports the peak reached during the call, and the CPU time the
 call used (every thread of the process). It exits when the pipe closes, so a crashed
 runner leaves no worker behind.
+
+A worker keeps freed memory (:func:`flightq.keep_freed_memory`) from its start, whatever
+systems it serves: a flightq client does so when it connects, and the process is shared,
+so every system of a run is measured with the same allocator setting.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ..memory import keep_freed_memory
 from . import payload, procs
 
 __all__ = ["Worker", "serve"]
@@ -34,6 +39,7 @@ def serve(conn: Connection, role: str) -> None:
     """The worker's loop: ``(command, args)`` in, ``("ok", result)`` or ``("err", text)`` out."""
     with contextlib.suppress(ValueError):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner decides when to stop
+    keep_freed_memory()
     step = None
     halves: dict[str, Any] = {}
     scratch: dict[str, Any] = {}
