@@ -286,6 +286,8 @@ class Store:
             for pc in pieces:
                 ck = pc.checked
                 missing = [f for f in p.schema.required if f not in ck.fields]
+                # Required fields with null rows in this piece (usually none).
+                holes = [f for f in p.schema.required if f in ck.fields and pc.valid(f)]
                 for i, k in enumerate(ck.keys):
                     row = p.rows.get(k)
                     if row is None:
@@ -294,7 +296,8 @@ class Store:
                                 f"row key {k!r} is new in partition {name!r} and lacks "
                                 f"required field(s) {missing}"
                             )
-                        _check_required_not_null(pc, i, p.schema, k)
+                        if holes:
+                            _check_required_not_null(pc, i, holes, k)
                         new.append(k)
                         continue
                     for f in ck.fields:
@@ -322,28 +325,35 @@ class Store:
             n_new = 0
             for pc in pieces:
                 ck = pc.checked
+                # Fields every row of the piece carries, and the others with their rows.
+                dense = [f for f in ck.fields if pc.valid(f) is None]
+                sparse = [(f, v) for f in ck.fields if (v := pc.valid(f)) is not None]
+                seq_lens, nbytes = ck.seq_lens.tolist(), ck.nbytes.tolist()
                 for i, k in enumerate(ck.keys):
+                    cell = (pc, i)
                     if k in new_set:
                         group = p.next_group + n_new // g if g else p.next_group + n_new
                         n_new += 1
                         row = Row(k, group)
                         p.rows[k] = row
+                        row.cells = dict.fromkeys(dense, cell)
+                        fields = [f for f, v in sparse if v[i]]
                     else:
                         row = p.rows[k]
-                    for f in ck.fields:
-                        if _valid_at(pc, f, i):
-                            old = row.cells.get(f)
-                            if old is not None:  # overwrite: stop counting the old cell
-                                gone = _cell_nbytes(old[0].batch, f, old[1])
-                                row.nbytes -= gone
-                                p.nbytes -= gone
-                            row.cells[f] = (pc, i)
+                        fields = dense + [f for f, v in sparse if v[i]]
+                    for f in fields:
+                        old = row.cells.get(f)
+                        if old is not None:  # overwrite: stop counting the old cell
+                            gone = _cell_nbytes(old[0].batch, f, old[1])
+                            row.nbytes -= gone
+                            p.nbytes -= gone
+                        row.cells[f] = cell
                     if pc.tags[i]:
                         row.tags.update(pc.tags[i])  # type: ignore[arg-type]
-                    if ck.seq_lens[i] >= 0:
-                        row.seq_len = int(ck.seq_lens[i])
-                    row.nbytes += int(ck.nbytes[i])
-                    p.nbytes += int(ck.nbytes[i])
+                    if seq_lens[i] >= 0:
+                        row.seq_len = seq_lens[i]
+                    row.nbytes += nbytes[i]
+                    p.nbytes += nbytes[i]
             p.next_group += (n_new // g) if g else n_new
             if put_id is not None:
                 p.recent_puts[put_id] = len(keys)
@@ -560,8 +570,8 @@ def _valid_at(pc: Piece, f: str, i: int) -> bool:
     return valid is None or valid[i]
 
 
-def _check_required_not_null(pc: Piece, i: int, schema: Schema, key: str) -> None:
-    for f in schema.required:
+def _check_required_not_null(pc: Piece, i: int, fields: list[str], key: str) -> None:
+    for f in fields:
         if not _valid_at(pc, f, i):
             raise MissingFieldError(f"row key {key!r}: required field {f!r} is null")
 
