@@ -15,60 +15,107 @@ from collections.abc import Iterator
 import msgpack
 import pyarrow as pa
 
-from .layout import KEY, MEDIA_TYPE, SHAPE_SUFFIX, TAGS, arrow_schema
+from .layout import KEY, MEDIA_TYPE, SHAPE_SUFFIX, TAGS, arrow_schema, binary_offsets
 from .rows import Partition, Row
 
-__all__ = ["assemble"]
+__all__ = ["assemble", "SMALL_RUN_BYTES", "COALESCED_BYTES"]
+
+#: Slices smaller than this are copied together when an answer coalesces.
+SMALL_RUN_BYTES = 1 << 20
+#: Most payload bytes of one coalesced record batch.
+COALESCED_BYTES = 4 << 20
 
 
 def assemble(
-    p: Partition, rows: list[Row], fields: list[str], max_bytes: int
+    p: Partition, rows: list[Row], fields: list[str], max_bytes: int, coalesce: bool = False
 ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     """The Arrow schema and record batches that serve ``rows`` with ``fields``.
 
     Consecutive rows whose cells come from consecutive rows of the same stored batches
     are served as one zero-copy slice per column; a field a row lacks is null there.
-    Batches are cut at about ``max_bytes`` of payload.
+    Batches are cut at about ``max_bytes`` of payload. With ``coalesce``, consecutive
+    slices of less than :data:`SMALL_RUN_BYTES` each (rows of many small puts, such as
+    one prompt group of text each) are copied into one batch of up to
+    :data:`COALESCED_BYTES`: each record batch costs both ends a fixed amount of work,
+    more than copying a small one does.
     """
     schema = arrow_schema(p.schema, fields)
     cols = [n for n in schema.names if n not in (KEY, TAGS)]
 
-    def runs() -> Iterator[tuple[int, int]]:
+    def runs() -> Iterator[tuple[int, int, int]]:
         start = 0
         acc = 0
         for i in range(1, len(rows) + 1):
             acc += rows[i - 1].nbytes
             if i == len(rows) or acc >= max_bytes or not _continues(rows[i - 1], rows[i], fields):
-                yield start, i
+                yield start, i, acc
                 start, acc = i, 0
 
     def batches() -> Iterator[pa.RecordBatch]:
         if not rows:
             yield pa.RecordBatch.from_pylist([], schema=schema)
             return
-        for lo, hi in runs():
-            run = rows[lo:hi]
-            n = hi - lo
-            arrays: list[pa.Array] = [
-                pa.array([r.key for r in run], type=pa.utf8()),
-                pa.array(
-                    [msgpack.packb(r.tags, use_bin_type=True) if r.tags else None for r in run],
-                    type=pa.binary(),
-                ),
-            ]
-            first = run[0]
-            for c in cols:
-                base = c[: -len(SHAPE_SUFFIX)] if c.endswith(SHAPE_SUFFIX) else c
-                cell = first.cells.get(base)
-                if cell is None:
-                    arrays.append(pa.nulls(n, type=schema.field(c).type))
-                else:
-                    pc, idx = cell
-                    col = pc.batch.column(c).slice(idx, n)
-                    arrays.append(_own_entries(col) if col.type == MEDIA_TYPE else col)
-            yield pa.RecordBatch.from_arrays(arrays, schema=schema)
+        if not coalesce:
+            for lo, hi, _ in runs():
+                yield sliced(lo, hi)[0]
+            return
+        pending: list[pa.RecordBatch] = []
+        pending_keys: set[str] = set()
+        held = 0
+        for lo, hi, size in runs():
+            batch, media = sliced(lo, hi)
+            # Row sizes count a shared image on its first row only: a slice carries the
+            # images of all its rows.
+            size = max(size, media)
+            keys = {r.key for r in rows[lo:hi]}
+            # A get may name a key twice; one record batch holds each key once.
+            if size >= SMALL_RUN_BYTES or held + size > COALESCED_BYTES or keys & pending_keys:
+                yield from _joined(pending)
+                pending, pending_keys, held = [], set(), 0
+            if size >= SMALL_RUN_BYTES:
+                yield batch
+                continue
+            pending.append(batch)
+            pending_keys |= keys
+            held += size
+        yield from _joined(pending)
+
+    def sliced(lo: int, hi: int) -> tuple[pa.RecordBatch, int]:
+        """Rows ``[lo, hi)`` as slices, and the payload bytes of their media entries."""
+        run = rows[lo:hi]
+        n = hi - lo
+        arrays: list[pa.Array] = [
+            pa.array([r.key for r in run], type=pa.utf8()),
+            pa.array(
+                [msgpack.packb(r.tags, use_bin_type=True) if r.tags else None for r in run],
+                type=pa.binary(),
+            ),
+        ]
+        first = run[0]
+        media = 0
+        for c in cols:
+            base = c[: -len(SHAPE_SUFFIX)] if c.endswith(SHAPE_SUFFIX) else c
+            cell = first.cells.get(base)
+            if cell is None:
+                arrays.append(pa.nulls(n, type=schema.field(c).type))
+            else:
+                pc, idx = cell
+                col = pc.batch.column(c).slice(idx, n)
+                if col.type == MEDIA_TYPE:
+                    col = _own_entries(col)
+                    media += _entry_bytes(col)
+                arrays.append(col)
+        return pa.RecordBatch.from_arrays(arrays, schema=schema), media
 
     return schema, batches()
+
+
+def _joined(batches: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """The batches as one (a copy; media dictionaries unified), or nothing if none."""
+    if len(batches) > 1:
+        yield pa.concat_batches(batches)
+    elif batches:
+        yield batches[0]
 
 
 def _own_entries(col: pa.LargeListArray) -> pa.LargeListArray:
@@ -87,6 +134,15 @@ def _own_entries(col: pa.LargeListArray) -> pa.LargeListArray:
     )
     mask = col.is_null() if col.null_count else None
     return pa.LargeListArray.from_arrays(pa.array(outer - lo, type=pa.int64()), own, mask=mask)
+
+
+def _entry_bytes(col: pa.LargeListArray) -> int:
+    """Payload bytes of a media column's dictionary (a slice: only its own range)."""
+    entries = col.values.dictionary
+    if not len(entries):
+        return 0
+    offs = binary_offsets(entries)
+    return int(offs[-1] - offs[0])
 
 
 def _continues(prev: Row, row: Row, fields: list[str]) -> bool:

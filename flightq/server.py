@@ -323,11 +323,15 @@ class Server(fl.FlightServerBase):
             if not all(isinstance(k, str) for k in keys):
                 raise ProtocolError("get ticket: keys must be strings")
             part, rows, names = self.store.rows_for_get(name, keys, fields)
-            schema, batches = assemble(part, rows, names, self._answer_bytes(t))
+            schema, batches = assemble(
+                part, rows, names, self._answer_bytes(t), coalesce=not t.get("shm")
+            )
             return _stream(*self._shm_reply(t, schema, batches, context))
         if op == "scan":
             part, rows, names = self.store.scan(name)
-            schema, batches = assemble(part, rows, names, self._answer_bytes(t))
+            schema, batches = assemble(
+                part, rows, names, self._answer_bytes(t), coalesce=not t.get("shm")
+            )
             return _stream(*self._shm_reply(t, schema, batches, context))
         if op == "claim":
             task = require(t, "task", str, "claim ticket")
@@ -342,7 +346,9 @@ class Server(fl.FlightServerBase):
             part, rows, names = self.store.claim(
                 name, task, size, fields, timeout, wait_for, cancelled
             )
-            schema, batches = assemble(part, rows, names, self._answer_bytes(t))
+            schema, batches = assemble(
+                part, rows, names, self._answer_bytes(t), coalesce=not t.get("shm")
+            )
             keys = [r.key for r in rows]
             try:
                 schema, batches = self._shm_reply(t, schema, batches, context)

@@ -1,0 +1,74 @@
+"""Rows of many small puts are served in few record batches, against a real server.
+
+A generator puts one prompt group at a time; a trainer reads many groups at once. Each
+stored batch would otherwise be its own record batch in the answer, and each record batch
+costs the server and the client a fixed amount of work: the server copies small slices
+into one batch instead (up to ``flightq.assemble.COALESCED_BYTES``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fixtures_dataplane import assert_rows_match, client_fixture, server_fixture  # noqa: F401
+
+import flightq
+from flightq import workloads
+from flightq.assemble import COALESCED_BYTES, SMALL_RUN_BYTES
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _parts(batch: flightq.Batch) -> list[flightq.Batch]:
+    return batch._parts or [batch]
+
+
+def _put_groups(client: flightq.Client, name: str, step: workloads.Step) -> None:
+    client.create_partition(name, step.schema, tasks=["train"], group_size=step.group_size)
+    for g in range(step.rows // step.group_size):
+        part = step.group(g)
+        client.put(name, part.keys, part.columns, part.tags)
+
+
+def test_a_get_of_many_small_puts_arrives_in_few_record_batches(client):
+    step = workloads.w3(0, groups=8, g=4)  # 8 puts of well under SMALL_RUN_BYTES each
+    _put_groups(client, "text", step)
+    batch = client.get("text", step.keys)
+    assert step.nbytes() < COALESCED_BYTES
+    assert len(_parts(batch)) == 1
+    assert batch.keys == step.keys
+    assert_rows_match(batch, step)
+
+
+def test_a_claim_across_groups_is_coalesced_too(client):
+    step = workloads.w3(0, groups=8, g=4)
+    _put_groups(client, "text", step)
+    batch = client.claim("text", "train", batch_size=16)
+    assert len(_parts(batch)) == 1 and batch.keys == step.keys[:16]
+    assert_rows_match(batch, step)
+
+
+def test_coalesced_media_keeps_each_groups_image_shared_and_separate(client):
+    step = workloads.w1(0, groups=4, g=3)
+    images = [np.full((2, 3), g, dtype=np.float32) for g in range(4)]  # small images
+    step.columns["pixel_values"] = [[images[i // 3]] for i in range(step.rows)]
+    step.columns["image_grid_thw"] = [
+        [np.array([[1, 2, 3]], dtype=np.int64)] for _ in range(step.rows)
+    ]
+    _put_groups(client, "vlm", step)
+    batch = client.get("vlm", step.keys)
+    assert len(_parts(batch)) == 1
+    assert_rows_match(batch, step)
+    px = batch["pixel_values"]
+    assert px[0][0].data_ptr() == px[2][0].data_ptr() != px[3][0].data_ptr()
+    assert len(batch.record_batch.column("pixel_values").values.dictionary) == 4
+
+
+def test_large_slices_are_served_as_they_are_stored(client):
+    step = workloads.w1(0, groups=2, g=2)  # one 3.4 MiB image per group
+    _put_groups(client, "big", step)
+    image = step.columns["pixel_values"][0][0].nbytes
+    assert image >= SMALL_RUN_BYTES
+    batch = client.get("big", step.keys)
+    assert len(_parts(batch)) == 2  # one slice per put, as stored
+    assert_rows_match(batch, step)
