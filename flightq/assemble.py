@@ -36,8 +36,8 @@ def assemble(
     Batches are cut at about ``max_bytes`` of payload. With ``coalesce``, consecutive
     slices of less than :data:`SMALL_RUN_BYTES` each (rows of many small puts, such as
     one prompt group of text each) are copied into one batch of up to
-    :data:`COALESCED_BYTES`: each record batch costs both ends a fixed amount of work,
-    more than copying a small one does.
+    :data:`COALESCED_BYTES` (never past ``max_bytes``): each record batch costs both ends
+    a fixed amount of work, more than copying a small one does.
     """
     schema = arrow_schema(p.schema, fields)
     cols = [n for n in schema.names if n not in (KEY, TAGS)]
@@ -59,6 +59,8 @@ def assemble(
             for lo, hi, _ in runs():
                 yield sliced(lo, hi)[0]
             return
+        limit = min(COALESCED_BYTES, max_bytes)
+        small = min(SMALL_RUN_BYTES, limit)
         pending: list[pa.RecordBatch] = []
         pending_keys: set[str] = set()
         held = 0
@@ -69,10 +71,10 @@ def assemble(
             size = max(size, media)
             keys = {r.key for r in rows[lo:hi]}
             # A get may name a key twice; one record batch holds each key once.
-            if size >= SMALL_RUN_BYTES or held + size > COALESCED_BYTES or keys & pending_keys:
+            if size >= small or held + size > limit or keys & pending_keys:
                 yield from _joined(pending)
                 pending, pending_keys, held = [], set(), 0
-            if size >= SMALL_RUN_BYTES:
+            if size >= small:
                 yield batch
                 continue
             pending.append(batch)

@@ -72,3 +72,17 @@ def test_large_slices_are_served_as_they_are_stored(client):
     batch = client.get("big", step.keys)
     assert len(_parts(batch)) == 2  # one slice per put, as stored
     assert_rows_match(batch, step)
+
+
+def test_coalesced_batches_stay_within_the_servers_batch_size():
+    step = workloads.w3(0, groups=8, g=4)
+    with (
+        flightq.Server(max_batch_bytes=64 * 1024) as srv,
+        flightq.connect(srv.location, [step.schema]) as c,
+    ):
+        _put_groups(c, "text", step)
+        batch = c.get("text", step.keys)
+        parts = _parts(batch)
+        assert len(parts) > 8  # the 8 puts' rows, cut at 64 KiB
+        assert all(p.record_batch.nbytes < 2 * 64 * 1024 for p in parts)
+        assert_rows_match(batch, step)
