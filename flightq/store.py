@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from .errors import (
@@ -29,7 +30,7 @@ from .errors import (
     ShapeError,
     UnavailableError,
 )
-from .layout import SHAPE_SUFFIX, binary_offsets
+from .layout import MEDIA_TYPE, SHAPE_SUFFIX, binary_offsets, first_use_bytes
 from .rows import Partition, Piece, Row
 from .schema import Schema
 
@@ -553,15 +554,19 @@ def _is_replay(p: Partition, pieces: list[Piece]) -> bool:
 
 
 def _cell_nbytes(batch: pa.RecordBatch, f: str, i: int) -> int:
-    """Payload bytes of one stored cell, counted as :func:`flightq.validation.validate` does."""
+    """Payload bytes of one stored cell, counted as :func:`flightq.validation.validate` does:
+    a media entry shared by several rows of the batch counts on its first row only."""
     col = batch.column(f)
     if col.type == pa.large_binary():
         offs = binary_offsets(col)
         return int(offs[i + 1] - offs[i])
-    if pa.types.is_large_list(col.type):
+    if col.type == MEDIA_TYPE:
         outer = col.offsets.to_numpy()
-        inner = binary_offsets(col.values)
-        return int(inner[outer[i + 1]] - inner[outer[i]])
+        lo = int(outer[0])
+        segs = col.values.slice(lo, int(outer[-1]) - lo)
+        idx = segs.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+        first = first_use_bytes(idx, np.diff(binary_offsets(segs.dictionary)))
+        return int(first[int(outer[i]) - lo : int(outer[i + 1]) - lo].sum())
     return 0
 
 

@@ -8,6 +8,7 @@ must carry a dictionary cut to the entries its rows use.
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow.compute as pc
 import pytest
 from fixtures_dataplane import assert_rows_match, client_fixture, server_fixture  # noqa: F401
@@ -90,3 +91,23 @@ def test_rows_without_media_keep_their_place_in_a_trimmed_slice(client):
     # A row that lacks the field ends a slice: rows 5 | 6-8 | 9 | 10, each slice with the
     # images of its own rows (row 6 has none; 7 is in group 1, 8 and 10 in group 2).
     assert _media_entries(batch, "pixel_values") == [0, 2, 0, 1]
+
+
+def test_overwriting_a_groups_image_replaces_it_and_counts_bytes_once(client):
+    step = workloads.w1(0, groups=2, g=3)
+    old = [np.full((2, 3), g, dtype=np.float32) for g in range(2)]
+    step.columns["pixel_values"] = [[old[i // 3]] for i in range(step.rows)]
+    client.create_partition("ow", step.schema, tasks=["t"], group_size=step.group_size)
+    client.put("ow", step.keys, step.columns, step.tags)
+    before = client.stats()["partitions"]["ow"]["bytes"]
+    new = np.arange(20, dtype=np.float32).reshape(4, 5)  # group 0's new image, shared
+    keys = step.keys[:3]
+    client.put("ow", keys, {"pixel_values": [[new]] * 3}, overwrite=True)
+    after = client.stats()["partitions"]["ow"]["bytes"]
+    assert after - before == new.nbytes - old[0].nbytes  # the image counts once per group
+    batch = client.get("ow", step.keys, as_="numpy")
+    px = batch["pixel_values"]
+    assert all(np.array_equal(px[i][0], new) for i in range(3))
+    assert all(np.array_equal(px[i][0], old[1]) for i in range(3, 6))
+    client.clear("ow")
+    assert client.stats()["partitions"]["ow"]["bytes"] == 0
