@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import msgpack
 import pyarrow as pa
 
-from .layout import KEY, MEDIA_TYPE, SHAPE_SUFFIX, TAGS, arrow_schema, binary_offsets
+from .layout import KEY, MEDIA_TYPE, SHAPE_SUFFIX, TAGS, arrow_schema
 from .rows import Partition, Row
 
 __all__ = ["assemble", "SMALL_RUN_BYTES", "COALESCED_BYTES"]
@@ -42,13 +42,13 @@ def assemble(
     schema = arrow_schema(p.schema, fields)
     cols = [n for n in schema.names if n not in (KEY, TAGS)]
 
-    def runs() -> Iterator[tuple[int, int, int]]:
+    def runs() -> Iterator[tuple[int, int]]:
         start = 0
         acc = 0
         for i in range(1, len(rows) + 1):
             acc += rows[i - 1].nbytes
             if i == len(rows) or acc >= max_bytes or not _continues(rows[i - 1], rows[i], fields):
-                yield start, i, acc
+                yield start, i
                 start, acc = i, 0
 
     def batches() -> Iterator[pa.RecordBatch]:
@@ -56,19 +56,19 @@ def assemble(
             yield pa.RecordBatch.from_pylist([], schema=schema)
             return
         if not coalesce:
-            for lo, hi, _ in runs():
-                yield sliced(lo, hi)[0]
+            for lo, hi in runs():
+                yield sliced(lo, hi)
             return
         limit = min(COALESCED_BYTES, max_bytes)
         small = min(SMALL_RUN_BYTES, limit)
         pending: list[pa.RecordBatch] = []
         pending_keys: set[str] = set()
         held = 0
-        for lo, hi, size in runs():
-            batch, media = sliced(lo, hi)
-            # Row sizes count a shared image on its first row only: a slice carries the
-            # images of all its rows.
-            size = max(size, media)
+        for lo, hi in runs():
+            batch = sliced(lo, hi)
+            # What the slice carries: only the fields asked for, and the images of all its
+            # rows (a row's size counts a shared image on the group's first row only).
+            size = batch.nbytes
             keys = {r.key for r in rows[lo:hi]}
             # A get may name a key twice; one record batch holds each key once.
             if size >= small or held + size > limit or keys & pending_keys:
@@ -82,8 +82,8 @@ def assemble(
             held += size
         yield from _joined(pending)
 
-    def sliced(lo: int, hi: int) -> tuple[pa.RecordBatch, int]:
-        """Rows ``[lo, hi)`` as slices, and the payload bytes of their media entries."""
+    def sliced(lo: int, hi: int) -> pa.RecordBatch:
+        """Rows ``[lo, hi)`` as slices of the stored batches."""
         run = rows[lo:hi]
         n = hi - lo
         arrays: list[pa.Array] = [
@@ -94,7 +94,6 @@ def assemble(
             ),
         ]
         first = run[0]
-        media = 0
         for c in cols:
             base = c[: -len(SHAPE_SUFFIX)] if c.endswith(SHAPE_SUFFIX) else c
             cell = first.cells.get(base)
@@ -103,11 +102,8 @@ def assemble(
             else:
                 pc, idx = cell
                 col = pc.batch.column(c).slice(idx, n)
-                if col.type == MEDIA_TYPE:
-                    col = _own_entries(col)
-                    media += _entry_bytes(col)
-                arrays.append(col)
-        return pa.RecordBatch.from_arrays(arrays, schema=schema), media
+                arrays.append(_own_entries(col) if col.type == MEDIA_TYPE else col)
+        return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
     return schema, batches()
 
@@ -136,15 +132,6 @@ def _own_entries(col: pa.LargeListArray) -> pa.LargeListArray:
     )
     mask = col.is_null() if col.null_count else None
     return pa.LargeListArray.from_arrays(pa.array(outer - lo, type=pa.int64()), own, mask=mask)
-
-
-def _entry_bytes(col: pa.LargeListArray) -> int:
-    """Payload bytes of a media column's dictionary (a slice: only its own range)."""
-    entries = col.values.dictionary
-    if not len(entries):
-        return 0
-    offs = binary_offsets(entries)
-    return int(offs[-1] - offs[0])
 
 
 def _continues(prev: Row, row: Row, fields: list[str]) -> bool:

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fixtures_dataplane import assert_rows_match, client_fixture, server_fixture  # noqa: F401
+from fixtures_dataplane import (  # noqa: F401
+    assert_rows_match,
+    client_fixture,
+    raw,
+    server_fixture,
+)
 
 import flightq
 from flightq import workloads
@@ -74,15 +79,44 @@ def test_large_slices_are_served_as_they_are_stored(client):
     assert_rows_match(batch, step)
 
 
-def test_coalesced_batches_stay_within_the_servers_batch_size():
-    step = workloads.w3(0, groups=8, g=4)
+def _short_text(step: workloads.Step, n: int = 8) -> workloads.Step:
+    """The step with every per-token field cut to ``n`` tokens (rows of a few bytes)."""
+    for name in ("input_ids", "generation_logprobs", "token_mask", "mm_token_type_ids"):
+        if name in step.columns:
+            step.columns[name] = [x[:n] for x in step.columns[name]]
+    if "input_lengths" in step.columns:
+        step.columns["input_lengths"] = np.full(step.rows, n, dtype=np.int32)
+    return step
+
+
+@pytest.mark.parametrize("skip_first", [False, True])
+def test_coalesced_batches_stay_within_the_servers_batch_size(skip_first):
+    limit = 128 * 1024
+    step = _short_text(workloads.w1(0, groups=8, g=3), 200)  # ~5.6 KB of text per row
+    images = [np.full((96, 80), g, dtype=np.float32) for g in range(8)]  # 30 KiB each
+    step.columns["pixel_values"] = [[images[i // 3]] for i in range(step.rows)]
+    # Without each group's first row, a slice carries an image its rows' sizes do not
+    # count (a shared image counts on the group's first row).
+    keys = [k for i, k in enumerate(step.keys) if not (skip_first and i % 3 == 0)]
     with (
-        flightq.Server(max_batch_bytes=64 * 1024) as srv,
+        flightq.Server(max_batch_bytes=limit) as srv,
         flightq.connect(srv.location, [step.schema]) as c,
     ):
-        _put_groups(c, "text", step)
-        batch = c.get("text", step.keys)
-        parts = _parts(batch)
-        assert len(parts) > 8  # the 8 puts' rows, cut at 64 KiB
-        assert all(p.record_batch.nbytes < 2 * 64 * 1024 for p in parts)
+        _put_groups(c, "vlm", step)
+        batch = c.get("vlm", keys)
+        assert batch.keys == keys
         assert_rows_match(batch, step)
+        parts = _parts(batch)
+        assert 1 < len(parts) < 8  # coalesced, and cut
+        for p in parts:
+            groups = {k.split("_")[0] for k in p.keys}
+            if len(groups) > 1:  # slices of several puts, copied together
+                assert p.record_batch.nbytes <= limit, (p.keys, p.record_batch.nbytes)
+
+
+def test_a_get_of_some_fields_coalesces_by_the_bytes_of_those_fields(client):
+    step = workloads.w1(0, groups=4, g=4)  # 3.4 MiB images, small text rows
+    _put_groups(client, "vlm", step)
+    batch = client.get("vlm", step.keys, fields=["input_ids"])
+    assert len(_parts(batch)) == 1  # the images are not asked for: the text slices merge
+    assert [raw(x) for x in batch["input_ids"]] == [raw(x) for x in step.columns["input_ids"]]
