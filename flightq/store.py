@@ -284,6 +284,8 @@ class Store:
             self._wait_for_rows(name, keys, timeout)
             p = self._get(name)
             new: list[str] = []
+            # Bytes of the cells an overwrite replaces, counted before anything changes.
+            replaced: dict[tuple[str, str], int] = {}
             for pc in pieces:
                 ck = pc.checked
                 missing = [f for f in p.schema.required if f not in ck.fields]
@@ -304,11 +306,15 @@ class Store:
                     for f in ck.fields:
                         if not _valid_at(pc, f, i):
                             continue
-                        if f in row.cells and not overwrite:
+                        old = row.cells.get(f)
+                        if old is None:
+                            continue
+                        if not overwrite:
                             raise ConflictError(
                                 f"row key {k!r} already has column {f!r} in partition "
                                 f"{name!r}; pass overwrite=True to rewrite it"
                             )
+                        replaced[(k, f)] = _cell_nbytes(old[0].batch, f, old[1])
                     s = int(ck.seq_lens[i])
                     if s >= 0 and row.seq_len >= 0 and s != row.seq_len:
                         raise ShapeError(
@@ -343,11 +349,9 @@ class Store:
                         row = p.rows[k]
                         fields = dense + [f for f, v in sparse if v[i]]
                     for f in fields:
-                        old = row.cells.get(f)
-                        if old is not None:  # overwrite: stop counting the old cell
-                            gone = _cell_nbytes(old[0].batch, f, old[1])
-                            row.nbytes -= gone
-                            p.nbytes -= gone
+                        gone = replaced.get((k, f), 0)  # overwrite: the old cell's bytes
+                        row.nbytes -= gone
+                        p.nbytes -= gone
                         row.cells[f] = cell
                     if pc.tags[i]:
                         row.tags.update(pc.tags[i])  # type: ignore[arg-type]
