@@ -69,14 +69,16 @@ def assemble(
             # What the slice carries: only the fields asked for, and the images of all its
             # rows (a row's size counts a shared image on the group's first row only).
             size = batch.nbytes
-            keys = {r.key for r in rows[lo:hi]}
-            # A get may name a key twice; one record batch holds each key once.
-            if size >= small or held + size > limit or keys & pending_keys:
+            if size >= small:
                 yield from _joined(pending)
                 pending, pending_keys, held = [], set(), 0
-            if size >= small:
                 yield batch
                 continue
+            keys = {r.key for r in rows[lo:hi]}
+            # A get may name a key twice; one record batch holds each key once.
+            if held + size > limit or keys & pending_keys:
+                yield from _joined(pending)
+                pending, pending_keys, held = [], set(), 0
             pending.append(batch)
             pending_keys |= keys
             held += size

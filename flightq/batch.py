@@ -7,6 +7,7 @@ The encode side lives in :mod:`flightq.encode` and is re-exported here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -441,9 +442,7 @@ class MediaColumn(Column):
         for e, shape in zip(self.entry.tolist(), self.segment_shapes, strict=True):
             piece = pieces.get(e)
             if piece is None:
-                n = 1
-                for d in shape:
-                    n *= d
+                n = math.prod(shape)
                 piece = pieces[e] = self._base[starts[e] : starts[e] + n]
             views.append(piece.reshape(shape) if self.as_ == "numpy" else piece.view(shape))
         bounds = self.row_segments.tolist()

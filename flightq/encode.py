@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from .codecs import RAW
 from .errors import DTypeError, EncodeError, ShapeError, UndeclaredFieldError
-from .layout import MEDIA_TYPE, arrow_schema, binary_offsets, first_use_bytes
+from .layout import MEDIA_TYPE, arrow_schema, binary_offsets, media_row_bytes
 from .schema import Field, Schema
 from .tensor import Bulk, Encoded, bulk_to_bytes, is_torch, nbytes_for, to_bytes
 
@@ -489,14 +489,7 @@ def row_nbytes(batch: pa.RecordBatch) -> np.ndarray:
         if t == pa.large_binary():
             out += np.diff(binary_offsets(col))
         elif t == MEDIA_TYPE:
-            outer = col.offsets.to_numpy().astype(np.int64)
-            segs = col.values.slice(int(outer[0]), int(outer[-1] - outer[0]))
-            lengths = np.diff(binary_offsets(segs.dictionary))
-            idx = segs.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-            seg = first_use_bytes(idx, lengths)
-            sums = np.concatenate([[0], np.cumsum(seg)])
-            rel = outer - outer[0]
-            out += sums[rel[1:]] - sums[rel[:-1]]
+            out += media_row_bytes(col)
         elif pa.types.is_primitive(t):
             out += max(t.bit_width // 8, 1)
     return out

@@ -179,3 +179,15 @@ def first_use_bytes(indices: np.ndarray, entry_bytes: np.ndarray) -> np.ndarray:
     out = np.zeros(len(indices), dtype=np.int64)
     out[first] = entry_bytes[indices[first]]
     return out
+
+
+def media_row_bytes(col: pa.Array) -> np.ndarray:
+    """Per row of a media column (sliced or not), the bytes of its segments' entries, a
+    shared entry counted on the first row that uses it (:func:`first_use_bytes`)."""
+    outer = col.offsets.to_numpy().astype(np.int64)
+    segs = col.values.slice(int(outer[0]), int(outer[-1] - outer[0]))
+    idx = segs.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    sums = np.zeros(len(idx) + 1, dtype=np.int64)
+    np.cumsum(first_use_bytes(idx, np.diff(binary_offsets(segs.dictionary))), out=sums[1:])
+    rel = outer - outer[0]
+    return sums[rel[1:]] - sums[rel[:-1]]

@@ -37,7 +37,7 @@ from .errors import (
 from .memory import keep_freed_memory
 from .protocol import PROTOCOL_VERSION, pack, require, to_flight_error, unpack
 from .registry import SchemaRegistry
-from .rows import make_piece
+from .rows import Partition, Row, make_piece
 from .schema import Schema, diff_schemas
 from .staging import Staging
 from .store import Store
@@ -323,15 +323,11 @@ class Server(fl.FlightServerBase):
             if not all(isinstance(k, str) for k in keys):
                 raise ProtocolError("get ticket: keys must be strings")
             part, rows, names = self.store.rows_for_get(name, keys, fields)
-            schema, batches = assemble(
-                part, rows, names, self._answer_bytes(t), coalesce=not t.get("shm")
-            )
+            schema, batches = self._assemble(t, part, rows, names)
             return _stream(*self._shm_reply(t, schema, batches, context))
         if op == "scan":
             part, rows, names = self.store.scan(name)
-            schema, batches = assemble(
-                part, rows, names, self._answer_bytes(t), coalesce=not t.get("shm")
-            )
+            schema, batches = self._assemble(t, part, rows, names)
             return _stream(*self._shm_reply(t, schema, batches, context))
         if op == "claim":
             task = require(t, "task", str, "claim ticket")
@@ -346,9 +342,7 @@ class Server(fl.FlightServerBase):
             part, rows, names = self.store.claim(
                 name, task, size, fields, timeout, wait_for, cancelled
             )
-            schema, batches = assemble(
-                part, rows, names, self._answer_bytes(t), coalesce=not t.get("shm")
-            )
+            schema, batches = self._assemble(t, part, rows, names)
             keys = [r.key for r in rows]
             try:
                 schema, batches = self._shm_reply(t, schema, batches, context)
@@ -358,13 +352,16 @@ class Server(fl.FlightServerBase):
             return _stream(schema, self._claimed(name, task, keys, batches))
         raise ProtocolError(f"ticket: unknown op {op!r}; expected get, claim or scan")
 
-    def _answer_bytes(self, t: dict[str, Any]) -> int:
-        """Record-batch size of a read's answer: bounded on the socket, large over shm."""
+    def _assemble(
+        self, t: dict[str, Any], part: Partition, rows: list[Row], names: list[str]
+    ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+        """A read's answer: batches bounded for the socket (small slices copied together),
+        large and as stored over shm, where the consumer maps them."""
         if not t.get("shm"):
-            return self.max_batch_bytes
+            return assemble(part, rows, names, self.max_batch_bytes, coalesce=True)
         from .shm import BATCH_BYTES
 
-        return max(self.max_batch_bytes, BATCH_BYTES)
+        return assemble(part, rows, names, max(self.max_batch_bytes, BATCH_BYTES))
 
     def _claimed(
         self, name: str, task: str, keys: list[str], batches: Iterator[pa.RecordBatch]

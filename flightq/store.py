@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from .errors import (
@@ -30,7 +29,7 @@ from .errors import (
     ShapeError,
     UnavailableError,
 )
-from .layout import MEDIA_TYPE, SHAPE_SUFFIX, binary_offsets, first_use_bytes
+from .layout import MEDIA_TYPE, SHAPE_SUFFIX, binary_offsets, media_row_bytes
 from .rows import Partition, Piece, Row
 from .schema import Schema
 
@@ -565,12 +564,7 @@ def _cell_nbytes(batch: pa.RecordBatch, f: str, i: int) -> int:
         offs = binary_offsets(col)
         return int(offs[i + 1] - offs[i])
     if col.type == MEDIA_TYPE:
-        outer = col.offsets.to_numpy()
-        lo = int(outer[0])
-        segs = col.values.slice(lo, int(outer[-1]) - lo)
-        idx = segs.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-        first = first_use_bytes(idx, np.diff(binary_offsets(segs.dictionary)))
-        return int(first[int(outer[i]) - lo : int(outer[i + 1]) - lo].sum())
+        return int(media_row_bytes(col)[i])
     return 0
 
 
