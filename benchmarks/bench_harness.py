@@ -112,6 +112,13 @@ def test_a_run_reports_cpu_per_gb_of_writer_reader_and_server(tmp_path: Path) ->
         assert cpu["put"] > 0 and cpu["get"] > 0, (name, cpu)
     md = (tmp_path / "bench.md").read_text()
     assert "CPU s/GB put / get" in md
+    # flightq's gets also say how long decoding took, and how much of it was left once
+    # the last record batch was in (the transfer's own end is in that tail too).
+    dec = res["flightq"]["decode"]
+    assert dec["decode_ms"]["median"] > 0 and dec["record_batches"] >= 1
+    assert 0 < dec["decode_pct"]["median"] < 100 and 0 < dec["tail_pct"]["median"] < 100
+    assert "decode" not in res["raw-tcp"]
+    assert "## Decode: a flightq get" in md and "| W3 | flightq | " in md
 
 
 def _script(name: str) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .batch import Batch, MediaColumn, ScalarColumn, TensorColumn, decode
+from .batch import Batch, MediaColumn, Received, ScalarColumn, TensorColumn, decode
 from .codecs import Raw, Zstd
 from .encode import encode
 from .errors import (
@@ -69,6 +69,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "AsyncClient",
     "Batch",
+    "Received",
     "Client",
     "Server",
     "ShardedClient",

@@ -8,7 +8,9 @@ The encode side lives in :mod:`flightq.encode` and is re-exported here.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -27,6 +29,7 @@ __all__ = [
     "encode",
     "decode",
     "PartDecoder",
+    "Received",
     "join",
     "validate_part",
     "Batch",
@@ -120,6 +123,8 @@ class PartDecoder:
         self.prepare = prepare
         self.part = Batch if part is None else part  # the class of each decoded part
         self.parts: list[Batch] = []
+        self.arrived = 0.0  # time.perf_counter() when the last record batch came in
+        self.decode_s = 0.0  # seconds spent in add()
 
     def add(self, rb: pa.RecordBatch) -> None:
         """Validate one record batch against the stream's first and decode it.
@@ -129,11 +134,45 @@ class PartDecoder:
         DecodeError, ShapeError, UndeclaredFieldError
             As :func:`decode`.
         """
+        t = time.perf_counter()
+        self.arrived = t
         c = validate_part(rb, self.parts[0] if self.parts else None)
         part = self.part(rb, c.schema, c.keys, c.fields, self.as_, self.copy)
         if self.prepare:
             part.prepare()
         self.parts.append(part)
+        self.decode_s += time.perf_counter() - t
+
+
+@dataclass(frozen=True)
+class Received:
+    """How a get's or claim's answer arrived (``Batch.received``).
+
+    Attributes
+    ----------
+    record_batches:
+        How many record batches the answer came in (over all its streams).
+    arrived:
+        ``time.perf_counter()`` when the last of them was handed to the decoder: what a
+        caller waits for after it is the decode left over (``perf_counter() - arrived``
+        once the rows are used).
+    decode_s:
+        Seconds spent validating and decoding the record batches as they arrived,
+        per-row tensors included (summed over streams; each stream decodes on its thread).
+    """
+
+    record_batches: int
+    arrived: float
+    decode_s: float
+
+    @classmethod
+    def of(cls, decoders: Iterable[PartDecoder]) -> Received:
+        ds = list(decoders)
+        return cls(
+            sum(len(d.parts) for d in ds),
+            max((d.arrived for d in ds), default=0.0),
+            sum(d.decode_s for d in ds),
+        )
 
 
 def join(parts: Sequence[Batch]) -> Batch:
@@ -190,6 +229,8 @@ class Batch:
         self._columns: dict[str, Column] = {}
         self._tags: list[dict[str, Any]] | None = None
         self._parts: list[Batch] | None = None
+        #: Set on what a get or claim returns: see :class:`Received`.
+        self.received: Received | None = None
 
     def __len__(self) -> int:
         return len(self.keys)

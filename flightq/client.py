@@ -27,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from .batch import Batch, PartDecoder, join
+from .batch import Batch, PartDecoder, Received, join
 from .cuda import PinnedPool, decode_to_device, resolve_device, stage
 from .encode import encode_chunks, split_batch
 from .errors import (
@@ -533,9 +533,14 @@ class Client:
         if rows:
             self._row_bytes[partition] = distinct_nbytes(batches) / rows
 
-    def _learned(self, partition: str, rows: int, parts: list[Batch]) -> Batch:
-        self._learn(partition, rows, [p.record_batch for p in parts])
-        return join(parts)
+    def _learned(self, partition: str, decoders: list[PartDecoder]) -> Batch:
+        """The decoded answer of a read: remembers its size for the partition's next read
+        and says how it arrived (``batch.received``)."""
+        parts = [p for d in decoders for p in d.parts]
+        self._learn(partition, sum(len(p) for p in parts), [p.record_batch for p in parts])
+        batch = join(parts)
+        batch.received = Received.of(decoders)
+        return batch
 
     def _stream_clients(self, n: int) -> list[fl.FlightClient]:
         with self._lock:
@@ -669,7 +674,7 @@ class Client:
             return self._read_to_device(dev, t, what, limit, copy=copy, sync=sync)
         d = PartDecoder(as_, copy)
         self._read(t, f"claim from {partition!r}", wait + max(5.0, 0.1 * wait), None, d)
-        return self._learned(partition, sum(len(p) for p in d.parts), d.parts)
+        return self._learned(partition, [d])
 
     def snapshot(
         self, name: str, partition: str | None = None, timeout: float | None = None

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from .batch import Batch, PartDecoder, join
+from .batch import Batch, PartDecoder
 from .cuda import decode_streams_to_device, decode_to_device
 from .errors import FlightqError, MissingFieldError, NotFoundError
 
@@ -132,7 +132,7 @@ def read_keys(
     rows holding different fields), the get runs again as one stream, whose answer or
     complete error is the reference.
     """
-    keys, partition = ticket["keys"], ticket["partition"]
+    partition = ticket["partition"]
 
     def one(t: dict[str, Any], flight: fl.FlightClient | None = None) -> PartDecoder:
         d = PartDecoder(as_, copy)
@@ -141,22 +141,22 @@ def read_keys(
 
     n = split_count(client, ticket)
     if n < 2:
-        return client._learned(partition, len(keys), one(ticket).parts)
+        return client._learned(partition, [one(ticket)])
     flights, tickets = split(client, ticket, n)
     try:
         with ThreadPoolExecutor(n - 1, thread_name_prefix="flightq-get") as pool:
             rest = [pool.submit(one, tickets[i], flights[i]) for i in range(1, n)]
             parts = [one(tickets[0]), *(f.result() for f in rest)]
     except (NotFoundError, MissingFieldError):
-        return join(one(ticket).parts)
+        return client._learned(partition, [one(ticket)])
     schema = parts[0].parts[0].record_batch.schema
     if any(
         not b.record_batch.schema.equals(schema, check_metadata=True)
         for d in parts
         for b in d.parts
     ):
-        return join(one(ticket).parts)
-    return client._learned(partition, len(keys), [b for d in parts for b in d.parts])
+        return client._learned(partition, [one(ticket)])
+    return client._learned(partition, parts)
 
 
 def split_count(client: Client, ticket: Mapping[str, Any]) -> int:

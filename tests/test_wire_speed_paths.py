@@ -5,6 +5,7 @@ Both paths must send and return exactly what the plain paths do.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -153,6 +154,23 @@ def test_each_streams_rows_are_decoded_as_they_arrive_and_built_once(
     assert sum(built) == 7 and first is not again  # a new list of the same views
     assert all(a is b for a, b in zip(first, again, strict=True))
     assert [len(r) for r in first] == [i + 3 for i in range(7)]
+
+
+def test_a_get_says_how_its_answer_arrived_over_every_stream(split_gets) -> None:
+    c = split_gets
+    keys = [f"k{i}" for i in range(7)]
+    c.put("t", keys, _text_rows(keys))
+    before = time.perf_counter()
+    got = c.get("t", keys)
+    r = got.received
+    assert r is not None and r.record_batches == len(got._parts) == 3
+    assert before < r.arrived < time.perf_counter() and r.decode_s > 0
+    one = c.get("t", ["k0"])  # one row: one stream, one record batch
+    assert one.received is not None and one.received.record_batches == 1
+    assert one.received.arrived > r.arrived
+    claimed = c.claim("t", "train", 2)
+    assert claimed.received is not None and claimed.received.record_batches == 1
+    assert flightq.decode(got.record_batch).received is None  # not read from a server
 
 
 def test_a_partitions_first_get_and_small_gets_travel_as_one_stream(

@@ -2,7 +2,8 @@
 
 The producer passes the generator's per-row tensors as torch views (encoding is inside
 the timed put); the consumer's timed get ends once every field's per-row tensors are built
-(``batch[field]`` for each field, torch views). The server runs in its own process
+(``batch[field]`` for each field, torch views); it also reports the time spent decoding
+(``Batch.received``). The server runs in its own process
 (``python -m flightq.cli serve --host 127.0.0.1 --port 0``).
 
 With ``flightq bench --device cuda``: ``flightq-cuda`` puts the same rows from CUDA tensors
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from typing import Any
 
 from ..workloads import Step, to_torch
@@ -106,9 +108,20 @@ class FlightqConsumer(Consumer):
     def get(self) -> dict[str, Any]:
         t0 = now_ns()
         batch = self.client.get(self.partition, self.ref.keys)
+        returned = time.perf_counter()
         cols = {f: batch[f] for f in batch.fields}
+        end = time.perf_counter()
         self._got = (batch, cols)
-        return timed(t0)
+        r = batch.received
+        assert r is not None
+        # Decode: validating and decoding the record batches as they arrived, then joining
+        # the parts' rows; its tail: what was left once the last record batch was in.
+        return timed(
+            t0,
+            decode_s=r.decode_s + end - returned,
+            decode_tail_s=end - r.arrived,
+            record_batches=r.record_batches,
+        )
 
     def verify(self) -> None:
         batch, cols = self._got

@@ -122,6 +122,35 @@ def markdown(doc: dict[str, Any]) -> str:
             for peer, rat in wd.get("ratios", {}).get(f"{mine}_vs", {}).items():
                 row = [w, mine, peer, _ratio(rat, "put"), _ratio(rat, "get"), _ratio(rat, "step")]
                 out.append("| " + " | ".join(row) + " |")
+    dec_rows = [
+        (w, name, r["decode"])
+        for w, wd in doc["workloads"].items()
+        for name, r in wd["results"].items()
+        if r.get("decode")
+    ]
+    if dec_rows:
+        out += [
+            "",
+            "## Decode: a flightq get's validating and rebuilding of every tensor",
+            "",
+            "Milliseconds per get, and as a share of the get: all of it (record batches "
+            "are decoded as they arrive, while gRPC receives the next), and what was left "
+            "once the last record batch was in.",
+            "",
+            "| workload | system | record batches | decode ms | % of the get | "
+            "% after the last batch |",
+            "|---|---|---|---|---|---|",
+        ]
+        for w, name, d in dec_rows:
+            row = [
+                w,
+                name,
+                f"{d['record_batches']:g}",
+                fmt_spread(d["decode_ms"]),
+                fmt_spread(d["decode_pct"], 1),
+                fmt_spread(d["tail_pct"], 1),
+            ]
+            out.append("| " + " | ".join(row) + " |")
     cuda_rows = [(w, wd) for w, wd in doc["workloads"].items() if wd.get("ratios", {}).get("cuda")]
     if cuda_rows:
         out += [

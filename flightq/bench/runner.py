@@ -289,6 +289,7 @@ class _Ctx:
             put_s, get_s = (put["t1"] - put["t0"]) / 1e9, (g["t1"] - g["t0"]) / 1e9
             res = {"put_s": put_s, "get_s": get_s, "step_s": put_s + get_s}
             res.update(_peaks(put, g))
+            res.update({k: g[k] for k in ("decode_s", "decode_tail_s", "record_batches") if k in g})
             # CPU of the writer or reader and of the server's processes, over the operation
             # (the server's readings include the runner's round trips to the workers).
             res["cpu_put"] = put["cpu_s"] + cpu1 - cpu0

@@ -15,7 +15,15 @@ import numpy as np
 from .stats import fmt_spread, paired_ratio, percentiles, summary
 from .systems import BASELINE, PEERS
 
-__all__ = ["results", "ratios", "progress_line", "cpu_text", "cuda_line", "per_rep"]
+__all__ = [
+    "results",
+    "ratios",
+    "progress_line",
+    "cpu_text",
+    "cuda_line",
+    "per_rep",
+    "decode_text",
+]
 
 _MIB = 2**20
 
@@ -63,6 +71,36 @@ def _cpu(samples: list[dict[str, Any]], nbytes: int) -> dict[str, float]:
     return out
 
 
+def _decode(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """A reader's decode time (flightq: ``Batch.received``), per repetition's median: in
+    milliseconds, as a share of the get (%), and the share left once the last record
+    batch was in (the tail that no receiving overlaps)."""
+    got = [s for s in samples if "decode_s" in s]
+    if not got:
+        return {}
+    for s in got:
+        s["decode_pct"] = 100 * s["decode_s"] / s["get_s"]
+        s["decode_tail_pct"] = 100 * s["decode_tail_s"] / s["get_s"]
+        s["decode_ms"] = 1e3 * s["decode_s"]
+    out: dict[str, Any] = {
+        k: summary(list(per_rep(got, k).values())) for k in ("decode_ms", "decode_pct")
+    }
+    out["tail_pct"] = summary(list(per_rep(got, "decode_tail_pct").values()))
+    out["record_batches"] = float(np.median([s["record_batches"] for s in got]))
+    return out
+
+
+def decode_text(d: dict[str, Any]) -> str:
+    """``decode 2.1 ms = 8.6% of the get (tail 4.0%)``, or empty without figures."""
+    if not d:
+        return ""
+    return (
+        f"decode {fmt_spread(d['decode_ms'])} ms = {fmt_spread(d['decode_pct'], 1)}% of the "
+        f"get (after the last of {d['record_batches']:g} record batches: "
+        f"{fmt_spread(d['tail_pct'], 1)}%)"
+    )
+
+
 def results(
     workload: str,
     nbytes: int,
@@ -90,6 +128,8 @@ def results(
             r["get_ms"] = percentiles([s["get_s"] * 1e3 for s in got])
             r["pings"] = len(got)
         r["cpu"] = _cpu(got, nbytes)
+        if dec := _decode(got):
+            r["decode"] = dec
         r["peak_rss_mib"] = {k: _peak_mib(got, k) for k in ("producer", "server", "consumer")}
         r["baseline_rss_mib"] = {k: _base_mib(got, k) for k in ("producer", "server", "consumer")}
         r["rss_growth_mib"] = {k: _growth_mib(got, k) for k in ("producer", "server", "consumer")}
@@ -169,4 +209,7 @@ def progress_line(workload: str, system: str, r: dict[str, Any]) -> str:
     line += "  " + cpu_text(workload, r.get("cpu") or {})
     rss, grow = r["peak_rss_mib"], r["rss_growth_mib"]
     peaks = "/".join("-" if rss[k] is None else f"{rss[k]:.0f}(+{grow[k]:.0f})" for k in rss)
-    return f"{line}  peak RSS p/s/c {peaks} MiB  verified x{r['verified_cycles']}"
+    line += f"  peak RSS p/s/c {peaks} MiB  verified x{r['verified_cycles']}"
+    if r.get("decode"):
+        line += "\n" + " " * 24 + decode_text(r["decode"])
+    return line
