@@ -102,12 +102,15 @@ def test_cpu_seconds_follows_this_process_cpu_clock() -> None:
 
 
 def test_a_run_reports_cpu_per_gb_of_writer_reader_and_server(tmp_path: Path) -> None:
-    argv = ["--quick", "--workloads", "W3", "--systems", "raw-tcp,flightq"]
+    argv = ["--quick", "--workloads", "W3", "--systems", "raw-tcp,flightq,flightq-groups"]
     argv += ["--reps", "2", "--out", str(tmp_path)]
     assert main(argv) == 0
     doc = json.loads((tmp_path / "bench.json").read_text())
     res = doc["workloads"]["W3"]["results"]
-    for name in ("raw-tcp", "flightq"):
+    # A put per prompt group lands the same rows (checked bit for bit by the get).
+    assert res["flightq-groups"]["status"] == "measured"
+    assert res["flightq-groups"]["verified_cycles"] >= 2
+    for name in ("raw-tcp", "flightq", "flightq-groups"):
         cpu = res[name]["cpu"]
         assert cpu["put"] > 0 and cpu["get"] > 0, (name, cpu)
     md = (tmp_path / "bench.md").read_text()

@@ -27,6 +27,8 @@ from .payload import check_flat, check_rows, flat_buffers
 __all__ = [
     "FlightqProducer",
     "FlightqConsumer",
+    "FlightqGroupsProducer",
+    "FlightqGroupsConsumer",
     "FlightqShmProducer",
     "FlightqShmConsumer",
     "FlightqCudaProducer",
@@ -132,6 +134,32 @@ class FlightqConsumer(Consumer):
 
     def close(self) -> None:
         self.client.close()
+
+
+class FlightqGroupsProducer(FlightqProducer):
+    """A ``put`` per prompt group, as a generator writes (WORKLOADS.md's write-back
+    pattern); a step without groups goes as one put."""
+
+    def setup(self) -> dict[str, Any]:
+        self.info = {**self.info, "run": f"{self.info['run']}-groups"}
+        return super().setup()
+
+    def put(self) -> dict[str, Any]:
+        s = self._torch
+        n = -(-len(s.keys) // s.group_size) if s.group_size > 1 else 1
+        parts = [s.group(g) for g in range(n)] if n > 1 else [s]  # views, untimed
+        t0 = now_ns()
+        for p in parts:
+            self.client.put(self.partition, p.keys, p.columns, tags=p.tags)
+        return timed(t0)
+
+
+class FlightqGroupsConsumer(FlightqConsumer):
+    """``get`` of the whole step that :class:`FlightqGroupsProducer` put group by group."""
+
+    def setup(self) -> dict[str, Any]:
+        self.info = {**self.info, "run": f"{self.info['run']}-groups"}
+        return super().setup()
 
 
 class FlightqShmProducer(FlightqProducer):

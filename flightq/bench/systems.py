@@ -126,6 +126,16 @@ SYSTEMS: dict[str, System] = {
             note="Client.put / Client.get by key, torch views of every field",
         ),
         System(
+            "flightq-groups",
+            "server",
+            _M + "flightq_system:FlightqGroupsProducer",
+            _M + "flightq_system:FlightqGroupsConsumer",
+            server="flightq",
+            requires=("flightq.client", "flightq.server"),
+            note="the same, put a prompt group at a time as a generator writes (one put "
+            "per group; W2 has no groups: one put), then one get of the step",
+        ),
+        System(
             "flightq-shm",
             "server",
             _M + "flightq_system:FlightqShmProducer",
