@@ -1,9 +1,15 @@
 """Reference point: bare pyarrow Flight DoPut / DoGet of the step's bytes.
 
+``bare-flight`` moves every row's payloads (a group's shared image once per row, the
+logical bytes); ``bare-flight-once`` moves the step's distinct bytes (each shared image
+once): the Flight transport alone, on the bytes a design that sends media once must move.
 The step's payloads travel as one ``large_binary`` column, one element per tensor, in
-record batches of at most :data:`CHUNK_BYTES`. The column is built before the timer
-starts (it is the serialisation a real system would add; this point measures the
-transport). The server keeps the table in memory and streams it back unchanged.
+record batches of at most :data:`CHUNK_BYTES` (``bare-flight-once``:
+:data:`ONCE_CHUNK_BYTES`, the fastest of 4, 16 and 64 MiB for W1's distinct bytes on the
+2-core machine: get 26, 11 and 7 GB/s logical, medians of 7 noisy repetitions). The
+column is built before the timer starts (it is the serialisation a real system would
+add; this point measures the transport). The server keeps the table in memory and
+streams it back unchanged.
 
 Run as a module (``python -m flightq.bench.arrowflight``) it serves on a free loopback
 port, prints ``{"listening": "grpc://127.0.0.1:PORT"}`` and exits on SIGTERM or when its
@@ -27,10 +33,21 @@ import pyarrow.flight as fl
 from .endpoint import Consumer, Producer, now_ns, timed
 from .payload import VerifyError, flat_buffers
 
-__all__ = ["CHUNK_BYTES", "BareServer", "FlightProducer", "FlightConsumer", "main"]
+__all__ = [
+    "CHUNK_BYTES",
+    "ONCE_CHUNK_BYTES",
+    "BareServer",
+    "FlightProducer",
+    "FlightConsumer",
+    "FlightOnceProducer",
+    "FlightOnceConsumer",
+    "main",
+]
 
 #: Payload bytes per record batch sent by the bare Flight reference.
 CHUNK_BYTES = 64 * 2**20
+#: Payload bytes per record batch of ``bare-flight-once``.
+ONCE_CHUNK_BYTES = 4 * 2**20
 
 _SCHEMA = pa.schema([pa.field("payload", pa.large_binary())])
 
@@ -67,7 +84,7 @@ class BareServer(fl.FlightServerBase):
         return []
 
 
-def _column(step_bufs: list[np.ndarray]) -> pa.Table:
+def _column(step_bufs: list[np.ndarray], chunk_bytes: int = CHUNK_BYTES) -> pa.Table:
     lengths = np.fromiter((len(b) for b in step_bufs), np.int64, len(step_bufs))
     offsets = np.zeros(len(step_bufs) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -80,7 +97,7 @@ def _column(step_bufs: list[np.ndarray]) -> pa.Table:
     batches = []
     start = 0
     for i in range(1, len(step_bufs) + 1):
-        if i == len(step_bufs) or offsets[i + 1] - offsets[start] > CHUNK_BYTES:
+        if i == len(step_bufs) or offsets[i + 1] - offsets[start] > chunk_bytes:
             batches.append(pa.record_batch([arr.slice(start, i - start)], schema=_SCHEMA))
             start = i
     return pa.Table.from_batches(batches, schema=_SCHEMA)
@@ -89,15 +106,19 @@ def _column(step_bufs: list[np.ndarray]) -> pa.Table:
 class FlightProducer(Producer):
     """DoPut of the prebuilt column; waits for the server's acknowledgement."""
 
+    #: Send each shared media segment once (``bare-flight-once``).
+    distinct = False
+
     def setup(self) -> dict[str, Any]:
         self.client = fl.FlightClient(self.info["location"])
-        self.path = f"{self.info['run']}-{self.step.name}".encode()
+        self.path = f"{self.info['run']}-{self.step.name}-{self.distinct}".encode()
         self._table: pa.Table | None = None
         return {}
 
     def prepare(self) -> None:
         if self._table is None:
-            self._table = _column(flat_buffers(self.step))
+            chunk = ONCE_CHUNK_BYTES if self.distinct else CHUNK_BYTES
+            self._table = _column(flat_buffers(self.step, self.distinct), chunk)
 
     def put(self) -> dict[str, Any]:
         assert self._table is not None
@@ -122,9 +143,11 @@ class FlightProducer(Producer):
 class FlightConsumer(Consumer):
     """DoGet and ``read_all`` of the column."""
 
+    distinct = False
+
     def setup(self) -> dict[str, Any]:
         self.client = fl.FlightClient(self.info["location"])
-        self.path = f"{self.info['run']}-{self.ref.name}".encode()
+        self.path = f"{self.info['run']}-{self.ref.name}-{self.distinct}".encode()
         self._got: pa.Table | None = None
         return {}
 
@@ -135,7 +158,7 @@ class FlightConsumer(Consumer):
 
     def verify(self) -> None:
         assert self._got is not None
-        want = flat_buffers(self.ref)
+        want = flat_buffers(self.ref, self.distinct)
         i = 0
         for chunk in self._got.column(0).chunks:
             offs = np.frombuffer(chunk.buffers()[1], dtype=np.int64)[
@@ -158,6 +181,18 @@ class FlightConsumer(Consumer):
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.client.close()
+
+
+class FlightOnceProducer(FlightProducer):
+    """DoPut of the step's distinct bytes (a shared image once)."""
+
+    distinct = True
+
+
+class FlightOnceConsumer(FlightConsumer):
+    """DoGet of the step's distinct bytes."""
+
+    distinct = True
 
 
 def _until_eof(stop: threading.Event) -> None:

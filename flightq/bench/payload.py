@@ -70,13 +70,14 @@ def describe_sizes(quick: bool) -> dict[str, str]:
     return out
 
 
-def flat_buffers(step: workloads.Step) -> list[np.ndarray]:
+def flat_buffers(step: workloads.Step, distinct: bool = False) -> list[np.ndarray]:
     """Every tensor payload of the step as a flat uint8 view, in a canonical order.
 
     Shared media segments appear once per row that carries them, so the lengths add up to
-    ``step.nbytes()``.
+    ``step.nbytes()``; with ``distinct``, once (``step.nbytes(distinct_media=True)``).
     """
     out: list[np.ndarray] = []
+    seen: set[int] = set()
     for col in step.columns.values():
         if isinstance(col, np.ndarray):
             out.append(_u8(col))
@@ -85,7 +86,11 @@ def flat_buffers(step: workloads.Step) -> list[np.ndarray]:
             if row is None:
                 continue
             if isinstance(row, list):
-                out.extend(_u8(seg) for seg in row)
+                for seg in row:
+                    if distinct and id(seg) in seen:
+                        continue
+                    seen.add(id(seg))
+                    out.append(_u8(seg))
             else:
                 out.append(_u8(row))
     return out

@@ -97,6 +97,15 @@ SYSTEMS: dict[str, System] = {
             note="pyarrow Flight DoPut/DoGet, one large_binary column, 64 MiB batches",
         ),
         System(
+            "bare-flight-once",
+            "server",
+            _M + "arrowflight:FlightOnceProducer",
+            _M + "arrowflight:FlightOnceConsumer",
+            server="flight",
+            note="the same, each shared image once (the step's distinct bytes, as flightq "
+            "moves them), 4 MiB batches: the Flight transport alone for media sent once",
+        ),
+        System(
             "transferqueue",
             "server",
             _M + "peers:TqProducer",
@@ -176,7 +185,7 @@ CUDA_SYSTEMS = ("flightq", "flightq-cuda", "h2d-pinned")
 #: The wire reference every ratio is also taken against.
 BASELINE = "raw-tcp"
 #: Systems flightq is compared with pair by pair.
-PEERS = ("pickle5", "bare-flight", "transferqueue", "ray")
+PEERS = ("pickle5", "bare-flight", "bare-flight-once", "transferqueue", "ray")
 
 
 def missing_module(system: System) -> str | None:
