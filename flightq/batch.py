@@ -451,9 +451,11 @@ class MediaColumn(Column):
         #: Per segment, its entry in the batch's dictionary of distinct payloads.
         self.entry = segs.indices.to_numpy(zero_copy_only=False).astype(np.int64)
         entries = segs.dictionary
-        entry_shapes: list[tuple[int, ...]] = [(0,)] * len(entries)
-        for e, shape in zip(self.entry.tolist(), self.segment_shapes, strict=True):
-            entry_shapes[e] = shape
+        entry_shapes: list[tuple[int, ...]] | None = None
+        if f.codec is not RAW:  # compressed entries are sized by their segments' shapes
+            entry_shapes = [(0,)] * len(entries)
+            for e, shape in zip(self.entry.tolist(), self.segment_shapes, strict=True):
+                entry_shapes[e] = shape
         self._base, self._elem = _decoded_base(f, entries, entry_shapes, as_)
 
     @property
@@ -475,17 +477,24 @@ class MediaColumn(Column):
     def rows(self) -> list[list[Any] | None]:
         if self.copy:
             return [self[i] for i in range(len(self))]
-        # One slice per distinct payload, then a view of it per segment: the rows of a
-        # prompt group get their own views of the one image.
+        # One slice per distinct payload and shape, then a view of it per segment, made
+        # in one call: the rows of a prompt group get their own views of the one image.
         starts = self._elem.tolist()
-        pieces: dict[int, Any] = {}
-        views = []
-        for e, shape in zip(self.entry.tolist(), self.segment_shapes, strict=True):
-            piece = pieces.get(e)
-            if piece is None:
-                n = math.prod(shape)
-                piece = pieces[e] = self._base[starts[e] : starts[e] + n]
-            views.append(piece.reshape(shape) if self.as_ == "numpy" else piece.view(shape))
+        uses: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        for j, use in enumerate(zip(self.entry.tolist(), self.segment_shapes, strict=True)):
+            uses.setdefault(use, []).append(j)
+        views: list[Any] = [None] * len(self.segment_shapes)
+        for (e, shape), js in uses.items():
+            piece = self._base[starts[e] : starts[e] + math.prod(shape)]
+            if len(js) == 1:
+                views[js[0]] = piece.reshape(shape) if self.as_ == "numpy" else piece.view(shape)
+                continue
+            if self.as_ == "numpy":
+                same = [piece.reshape(shape) for _ in js]
+            else:
+                same = piece.view(shape).expand(len(js), *shape).unbind(0)
+            for j, v in zip(js, same, strict=True):
+                views[j] = v
         bounds = self.row_segments.tolist()
         return [
             views[bounds[i] : bounds[i + 1]] if ok else None

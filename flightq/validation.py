@@ -139,7 +139,10 @@ def _shape_arrays(shapes: pa.Array, where: str) -> tuple[np.ndarray, np.ndarray]
     """Offsets and dims of a ``list<int64>`` array (sliced or not)."""
     if shapes.values.null_count:
         raise ShapeError(f"{where}a shape has a null dim")
-    return _np(shapes.offsets).astype(np.int64), _np(shapes.values).astype(np.int64)
+    return (
+        _np(shapes.offsets).astype(np.int64, copy=False),
+        _np(shapes.values).astype(np.int64, copy=False),
+    )
 
 
 def _check_fixed(
@@ -157,26 +160,24 @@ def _check_fixed(
     ranks = offsets[1:] - offsets[:-1]
     rank = len(f.shape)
     wrong = ranks != rank if valid is None else valid & (ranks != rank)
-    bad = wrong.nonzero()[0]
-    if bad.size:
-        i = int(bad[0])
+    if wrong.any():
+        i = int(wrong.argmax())
         got = tuple(int(x) for x in values[offsets[i] : offsets[i + 1]])
         raise ShapeError(f"{where}expected rank {rank} {_fmt(f)}, got shape {got}{keys(i)}")
     if all(d is None for d in f.shape):
         return
-    rows = np.arange(len(ranks)) if valid is None else valid.nonzero()[0]
-    if rows.size == 0 or rank == 0:
+    if rank == 0 or offsets[-1] == offsets[0]:
         return
-    dims = values[offsets[0] : offsets[-1]].reshape(-1, rank)
+    dims = values[offsets[0] : offsets[-1]].reshape(-1, rank)  # the valid rows' shapes
     for axis, want in enumerate(f.shape):
         if want is None:
             continue
-        bad = np.nonzero(dims[:, axis] != want)[0]
-        if bad.size:
-            k = int(bad[0])
+        wrong = dims[:, axis] != want
+        if wrong.any():
+            k = int(wrong.argmax())
+            row = k if valid is None else int(valid.nonzero()[0][k])
             raise ShapeError(
-                f"{where}expected shape {_fmt(f)}, got "
-                f"{tuple(int(x) for x in dims[k])}{keys(int(rows[k]))}"
+                f"{where}expected shape {_fmt(f)}, got {tuple(int(x) for x in dims[k])}{keys(row)}"
             )
 
 
@@ -399,49 +400,58 @@ def _check_media(
 ) -> np.ndarray:
     """Check a media column's segments against their shapes; per row, its bytes (a shared
     entry counted on its first use)."""
-    ok = _all(valid, n)
-    outer_p = _np(col.offsets).astype(np.int64)
-    outer_s = _np(shapes.offsets).astype(np.int64)
-    counts_p, counts_s = np.diff(outer_p), np.diff(outer_s)
-    bad = np.nonzero(ok & (counts_p != counts_s))[0]
-    if bad.size:
-        i = int(bad[0])
-        raise ShapeError(f"{where}{counts_p[i]} segments but {counts_s[i]} shapes{at(i)}")
-    if np.any(~ok & ((counts_p != 0) | (counts_s != 0))):
-        raise DecodeError(f"{where}a null row has segments")
-    segs = col.values.slice(outer_p[0], outer_p[-1] - outer_p[0])
-    seg_shapes = shapes.values.slice(outer_s[0], outer_s[-1] - outer_s[0])
+    outer_p = _np(col.offsets)  # int64: large_list
+    outer_s = _np(shapes.offsets)
+    counts_p = outer_p[1:] - outer_p[:-1]
+    differ = counts_p != outer_s[1:] - outer_s[:-1]
+    if valid is not None:
+        if np.any(~valid & ((counts_p != 0) | differ)):
+            raise DecodeError(f"{where}a null row has segments")
+        differ &= valid
+    if differ.any():
+        i = int(differ.argmax())
+        got = int(outer_s[i + 1] - outer_s[i])
+        raise ShapeError(f"{where}{counts_p[i]} segments but {got} shapes{at(i)}")
+    lo = int(outer_p[0])
+    segs = col.values.slice(lo, int(outer_p[-1]) - lo)
+    seg_shapes = shapes.values.slice(int(outer_s[0]), int(outer_s[-1] - outer_s[0]))
     if segs.indices.null_count or seg_shapes.null_count:
         raise DecodeError(f"{where}a media segment or its shape is null")
     entries = segs.dictionary
     if entries.null_count:
         raise DecodeError(f"{where}a media dictionary entry is null")
-    idx = _np(segs.indices).astype(np.int64)
+    idx = _np(segs.indices)
     if idx.size and (idx.min() < 0 or idx.max() >= len(entries)):
         raise DecodeError(f"{where}a media segment points outside its dictionary")
-    row_of_seg = np.repeat(np.arange(n), counts_p)
 
     def seg_at(j: int) -> str:
-        return at(int(row_of_seg[j]))
+        # The row of segment j (computed on failure only).
+        return at(int(np.searchsorted(outer_p[1:], lo + j, side="right")))
 
     so, sv = _shape_arrays(seg_shapes, where)
     _check_fixed(f, so, sv, None, where, seg_at)
     want = shape_products(so, sv, f.dt.itemsize, where, seg_at)
-    if f.codec is RAW and np.any(np.diff(binary_offsets(entries)) % f.dt.itemsize):
-        raise ShapeError(f"{where}a media entry is not a whole number of {f.dtype}")
-    used = np.zeros(len(entries), dtype=bool)
-    used[idx] = True
-    got = _payload_lengths(f, entries, used, where)[idx]
-    bad = np.nonzero(want != got)[0]
-    if bad.size:
-        j = int(bad[0])
+    entry_bytes = np.diff(binary_offsets(entries))
+    if f.codec is RAW:
+        if f.dt.itemsize > 1 and np.any(entry_bytes % f.dt.itemsize):
+            raise ShapeError(f"{where}a media entry is not a whole number of {f.dtype}")
+        got = entry_bytes[idx]
+    else:
+        used = np.zeros(len(entries), dtype=bool)
+        used[idx] = True
+        got = _payload_lengths(f, entries, used, where)[idx]
+    if not np.array_equal(want, got):
+        j = int((want != got).argmax())
         shp = tuple(int(x) for x in sv[so[j] : so[j + 1]])
         raise ShapeError(
             f"{where}segment of shape {shp} needs {want[j]} bytes of {f.dtype}, "
             f"payload has {got[j]}{seg_at(j)}"
         )
+    first = first_use_bytes(idx, entry_bytes)
+    if len(idx) == n and bool((counts_p == 1).all()):
+        return first  # one segment per row
     out = np.zeros(n, dtype=np.int64)
-    np.add.at(out, row_of_seg, first_use_bytes(idx, np.diff(binary_offsets(entries))))
+    np.add.at(out, np.repeat(np.arange(n), counts_p), first)
     return out
 
 
@@ -463,10 +473,9 @@ def _check_tensor(
     if f.role == "token":
         ranks = so[1:] - so[:-1]
         short = ranks < 1 if valid is None else valid & (ranks < 1)
-        bad = short.nonzero()[0]
-        if bad.size:
+        if short.any():
             raise ShapeError(
-                f"{where}a token tensor has rank >= 1 (its first dim is S){at(int(bad[0]))}"
+                f"{where}a token tensor has rank >= 1 (its first dim is S){at(int(short.argmax()))}"
             )
         if valid is not None:
             first = np.full(len(seq), -1, dtype=np.int64)
@@ -474,9 +483,9 @@ def _check_tensor(
             first[rows] = sv[so[rows]]
         else:
             first = sv[so[:-1]]
-        clash = ((first >= 0) & (seq >= 0) & (first != seq)).nonzero()[0]
-        if clash.size:
-            i = int(clash[0])
+        clash = (first != seq) & (first >= 0) & (seq >= 0)
+        if clash.any():
+            i = int(clash.argmax())
             raise ShapeError(
                 f"{where}sequence length {first[i]} differs from the row's other token "
                 f"fields ({seq[i]}){at(i)}"
@@ -486,9 +495,8 @@ def _check_tensor(
     sent = _lengths(binary_offsets(col))
     got = sent if f.codec is RAW else _payload_lengths(f, col, _all(valid, len(sent)), where)
     wrong = want != got if valid is None else valid & (want != got)
-    bad = wrong.nonzero()[0]
-    if bad.size:
-        i = int(bad[0])
+    if wrong.any():
+        i = int(wrong.argmax())
         shp = tuple(int(x) for x in sv[so[i] : so[i + 1]])
         raise ShapeError(
             f"{where}shape {shp} needs {want[i]} bytes of {f.dtype}, payload has {got[i]}{at(i)}"
