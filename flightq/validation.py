@@ -467,6 +467,10 @@ def _check_tensor(
     """Check a token or tensor column's payloads against their shapes (``valid`` None: no
     row is null). Returns the rows' sequence lengths so far and the bytes sent per row."""
     so, sv = _shape_arrays(shapes, where)
+    if valid is None and f.codec is RAW:
+        fast = _one_dim_rows(f, so, sv, col, seq)
+        if fast is not None:
+            return fast
     if valid is not None and (~valid & (so[1:] != so[:-1])).any():
         raise DecodeError(f"{where}a null row has a shape")
     _check_fixed(f, so, sv, valid, where, at)
@@ -502,6 +506,34 @@ def _check_tensor(
             f"{where}shape {shp} needs {want[i]} bytes of {f.dtype}, payload has {got[i]}{at(i)}"
         )
     return seq, sent if valid is None else np.where(valid, sent, 0)
+
+
+def _one_dim_rows(
+    f: Field, so: np.ndarray, sv: np.ndarray, col: pa.Array, seq: np.ndarray
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The common case of :func:`_check_tensor` in a few array operations: every row
+    present with one dim (token fields, 1-D tensors), raw payloads. Returns what
+    :func:`_check_tensor` returns when every check passes, None when any fails or does
+    not apply (the full check then finds and names the fault)."""
+    n = len(so) - 1
+    if n == 0 or so[-1] - so[0] != n or (so[1:] - so[:-1]).min() != 1:
+        return None  # some row has another rank (n dims over n rows, none empty)
+    if f.shape is not None and len(f.shape) != 1:
+        return None
+    dims = sv[so[0] : so[-1]]
+    if dims.view(np.uint64).max() >= _LIMIT // f.dt.itemsize:
+        return None  # a negative dim, or one whose byte length could wrap around int64
+    sent = _lengths(binary_offsets(col))
+    if not np.array_equal(dims * f.dt.itemsize, sent):
+        return None
+    if f.shape is not None and f.shape[0] is not None and (dims != f.shape[0]).any():
+        return None
+    if f.role == "token":
+        if seq[0] < 0 and (seq < 0).all():
+            return dims.copy(), sent  # the row's first token field sets its length
+        if not np.array_equal(dims, seq):
+            return None
+    return seq, sent
 
 
 def _all(valid: np.ndarray | None, n: int) -> np.ndarray:

@@ -654,6 +654,16 @@ def test_shape_column_breaking_the_declared_rank_is_refused() -> None:
     )
 
 
+def test_shapes_of_other_ranks_are_refused_even_when_their_dims_match_the_byte_lengths() -> None:
+    # One dim per row on average, and the dims equal the rows' element counts (4, 2):
+    # only the ranks (0 and 2) are wrong.
+    _refused_by_validate_and_decode(
+        _shape_column(_text_batch(), "input_ids", [[], [4, 2]]),
+        ShapeError,
+        r"column 'input_ids': expected rank 1 \[\?\], got shape \(\) \(row key 'r0'\)",
+    )
+
+
 def test_token_fields_disagreeing_on_the_sequence_length_are_refused_on_decode() -> None:
     rb = _text_batch()
     mask = pa.array(

@@ -134,6 +134,22 @@ CASES: list[tuple[str, str, Callable[[], list[pa.RecordBatch]], type, str]] = [
         r"payload may hold \(2\*\*62\) \(row key 'n0'\)",
     ),
     (
+        "a dim whose byte length wraps around int64 to the payload's",
+        "p",
+        lambda: [_shapes(text_batch(NEW), "input_ids", [[2**61 + 4], [5]])],
+        flightq.ShapeError,
+        r"column 'input_ids': shape \(2305843009213693956,\) needs \d+ bytes, more than a "
+        r"payload may hold \(2\*\*62\) \(row key 'n0'\)",
+    ),
+    (
+        "a negative dim whose byte length wraps around int64 to the payload's",
+        "p",
+        lambda: [_shapes(text_batch(NEW), "input_ids", [[-(2**61) + 4], [5]])],
+        flightq.ShapeError,
+        r"column 'input_ids': expected dims >= 0, got shape \(-2305843009213693948,\) "
+        r"\(row key 'n0'\)",
+    ),
+    (
         "dims whose product overflows int64",
         "v",
         lambda: [
