@@ -33,23 +33,30 @@ def assemble(
 
     Consecutive rows whose cells come from consecutive rows of the same stored batches
     are served as one zero-copy slice per column; a field a row lacks is null there.
-    Batches are cut at about ``max_bytes`` of payload. With ``coalesce``, consecutive
-    slices of less than :data:`SMALL_RUN_BYTES` each (rows of many small puts, such as
-    one prompt group of text each) are copied into one batch of up to
-    :data:`COALESCED_BYTES` (never past ``max_bytes``): each record batch costs both ends
-    a fixed amount of work, more than copying a small one does.
+    Batches are cut before the row that would take them past ``max_bytes`` of payload
+    (a row larger than that goes alone), so a prompt group travels with its image once.
+    With ``coalesce``, consecutive slices of less than :data:`SMALL_RUN_BYTES` each (rows
+    of many small puts, such as one prompt group of text each) are copied into one batch
+    of up to :data:`COALESCED_BYTES` (never past ``max_bytes``): each record batch costs
+    both ends a fixed amount of work, more than copying a small one does.
     """
     schema = arrow_schema(p.schema, fields)
     cols = [n for n in schema.names if n not in (KEY, TAGS)]
 
     def runs() -> Iterator[tuple[int, int]]:
+        # A run ends before the row that would take it past max_bytes: that is the row
+        # carrying a new image (a row counts a shared image where its group uses it
+        # first), so a prompt group's rows and their image stay in one record batch.
         start = 0
         acc = 0
-        for i in range(1, len(rows) + 1):
-            acc += rows[i - 1].nbytes
-            if i == len(rows) or acc >= max_bytes or not _continues(rows[i - 1], rows[i], fields):
+        for i, row in enumerate(rows):
+            if i > start and (
+                acc + row.nbytes > max_bytes or not _continues(rows[i - 1], row, fields)
+            ):
                 yield start, i
                 start, acc = i, 0
+            acc += row.nbytes
+        yield start, len(rows)
 
     def batches() -> Iterator[pa.RecordBatch]:
         if not rows:

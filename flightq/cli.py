@@ -120,6 +120,13 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--schemas", help="schema folder (default: the shipped schemas)")
     sv.add_argument("--memory-budget", type=int, default=None, help="bytes the store may hold")
     sv.add_argument(
+        "--max-batch-bytes",
+        type=int,
+        default=None,
+        help="payload bytes per record batch of an answer (default 16 MiB; hosts with "
+        "cores to spare for the reader may gain from 8 MiB, see the README)",
+    )
+    sv.add_argument(
         "--peers",
         help="every shard's location, comma-separated, this one's included "
         "(GetFlightInfo lists one endpoint per peer; see docs/sharding.md)",

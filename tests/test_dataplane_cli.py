@@ -13,6 +13,7 @@ import pytest
 from fixtures_dataplane import TEXT, TIMEOUT, cli_server, python_env, text_columns, text_keys
 
 import flightq
+from flightq import workloads
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -146,6 +147,19 @@ print(held - rss())
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt: Linux only")
+def test_serve_cuts_answers_at_max_batch_bytes_keeping_groups_whole():
+    step = workloads.w1(0, groups=4, g=4)
+    limit = max(step.group(g).nbytes(distinct_media=True) for g in range(4)) * 5 // 4
+    with cli_server("--max-batch-bytes", str(limit)) as (location, _):
+        c = flightq.connect(location, [step.schema], timeout=TIMEOUT)
+        c.create_partition("v", step.schema, tasks=["t"], group_size=step.group_size)
+        c.put("v", step.keys, step.columns, step.tags)
+        got = c.get("v", step.keys)
+        c.close()
+    assert got.received is not None and got.received.record_batches == 4  # a group each
+    assert [len(p) for p in got._parts] == [4, 4, 4, 4]
+
+
 def test_serve_keeps_freed_blocks_so_the_next_put_reuses_warm_pages():
     def returned(mode: str) -> int:
         out = subprocess.run(

@@ -75,6 +75,27 @@ def test_a_get_split_over_streams_sends_each_image_once(server):
         assert_rows_match(batch, step)
 
 
+def test_answers_cut_smaller_than_a_stored_batch_keep_each_group_whole() -> None:
+    # Answer batches hold a little more than one group: a batch cut after the row that
+    # passes the limit would carry the next group's first row, and that group's image
+    # would travel in two batches.
+    step = workloads.w1(0, groups=4, g=4)
+    group_bytes = max(step.group(g).nbytes(distinct_media=True) for g in range(4))
+    limit = group_bytes + group_bytes // 4
+    with (
+        flightq.Server(max_batch_bytes=limit) as srv,
+        flightq.connect(srv.location, [step.schema]) as c,
+    ):
+        c.create_partition("s", step.schema, tasks=["t"], group_size=step.group_size)
+        c.put("s", step.keys, step.columns, step.tags)
+        batch = c.get("s", step.keys)
+    parts = batch._parts or [batch]
+    assert [len(p) for p in parts] == [4, 4, 4, 4]
+    assert _media_entries(batch, "pixel_values") == [1, 1, 1, 1]
+    assert all(p.record_batch.nbytes <= limit for p in parts)
+    assert_rows_match(batch, step)
+
+
 def test_rows_without_media_keep_their_place_in_a_trimmed_slice(client):
     step = workloads.w1(0, groups=4, g=4)
     pixels, grids = step.columns["pixel_values"], step.columns["image_grid_thw"]
