@@ -133,9 +133,12 @@ def markdown(doc: dict[str, Any]) -> str:
             "",
             "## Decode: a flightq get's validating and rebuilding of every tensor",
             "",
-            "Milliseconds per get, and as a share of the get: all of it (record batches "
-            "are decoded as they arrive, while gRPC receives the next), and what was left "
-            "once the last record batch was in.",
+            "Milliseconds per get (`Batch.received.decode_s`: wall time in the decoder, "
+            "summed over the get's parallel streams, waits for the interpreter lock "
+            "included, so over several streams it can pass the get's own time), as a "
+            "share of the get, and the share left once the last record batch was in "
+            "(record batches are decoded as they arrive, while gRPC receives the next; "
+            "that tail also holds the end of the stream).",
             "",
             "| workload | system | record batches | decode ms | % of the get | "
             "% after the last batch |",
