@@ -1,0 +1,361 @@
+"""The decoded columns of a :class:`flightq.batch.Batch`: per-row views of one field.
+
+A token or tensor field's rows are views of one flat base over the received payloads; a
+media field's segments are views of its dictionary's entries (a prompt group's rows
+share their image); a scalar field is one 1-D tensor; a field over several record
+batches of one answer is a :class:`ChunkedColumn`. Nothing is copied unless asked
+(``copy=True``); compressed payloads are decoded into one new buffer per column.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .codecs import RAW
+from .errors import MissingFieldError, ShapeError
+from .layout import SHAPE_SUFFIX, binary_offsets
+from .schema import Field
+from .tensor import column_base, nbytes_for, row_view
+
+__all__ = ["Column", "TensorColumn", "MediaColumn", "ScalarColumn", "ChunkedColumn"]
+
+
+class Column:
+    """Base of the decoded columns."""
+
+    def __init__(self, f: Field, rb: pa.RecordBatch, as_: str, copy: bool) -> None:
+        self.field = f
+        self.as_ = as_
+        self.copy = copy
+        self.payload = rb.column(f.name)
+        self.valid = (
+            np.ones(len(self.payload), dtype=bool)
+            if self.payload.null_count == 0
+            else self.payload.is_valid().to_numpy(zero_copy_only=False)
+        )
+
+    def __len__(self) -> int:
+        return len(self.payload)
+
+    def rows(self) -> Any:
+        """The per-row structure of ``Batch.__getitem__``."""
+        raise NotImplementedError
+
+    _rows: Any = None
+
+    def cached_rows(self) -> Any:
+        """:meth:`rows`, built once (callers copy a list before handing it out)."""
+        if self._rows is None:
+            self._rows = self.rows()
+        return self._rows
+
+
+def _decoded_base(
+    f: Field, payloads: pa.Array, shapes: list[tuple[int, ...]] | None, as_: str
+) -> tuple[Any, np.ndarray]:
+    """One flat view over a binary array's payloads, and each payload's element offset.
+
+    Raw payloads are viewed in place; compressed ones are decoded into one new buffer.
+    """
+    dt = f.dt
+    if f.codec is RAW:
+        offs = binary_offsets(payloads)
+        data = payloads.buffers()[2]
+        base = column_base(data if data is not None else b"", int(offs[0]), int(offs[-1]), dt, as_)
+        return base, (offs[:-1] - offs[0]) // dt.itemsize
+    assert shapes is not None  # compressed payloads are sized by their shapes
+    sizes = np.array([nbytes_for(s, dt.itemsize) for s in shapes], dtype=np.int64)
+    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    out = np.empty(int(starts[-1]), dtype=np.uint8)
+    data = payloads.buffers()[2]
+    offs = binary_offsets(payloads)
+    mv = memoryview(data) if data is not None else memoryview(b"")
+    for i in range(len(shapes)):
+        if sizes[i]:
+            raw = f.codec.decode(mv[offs[i] : offs[i + 1]], int(sizes[i]))
+            out[starts[i] : starts[i + 1]] = np.frombuffer(raw, dtype=np.uint8)
+    base = column_base(out, 0, len(out), dt, as_)
+    return base, starts[:-1] // dt.itemsize
+
+
+class TensorColumn(Column):
+    """A token or tensor field: one tensor per row."""
+
+    def __init__(self, f: Field, rb: pa.RecordBatch, as_: str, copy: bool) -> None:
+        super().__init__(f, rb, as_, copy)
+        shapes = rb.column(f.name + SHAPE_SUFFIX)
+        offs = shapes.offsets.to_numpy()
+        lo, hi = int(offs[0]), int(offs[-1])
+        self._dims = shapes.values.to_numpy()[lo:hi]
+        self._offs = offs
+        #: Every row present with a 1-D shape (token fields: validation has seen rank >= 1
+        #: in each row, so one dim per row means rank 1): its dim is its element count.
+        self._flat = (
+            self.payload.null_count == 0
+            and hi - lo == len(offs) - 1
+            and (f.role == "token" or bool((offs[1:] - offs[:-1] == 1).all()))
+        )
+        self._shapes: list[tuple[int, ...] | None] | None = None
+        present = None if f.codec is RAW else [(0,) if s is None else s for s in self.shapes]
+        self._base, self._elem = _decoded_base(f, self.payload, present, as_)
+
+    @property
+    def shapes(self) -> list[tuple[int, ...] | None]:
+        """Each row's shape (None where the row lacks the field)."""
+        if self._shapes is None:
+            offs, dims = (self._offs - self._offs[0]).tolist(), self._dims.tolist()
+            self._shapes = [
+                tuple(dims[offs[i] : offs[i + 1]]) if ok else None
+                for i, ok in enumerate(self.valid.tolist())
+            ]
+        return self._shapes
+
+    def __getitem__(self, i: int) -> Any:
+        shape = self.shapes[i]
+        if shape is None:
+            return None
+        return row_view(self._base, int(self._elem[i]), shape, self.copy)
+
+    def rows(self) -> list[Any]:
+        if self.copy or not self.valid.all() or not len(self):
+            return [self[i] for i in range(len(self))]
+        # Every row present: cut the base in one call, then shape the views.
+        if len(self) == 1:
+            pieces = [self._base]
+        elif self._flat and self.as_ == "torch":
+            return list(self._base.split(self._dims.tolist()))
+        elif self.as_ == "torch":
+            counts = np.empty(len(self._elem), dtype=np.int64)
+            np.subtract(self._elem[1:], self._elem[:-1], out=counts[:-1])
+            counts[-1] = len(self._base) - self._elem[-1]
+            pieces = list(self._base.split(counts.tolist()))
+        else:
+            pieces = np.split(self._base, self._elem[1:])
+        if self._flat:
+            return pieces
+        shapes: list[tuple[int, ...]] = self.shapes  # type: ignore[assignment]
+        return [
+            v if len(shape) == 1 else v.reshape(shape)
+            for v, shape in zip(pieces, shapes, strict=True)
+        ]
+
+
+class MediaColumn(Column):
+    """A media field: per row a list of zero or more segments, each with its own shape."""
+
+    def __init__(self, f: Field, rb: pa.RecordBatch, as_: str, copy: bool) -> None:
+        super().__init__(f, rb, as_, copy)
+        outer = self.payload.offsets.to_numpy().astype(np.int64)
+        self.row_segments = outer - outer[0]
+        segs = self.payload.values.slice(int(outer[0]), int(outer[-1] - outer[0]))
+        shapes = rb.column(f.name + SHAPE_SUFFIX)
+        souter = shapes.offsets.to_numpy().astype(np.int64)
+        seg_shapes = shapes.values.slice(int(souter[0]), int(souter[-1] - souter[0]))
+        offs = seg_shapes.offsets.to_numpy().tolist()
+        vals = seg_shapes.values.to_numpy().tolist()
+        self.segment_shapes: list[tuple[int, ...]] = [
+            tuple(vals[offs[j] : offs[j + 1]]) for j in range(len(seg_shapes))
+        ]
+        #: Per segment, its entry in the batch's dictionary of distinct payloads.
+        self.entry = segs.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+        entries = segs.dictionary
+        entry_shapes: list[tuple[int, ...]] | None = None
+        if f.codec is not RAW:  # compressed entries are sized by their segments' shapes
+            entry_shapes = [(0,)] * len(entries)
+            for e, shape in zip(self.entry.tolist(), self.segment_shapes, strict=True):
+                entry_shapes[e] = shape
+        self._base, self._elem = _decoded_base(f, entries, entry_shapes, as_)
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Segments per row (0 for a row with no media and for a row without the field)."""
+        return np.diff(self.row_segments)
+
+    def segment(self, j: int) -> Any:
+        """Segment ``j`` of the whole column (rows in order); shared segments share memory."""
+        return row_view(
+            self._base, int(self._elem[self.entry[j]]), self.segment_shapes[j], self.copy
+        )
+
+    def __getitem__(self, i: int) -> list[Any] | None:
+        if not self.valid[i]:
+            return None
+        return [self.segment(j) for j in range(self.row_segments[i], self.row_segments[i + 1])]
+
+    def rows(self) -> list[list[Any] | None]:
+        if self.copy:
+            return [self[i] for i in range(len(self))]
+        # One slice per distinct payload and shape, then a view of it per segment, made
+        # in one call: the rows of a prompt group get their own views of the one image.
+        starts = self._elem.tolist()
+        uses: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        for j, use in enumerate(zip(self.entry.tolist(), self.segment_shapes, strict=True)):
+            uses.setdefault(use, []).append(j)
+        views: list[Any] = [None] * len(self.segment_shapes)
+        for (e, shape), js in uses.items():
+            piece = self._base[starts[e] : starts[e] + math.prod(shape)]
+            if len(js) == 1:
+                views[js[0]] = piece.reshape(shape) if self.as_ == "numpy" else piece.view(shape)
+                continue
+            if self.as_ == "numpy":
+                same = [piece.reshape(shape) for _ in js]
+            else:
+                same = piece.view(shape).expand(len(js), *shape).unbind(0)
+            for j, v in zip(js, same, strict=True):
+                views[j] = v
+        bounds = self.row_segments.tolist()
+        return [
+            views[bounds[i] : bounds[i + 1]] if ok else None
+            for i, ok in enumerate(self.valid.tolist())
+        ]
+
+    def cat(self) -> tuple[Any, np.ndarray]:
+        """All segments concatenated along dim 0, and each row's range along that dim.
+
+        Returns ``(values, row_offsets)``: row ``i``'s segments are
+        ``values[row_offsets[i]:row_offsets[i + 1]]``. A view when the field is raw and no
+        segment is shared between rows; otherwise one copy (shared segments repeat).
+
+        Raises
+        ------
+        ShapeError
+            If segments differ in their trailing dims (e.g. tiles of different sizes).
+        """
+        shapes = self.segment_shapes
+        trail = {s[1:] for s in shapes}
+        if len(trail) > 1 or any(len(s) == 0 for s in shapes):
+            raise ShapeError(
+                f"column {self.field.name!r}: segments of shapes {sorted(trail)} cannot be "
+                "concatenated along dim 0; iterate the rows instead"
+            )
+        tail = next(iter(trail)) if trail else ()
+        dim0 = np.array([s[0] for s in shapes], dtype=np.int64)
+        seg_start = np.zeros(len(shapes) + 1, dtype=np.int64)
+        np.cumsum(dim0, out=seg_start[1:])
+        row_offsets = seg_start[self.row_segments]
+        total = int(seg_start[-1])
+        if not shapes:
+            values = row_view(self._base, 0, (0, *tail), self.copy) if tail else self._base[:0]
+        elif np.array_equal(self.entry, np.arange(self.entry[0], self.entry[0] + len(shapes))):
+            values = row_view(self._base, int(self._elem[self.entry[0]]), (total, *tail), self.copy)
+        else:
+            parts = [self.segment(j) for j in range(len(shapes))]
+            if self.as_ == "numpy":
+                values = np.concatenate(parts)
+            else:
+                import torch
+
+                values = torch.cat(parts)
+        return values, row_offsets
+
+
+class ScalarColumn(Column):
+    """A scalar field: one value per row, a plain Arrow column."""
+
+    def tensor(self) -> Any:
+        """The values as a 1-D tensor (or numpy array) of the field's dtype.
+
+        Raises
+        ------
+        MissingFieldError
+            If some rows lack the field.
+        """
+        if not self.valid.all():
+            raise MissingFieldError(
+                f"column {self.field.name!r}: {int((~self.valid).sum())} rows lack the field; "
+                "use .rows() for a list with None entries"
+            )
+        dt = self.field.dt
+        arr = self.payload
+        if dt.name == "bool":
+            values = arr.to_numpy(zero_copy_only=False)
+            base = values.copy() if self.copy else values
+            if self.as_ == "numpy":
+                return base
+            import torch
+
+            return torch.from_numpy(base)
+        buf = arr.buffers()[1]
+        start = arr.offset * dt.itemsize
+        base = column_base(buf, start, start + len(arr) * dt.itemsize, dt, self.as_)
+        return (
+            base.copy()
+            if self.copy and self.as_ == "numpy"
+            else (base.clone() if self.copy else base)
+        )
+
+    def rows(self) -> Any:
+        if self.valid.all():
+            return self.tensor()
+        dt = self.field.dt
+        if not dt.native_numpy:
+            raise MissingFieldError(
+                f"column {self.field.name!r}: {dt.name} rows with gaps; select rows that have it"
+            )
+        return self.payload.to_pylist()
+
+
+class ChunkedColumn(Column):
+    """A column over several record batches of one stream; rows in order.
+
+    Row access stays zero-copy; :meth:`tensor` (scalars) and :meth:`cat` (media) copy
+    once to join the chunks.
+    """
+
+    def __init__(self, parts: list[Column]) -> None:
+        self.parts = parts
+        self.field = parts[0].field
+        self.as_ = parts[0].as_
+        self.copy = parts[0].copy
+        self.valid = np.concatenate([p.valid for p in parts])
+        self._starts = np.cumsum([0] + [len(p) for p in parts])
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getitem__(self, i: int) -> Any:
+        if i < 0:
+            i += len(self)
+        k = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return self.parts[k][i - int(self._starts[k])]  # type: ignore[index]
+
+    def _join(self, items: list[Any]) -> Any:
+        if self.as_ == "numpy":
+            return np.concatenate(items)
+        import torch
+
+        return torch.cat(items)
+
+    def rows(self) -> Any:
+        if self.field.role == "scalar" and self.valid.all():
+            return self.tensor()
+        out: list[Any] = []
+        for p in self.parts:
+            r = p.cached_rows()
+            out.extend(r if isinstance(r, list) else list(r))
+        return out
+
+    def tensor(self) -> Any:
+        """Scalars of every chunk as one 1-D tensor (see :meth:`ScalarColumn.tensor`)."""
+        return self._join([p.tensor() for p in self.parts])  # type: ignore[attr-defined]
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Segments per row (media)."""
+        return np.concatenate([p.counts for p in self.parts])  # type: ignore[attr-defined]
+
+    def cat(self) -> tuple[Any, np.ndarray]:
+        """Media segments of every chunk along dim 0, and row offsets (one copy)."""
+        vals, offs = [], [np.zeros(1, dtype=np.int64)]
+        base = 0
+        for p in self.parts:
+            v, o = p.cat()  # type: ignore[attr-defined]
+            vals.append(v)
+            offs.append(o[1:] + base)
+            base += int(o[-1])
+        return self._join(vals), np.concatenate(offs)
