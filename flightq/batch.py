@@ -156,7 +156,9 @@ class Received:
         once the rows are used).
     decode_s:
         Seconds spent validating and decoding the record batches as they arrived,
-        per-row tensors included (summed over streams; each stream decodes on its thread).
+        per-row tensors included: wall time, waits for the interpreter lock included,
+        summed over streams (each stream decodes on its thread, so over several streams
+        it can pass the get's own time).
     """
 
     record_batches: int
