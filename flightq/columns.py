@@ -190,24 +190,18 @@ class MediaColumn(Column):
     def rows(self) -> list[list[Any] | None]:
         if self.copy:
             return [self[i] for i in range(len(self))]
-        # One slice per distinct payload and shape, then a view of it per segment, made
-        # in one call: the rows of a prompt group get their own views of the one image.
+        # One slice per distinct payload, then a view of it per segment: the rows of a
+        # prompt group get their own views of the one image. (Not expand + unbind: torch
+        # counts those as views of one multi-output op, which in-place ops under autograd
+        # refuse, so a row's view would behave differently when its image is shared.)
         starts = self._elem.tolist()
-        uses: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-        for j, use in enumerate(zip(self.entry.tolist(), self.segment_shapes, strict=True)):
-            uses.setdefault(use, []).append(j)
-        views: list[Any] = [None] * len(self.segment_shapes)
-        for (e, shape), js in uses.items():
-            piece = self._base[starts[e] : starts[e] + math.prod(shape)]
-            if len(js) == 1:
-                views[js[0]] = piece.reshape(shape) if self.as_ == "numpy" else piece.view(shape)
-                continue
-            if self.as_ == "numpy":
-                same = [piece.reshape(shape) for _ in js]
-            else:
-                same = piece.view(shape).expand(len(js), *shape).unbind(0)
-            for j, v in zip(js, same, strict=True):
-                views[j] = v
+        pieces: dict[int, Any] = {}
+        views = []
+        for e, shape in zip(self.entry.tolist(), self.segment_shapes, strict=True):
+            piece = pieces.get(e)
+            if piece is None:
+                piece = pieces[e] = self._base[starts[e] : starts[e] + math.prod(shape)]
+            views.append(piece.reshape(shape) if self.as_ == "numpy" else piece.view(shape))
         bounds = self.row_segments.tolist()
         return [
             views[bounds[i] : bounds[i + 1]] if ok else None

@@ -404,14 +404,13 @@ def _check_media(
     outer_s = _np(shapes.offsets)
     counts_p = outer_p[1:] - outer_p[:-1]
     differ = counts_p != outer_s[1:] - outer_s[:-1]
-    if valid is not None:
-        if np.any(~valid & ((counts_p != 0) | differ)):
-            raise DecodeError(f"{where}a null row has segments")
-        differ &= valid
-    if differ.any():
-        i = int(differ.argmax())
+    wrong = differ if valid is None else differ & valid
+    if wrong.any():
+        i = int(wrong.argmax())
         got = int(outer_s[i + 1] - outer_s[i])
         raise ShapeError(f"{where}{counts_p[i]} segments but {got} shapes{at(i)}")
+    if valid is not None and np.any(~valid & ((counts_p != 0) | differ)):
+        raise DecodeError(f"{where}a null row has segments")
     lo = int(outer_p[0])
     segs = col.values.slice(lo, int(outer_p[-1]) - lo)
     seg_shapes = shapes.values.slice(int(outer_s[0]), int(outer_s[-1] - outer_s[0]))

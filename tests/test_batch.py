@@ -850,3 +850,34 @@ def test_tags_that_are_not_msgpack_maps_are_refused_naming_the_row() -> None:
     rb = replace_column(rb, "__tags__", pa.array([b"\xc1", None], pa.binary()))
     with pytest.raises(DecodeError, match=r"tags of row 'r0' are not valid msgpack: "):
         _ = flightq.decode(rb).tags
+
+
+def test_a_media_row_with_more_shapes_than_segments_is_named_before_a_null_row() -> None:
+    # Row 0 has one segment and two shapes, row 1 is null but keeps a segment: the first
+    # fault in row order is the one named.
+    step = workloads.w1(0, groups=1, g=2)
+    rb = flightq.encode(shipped(step.schema), step.columns, step.keys, step.tags)
+    mask = pa.array([False, True])
+    seg = rb.column("image_grid_thw").values
+    pay = pa.LargeListArray.from_arrays(pa.array([0, 1, 2], pa.int64()), seg, mask=mask)
+    shapes = pa.array([[1, 22, 34]] * 3, pa.list_(pa.int64()))
+    shp = pa.LargeListArray.from_arrays(pa.array([0, 2, 3], pa.int64()), shapes, mask=mask)
+    rb = replace_column(replace_column(rb, "image_grid_thw", pay), "image_grid_thw__shape", shp)
+    _refused_by_validate_and_decode(
+        rb,
+        ShapeError,
+        r"column 'image_grid_thw': 1 segments but 2 shapes \(row key 'p0_g0'\)",
+    )
+
+
+def test_views_of_a_shared_image_behave_as_views_of_one_that_is_not_shared() -> None:
+    # Every row gets its own plain view: an in-place op under autograd works on a row whose
+    # image its group shares as on any other view.
+    step = workloads.w1(0, groups=1, g=2)
+    rb = flightq.encode(shipped(step.schema), step.columns, step.keys, step.tags)
+    rows = flightq.decode(rb)["pixel_values"]
+    first, second = rows[0][0], rows[1][0]
+    assert first.data_ptr() == second.data_ptr() and first is not second
+    # Refused ("output of a function that returns multiple views") for views made together
+    # by one multi-output op such as unbind.
+    first.mul_(torch.ones((), requires_grad=True))
