@@ -46,6 +46,9 @@ __all__ = [
     "arrow_schema",
     "schema_of",
     "binary_offsets",
+    "first_use_bytes",
+    "media_row_bytes",
+    "row_sums",
 ]
 
 KEY = "__key__"
@@ -184,10 +187,16 @@ def first_use_bytes(indices: np.ndarray, entry_bytes: np.ndarray) -> np.ndarray:
 def media_row_bytes(col: pa.Array) -> np.ndarray:
     """Per row of a media column (sliced or not), the bytes of its segments' entries, a
     shared entry counted on the first row that uses it (:func:`first_use_bytes`)."""
-    outer = col.offsets.to_numpy().astype(np.int64)
+    outer = col.offsets.to_numpy()
     segs = col.values.slice(int(outer[0]), int(outer[-1] - outer[0]))
-    idx = segs.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-    sums = np.zeros(len(idx) + 1, dtype=np.int64)
-    np.cumsum(first_use_bytes(idx, np.diff(binary_offsets(segs.dictionary))), out=sums[1:])
+    idx = segs.indices.to_numpy(zero_copy_only=False)
+    return row_sums(first_use_bytes(idx, np.diff(binary_offsets(segs.dictionary))), outer)
+
+
+def row_sums(per_segment: np.ndarray, outer: np.ndarray) -> np.ndarray:
+    """Per row, the sum of its segments' values; ``outer`` (n + 1) are the rows' segment
+    offsets, absolute or not (``per_segment`` starts at the first row's first segment)."""
+    sums = np.zeros(len(per_segment) + 1, dtype=np.int64)
+    np.cumsum(per_segment, out=sums[1:])
     rel = outer - outer[0]
     return sums[rel[1:]] - sums[rel[:-1]]

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 import pyarrow as pa
 
 from .errors import EncodeError
-from .layout import TAGS
+from .layout import MEDIA_TYPE, TAGS, binary_offsets, media_row_bytes
 from .schema import Schema
 from .validation import Checked
 
@@ -28,6 +29,7 @@ class Piece:
     checked: Checked
     tags: list[dict[str, Any] | None]
     _valid: dict[str, list[bool] | None] = field(default_factory=dict, repr=False)
+    _nbytes: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
     def valid(self, f: str) -> list[bool] | None:
         """Per row whether the batch carries field ``f``; None when every row does."""
@@ -35,6 +37,20 @@ class Piece:
             col = self.batch.column(f)
             self._valid[f] = None if col.null_count == 0 else col.is_valid().to_pylist()
         return self._valid[f]
+
+    def cell_nbytes(self, f: str, i: int) -> int:
+        """Payload bytes of field ``f`` in row ``i``, counted as validation counts them: a
+        media entry shared by several rows counts on the first row that uses it."""
+        if f not in self._nbytes:
+            col = self.batch.column(f)
+            if col.type == pa.large_binary():
+                sizes = np.diff(binary_offsets(col)).tolist()
+            elif col.type == MEDIA_TYPE:
+                sizes = media_row_bytes(col).tolist()
+            else:
+                sizes = [0] * len(col)
+            self._nbytes[f] = sizes
+        return self._nbytes[f][i]
 
 
 @dataclass

@@ -15,8 +15,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import pyarrow as pa
-
 from .errors import (
     ClaimTimeoutError,
     ConflictError,
@@ -29,7 +27,7 @@ from .errors import (
     ShapeError,
     UnavailableError,
 )
-from .layout import MEDIA_TYPE, SHAPE_SUFFIX, binary_offsets, media_row_bytes
+from .layout import SHAPE_SUFFIX
 from .rows import Partition, Piece, Row
 from .schema import Schema
 
@@ -313,7 +311,7 @@ class Store:
                                 f"row key {k!r} already has column {f!r} in partition "
                                 f"{name!r}; pass overwrite=True to rewrite it"
                             )
-                        replaced[(k, f)] = _cell_nbytes(old[0].batch, f, old[1])
+                        replaced[(k, f)] = old[0].cell_nbytes(f, old[1])
                     s = int(ck.seq_lens[i])
                     if s >= 0 and row.seq_len >= 0 and s != row.seq_len:
                         raise ShapeError(
@@ -554,18 +552,6 @@ def _is_replay(p: Partition, pieces: list[Piece]) -> bool:
                     if not pc.batch.column(c).slice(i, 1).equals(mine):
                         return False
     return True
-
-
-def _cell_nbytes(batch: pa.RecordBatch, f: str, i: int) -> int:
-    """Payload bytes of one stored cell, counted as :func:`flightq.validation.validate` does:
-    a media entry shared by several rows of the batch counts on its first row only."""
-    col = batch.column(f)
-    if col.type == pa.large_binary():
-        offs = binary_offsets(col)
-        return int(offs[i + 1] - offs[i])
-    if col.type == MEDIA_TYPE:
-        return int(media_row_bytes(col)[i])
-    return 0
 
 
 def _valid_at(pc: Piece, f: str, i: int) -> bool:

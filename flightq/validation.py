@@ -31,6 +31,7 @@ from .layout import (
     binary_offsets,
     first_use_bytes,
     payload_type,
+    row_sums,
     schema_of,
     shape_type,
 )
@@ -382,7 +383,7 @@ def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
                     f"field{at(int(np.nonzero(differ)[0][0]))}"
                 )
         if c.f.role == "media":
-            nbytes += _check_media(c.f, c.where, col, shapes, valid, n, at)
+            nbytes += _check_media(c.f, c.where, col, shapes, valid, at)
         else:
             seq, sent = _check_tensor(c.f, c.where, col, shapes, valid, seq, at)
             nbytes += sent
@@ -395,7 +396,6 @@ def _check_media(
     col: pa.Array,
     shapes: pa.Array,
     valid: np.ndarray | None,
-    n: int,
     at: Callable[[int], str],
 ) -> np.ndarray:
     """Check a media column's segments against their shapes; per row, its bytes (a shared
@@ -446,12 +446,7 @@ def _check_media(
             f"{where}segment of shape {shp} needs {want[j]} bytes of {f.dtype}, "
             f"payload has {got[j]}{seg_at(j)}"
         )
-    first = first_use_bytes(idx, entry_bytes)
-    if len(idx) == n and bool((counts_p == 1).all()):
-        return first  # one segment per row
-    out = np.zeros(n, dtype=np.int64)
-    np.add.at(out, np.repeat(np.arange(n), counts_p), first)
-    return out
+    return row_sums(first_use_bytes(idx, entry_bytes), outer_p)
 
 
 def _check_tensor(

@@ -55,6 +55,8 @@ class FlightqProducer(Producer):
 
     #: Move the bytes through shared memory (``connect(..., shm=True)``).
     shm = False
+    #: Ends the partition's name: systems sharing the server never share rows.
+    suffix = ""
 
     def setup(self) -> dict[str, Any]:
         import flightq
@@ -62,7 +64,7 @@ class FlightqProducer(Producer):
         self.client = flightq.connect(
             self.info["location"], schemas=[self.step.schema], shm=self.shm
         )
-        self.partition = _partition(self.info, self.step.name) + ("-shm" if self.shm else "")
+        self.partition = _partition(self.info, self.step.name) + self.suffix
         self.client.create_partition(
             self.partition,
             schema=self.step.schema,
@@ -96,6 +98,7 @@ class FlightqConsumer(Consumer):
     """``get`` by key, then every field's per-row tensors."""
 
     shm = False
+    suffix = ""
 
     def setup(self) -> dict[str, Any]:
         import flightq
@@ -103,7 +106,7 @@ class FlightqConsumer(Consumer):
         self.client = flightq.connect(
             self.info["location"], schemas=[self.ref.schema], shm=self.shm
         )
-        self.partition = _partition(self.info, self.ref.name) + ("-shm" if self.shm else "")
+        self.partition = _partition(self.info, self.ref.name) + self.suffix
         self._got: Any = None
         return {}
 
@@ -140,9 +143,7 @@ class FlightqGroupsProducer(FlightqProducer):
     """A ``put`` per prompt group, as a generator writes (WORKLOADS.md's write-back
     pattern); a step without groups goes as one put."""
 
-    def setup(self) -> dict[str, Any]:
-        self.info = {**self.info, "run": f"{self.info['run']}-groups"}
-        return super().setup()
+    suffix = "-groups"
 
     def put(self) -> dict[str, Any]:
         s = self._torch
@@ -157,21 +158,21 @@ class FlightqGroupsProducer(FlightqProducer):
 class FlightqGroupsConsumer(FlightqConsumer):
     """``get`` of the whole step that :class:`FlightqGroupsProducer` put group by group."""
 
-    def setup(self) -> dict[str, Any]:
-        self.info = {**self.info, "run": f"{self.info['run']}-groups"}
-        return super().setup()
+    suffix = "-groups"
 
 
 class FlightqShmProducer(FlightqProducer):
     """``put`` through shared memory: the DoPut carries a segment reference."""
 
     shm = True
+    suffix = "-shm"
 
 
 class FlightqShmConsumer(FlightqConsumer):
     """``get`` through shared memory: the answer names a segment the client maps."""
 
     shm = True
+    suffix = "-shm"
 
 
 # --------------------------------------------------------------------------- CUDA
@@ -212,17 +213,10 @@ def _to_host(x: Any) -> Any:
     return x
 
 
-def _own_partition(info: dict[str, Any]) -> dict[str, Any]:
-    # Same server as flightq, another partition: the systems' cycles never share rows.
-    return {**info, "run": f"{info['run']}-cuda"}
-
-
 class FlightqCudaProducer(FlightqProducer):
     """``put`` from CUDA tensors: the step lives on the GPU, as a generator's rollouts do."""
 
-    def setup(self) -> dict[str, Any]:
-        self.info = _own_partition(self.info)
-        return super().setup()
+    suffix = "-cuda"
 
     def prepare(self) -> None:
         if getattr(self, "_torch", None) is None:
@@ -232,9 +226,7 @@ class FlightqCudaProducer(FlightqProducer):
 class FlightqCudaConsumer(FlightqConsumer):
     """``get(device="cuda:0")``, then every field's per-row CUDA tensors (copies done)."""
 
-    def setup(self) -> dict[str, Any]:
-        self.info = _own_partition(self.info)
-        return super().setup()
+    suffix = "-cuda"
 
     def get(self) -> dict[str, Any]:
         t0 = now_ns()

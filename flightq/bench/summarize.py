@@ -75,18 +75,24 @@ def _decode(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """A reader's decode time (flightq: ``Batch.received``), per repetition's median: in
     milliseconds, as a share of the get (%), and the share left once the last record
     batch was in (the tail that no receiving overlaps)."""
-    got = [s for s in samples if "decode_s" in s]
-    if not got:
+    measured = [s for s in samples if "decode_s" in s]
+    if not measured:
         return {}
-    for s in got:
-        s["decode_pct"] = 100 * s["decode_s"] / s["get_s"]
-        s["decode_tail_pct"] = 100 * s["decode_tail_s"] / s["get_s"]
-        s["decode_ms"] = 1e3 * s["decode_s"]
+    got = [
+        {
+            "rep": s["rep"],
+            "decode_ms": 1e3 * s["decode_s"],
+            "decode_pct": 100 * s["decode_s"] / s["get_s"],
+            "tail_pct": 100 * s["decode_tail_s"] / s["get_s"],
+        }
+        for s in measured
+    ]
     out: dict[str, Any] = {
-        k: summary(list(per_rep(got, k).values())) for k in ("decode_ms", "decode_pct")
+        k: summary(list(per_rep(got, k).values())) for k in ("decode_ms", "decode_pct", "tail_pct")
     }
-    out["tail_pct"] = summary(list(per_rep(got, "decode_tail_pct").values()))
-    out["record_batches"] = float(np.median([s["record_batches"] for s in got]))
+    out["record_batches"] = float(
+        np.median([s["record_batches"] for s in samples if "decode_s" in s])
+    )
     return out
 
 
