@@ -351,7 +351,7 @@ def _memory_key(x: Any) -> tuple[Any, ...] | None:
     if isinstance(x, np.ndarray) and x.size:
         return ("np", x.__array_interface__["data"][0], x.shape, x.strides, x.dtype.str)
     if is_torch(x) and x.numel():
-        return ("torch", str(x.device), x.data_ptr(), tuple(x.shape), x.stride(), str(x.dtype))
+        return ("torch", x.device, x.data_ptr(), x.shape, x.stride(), x.dtype)
     return None
 
 
@@ -361,26 +361,34 @@ def _encode_media(f: Field, data: Any, keys: list[str], zero_copy: bool) -> list
     entries: list[Any] = []
     index: list[int] = []
     seen: dict[tuple[Any, ...], tuple[int, tuple[int, ...]]] = {}
+    same: dict[int, tuple[int, tuple[int, ...]]] = {}
     seg_shapes: list[tuple[int, ...] | None] = []
     counts: list[int | None] = []
     for i, row in enumerate(_rows(f, data, keys)):
         if row is None:
             counts.append(None)
             continue
-        if isinstance(row, np.ndarray) or is_torch(row) or not isinstance(row, Sequence):
+        if type(row) is not list and (
+            isinstance(row, np.ndarray) or is_torch(row) or not isinstance(row, Sequence)
+        ):
             raise EncodeError(
                 f"column {f.name!r}: a media row is a list of tensors (one per segment), got "
                 f"{type(row).__name__} (row key {keys[i]!r}); wrap one image as [tensor]"
             )
         for j, x in enumerate(row):
-            mkey = _memory_key(x)
-            hit = seen.get(mkey) if mkey is not None else None
+            # The same object is the same memory (rows are listed: no id is reused).
+            hit = same.get(id(x))
             if hit is None:
-                enc = _checked(f, x, keys[i], zero_copy, what=f" segment {j}")
-                hit = (len(entries), enc.shape)
-                entries.append(f.codec.encode(enc.data) if f.codec is not RAW else enc.data)
+                mkey = _memory_key(x)
+                hit = seen.get(mkey) if mkey is not None else None
+                if hit is None:
+                    enc = _checked(f, x, keys[i], zero_copy, what=f" segment {j}")
+                    hit = (len(entries), enc.shape)
+                    entries.append(f.codec.encode(enc.data) if f.codec is not RAW else enc.data)
+                    if mkey is not None:
+                        seen[mkey] = hit
                 if mkey is not None:
-                    seen[mkey] = hit
+                    same[id(x)] = hit
             index.append(hit[0])
             seg_shapes.append(hit[1])
         counts.append(len(row))
@@ -558,38 +566,46 @@ def encode_chunks(
         if on_range is not None:
             on_range(0, n)
         return [encode_range(columns, keys, tags)]
-    sizes = np.zeros(n, dtype=np.int64)
-    shares_back = np.zeros(n, dtype=bool)  # row i shares media with an earlier row
+    # Plain lists: element-wise updates of numpy arrays cost more than the rows' work.
+    sizes = [0] * n
+    shares_back = [False] * n  # row i shares media with an earlier row
     first_row: dict[tuple[Any, ...], int] = {}
+    keyed: dict[int, tuple[Any, ...] | None] = {}  # a segment's memory, by object
+    fixed = 0
     for name, data in columns.items():
         if name not in schema:
             continue
         f = schema[name]
         if f.role == "scalar":
-            sizes += f.dt.itemsize
+            fixed += f.dt.itemsize
             continue
-        for i, row in enumerate(data):
-            if row is None:
+        if f.role != "media":
+            for i, row in enumerate(data):
+                if row is not None:
+                    sizes[i] += _nbytes(row)
+            continue
+        # Rows listed: every segment lives until the loop ends, so no id is reused.
+        for i, row in enumerate(data if type(data) is list else list(data)):
+            if row is None or not (type(row) is list or isinstance(row, Sequence)):
                 continue
-            if f.role != "media":
-                sizes[i] += _nbytes(row)
-                continue
-            for x in row if isinstance(row, Sequence) else ():
-                mkey = _memory_key(x)
-                if mkey is not None and mkey in first_row:
-                    shares_back[i] |= first_row[mkey] < i
-                    continue
+            for x in row:
+                mkey = keyed[id(x)] if id(x) in keyed else keyed.setdefault(id(x), _memory_key(x))
                 if mkey is not None:
+                    first = first_row.get(mkey)
+                    if first is not None:  # stored once, with its first row
+                        if first < i:
+                            shares_back[i] = True
+                        continue
                     first_row[mkey] = i
                 sizes[i] += _nbytes(x)
-    if int(sizes.sum()) <= max_bytes:
+    if sum(sizes) + fixed * n <= max_bytes:
         if on_range is not None:
             on_range(0, n)
         return [encode_range(columns, keys, tags)]
     cuts = [0]
     acc = 0
     for i in range(n):
-        s = int(sizes[i])
+        s = sizes[i] + fixed
         over = acc + s > max_bytes
         if i > cuts[-1] and over and (not shares_back[i] or acc + s > HARD_CHUNK_BYTES):
             cuts.append(i)

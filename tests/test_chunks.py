@@ -60,3 +60,35 @@ def test_a_chunked_put_lands_whole_and_reads_back_bit_exact() -> None:
             else:
                 role = shipped(VLM)[name].role
                 assert_same_rows(role, b[name], want)
+
+
+class _FreshViews:
+    """A media column whose rows are built on access: each row's image is a new view of
+    its group's image, which dies once the caller lets it go."""
+
+    def __init__(self, images: list[torch.Tensor], g: int, n: int) -> None:
+        self.images, self.g, self.n = images, g, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> list[torch.Tensor]:
+        if i >= self.n:
+            raise IndexError(i)
+        return [self.images[i // self.g].view(748, 1176)]
+
+
+def test_views_built_on_access_are_matched_by_memory() -> None:
+    # Shared images are found by memory (and remembered per object while the rows are
+    # held): a group's fresh views are one entry, and no view is taken for another's.
+    step = workloads.w1(groups=3, g=4)
+    images = [torch.full((748, 1176), float(k)) for k in range(3)]
+    cols = {**step.columns, "pixel_values": _FreshViews(images, 4, len(step.keys))}
+    for limit in (2**30, 4 * 2**20):
+        batches = encode_chunks(shipped(VLM), cols, step.keys, step.tags, max_bytes=limit)
+        out = flightq.decode(batches)
+        got = [float(r[0][0, 0]) for r in out["pixel_values"]]
+        assert got == [float(i // 4) for i in range(len(step.keys))], limit
+        assert sum(len(b.column("pixel_values").values.dictionary) for b in batches) == 3
+        if limit < 2**30:  # one group per batch: each row's image counted where it is new
+            assert [b.num_rows for b in batches] == [4, 4, 4]
