@@ -93,17 +93,22 @@ def test_a_tiny_run_writes_json_markdown_and_chart(tmp_path: Path) -> None:
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
-def test_bare_flight_once_moves_each_shared_image_once_and_checks_them(tmp_path: Path) -> None:
+def test_bare_flight_references_move_distinct_bytes_and_flightq_records_and_check_them(
+    tmp_path: Path,
+) -> None:
     step = workloads.w1(0, groups=2)
     once = flat_buffers(step, distinct=True)
     assert sum(len(b) for b in once) == step.nbytes(distinct_media=True) < step.nbytes()
-    argv = ["--quick", "--workloads", "W1", "--systems", "raw-tcp,bare-flight-once,flightq"]
+    refs = ["bare-flight-once", "bare-flight-records"]
+    argv = ["--quick", "--workloads", "W1", "--systems", ",".join(["raw-tcp", *refs, "flightq"])]
     argv += ["--reps", "1", "--out", str(tmp_path)]
     assert main(argv) == 0
     doc = json.loads((tmp_path / "bench.json").read_text())
-    res = doc["workloads"]["W1"]["results"]["bare-flight-once"]
-    assert res["status"] == "measured" and res["verified_cycles"] >= 2
-    assert "bare-flight-once" in doc["workloads"]["W1"]["ratios"]["flightq_vs"]
+    for ref in refs:
+        # Verified: every row of the step, bit for bit (the records decoded by flightq).
+        res = doc["workloads"]["W1"]["results"][ref]
+        assert res["status"] == "measured" and res["verified_cycles"] >= 2, (ref, res)
+        assert ref in doc["workloads"]["W1"]["ratios"]["flightq_vs"]
 
 
 def test_cpu_seconds_follows_this_process_cpu_clock() -> None:

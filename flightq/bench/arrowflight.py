@@ -3,6 +3,11 @@
 ``bare-flight`` moves every row's payloads (a group's shared image once per row, the
 logical bytes); ``bare-flight-once`` moves the step's distinct bytes (each shared image
 once): the Flight transport alone, on the bytes a design that sends media once must move.
+``bare-flight-records`` moves flightq's own record batches (the step encoded by
+:func:`flightq.encode_chunks` as a put encodes it, before the timer) and reads them back
+without validating or decoding them: the wire format's transport alone, so flightq's
+ratio to it is the share of time its own work takes (encode, checks, store, assembly,
+decode).
 The step's payloads travel as one ``large_binary`` column, one element per tensor, in
 record batches of at most :data:`CHUNK_BYTES` (``bare-flight-once``:
 :data:`ONCE_CHUNK_BYTES`, the fastest of 4, 16 and 64 MiB for W1's distinct bytes on the
@@ -41,6 +46,8 @@ __all__ = [
     "FlightConsumer",
     "FlightOnceProducer",
     "FlightOnceConsumer",
+    "FlightRecordsProducer",
+    "FlightRecordsConsumer",
     "main",
 ]
 
@@ -193,6 +200,61 @@ class FlightOnceConsumer(FlightConsumer):
     """DoGet of the step's distinct bytes."""
 
     distinct = True
+
+
+class FlightRecordsProducer(FlightProducer):
+    """DoPut of the record batches a flightq put of the step sends (encoded untimed)."""
+
+    def setup(self) -> dict[str, Any]:
+        out = super().setup()
+        self.path = f"{self.info['run']}-{self.step.name}-records".encode()
+        return out
+
+    def prepare(self) -> None:
+        if self._table is None:
+            from ..client import DEFAULT_MAX_BATCH_BYTES
+            from ..encode import encode_chunks
+            from ..registry import SchemaRegistry
+            from ..workloads import to_torch
+
+            s = to_torch(self.step)
+            schema = SchemaRegistry.default().get(s.schema)
+            batches = encode_chunks(
+                schema, s.columns, s.keys, s.tags, max_bytes=DEFAULT_MAX_BATCH_BYTES
+            )
+            self._table = pa.Table.from_batches(batches)
+
+    def put(self) -> dict[str, Any]:
+        assert self._table is not None
+        t0 = now_ns()
+        writer, reader = self.client.do_put(
+            fl.FlightDescriptor.for_path(self.path), self._table.schema
+        )
+        for batch in self._table.to_batches():
+            writer.write_batch(batch)
+        writer.done_writing()
+        if reader.read() is None:
+            raise RuntimeError("bare Flight server sent no acknowledgement")
+        writer.close()
+        return timed(t0)
+
+
+class FlightRecordsConsumer(FlightConsumer):
+    """DoGet and ``read_all`` of flightq's record batches; decoded only to verify."""
+
+    def setup(self) -> dict[str, Any]:
+        out = super().setup()
+        self.path = f"{self.info['run']}-{self.ref.name}-records".encode()
+        return out
+
+    def verify(self) -> None:
+        from ..batch import decode
+        from .payload import check_rows
+
+        assert self._got is not None
+        batch = decode(self._got.to_batches())
+        cols = {f: batch[f] for f in batch.fields}
+        check_rows(self.ref, batch.keys, cols, batch.tags, "bare-flight-records")
 
 
 def _until_eof(stop: threading.Event) -> None:

@@ -106,6 +106,16 @@ SYSTEMS: dict[str, System] = {
             "moves them), 4 MiB batches: the Flight transport alone for media sent once",
         ),
         System(
+            "bare-flight-records",
+            "server",
+            _M + "arrowflight:FlightRecordsProducer",
+            _M + "arrowflight:FlightRecordsConsumer",
+            server="flight",
+            note="flightq's own record batches (as a put encodes them, untimed) over bare "
+            "Flight, read back without checks or decoding: flightq's wire format, transport "
+            "alone",
+        ),
+        System(
             "transferqueue",
             "server",
             _M + "peers:TqProducer",
@@ -185,7 +195,14 @@ CUDA_SYSTEMS = ("flightq", "flightq-cuda", "h2d-pinned")
 #: The wire reference every ratio is also taken against.
 BASELINE = "raw-tcp"
 #: Systems flightq is compared with pair by pair.
-PEERS = ("pickle5", "bare-flight", "bare-flight-once", "transferqueue", "ray")
+PEERS = (
+    "pickle5",
+    "bare-flight",
+    "bare-flight-once",
+    "bare-flight-records",
+    "transferqueue",
+    "ray",
+)
 
 
 def missing_module(system: System) -> str | None:
