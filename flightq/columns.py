@@ -9,6 +9,7 @@ batches of one answer is a :class:`ChunkedColumn`. Nothing is copied unless aske
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -32,11 +33,21 @@ class Column:
         self.as_ = as_
         self.copy = copy
         self.payload = rb.column(f.name)
-        self.valid = (
-            np.ones(len(self.payload), dtype=bool)
-            if self.payload.null_count == 0
-            else self.payload.is_valid().to_numpy(zero_copy_only=False)
-        )
+        #: Every row carries the field.
+        self.complete = self.payload.null_count == 0
+
+    _valid: np.ndarray | None = None
+
+    @property
+    def valid(self) -> np.ndarray:
+        """Per row, whether it carries the field (bool array)."""
+        if self._valid is None:
+            self._valid = (
+                np.ones(len(self.payload), dtype=bool)
+                if self.complete
+                else self.payload.is_valid().to_numpy(zero_copy_only=False)
+            )
+        return self._valid
 
     def __len__(self) -> int:
         return len(self.payload)
@@ -122,7 +133,7 @@ class TensorColumn(Column):
         return row_view(self._base, int(self._elem[i]), shape, self.copy)
 
     def rows(self) -> list[Any]:
-        if self.copy or not self.valid.all() or not len(self):
+        if self.copy or not self.complete or not len(self):
             return [self[i] for i in range(len(self))]
         # Every row present: cut the base in one call, then shape the views.
         if len(self) == 1:
@@ -203,6 +214,8 @@ class MediaColumn(Column):
                 piece = pieces[e] = self._base[starts[e] : starts[e] + math.prod(shape)]
             views.append(piece.reshape(shape) if self.as_ == "numpy" else piece.view(shape))
         bounds = self.row_segments.tolist()
+        if self.complete:
+            return [views[a:b] for a, b in itertools.pairwise(bounds)]
         return [
             views[bounds[i] : bounds[i + 1]] if ok else None
             for i, ok in enumerate(self.valid.tolist())
@@ -259,7 +272,7 @@ class ScalarColumn(Column):
         MissingFieldError
             If some rows lack the field.
         """
-        if not self.valid.all():
+        if not self.complete:
             raise MissingFieldError(
                 f"column {self.field.name!r}: {int((~self.valid).sum())} rows lack the field; "
                 "use .rows() for a list with None entries"
@@ -284,7 +297,7 @@ class ScalarColumn(Column):
         )
 
     def rows(self) -> Any:
-        if self.valid.all():
+        if self.complete:
             return self.tensor()
         dt = self.field.dt
         if not dt.native_numpy:
@@ -306,8 +319,14 @@ class ChunkedColumn(Column):
         self.field = parts[0].field
         self.as_ = parts[0].as_
         self.copy = parts[0].copy
-        self.valid = np.concatenate([p.valid for p in parts])
+        self.complete = all(p.complete for p in parts)
         self._starts = np.cumsum([0] + [len(p) for p in parts])
+
+    @property
+    def valid(self) -> np.ndarray:
+        if self._valid is None:
+            self._valid = np.concatenate([p.valid for p in self.parts])
+        return self._valid
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -326,7 +345,7 @@ class ChunkedColumn(Column):
         return torch.cat(items)
 
     def rows(self) -> Any:
-        if self.field.role == "scalar" and self.valid.all():
+        if self.field.role == "scalar" and self.complete:
             return self.tensor()
         out: list[Any] = []
         for p in self.parts:

@@ -73,7 +73,7 @@ class _DeviceScalarColumn(ScalarColumn):
         self._values = values
 
     def tensor(self) -> Any:
-        if not self.valid.all():
+        if not self.complete:
             return super().tensor()  # raises MissingFieldError, naming the column
         return self._values.clone() if self.copy else self._values
 
@@ -170,7 +170,7 @@ def _plan(parts: list[DeviceBatch]) -> tuple[list[_Region], int]:
         for name in part.fields:
             col = part.column(name)
             if isinstance(col, ScalarColumn):
-                if not col.valid.all():
+                if not col.complete:
                     continue  # rows with gaps come back as a Python list, as on the CPU path
                 r = _Region(part, name, col, col.tensor())
             else:
