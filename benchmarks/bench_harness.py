@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import flightq
 from flightq import SchemaRegistry, workloads
 from flightq.bench import procs
 from flightq.bench.cli import main
@@ -162,6 +163,24 @@ def test_the_compression_benchmark_checks_both_codecs_and_prices_the_link() -> N
     assert schema.name == "rollout_text_zstd" and {
         f.codec.to_dict()["id"] for f in schema.fields if f.role != "scalar"
     } == {"zstd"}
+
+
+def test_the_decode_floor_makes_as_many_tensors_as_a_get_returns() -> None:
+    floor = _script("decode_floor")
+    for name in ("W1", "W4"):
+        schema, batches = floor.answer_batches(name, 16 * 2**20)
+        got = flightq.decode(batches)
+        returned = 0
+        for field in got.fields:
+            role = schema[field].role
+            if role == "media":
+                returned += sum(len(r) for r in got[field])
+            elif role != "scalar":
+                returned += len(got[field])
+        r = floor.measure(name, reps=3)
+        assert r["tensors"] == returned > 0, name
+        assert r["record_batches"] == len(batches)
+        assert r["views_s"] > 0 and r["flightq_s"] > 0
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="reads /proc (Linux)")
