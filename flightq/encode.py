@@ -361,7 +361,7 @@ def _encode_media(f: Field, data: Any, keys: list[str], zero_copy: bool) -> list
     entries: list[Any] = []
     index: list[int] = []
     seen: dict[tuple[Any, ...], tuple[int, tuple[int, ...]]] = {}
-    same: dict[int, tuple[int, tuple[int, ...]]] = {}
+    same: dict[int, tuple[Any, tuple[int, tuple[int, ...]]]] = {}  # id -> (object, hit)
     seg_shapes: list[tuple[int, ...] | None] = []
     counts: list[int | None] = []
     for i, row in enumerate(_rows(f, data, keys)):
@@ -376,8 +376,10 @@ def _encode_media(f: Field, data: Any, keys: list[str], zero_copy: bool) -> list
                 f"{type(row).__name__} (row key {keys[i]!r}); wrap one image as [tensor]"
             )
         for j, x in enumerate(row):
-            # The same object is the same memory (rows are listed: no id is reused).
-            hit = same.get(id(x))
+            # The same object is the same memory. ``same`` holds every object it names:
+            # a segment built on access dies otherwise, and its id can come back.
+            known = same.get(id(x))
+            hit = known[1] if known is not None else None
             if hit is None:
                 mkey = _memory_key(x)
                 hit = seen.get(mkey) if mkey is not None else None
@@ -388,7 +390,7 @@ def _encode_media(f: Field, data: Any, keys: list[str], zero_copy: bool) -> list
                     if mkey is not None:
                         seen[mkey] = hit
                 if mkey is not None:
-                    same[id(x)] = hit
+                    same[id(x)] = (x, hit)
             index.append(hit[0])
             seg_shapes.append(hit[1])
         counts.append(len(row))
@@ -570,7 +572,7 @@ def encode_chunks(
     sizes = [0] * n
     shares_back = [False] * n  # row i shares media with an earlier row
     first_row: dict[tuple[Any, ...], int] = {}
-    keyed: dict[int, tuple[Any, ...] | None] = {}  # a segment's memory, by object
+    keyed: dict[int, tuple[Any, tuple[Any, ...] | None]] = {}  # id -> (object, memory key)
     fixed = 0
     for name, data in columns.items():
         if name not in schema:
@@ -584,12 +586,16 @@ def encode_chunks(
                 if row is not None:
                     sizes[i] += _nbytes(row)
             continue
-        # Rows listed: every segment lives until the loop ends, so no id is reused.
-        for i, row in enumerate(data if type(data) is list else list(data)):
+        for i, row in enumerate(data):
             if row is None or not (type(row) is list or isinstance(row, Sequence)):
                 continue
             for x in row:
-                mkey = keyed[id(x)] if id(x) in keyed else keyed.setdefault(id(x), _memory_key(x))
+                known = keyed.get(id(x))
+                if known is None:
+                    # Held with its key: an object built on access cannot die and leave
+                    # its id to another one during the call.
+                    known = keyed[id(x)] = (x, _memory_key(x))
+                mkey = known[1]
                 if mkey is not None:
                     first = first_row.get(mkey)
                     if first is not None:  # stored once, with its first row

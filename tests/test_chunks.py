@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import overload
+
 import numpy as np
 import torch
 from helpers_wire import assert_same_rows, shipped
@@ -75,7 +78,8 @@ class _FreshViews:
     def __getitem__(self, i: int) -> list[torch.Tensor]:
         if i >= self.n:
             raise IndexError(i)
-        return [self.images[i // self.g].view(748, 1176)]
+        image = self.images[i // self.g]
+        return [image.view(image.shape)]
 
 
 def test_views_built_on_access_are_matched_by_memory() -> None:
@@ -92,3 +96,56 @@ def test_views_built_on_access_are_matched_by_memory() -> None:
         assert sum(len(b.column("pixel_values").values.dictionary) for b in batches) == 3
         if limit < 2**30:  # one group per batch: each row's image counted where it is new
             assert [b.num_rows for b in batches] == [4, 4, 4]
+
+
+class _LazyRow(Sequence[np.ndarray]):
+    """A media row whose segments are built on access: a fresh view each time."""
+
+    def __init__(self, images: list[np.ndarray]) -> None:
+        self.images = images
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    @overload
+    def __getitem__(self, j: int) -> np.ndarray: ...
+    @overload
+    def __getitem__(self, j: slice) -> list[np.ndarray]: ...
+    def __getitem__(self, j: int | slice) -> np.ndarray | list[np.ndarray]:
+        if isinstance(j, slice):
+            return [x[:] for x in self.images[j]]
+        return self.images[j][:]
+
+
+def test_segments_built_on_access_keep_their_own_images() -> None:
+    # A segment seen earlier is remembered by object and held for the call: a later
+    # segment's fresh view, at a recycled id, is never taken for it.
+    step = workloads.w1(groups=1, g=4)
+    for segs in (1, 3):
+        pool = [np.full((2, 1176), float(k), np.float32) for k in range(4 * segs)]
+        want = [[i * segs + j for j in range(segs)] for i in range(4)]
+        want[3] = want[2]  # a row sharing the previous row's images
+        cols = {k: v for k, v in step.columns.items() if k != "image_grid_thw"}
+        cols["pixel_values"] = [_LazyRow([pool[t] for t in idx]) for idx in want]
+        (b,) = encode_chunks(shipped(VLM), cols, step.keys, None, max_bytes=2**30)
+        got = [[int(s[0, 0]) for s in r] for r in flightq.decode(b)["pixel_values"]]
+        assert got == want, segs
+        assert len(b.column("pixel_values").values.dictionary) == 3 * segs
+
+
+def test_two_media_columns_built_on_access_are_each_counted_for_the_cut() -> None:
+    # Rows are sized before the put is cut: the second column's fresh views must not pass
+    # for the first column's (already counted) images, or batches outgrow the limit.
+    n = 8
+    step = workloads.w1(groups=1, g=n)
+    a = [torch.full((200, 1176), float(k)) for k in range(n)]  # 0.9 MiB each, unshared
+    v = [torch.full((200, 1176), -float(k)) for k in range(n)]
+    cols = {k: c for k, c in step.columns.items() if k not in ("pixel_values", "image_grid_thw")}
+    cols["pixel_values"] = _FreshViews(a, 1, n)
+    cols["pixel_values_videos"] = _FreshViews(v, 1, n)
+    limit = 4 * 2**20
+    batches = encode_chunks(shipped(VLM), cols, step.keys, None, max_bytes=limit)
+    assert [b.num_rows for b in batches] == [2, 2, 2, 2]
+    assert all(b.nbytes <= limit for b in batches)
+    out = flightq.decode(batches)
+    assert [float(r[0][0, 0]) for r in out["pixel_values_videos"]] == [-float(k) for k in range(n)]
