@@ -6,8 +6,10 @@ it must at least create those views. This measures, in one process, on each work
 as the server answers it (record batches of ``--batch-mib``, passed through Arrow IPC as
 over the wire):
 
-- ``views``: only that: per token or tensor field one ``split`` of the column's buffer,
-  per media segment one ``view``, per scalar field one tensor; no check of any kind;
+- ``views``: only that: per token or tensor field one ``split`` of the column's buffer
+  (reshaped where rows have more than one dim), per media segment one ``view`` of its
+  image in its shape (one slice per distinct image), per scalar field one tensor, and the
+  keys and msgpack tags a get also returns; no check of any kind;
 - ``flightq``: :class:`flightq.batch.PartDecoder`, what a get runs as record batches
   arrive (validation of every offset and shape, then the per-row tensors).
 
@@ -23,20 +25,24 @@ Run::
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgpack
 import numpy as np
 import pyarrow as pa
+import torch
 
 from flightq import workloads
 from flightq.batch import PartDecoder, encode_chunks
-from flightq.layout import SHAPE_SUFFIX
+from flightq.layout import KEY, SHAPE_SUFFIX, TAGS, binary_offsets
 from flightq.registry import SchemaRegistry
-from flightq.schema import Schema
+from flightq.schema import Field, Schema
+from flightq.tensor import column_base
 
 __all__ = ["answer_batches", "views_only", "measure", "main"]
 
@@ -54,41 +60,64 @@ def answer_batches(name: str, batch_bytes: int) -> tuple[Schema, list[pa.RecordB
     return schema, out
 
 
-def _bytes_tensor(buf: pa.Buffer | None, start: int, stop: int) -> Any:
-    import torch
+def _base(f: Field, arr: pa.Array) -> tuple[Any, np.ndarray]:
+    """A binary array's payloads as one flat tensor of the field's dtype, and each
+    payload's element offset in it (no check: the least any decoder does)."""
+    offs = binary_offsets(arr)
+    base = column_base(arr.buffers()[2] or b"", int(offs[0]), int(offs[-1]), f.dt, "torch")
+    return base, (offs - offs[0]) // f.dt.itemsize
 
-    if buf is None or stop == start:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.from_numpy(np.frombuffer(buf, dtype=np.uint8, count=stop - start, offset=start))
+
+def _shapes(col: pa.Array) -> list[Any]:
+    """Each row's (or media segment's) shape, read from a shape column: one reshape when
+    all have the same rank, else one slice each."""
+    offs = col.offsets.to_numpy()
+    dims = col.values.to_numpy()
+    ranks = np.diff(offs)
+    if len(ranks) and (ranks == ranks[0]).all():
+        return dims[offs[0] : offs[-1]].reshape(len(ranks), int(ranks[0])).tolist()
+    flat = dims.tolist()
+    return [flat[a:b] for a, b in itertools.pairwise(offs.tolist())]
 
 
-def views_only(schema: Schema, batches: Sequence[pa.RecordBatch]) -> int:
-    """Create every per-row tensor a get returns, with no check; returns how many."""
-    import torch
-
-    n = 0
+def views_only(schema: Schema, batches: Sequence[pa.RecordBatch]) -> dict[str, list[Any]]:
+    """Every per-row tensor a get returns, made with no check, per field (rows in order;
+    media: each row's list of segments); with the keys and tags a get also returns."""
+    out: dict[str, list[Any]] = {}
     for rb in batches:
+        rb.column(KEY).to_pylist()
+        for t in rb.column(TAGS).to_pylist():
+            if t is not None:
+                msgpack.unpackb(t, raw=False)
         for f in schema.fields:
             if f.name not in rb.schema.names:
                 continue
             col = rb.column(f.name)
+            rows = out.setdefault(f.name, [])
             if f.role == "scalar":
-                torch.from_numpy(col.to_numpy(zero_copy_only=False))
+                rows.append(torch.from_numpy(col.to_numpy(zero_copy_only=False)))
                 continue
             if f.role == "media":
-                entries = col.values.dictionary
-                eoffs = np.frombuffer(entries.buffers()[1], np.int64, len(entries) + 1)
-                base = _bytes_tensor(entries.buffers()[2], int(eoffs[0]), int(eoffs[-1]))
-                piece = base[:0]
-                for _ in range(len(col.values)):
-                    piece.view(0, 1)  # one view per segment, as a get returns
-                    n += 1
+                segs = col.values  # every row present, as in the reference steps
+                base, elem = _base(f, segs.dictionary)
+                shapes = _shapes(rb.column(f.name + SHAPE_SUFFIX).values)
+                idx = segs.indices.to_numpy().tolist()
+                bounds_e = elem.tolist()
+                # One slice per distinct image, one view per segment.
+                pieces = {e: base[bounds_e[e] : bounds_e[e + 1]] for e in set(idx)}
+                views = [pieces[e].view(*shape) for e, shape in zip(idx, shapes, strict=True)]
+                bounds = col.offsets.to_numpy().tolist()
+                rows.extend(views[a:b] for a, b in itertools.pairwise(bounds))
                 continue
-            offs = np.frombuffer(col.buffers()[1], np.int64, len(col) + 1, col.offset * 8)
-            base = _bytes_tensor(col.buffers()[2], int(offs[0]), int(offs[-1]))
-            n += len(base.split(np.diff(offs).tolist()))
-            rb.column(f.name + SHAPE_SUFFIX)  # the shapes are read, not checked
-    return n
+            base, elem = _base(f, col)
+            parts = base.split(np.diff(elem).tolist())
+            shape_col = rb.column(f.name + SHAPE_SUFFIX)
+            if (np.diff(shape_col.offsets.to_numpy()) == 1).all():
+                rows.extend(parts)  # rows of one dim: the split is their shape
+            else:
+                shapes = _shapes(shape_col)
+                rows.extend(p.view(s) for p, s in zip(parts, shapes, strict=True))
+    return out
 
 
 def _median_s(fn: Callable[[], object], reps: int) -> float:
@@ -113,7 +142,12 @@ def measure(name: str, batch_bytes: int = 16 * 2**20, reps: int = 200) -> dict[s
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*not writable.*")
-        tensors = views_only(schema, batches)
+        made = views_only(schema, batches)
+        tensors = sum(
+            sum(len(r) for r in rows) if schema[name_].role == "media" else len(rows)
+            for name_, rows in made.items()
+            if schema[name_].role != "scalar"
+        )
         return {
             "workload": name,
             "record_batches": len(batches),

@@ -194,7 +194,7 @@ class MediaColumn(Column):
         )
 
     def __getitem__(self, i: int) -> list[Any] | None:
-        if not self.valid[i]:
+        if not self.complete and not self.valid[i]:
             return None
         return [self.segment(j) for j in range(self.row_segments[i], self.row_segments[i + 1])]
 
@@ -206,13 +206,16 @@ class MediaColumn(Column):
         # counts those as views of one multi-output op, which in-place ops under autograd
         # refuse, so a row's view would behave differently when its image is shared.)
         starts = self._elem.tolist()
+        entry, shapes = self.entry.tolist(), self.segment_shapes
         pieces: dict[int, Any] = {}
-        views = []
-        for e, shape in zip(self.entry.tolist(), self.segment_shapes, strict=True):
-            piece = pieces.get(e)
-            if piece is None:
-                piece = pieces[e] = self._base[starts[e] : starts[e] + math.prod(shape)]
-            views.append(piece.reshape(shape) if self.as_ == "numpy" else piece.view(shape))
+        for e, shape in zip(entry, shapes, strict=True):
+            if e not in pieces:
+                pieces[e] = self._base[starts[e] : starts[e] + math.prod(shape)]
+        if self.as_ == "numpy":
+            views = [pieces[e].reshape(s) for e, s in zip(entry, shapes, strict=True)]
+        else:  # torch parses view(*dims) faster than view(dims); view() needs the tuple
+            pairs = zip(entry, shapes, strict=True)
+            views = [pieces[e].view(*s) if s else pieces[e].view(s) for e, s in pairs]
         bounds = self.row_segments.tolist()
         if self.complete:
             return [views[a:b] for a, b in itertools.pairwise(bounds)]

@@ -5,9 +5,10 @@ logical bytes); ``bare-flight-once`` moves the step's distinct bytes (each share
 once): the Flight transport alone, on the bytes a design that sends media once must move.
 ``bare-flight-records`` moves flightq's own record batches (the step encoded by
 :func:`flightq.encode_chunks` as a put encodes it, before the timer) and reads them back
-without validating or decoding them: the wire format's transport alone, so flightq's
-ratio to it is the share of time its own work takes (encode, checks, store, assembly,
-decode).
+without validating or decoding them: the wire format's transport alone. flightq's speed
+against it (below 1x) is what its own work (encode, checks, store, assembly, decode)
+costs. It replays the put's batches on the get; flightq answers a whole step put at once
+with the same batches (answers are cut at the stored batches and at the same size).
 The step's payloads travel as one ``large_binary`` column, one element per tensor, in
 record batches of at most :data:`CHUNK_BYTES` (``bare-flight-once``:
 :data:`ONCE_CHUNK_BYTES`, the fastest of 4, 16 and 64 MiB for W1's distinct bytes on the
