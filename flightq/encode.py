@@ -472,6 +472,7 @@ def _encode_tags(tags: Sequence[Mapping[str, Any] | None] | None, keys: list[str
     if len(tags) != len(keys):
         raise EncodeError(f"tags: {len(tags)} entries for {len(keys)} keys")
     out: list[bytes | None] = []
+    pack = msgpack.Packer(use_bin_type=True).pack  # one packer: a third of packb's cost
     for k, t in zip(keys, tags, strict=True):
         if t is None:
             out.append(None)
@@ -479,7 +480,7 @@ def _encode_tags(tags: Sequence[Mapping[str, Any] | None] | None, keys: list[str
         if not isinstance(t, Mapping):
             raise EncodeError(f"tags of row {k!r} must be a dict, got {type(t).__name__}")
         try:
-            out.append(msgpack.packb(dict(t), use_bin_type=True))
+            out.append(pack(t if type(t) is dict else dict(t)))
         except (TypeError, ValueError, OverflowError) as e:
             raise EncodeError(f"tags of row {k!r} are not msgpack-serialisable: {e}") from e
     return pa.array(out, type=pa.binary())
@@ -574,6 +575,8 @@ def encode_chunks(
     first_row: dict[tuple[Any, ...], int] = {}
     keyed: dict[int, tuple[Any, tuple[Any, ...] | None]] = {}  # id -> (object, memory key)
     fixed = 0
+    tensor_columns: list[Any] = []  # sized per row only if the put must be cut
+    tensor_bytes = 0
     for name, data in columns.items():
         if name not in schema:
             continue
@@ -582,9 +585,8 @@ def encode_chunks(
             fixed += f.dt.itemsize
             continue
         if f.role != "media":
-            for i, row in enumerate(data):
-                if row is not None:
-                    sizes[i] += _nbytes(row)
+            tensor_columns.append(data)
+            tensor_bytes += sum(map(_nbytes, data))
             continue
         for i, row in enumerate(data):
             if row is None or not (type(row) is list or isinstance(row, Sequence)):
@@ -604,10 +606,14 @@ def encode_chunks(
                         continue
                     first_row[mkey] = i
                 sizes[i] += _nbytes(x)
-    if sum(sizes) + fixed * n <= max_bytes:
+    if sum(sizes) + tensor_bytes + fixed * n <= max_bytes:
         if on_range is not None:
             on_range(0, n)
         return [encode_range(columns, keys, tags)]
+    for data in tensor_columns:
+        for i, row in enumerate(data):
+            if row is not None:
+                sizes[i] += _nbytes(row)
     cuts = [0]
     acc = 0
     for i in range(n):
