@@ -189,6 +189,15 @@ def test_the_decode_floor_makes_the_tensors_a_get_returns() -> None:
         assert r["record_batches"] == len(batches) and r["tensors"] > 0
 
 
+def test_the_cpu_paths_benchmark_times_each_path_of_a_step(capsys: Any) -> None:
+    cpu = _script("cpu_paths")
+    r = cpu.measure("W4", reps=3)
+    assert set(r) == {"encode", "decode", "server put", "server get"}
+    assert all(v > 0 for v in r.values())
+    assert cpu.main(["--workloads", "W4", "--reps", "2", "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["W4"]) == set(r)
+
+
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="reads /proc (Linux)")
 def test_the_server_memory_benchmark_reads_a_real_servers_footprint_per_cycle() -> None:
     server_memory = _script("server_memory")
