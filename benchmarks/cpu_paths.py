@@ -60,7 +60,9 @@ def _received(batch: pa.RecordBatch) -> pa.RecordBatch:
     return pa.ipc.open_stream(sink.getvalue()).read_next_batch()
 
 
-def _median_ms(fn: Callable[[], object], reps: int) -> float:
+def _ms(fn: Callable[[], object], reps: int) -> float:
+    """Median ms of ``fn()``. Local, not ``flightq.bench.stats``: the script runs against
+    older trees too, and uses only what they all have."""
     for _ in range(max(3, reps // 10)):
         fn()
     ts = []
@@ -101,10 +103,10 @@ def measure(name: str, reps: int = 100) -> dict[str, float]:
         part, rows, names = store.rows_for_get("p", step.keys, None)
         list(assemble(part, rows, names, BATCH_BYTES, coalesce=True)[1])
 
-    out = {"encode": _median_ms(encode, reps), "decode": _median_ms(decode, reps)}
-    out["server put"] = _median_ms(server_put, reps)
+    out = {"encode": _ms(encode, reps), "decode": _ms(decode, reps)}
+    out["server put"] = _ms(server_put, reps)
     store.put("p", [make_piece(b, validate(b, schema)) for b in batches], False)
-    out["server get"] = _median_ms(server_get, reps)
+    out["server get"] = _ms(server_get, reps)
     return out
 
 

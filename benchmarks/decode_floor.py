@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
-import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -39,6 +37,7 @@ import torch
 
 from flightq import workloads
 from flightq.batch import PartDecoder, encode_chunks
+from flightq.bench.stats import median_seconds
 from flightq.layout import KEY, SHAPE_SUFFIX, TAGS, binary_offsets
 from flightq.registry import SchemaRegistry
 from flightq.schema import Field, Schema
@@ -120,17 +119,6 @@ def views_only(schema: Schema, batches: Sequence[pa.RecordBatch]) -> dict[str, l
     return out
 
 
-def _median_s(fn: Callable[[], object], reps: int) -> float:
-    for _ in range(max(3, reps // 10)):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
-
-
 def measure(name: str, batch_bytes: int = 16 * 2**20, reps: int = 200) -> dict[str, Any]:
     """Median seconds of ``views`` and of flightq's decode over one step's answer."""
     schema, batches = answer_batches(name, batch_bytes)
@@ -152,8 +140,8 @@ def measure(name: str, batch_bytes: int = 16 * 2**20, reps: int = 200) -> dict[s
             "workload": name,
             "record_batches": len(batches),
             "tensors": tensors,
-            "views_s": _median_s(lambda: views_only(schema, batches), reps),
-            "flightq_s": _median_s(flightq_decode, reps),
+            "views_s": median_seconds(lambda: views_only(schema, batches), reps),
+            "flightq_s": median_seconds(flightq_decode, reps),
         }
 
 

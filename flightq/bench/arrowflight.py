@@ -116,10 +116,12 @@ class FlightProducer(Producer):
 
     #: Send each shared media segment once (``bare-flight-once``).
     distinct = False
+    #: Ends the table's path on the shared server (default: ``distinct``).
+    tag = ""
 
     def setup(self) -> dict[str, Any]:
         self.client = fl.FlightClient(self.info["location"])
-        self.path = f"{self.info['run']}-{self.step.name}-{self.distinct}".encode()
+        self.path = f"{self.info['run']}-{self.step.name}-{self.tag or self.distinct}".encode()
         self._table: pa.Table | None = None
         return {}
 
@@ -131,7 +133,8 @@ class FlightProducer(Producer):
     def put(self) -> dict[str, Any]:
         assert self._table is not None
         t0 = now_ns()
-        writer, reader = self.client.do_put(fl.FlightDescriptor.for_path(self.path), _SCHEMA)
+        desc = fl.FlightDescriptor.for_path(self.path)
+        writer, reader = self.client.do_put(desc, self._table.schema)
         for batch in self._table.to_batches():
             writer.write_batch(batch)
         writer.done_writing()
@@ -152,10 +155,11 @@ class FlightConsumer(Consumer):
     """DoGet and ``read_all`` of the column."""
 
     distinct = False
+    tag = ""
 
     def setup(self) -> dict[str, Any]:
         self.client = fl.FlightClient(self.info["location"])
-        self.path = f"{self.info['run']}-{self.ref.name}-{self.distinct}".encode()
+        self.path = f"{self.info['run']}-{self.ref.name}-{self.tag or self.distinct}".encode()
         self._got: pa.Table | None = None
         return {}
 
@@ -206,10 +210,7 @@ class FlightOnceConsumer(FlightConsumer):
 class FlightRecordsProducer(FlightProducer):
     """DoPut of the record batches a flightq put of the step sends (encoded untimed)."""
 
-    def setup(self) -> dict[str, Any]:
-        out = super().setup()
-        self.path = f"{self.info['run']}-{self.step.name}-records".encode()
-        return out
+    tag = "records"
 
     def prepare(self) -> None:
         if self._table is None:
@@ -225,28 +226,11 @@ class FlightRecordsProducer(FlightProducer):
             )
             self._table = pa.Table.from_batches(batches)
 
-    def put(self) -> dict[str, Any]:
-        assert self._table is not None
-        t0 = now_ns()
-        writer, reader = self.client.do_put(
-            fl.FlightDescriptor.for_path(self.path), self._table.schema
-        )
-        for batch in self._table.to_batches():
-            writer.write_batch(batch)
-        writer.done_writing()
-        if reader.read() is None:
-            raise RuntimeError("bare Flight server sent no acknowledgement")
-        writer.close()
-        return timed(t0)
-
 
 class FlightRecordsConsumer(FlightConsumer):
     """DoGet and ``read_all`` of flightq's record batches; decoded only to verify."""
 
-    def setup(self) -> dict[str, Any]:
-        out = super().setup()
-        self.path = f"{self.info['run']}-{self.ref.name}-records".encode()
-        return out
+    tag = "records"
 
     def verify(self) -> None:
         from ..batch import decode

@@ -7,12 +7,14 @@ cancels most of the machine's drift.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["summary", "percentiles", "paired_ratio", "fmt_spread"]
+__all__ = ["summary", "percentiles", "paired_ratio", "fmt_spread", "median_seconds"]
 
 
 def summary(values: Sequence[float]) -> dict[str, Any]:
@@ -64,3 +66,15 @@ def fmt_spread(s: dict[str, Any], digits: int = 2, unit: str = "") -> str:
     if s.get("n", 1) < 2:
         return med
     return f"{med} [{f.format(s['min'])}-{f.format(s['max'])}]"
+
+
+def median_seconds(fn: Callable[[], object], reps: int) -> float:
+    """Median wall time of ``fn()`` over ``reps`` calls, after a few untimed ones."""
+    for _ in range(max(3, reps // 10)):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
