@@ -107,7 +107,7 @@ class TensorColumn(Column):
         #: Every row present with a 1-D shape (token fields: validation has seen rank >= 1
         #: in each row, so one dim per row means rank 1): its dim is its element count.
         self._flat = (
-            self.payload.null_count == 0
+            self.complete
             and hi - lo == len(offs) - 1
             and (f.role == "token" or bool((offs[1:] - offs[:-1] == 1).all()))
         )
