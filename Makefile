@@ -21,7 +21,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check flightq tests benchmarks
 	$(VENV)/bin/ruff format --check flightq tests benchmarks
-	$(VENV)/bin/mypy flightq
+	$(VENV)/bin/mypy flightq benchmarks/flightq_bench
 
 test: lint
 	$(VENV)/bin/pytest -q

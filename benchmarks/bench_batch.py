@@ -11,9 +11,9 @@ from typing import Any
 import pyarrow as pa
 import pytest
 from conftest import make_step, record_throughput
+from flightq_bench.payload import check_rows
 
 import flightq
-from flightq.bench.payload import check_rows
 from flightq.workloads import to_torch
 
 WORKLOADS = ["W1", "W1-bf16", "W2", "W3", "W4"]

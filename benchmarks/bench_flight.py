@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 from conftest import make_step, record_throughput
+from flightq_bench.payload import check_rows
 
-from flightq.bench.payload import check_rows
 from flightq.workloads import to_torch
 
 _HAVE_SERVER = all(
-    importlib.util.find_spec(m) is not None for m in ("flightq.server", "flightq.client")
+    importlib.util.find_spec(m) is not None
+    for m in ("flightq.server.flight", "flightq.client.client")
 )
 pytestmark = pytest.mark.skipif(
     not _HAVE_SERVER, reason="flightq.Server / flightq.connect not available in this checkout yet"

@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from flightq_bench import procs
+from flightq_bench.cli import main
+from flightq_bench.payload import VerifyError, check_flat, check_rows, flat_buffers
+from flightq_bench.stats import paired_ratio
 
 import flightq
 from flightq import SchemaRegistry, workloads
-from flightq.bench import procs
-from flightq.bench.cli import main
-from flightq.bench.payload import VerifyError, check_flat, check_rows, flat_buffers
-from flightq.bench.stats import paired_ratio
 
 
 def test_check_rows_accepts_the_same_rows_and_refuses_a_flipped_bit() -> None:

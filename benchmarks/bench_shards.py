@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flightq.bench.cli import main
+from flightq_bench.cli import main
 
 
 def test_bench_shards_measures_each_count_and_writes_its_table(tmp_path: Path) -> None:

@@ -24,11 +24,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from flightq_bench import procs
+from flightq_bench.flightq_system import server_argv
 
 import flightq
 from flightq import workloads
-from flightq.bench import procs
-from flightq.bench.flightq_system import server_argv
 
 __all__ = ["main", "measure"]
 

@@ -39,11 +39,11 @@ import pyarrow as pa
 
 import flightq
 from flightq import workloads
-from flightq.assemble import assemble
 from flightq.batch import PartDecoder, encode_chunks
 from flightq.registry import SchemaRegistry
-from flightq.rows import make_piece
-from flightq.store import Store
+from flightq.server.assemble import assemble
+from flightq.server.partition import make_piece
+from flightq.server.store import Store
 from flightq.validation import validate
 
 __all__ = ["measure", "main"]
@@ -61,7 +61,7 @@ def _received(batch: pa.RecordBatch) -> pa.RecordBatch:
 
 
 def _ms(fn: Callable[[], object], reps: int) -> float:
-    """Median ms of ``fn()``. Local, not ``flightq.bench.stats``: the script runs against
+    """Median ms of ``fn()``. Local, not ``flightq_bench.stats``: the script runs against
     older trees too, and uses only what they all have."""
     for _ in range(max(3, reps // 10)):
         fn()

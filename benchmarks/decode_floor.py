@@ -34,10 +34,10 @@ import msgpack
 import numpy as np
 import pyarrow as pa
 import torch
+from flightq_bench.stats import median_seconds
 
 from flightq import workloads
 from flightq.batch import PartDecoder, encode_chunks
-from flightq.bench.stats import median_seconds
 from flightq.layout import KEY, SHAPE_SUFFIX, TAGS, binary_offsets
 from flightq.registry import SchemaRegistry
 from flightq.schema import Field, Schema

@@ -23,11 +23,12 @@ import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from flightq_bench import payload, procs
+from flightq_bench.flightq_system import server_argv
+
 import flightq
 from flightq import workloads
-from flightq.bench import payload, procs
-from flightq.bench.flightq_system import server_argv
-from flightq.client import DEFAULT_MAX_BATCH_BYTES
+from flightq.client.client import DEFAULT_MAX_BATCH_BYTES
 
 __all__ = ["Cycle", "main", "measure"]
 

@@ -2,8 +2,8 @@
 
 The user API: schemas and their registry, :func:`encode` / :func:`decode` of
 self-describing record batches, and the errors. The Flight server and client live in
-:mod:`flightq.server` and :mod:`flightq.client` and are re-exported here lazily, so that
-``import flightq`` stays fast.
+:mod:`flightq.server` and :mod:`flightq.client` and are re-exported here lazily, so
+that ``import flightq`` stays fast.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from .registry import SchemaRegistry
 from .schema import Field, Schema
 
 if TYPE_CHECKING:
-    from .aio import AsyncClient
-    from .client import Client, connect
-    from .server import Server
-    from .sharded import ShardedClient, connect_sharded
+    from .client.aio import AsyncClient
+    from .client.client import Client, connect
+    from .server.flight import Server
+    from .sharding.client import ShardedClient, connect_sharded
 
 __version__ = "0.1.0.dev0"
 
@@ -52,8 +52,8 @@ _LAZY = {
     "Client": "client",
     "connect": "client",
     "AsyncClient": "aio",
-    "ShardedClient": "sharded",
-    "connect_sharded": "sharded",
+    "ShardedClient": "sharding",
+    "connect_sharded": "sharding",
 }
 
 

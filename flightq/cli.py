@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from .errors import FlightqError
 from .registry import SchemaRegistry
@@ -73,7 +74,7 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .server import serve_forever
+    from .server.flight import serve_forever
 
     return serve_forever(args)
 
@@ -164,6 +165,28 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Where a source checkout keeps the benchmark harness (it does not ship in the wheel).
+_BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _bench(argv: list[str]) -> int:
+    """``flightq bench``: the harness of a source checkout (``benchmarks/flightq_bench``)."""
+    if not (_BENCH_DIR / "flightq_bench" / "__init__.py").is_file():
+        print(
+            "flightq bench runs from a source checkout: the harness lives in "
+            "benchmarks/flightq_bench and does not ship in the wheel. Clone the repository, "
+            "then run `make bench` (or `pip install -e '.[torch,bench,peers]'` and "
+            "`flightq bench`) there.",
+            file=sys.stderr,
+        )
+        return 2
+    if str(_BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(_BENCH_DIR))
+    from flightq_bench.cli import main as bench_main
+
+    return int(bench_main(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     if argv is None and sys.argv[1:2] == ["serve"]:
@@ -172,9 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         exec_with_one_arena(sys.argv[1:])
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        from .bench.cli import main as bench_main
-
-        return bench_main(argv[1:])
+        return _bench(argv[1:])
     args = _parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -43,7 +43,7 @@ class _ShardServer:
     ) -> None:
         from .memory import keep_freed_memory
         from .registry import SchemaRegistry
-        from .server import Server
+        from .server.flight import Server
 
         keep_freed_memory()  # the actor's process is the server's own, as with flightq serve
         if host is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .client import Client
+from .client.client import Client
 
 __all__ = ["stats", "inspect", "human_bytes"]
 

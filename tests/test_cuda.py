@@ -3,7 +3,7 @@
 Tests marked ``gpu`` need a CUDA device and are skipped, with the reason, where torch sees
 none. The others run everywhere: the CPU paths keep their behaviour, a device that cannot
 be used is refused with a typed error before anything is read or claimed, and torch stays
-unimported by ``import flightq.client``.
+unimported by ``import flightq.client.client``.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from fixtures_dataplane import (
     text_columns,
     text_keys,
 )
+from flightq_bench.payload import check_rows
 
 import flightq
 import flightq.aio
 from flightq import workloads
 from flightq.batch import decode, encode, encode_chunks
-from flightq.bench.payload import check_rows
 from flightq.cuda import DeviceBatch, PinnedPool, has_cuda, rebase, resolve_device, stage
 from flightq.cuda import get as fq_cuda  # the reading side: windows, threads, plans
 from flightq.schema import Field, Schema
@@ -102,7 +102,7 @@ def _all_tensors(batch: flightq.Batch) -> list[Any]:
 
 
 def test_import_flightq_client_and_cuda_leaves_torch_unloaded():
-    code = "import sys, flightq.client, flightq.cuda; print('torch' in sys.modules)"
+    code = "import sys, flightq.client.client, flightq.cuda; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -470,7 +470,7 @@ def test_async_client_gets_into_cuda(server):
 @pytest.mark.gpu
 @needs_cuda
 def test_a_split_get_into_cuda_returns_the_rows_asked(client, monkeypatch):
-    import flightq.streams as fq_streams
+    import flightq.client.streams as fq_streams
 
     monkeypatch.setattr(fq_streams, "MIN_STREAM_BYTES", 1)
     step = workloads.w1(groups=2, bf16=True)

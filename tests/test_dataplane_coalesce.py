@@ -3,7 +3,7 @@
 A generator puts one prompt group at a time; a trainer reads many groups at once. Each
 stored batch would otherwise be its own record batch in the answer, and each record batch
 costs the server and the client a fixed amount of work: the server copies small slices
-into one batch instead (up to ``flightq.assemble.COALESCED_BYTES``).
+into one batch instead (up to ``flightq.server.assemble.COALESCED_BYTES``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from fixtures_dataplane import (  # noqa: F401
 
 import flightq
 from flightq import workloads
-from flightq.assemble import COALESCED_BYTES, SMALL_RUN_BYTES
+from flightq.server.assemble import COALESCED_BYTES, SMALL_RUN_BYTES
 
 pytestmark = pytest.mark.timeout(60)
 

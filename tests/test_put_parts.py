@@ -17,10 +17,10 @@ import pytest
 from fixtures_dataplane import TEXT, TIMEOUT, text_columns, text_keys
 
 import flightq
-import flightq.streams as fq_streams
+import flightq.client.streams as fq_streams
 from flightq.encode import encode
 from flightq.errors import ProtocolError
-from flightq.staging import Staging
+from flightq.server.staging import Staging
 
 pytestmark = pytest.mark.timeout(60)
 

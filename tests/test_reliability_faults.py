@@ -26,7 +26,7 @@ from helpers_reliability import plain_put, put_command, text_batch
 
 import flightq
 from flightq import workloads
-from flightq.store import Store
+from flightq.server.store import Store
 
 pytestmark = pytest.mark.timeout(180)
 

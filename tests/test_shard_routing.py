@@ -13,7 +13,7 @@ import pytest
 from fixtures_dataplane import TEXT, python_env, text_columns, text_keys
 
 from flightq import SchemaRegistry, ShapeError, decode, encode
-from flightq.shard import Router, created_rows, gather, group_key, merge, runs, score
+from flightq.sharding.router import Router, created_rows, gather, group_key, merge, runs, score
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,7 +47,7 @@ def test_routing_is_the_same_in_another_process_with_another_hash_seed() -> None
     keys = [f"group{p}_g0" for p in range(64)]
     here = [Router(LOCS).shard_of(k) for k in keys]
     code = (
-        "import json, sys; from flightq.shard import Router; "
+        "import json, sys; from flightq.sharding.router import Router; "
         f"print(json.dumps([Router({LOCS!r}).shard_of(k) for k in {keys!r}]))"
     )
     env = {**python_env(), "PYTHONHASHSEED": "12345"}

@@ -69,7 +69,7 @@ def test_small_transfers_of_a_shm_client_take_the_socket_and_large_ones_a_segmen
     cols = text_columns(keys)
     step = workloads.w2(groups=1)
     with flightq.connect(server.location, [TEXT, VLM], timeout=TIMEOUT, shm=True) as c:
-        assert c.shm_min_bytes == flightq.client.SHM_MIN_BYTES == 2**20
+        assert c.shm_min_bytes == flightq.client.client.SHM_MIN_BYTES == 2**20
         c.create_partition("t", TEXT, tasks=["train"], group_size=4)
         c.put("t", keys, cols)
         assert c._shm_pool is None  # no segment for a put of a few KiB

@@ -14,8 +14,8 @@ import pytest
 from helpers_wire import assert_same_rows, shipped
 
 import flightq
-import flightq.client as fq_client
-import flightq.streams as fq_streams
+import flightq.client.client as fq_client
+import flightq.client.streams as fq_streams
 from flightq import workloads
 from flightq.batch import encode_chunks
 

@@ -13,10 +13,10 @@ import msgpack
 import numpy as np
 import pyarrow as pa
 
-from .errors import EncodeError
-from .layout import MEDIA_TYPE, TAGS, binary_offsets, media_row_bytes
-from .schema import Schema
-from .validation import Checked
+from ..errors import EncodeError
+from ..layout import MEDIA_TYPE, TAGS, binary_offsets, media_row_bytes
+from ..schema import Schema
+from ..validation import Checked
 
 __all__ = ["Piece", "Row", "Partition", "make_piece"]
 

@@ -1,8 +1,8 @@
 """Partitions, rows, columns, per-task claims: the server's in-memory state.
 
 A partition is declared once with a schema, the consumer tasks that will claim from it and
-an optional group size. Rows point into the received record batches (:mod:`flightq.rows`);
-serving them is :mod:`flightq.assemble`.
+an optional group size. Rows point into the received record batches
+(:mod:`flightq.server.partition`); serving them is :mod:`flightq.server.assemble`.
 
 Every mutation happens under one lock, after all checks pass, so a put is all or nothing.
 Claims wait on a condition variable that puts, clears and resets notify.
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import (
+from ..errors import (
     ClaimTimeoutError,
     ConflictError,
     EncodeError,
@@ -27,9 +27,9 @@ from .errors import (
     ShapeError,
     UnavailableError,
 )
-from .layout import SHAPE_SUFFIX
-from .rows import Partition, Piece, Row
-from .schema import Schema
+from ..layout import SHAPE_SUFFIX
+from ..schema import Schema
+from .partition import Partition, Piece, Row
 
 __all__ = ["Store"]
 
@@ -166,7 +166,7 @@ class Store:
             ]
 
     def restore(self, parts: Sequence[Partition]) -> None:
-        """Adopt restored partitions (see :mod:`flightq.snapshot`).
+        """Adopt restored partitions (see :mod:`flightq.server.snapshot`).
 
         Raises
         ------

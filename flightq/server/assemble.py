@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import msgpack
 import pyarrow as pa
 
-from .layout import KEY, MEDIA_TYPE, SHAPE_SUFFIX, TAGS, arrow_schema
-from .rows import Partition, Row
+from ..layout import KEY, MEDIA_TYPE, SHAPE_SUFFIX, TAGS, arrow_schema
+from .partition import Partition, Row
 
 __all__ = ["assemble", "SMALL_RUN_BYTES", "COALESCED_BYTES"]
 

@@ -1,6 +1,6 @@
 """The peers' server process: a local Ray cluster on 127.0.0.1, and TransferQueue on it.
 
-``python -m flightq.bench.peer_head [--tq] [--num-cpus N] [--object-store BYTES]`` starts
+``python -m flightq_bench.peer_head [--tq] [--num-cpus N] [--object-store BYTES]`` starts
 Ray (GCS, raylet with its object store, a reference-passing actor) with an explicit CPU
 count and a private temp folder, then, with ``--tq``, TransferQueue's controller and
 storage units. It prints ``{"ray_address": ..., "tq": bool}`` and runs until SIGTERM or
@@ -35,7 +35,7 @@ def _until_eof(stop: threading.Event) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Start the peers, report, wait, shut down."""
-    p = argparse.ArgumentParser(prog="python -m flightq.bench.peer_head")
+    p = argparse.ArgumentParser(prog="python -m flightq_bench.peer_head")
     p.add_argument("--tq", action="store_true", help="also start TransferQueue")
     p.add_argument("--num-cpus", type=int, default=RAY_NUM_CPUS)
     p.add_argument("--object-store", type=int, default=4 * 2**30)

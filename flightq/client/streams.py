@@ -4,10 +4,10 @@ A get of many rows is split by key into up to ``get_streams`` DoGet streams, a l
 into up to ``put_streams`` DoPut streams (consecutive ranges of its record batches), each on
 its own connection: receiving, reassembling and checking the messages then run on several
 cores. Parts of a get come back in key order; parts of a put are stored together or not at
-all (:mod:`flightq.staging`). Streams are sized by the bytes that travel (a prompt group's
+all (:mod:`flightq.server.staging`). Streams are sized by the bytes that travel (a prompt group's
 shared image counts once), never below :data:`MIN_STREAM_BYTES` each.
 
-These functions are the :class:`flightq.client.Client`'s own machinery; they use its
+These functions are the :class:`flightq.client.client.Client`'s own machinery; they use its
 connections and options.
 """
 
@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from .batch import Batch, PartDecoder
-from .cuda import decode_streams_to_device, decode_to_device
-from .errors import FlightqError, MissingFieldError, NotFoundError
+from ..batch import Batch, PartDecoder
+from ..cuda import decode_streams_to_device, decode_to_device
+from ..errors import FlightqError, MissingFieldError, NotFoundError
 
 if TYPE_CHECKING:
     from .client import Client
@@ -78,7 +78,7 @@ def put_parts(
 ) -> int:
     """One put over parallel DoPut streams, one range of batches each, on their own
     connections; the server stores the parts together or not at all
-    (:mod:`flightq.staging`). Each stream fills its batches just before sending them."""
+    (:mod:`flightq.server.staging`). Each stream fills its batches just before sending them."""
     stage = secrets.token_hex(8)
     flights = [client._flight, *client._stream_clients(len(groups) - 1)]
 

@@ -20,7 +20,8 @@ import sys
 import time
 from typing import Any
 
-from ..workloads import Step, to_torch
+from flightq.workloads import Step, to_torch
+
 from .endpoint import Consumer, Producer, now_ns, timed
 from .payload import check_flat, check_rows, flat_buffers
 

@@ -1,7 +1,7 @@
 """A client over a partition spread across several flightq servers (shards).
 
 :func:`connect_sharded` gives a :class:`ShardedClient` with the methods of
-:class:`flightq.Client`. Rows are routed by :class:`flightq.shard.Router` (rendezvous
+:class:`flightq.Client`. Rows are routed by :class:`flightq.sharding.router.Router` (rendezvous
 hashing of the group prefix, so a prompt group stays on one shard). A put is split by
 shard and written to the shards in parallel, one atomic DoPut each; a get fans out and
 comes back in the order asked; a claim gathers whole groups from the shards in rotating
@@ -31,19 +31,19 @@ from typing import Any
 
 import pyarrow as pa
 
-from .batch import Batch, decode
-from .client import DEFAULT_MAX_BATCH_BYTES, DEFAULT_TIMEOUT, Client, _resolve
-from .encode import encode_chunks
-from .errors import (
+from ..batch import Batch, decode
+from ..client.client import DEFAULT_MAX_BATCH_BYTES, DEFAULT_TIMEOUT, Client, _resolve
+from ..encode import encode_chunks
+from ..errors import (
     ClaimTimeoutError,
     FlightqError,
     ProtocolError,
     UnavailableError,
 )
+from ..registry import SchemaRegistry
+from ..schema import Schema
 from .fanout import DEFAULT_POLL, Fanout, at_shard
-from .registry import SchemaRegistry
-from .schema import Schema
-from .shard import (
+from .router import (
     created_rows,
     gather,
     group_key,
@@ -78,7 +78,7 @@ def connect_sharded(
     schemas, registry, timeout, max_batch_bytes:
         As in :func:`flightq.connect`.
     key_fn:
-        Row key to routing key (:func:`flightq.shard.group_key`: the group prefix).
+        Row key to routing key (:func:`flightq.sharding.router.group_key`: the group prefix).
     poll:
         Seconds a claim waits on one shard before looking at the others again.
 
@@ -122,7 +122,8 @@ class ShardedClient(Fanout):
 
     Prefer :func:`connect_sharded`, which also checks every shard's schemas. Control
     calls (``create_partition``, ``clear``, ``reset``, ``drop``, ``stats``, ``inspect``,
-    ``describe``, ``partitions``, ``health``, ...) come from :class:`~flightq.fanout.Fanout`.
+    ``describe``, ``partitions``, ``health``, ...) come from
+    :class:`~flightq.sharding.fanout.Fanout`.
     """
 
     def put(

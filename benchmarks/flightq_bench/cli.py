@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
         "--shards",
         default="",
         help="e.g. 1,2,4: instead of the workloads, the aggregate W1 throughput of one "
-        "partition sharded over that many server processes (see flightq.bench.shards)",
+        "partition sharded over that many server processes (see flightq_bench.shards)",
     )
     p.add_argument(
         "--workers", type=int, default=4, help="worker processes for --shards (default 4)"

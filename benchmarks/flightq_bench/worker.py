@@ -24,7 +24,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..memory import keep_freed_memory
+from flightq.memory import keep_freed_memory
+
 from . import payload, procs
 
 __all__ = ["Worker", "serve"]

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import FlightqError, ProtocolError
+from ..errors import FlightqError, ProtocolError
 
 __all__ = ["Staging", "MAX_PARTS"]
 

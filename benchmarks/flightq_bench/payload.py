@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import workloads
+from flightq import workloads
 
 __all__ = [
     "VerifyError",

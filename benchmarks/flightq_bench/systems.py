@@ -62,7 +62,7 @@ class System:
     device: str = "cpu"
 
 
-_M = "flightq.bench."
+_M = "flightq_bench."
 
 SYSTEMS: dict[str, System] = {
     s.name: s
@@ -141,7 +141,7 @@ SYSTEMS: dict[str, System] = {
             _M + "flightq_system:FlightqProducer",
             _M + "flightq_system:FlightqConsumer",
             server="flightq",
-            requires=("flightq.client", "flightq.server"),
+            requires=("flightq.client.client", "flightq.server.flight"),
             note="Client.put / Client.get by key, torch views of every field",
         ),
         System(
@@ -150,7 +150,7 @@ SYSTEMS: dict[str, System] = {
             _M + "flightq_system:FlightqGroupsProducer",
             _M + "flightq_system:FlightqGroupsConsumer",
             server="flightq",
-            requires=("flightq.client", "flightq.server"),
+            requires=("flightq.client.client", "flightq.server.flight"),
             note="the same, put a prompt group at a time as a generator writes (one put "
             "per group; W2 has no groups: one put), then one get of the step",
         ),
@@ -160,7 +160,7 @@ SYSTEMS: dict[str, System] = {
             _M + "flightq_system:FlightqShmProducer",
             _M + "flightq_system:FlightqShmConsumer",
             server="flightq",
-            requires=("flightq.client", "flightq.server", "flightq.shm"),
+            requires=("flightq.client.client", "flightq.server.flight", "flightq.shm"),
             note="the same through /dev/shm (connect(shm=True)): Flight carries the "
             "segment reference, the bytes are mapped",
         ),
@@ -170,7 +170,7 @@ SYSTEMS: dict[str, System] = {
             _M + "flightq_system:FlightqCudaProducer",
             _M + "flightq_system:FlightqCudaConsumer",
             server="flightq",
-            requires=("flightq.client", "flightq.server", "torch"),
+            requires=("flightq.client.client", "flightq.server.flight", "torch"),
             note="Client.put from CUDA tensors / Client.get(device='cuda:0'), CUDA tensors "
             "of every field, copies completed",
             device="cuda",

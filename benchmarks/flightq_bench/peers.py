@@ -1,6 +1,6 @@
 """Peers: the Ray object store across processes, and TransferQueue's KV API.
 
-Both run on one local Ray cluster started by :mod:`flightq.bench.peer_head` in its own
+Both run on one local Ray cluster started by :mod:`flightq_bench.peer_head` in its own
 process, bound to 127.0.0.1. Producer and consumer join it as drivers.
 
 - ``ray``: the producer ``ray.put``s the step (keys, tags, per-row numpy arrays) and hands

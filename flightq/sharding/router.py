@@ -18,7 +18,7 @@ the record batches that several shards returned for one request back into reques
 
 Examples
 --------
->>> from flightq.shard import Router, group_key
+>>> from flightq.sharding.router import Router, group_key
 >>> group_key("3f2a9c_g12"), group_key("prompt7"), group_key("a_g1_g2")
 ('3f2a9c', 'prompt7', 'a_g1')
 >>> r = Router(["grpc://10.0.0.1:8815", "grpc://10.0.0.2:8815"])
@@ -36,9 +36,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from .errors import ShapeError
-from .layout import KEY, arrow_schema, schema_of
-from .schema import Schema
+from ..errors import ShapeError
+from ..layout import KEY, arrow_schema, schema_of
+from ..schema import Schema
 
 __all__ = [
     "Router",

@@ -27,19 +27,19 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from .batch import Batch, PartDecoder, Received, join
-from .cuda import PinnedPool, decode_to_device, resolve_device, stage
-from .encode import encode_chunks, split_batch
-from .errors import (
+from ..batch import Batch, PartDecoder, Received, join
+from ..cuda import PinnedPool, decode_to_device, resolve_device, stage
+from ..encode import encode_chunks, split_batch
+from ..errors import (
     FlightqError,
     ProtocolError,
     SchemaMismatchError,
     UnknownSchemaError,
 )
-from .memory import keep_freed_memory as _keep_freed_memory
-from .protocol import from_flight_error, pack, unpack
-from .registry import SchemaRegistry
-from .schema import Schema
+from ..memory import keep_freed_memory as _keep_freed_memory
+from ..protocol import from_flight_error, pack, unpack
+from ..registry import SchemaRegistry
+from ..schema import Schema
 from .streams import (
     DEFAULT_STREAMS,
     distinct_nbytes,
@@ -112,7 +112,7 @@ def connect(
         default 4. 1 keeps every get on one stream.
     put_streams:
         Most parallel DoPut streams for one large put (at least 16 MiB each), stored
-        together or not at all (:mod:`flightq.staging`); default 4. 1 keeps every put on
+        together or not at all (:mod:`flightq.server.staging`); default 4. 1 keeps every put on
         one stream.
     keep_freed_memory:
         Tune this process's malloc to keep freed memory for the next step
@@ -157,7 +157,7 @@ def connect(
     try:
         client.health()
         if client.shm_dir is not None:
-            from .shm import handshake
+            from ..shm import handshake
 
             handshake(client)
         wanted = _resolve(schemas, registry)
@@ -200,7 +200,7 @@ class Client:
         #: bytes travel over the socket.
         self.shm_min_bytes = SHM_MIN_BYTES
         if shm:
-            from .shm import directory, is_local
+            from ..shm import directory, is_local
 
             if not is_local(location):
                 raise ProtocolError(
@@ -209,7 +209,7 @@ class Client:
                 )
             self.shm_dir = directory(shm)
         if token is not None:
-            from .auth import BearerTokenClientMiddlewareFactory
+            from ..auth import BearerTokenClientMiddlewareFactory
 
             flight_kwargs["middleware"] = [
                 *(flight_kwargs.get("middleware") or []),
@@ -404,7 +404,7 @@ class Client:
         """Record-batch size of a put: bounded for the socket, large through a segment."""
         if self.shm_dir is None:
             return self.max_batch_bytes
-        from .shm import BATCH_BYTES
+        from ..shm import BATCH_BYTES
 
         return max(self.max_batch_bytes, BATCH_BYTES)
 
@@ -444,7 +444,7 @@ class Client:
         if put_id is not None:
             cmd["put_id"] = put_id
         if self.shm_dir is not None and not self._small_put(batches):
-            from .shm import put_via_shm
+            from ..shm import put_via_shm
 
             return put_via_shm(self, cmd, batches, timeout)
         groups = put_groups(batches, self.put_streams)
@@ -499,7 +499,7 @@ class Client:
                 decoder.add(rb)
         if via_shm:
             assert self.shm_dir is not None
-            from .shm.table import take
+            from ..shm.table import take
 
             batches = take(batches, self.shm_dir, what)
             if decoder is not None:
@@ -510,7 +510,7 @@ class Client:
     def _small_put(self, batches: list[pa.RecordBatch]) -> bool:
         """Whether a put encoded for shm is better sent over the socket: it is small, and no
         payload waits to be copied into a segment (:func:`flightq.shm.gathering`)."""
-        from .shm import gathered
+        from ..shm import gathered
 
         if gathered():
             return False
@@ -724,6 +724,6 @@ class Client:
 def _gathering(shm_dir: str | None) -> contextlib.AbstractContextManager[None]:
     if shm_dir is None:
         return contextlib.nullcontext()
-    from .shm import gathering
+    from ..shm import gathering
 
     return gathering()

@@ -37,7 +37,7 @@ class Options:
     workloads, systems:
         Names to run (systems: all when None).
     quick:
-        Reduced rows (see :data:`flightq.bench.payload.QUICK_SIZES`), fewer repetitions.
+        Reduced rows (see :data:`flightq_bench.payload.QUICK_SIZES`), fewer repetitions.
     reps:
         Timed repetitions per system and workload (W4: blocks of pings).
     pings:
@@ -48,7 +48,7 @@ class Options:
         The command line, recorded in the output.
     device:
         ``cpu``, or ``cuda`` to add flightq into and out of CUDA memory and the pinned
-        host-to-device copy (see :data:`flightq.bench.systems.CUDA_SYSTEMS`).
+        host-to-device copy (see :data:`flightq_bench.systems.CUDA_SYSTEMS`).
     """
 
     workloads: list[str]
@@ -79,7 +79,7 @@ def _server_pids(system: System, server: procs.ServerProcess) -> list[int]:
 
 
 def run(opts: Options) -> dict[str, Any]:
-    """Run the benchmark; returns the results document (see :mod:`flightq.bench.report`)."""
+    """Run the benchmark; returns the results document (see :mod:`flightq_bench.report`)."""
     say = opts.progress
     run_id = secrets.token_hex(3)
     chosen = resolve(opts.systems, opts.device)

@@ -17,7 +17,7 @@ column is built before the timer starts (it is the serialisation a real system w
 add; this point measures the transport). The server keeps the table in memory and
 streams it back unchanged.
 
-Run as a module (``python -m flightq.bench.arrowflight``) it serves on a free loopback
+Run as a module (``python -m flightq_bench.arrowflight``) it serves on a free loopback
 port, prints ``{"listening": "grpc://127.0.0.1:PORT"}`` and exits on SIGTERM or when its
 standard input closes.
 """
@@ -214,10 +214,11 @@ class FlightRecordsProducer(FlightProducer):
 
     def prepare(self) -> None:
         if self._table is None:
-            from ..client import DEFAULT_MAX_BATCH_BYTES
-            from ..encode import encode_chunks
-            from ..registry import SchemaRegistry
-            from ..workloads import to_torch
+            from flightq.client.client import DEFAULT_MAX_BATCH_BYTES
+
+            from flightq.encode import encode_chunks
+            from flightq.registry import SchemaRegistry
+            from flightq.workloads import to_torch
 
             s = to_torch(self.step)
             schema = SchemaRegistry.default().get(s.schema)
@@ -233,7 +234,8 @@ class FlightRecordsConsumer(FlightConsumer):
     tag = "records"
 
     def verify(self) -> None:
-        from ..batch import decode
+        from flightq.batch import decode
+
         from .payload import check_rows
 
         assert self._got is not None

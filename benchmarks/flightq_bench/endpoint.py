@@ -1,6 +1,6 @@
 """The two halves of every system: what the producer process and the consumer process run.
 
-A runner drives them through :mod:`flightq.bench.worker`. The timed methods return
+A runner drives them through :mod:`flightq_bench.worker`. The timed methods return
 monotonic timestamps in nanoseconds (``CLOCK_MONOTONIC`` is shared by every process of
 the machine, so a send start in one process and a receive end in another can be
 subtracted); everything else (preparing, verifying, clearing) is outside the timed region.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..workloads import Step
+from flightq.workloads import Step
 
 __all__ = ["Producer", "Consumer", "now_ns", "timed"]
 

@@ -34,12 +34,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ..errors import ConflictError, DecodeError, ProtocolError
+from ..schema import Schema
+from ..validation import validate
 from .assemble import assemble
-from .errors import ConflictError, DecodeError, ProtocolError
-from .rows import Partition, Row, make_piece
-from .schema import Schema
+from .partition import Partition, Row, make_piece
 from .store import Store
-from .validation import validate
 
 __all__ = ["FORMAT", "MANIFEST", "snapshot_path", "write_snapshot", "read_snapshot"]
 

@@ -4,7 +4,7 @@
 shards at once; a failure comes back as the same flightq class with the shard's location
 in front of its message (with every other failing shard listed). The control calls
 (declare, clear, reset, drop, stats, ...) live here; the data calls (put, get, claim) in
-:mod:`flightq.sharded`.
+:mod:`flightq.sharding.client`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from .client import DEFAULT_MAX_BATCH_BYTES, DEFAULT_TIMEOUT, Client, _resolve
-from .errors import FlightqError, UnavailableError
-from .registry import SchemaRegistry
-from .schema import Schema
-from .shard import Router, group_key, sum_description, sum_stats
+from ..client.client import DEFAULT_MAX_BATCH_BYTES, DEFAULT_TIMEOUT, Client, _resolve
+from ..errors import FlightqError, UnavailableError
+from ..registry import SchemaRegistry
+from ..schema import Schema
+from .router import Router, group_key, sum_description, sum_stats
 
 __all__ = ["Fanout", "DEFAULT_POLL", "at_shard"]
 

@@ -26,22 +26,22 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from .assemble import assemble
-from .errors import (
+from ..errors import (
     FlightqError,
     ProtocolError,
     SchemaError,
     SchemaMismatchError,
     UnknownSchemaError,
 )
-from .memory import keep_freed_memory
-from .protocol import PROTOCOL_VERSION, pack, require, to_flight_error, unpack
-from .registry import SchemaRegistry
-from .rows import Partition, Row, make_piece
-from .schema import Schema, diff_schemas
+from ..memory import keep_freed_memory
+from ..protocol import PROTOCOL_VERSION, pack, require, to_flight_error, unpack
+from ..registry import SchemaRegistry
+from ..schema import Schema, diff_schemas
+from ..validation import validate
+from .assemble import assemble
+from .partition import Partition, Row, make_piece
 from .staging import Staging
 from .store import Store
-from .validation import validate
 
 __all__ = [
     "Server",
@@ -84,7 +84,7 @@ class Server(fl.FlightServerBase):
     snapshot_dir:
         Directory the ``snapshot`` action writes into; None: snapshots are refused.
     restore:
-        A snapshot directory to load before serving (:mod:`flightq.snapshot`).
+        A snapshot directory to load before serving (:mod:`flightq.server.snapshot`).
     peers:
         Every shard's location, this server's included, as clients reach them (see
         ``docs/sharding.md``); GetFlightInfo then lists one endpoint per peer. May be set
@@ -113,7 +113,7 @@ class Server(fl.FlightServerBase):
         **kwargs: Any,
     ) -> None:
         if tokens is not None:
-            from .auth import BearerTokenServerMiddlewareFactory
+            from ..auth import BearerTokenServerMiddlewareFactory
 
             kwargs["middleware"] = {
                 **kwargs.get("middleware", {}),
@@ -133,7 +133,7 @@ class Server(fl.FlightServerBase):
         self._thread: threading.Thread | None = None
         self._stopper: threading.Thread | None = None
         self.peers: list[str] = list(peers or [])
-        from . import shm as _shm
+        from .. import shm as _shm
 
         self.shm_dir = _shm.directory(shm) if shm else None
         self._shm_pool: _shm.SegmentPool | None = None
@@ -362,7 +362,7 @@ class Server(fl.FlightServerBase):
         large and as stored over shm, where the consumer maps them."""
         if not t.get("shm"):
             return assemble(part, rows, names, self.max_batch_bytes, coalesce=True)
-        from .shm import BATCH_BYTES
+        from ..shm import BATCH_BYTES
 
         return assemble(part, rows, names, max(self.max_batch_bytes, BATCH_BYTES))
 
@@ -391,7 +391,7 @@ class Server(fl.FlightServerBase):
         ref = cmd.get("shm")
         if ref is None:
             return (chunk.data for chunk in reader)
-        from . import shm
+        from .. import shm
 
         if self.shm_dir is None:
             raise ProtocolError(f"{what}: this server has shared memory disabled")
@@ -409,8 +409,8 @@ class Server(fl.FlightServerBase):
         """A read's answer: the batches, or (ticket ``shm``) the segment holding them."""
         if not t.get("shm"):
             return schema, batches
-        from . import shm
-        from .shm import table as shmtable
+        from .. import shm
+        from ..shm import table as shmtable
 
         what = f"{t.get('op')} from {t.get('partition')!r}"
         if self.shm_dir is None:
@@ -429,7 +429,7 @@ class Server(fl.FlightServerBase):
     # ------------------------------------------------------------------ DoAction
 
     def list_actions(self, context: fl.ServerCallContext) -> list[tuple[str, str]]:
-        from .protocol import ACTIONS
+        from ..protocol import ACTIONS
 
         return list(ACTIONS.items())
 
@@ -441,7 +441,7 @@ class Server(fl.FlightServerBase):
         kind = action.type
         body = unpack(action.body, f"action {kind!r}") if action.body.size else {}
         if kind == "health":
-            from .shm import probe_reply
+            from ..shm import probe_reply
 
             return {
                 "ok": True,
@@ -520,7 +520,7 @@ class Server(fl.FlightServerBase):
 
     def _info(self, name: str) -> fl.FlightInfo:
         part, rows, names = self.store.scan(name)
-        from .layout import arrow_schema
+        from ..layout import arrow_schema
 
         schema = arrow_schema(part.schema, names)
         ticket = fl.Ticket(pack({"op": "scan", "partition": name}))
@@ -584,14 +584,14 @@ def serve_forever(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {}
     scheme = "grpc"
     if getattr(args, "tls_cert", None) or getattr(args, "tls_key", None):
-        from .auth import tls_certificates
+        from ..auth import tls_certificates
 
         if not (args.tls_cert and args.tls_key):
             raise ProtocolError("TLS needs both --tls-cert and --tls-key")
         extra["tls_certificates"] = tls_certificates(args.tls_cert, args.tls_key)
         scheme = "grpc+tls"
     if getattr(args, "token_file", None) or getattr(args, "tokens_from_env", False):
-        from .auth import read_tokens
+        from ..auth import read_tokens
 
         extra["tokens"] = read_tokens(args.token_file)
     server = Server(
