@@ -2,12 +2,29 @@
 
 Every error flightq raises derives from :class:`FlightqError` and also from the built-in
 exception it resembles, so callers may catch either. Errors raised on a server reach the
-client as the same class with the same message (see :mod:`flightq.protocol`).
+client as the same class with the same message and the same attributes (see
+:mod:`flightq.protocol`).
+
+Where they apply, errors carry structured attributes beside the message, so a caller can
+act on the fault without parsing text (drop the offending row, cast the column):
+
+>>> from flightq.errors import DTypeError
+>>> e = DTypeError("column 'x': expected int32", field="x", key="g0_1",
+...                expected="int32", actual="int64")
+>>> (e.field, e.key, e.expected, e.actual)
+('x', 'g0_1', 'int32', 'int64')
+>>> str(e)
+"column 'x': expected int32"
+
+An attribute that does not apply is ``None``.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
+    "ATTRIBUTES",
     "FlightqError",
     "SchemaError",
     "SchemaMismatchError",
@@ -32,8 +49,61 @@ __all__ = [
 ]
 
 
+#: The structured attributes an error may carry (``None`` where one does not apply).
+ATTRIBUTES = ("field", "key", "expected", "actual", "partition")
+
+
 class FlightqError(Exception):
-    """Root of every error flightq raises."""
+    """Root of every error flightq raises.
+
+    Parameters
+    ----------
+    message:
+        What was expected, what arrived, where, and the fix when known.
+    field:
+        The column (schema field) at fault.
+    key:
+        The row key at fault (the first one, where several are).
+    expected, actual:
+        What the schema or the call wanted and what arrived (a dtype tag, a shape as a
+        list, a count), as plain values that travel over the wire.
+    partition:
+        The partition the call was about.
+    """
+
+    field: str | None
+    key: str | None
+    expected: Any
+    actual: Any
+    partition: str | None
+
+    def __init__(
+        self,
+        *args: object,
+        field: str | None = None,
+        key: str | None = None,
+        expected: Any = None,
+        actual: Any = None,
+        partition: str | None = None,
+    ) -> None:
+        super().__init__(*args)
+        self.field = field
+        self.key = key
+        self.expected = expected
+        self.actual = actual
+        self.partition = partition
+
+    def attributes(self) -> dict[str, Any]:
+        """The structured attributes that are set (not ``None``)."""
+        return {a: getattr(self, a) for a in ATTRIBUTES if getattr(self, a, None) is not None}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (Ray, multiprocessing) with its attributes, which args alone would lose.
+        return (_rebuild, (type(self), self.args, self.attributes()))
+
+
+def _rebuild(cls: type[FlightqError], args: tuple[object, ...], attrs: dict[str, Any]) -> Any:
+    return cls(*args, **attrs)
 
 
 class SchemaError(FlightqError, ValueError):
@@ -106,8 +176,11 @@ class UnavailableError(FlightqError, ConnectionError):
     """The server cannot be reached."""
 
 
-class ResourceExhaustedError(FlightqError, MemoryError):
-    """The server is full (memory budget or row limit) and no space freed in time."""
+class ResourceExhaustedError(FlightqError, RuntimeError):
+    """The server is full (memory budget or row limit) and no space freed in time.
+
+    Not a ``MemoryError``: this process has memory; the server refused to hold more.
+    """
 
 
 class UnauthenticatedError(FlightqError, PermissionError):
