@@ -1,21 +1,43 @@
-"""What travels besides record batches: tickets, descriptors, actions, and errors.
+"""Every message that travels besides record batches, defined once.
 
-Every ticket, descriptor command and action body is a msgpack map; :func:`unpack` refuses
-anything else with a :class:`ProtocolError` naming what was wrong. Errors raised on the
-server travel in the Flight error's ``extra_info`` as ``{"type": ClassName, "message":
-...}`` so the client raises the same flightq class with the same message; see
-``docs/protocol.md`` for the full list.
+Tickets (DoGet), the put command (DoPut descriptor), each action's request and answer
+(DoAction), the put acknowledgement and the error details are frozen types here, each
+with ``to_wire()`` (the msgpack map's bytes) and ``parse()`` (bytes, or a map, to the
+type). The client builds these types; the server parses them and dispatches actions
+from :data:`ACTIONS`. ``docs/protocol.md`` documents the same fields, and a test holds
+the two together.
+
+``parse()`` refuses a bad message with a :class:`ProtocolError` naming the message and
+the key: random bytes, truncated msgpack, a non-map, a missing key, an unknown key, a
+value of the wrong type (a bool is never an integer, and only a bool is a bool), a
+number out of range, an oversized body.
+
+Errors raised on the server travel in the Flight error's ``extra_info`` as an
+:class:`ErrorDetail` (``{"type": ClassName, "message": ..., "field": ...}``), so the
+client raises the same flightq class with the same message and attributes.
+
+Examples
+--------
+>>> t = ClaimTicket(partition="rollouts", task="train", batch_size=16, timeout=30.0)
+>>> parse_ticket(t.to_wire()) == t
+True
+>>> Clear.parse({"partition": "rollouts", "keys": None, "all": True})
+Traceback (most recent call last):
+...
+flightq.errors.ProtocolError: clear: unknown key 'all'; expected partition, keys
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, TypeVar
 
 import msgpack
-import pyarrow.flight as fl
 
 from .errors import (
+    ATTRIBUTES,
     ERROR_CLASSES,
     FlightqError,
     FlightqTimeoutError,
@@ -27,39 +49,62 @@ from .errors import (
 
 __all__ = [
     "PROTOCOL_VERSION",
-    "ACTIONS",
     "MAX_BODY",
+    "MAX_PUT_PARTS",
+    "Message",
+    "GetTicket",
+    "ClaimTicket",
+    "ScanTicket",
+    "Ticket",
+    "parse_ticket",
+    "ShmRef",
+    "PutCommand",
+    "PutAck",
+    "Health",
+    "HealthReply",
+    "CheckSchemas",
+    "CheckSchemasReply",
+    "RegisterSchema",
+    "SchemaRef",
+    "Declare",
+    "DeclareReply",
+    "Describe",
+    "Declaration",
+    "Clear",
+    "ClearReply",
+    "Reset",
+    "ResetReply",
+    "Drop",
+    "DropReply",
+    "AbortPut",
+    "AbortPutReply",
+    "Stats",
+    "StatsReply",
+    "PartitionStats",
+    "Inspect",
+    "Snapshot",
+    "SnapshotReply",
+    "ActionSpec",
+    "ACTIONS",
+    "ErrorDetail",
     "pack",
     "unpack",
-    "require",
     "to_flight_error",
     "from_flight_error",
 ]
 
 PROTOCOL_VERSION = 1
 
-#: Action types and what they do (DoAction). Bodies and results are msgpack maps.
-ACTIONS: dict[str, str] = {
-    "declare": "declare a partition: {partition, schema (JSON), tasks, group_size}",
-    "check_schemas": "compare schema fingerprints: {schemas: [JSON, ...]}",
-    "register_schema": "add a schema to the server's registry: {schema (JSON)}",
-    "describe": "a partition's declaration: {partition}",
-    "clear": "remove rows: {partition, keys (null: all)}",
-    "reset": "make rows claimable again for a task: {partition, task, keys (null: all)}",
-    "drop": "remove a partition and its rows: {partition}",
-    "abort_put": "fail a put sent in parts, none stored: {partition, stage, parts}",
-    "stats": "what the server holds: {}",
-    "inspect": "one partition in detail: {partition}",
-    "health": "liveness and version: {}",
-    "snapshot": "write partitions to the snapshot directory: {name, partition (null: all)}",
-}
-
 #: Largest ticket, descriptor or action body accepted (bytes).
 MAX_BODY = 64 * 2**20
+#: Most parallel DoPut streams one put may travel over.
+MAX_PUT_PARTS = 16
+
+M = TypeVar("M", bound="Message")
 
 
 def pack(obj: Mapping[str, Any]) -> bytes:
-    """Serialise a control message."""
+    """Serialise a control message (a map with string keys)."""
     return msgpack.packb(dict(obj), use_bin_type=True)
 
 
@@ -92,29 +137,615 @@ def unpack(data: bytes | memoryview | Any, what: str) -> dict[str, Any]:
     return obj
 
 
-def require(msg: Mapping[str, Any], key: str, types: type | tuple[type, ...], what: str) -> Any:
-    """``msg[key]``, checked for presence and type.
+# --------------------------------------------------------------------------- value checks
+
+#: A check takes (value, key, message name) and returns the value, or raises ProtocolError.
+Check = Callable[[Any, str, str], Any]
+
+
+def _type_error(v: Any, key: str, what: str) -> ProtocolError:
+    return ProtocolError(f"{what}: {key!r} has type {type(v).__name__}")
+
+
+def _str(max_len: int | None = None, nonempty: bool = False) -> Check:
+    def check(v: Any, key: str, what: str) -> str:
+        if not isinstance(v, str):
+            raise _type_error(v, key, what)
+        if nonempty and not v:
+            raise ProtocolError(f"{what}: {key!r} must be a non-empty string")
+        if max_len is not None and len(v) > max_len:
+            raise ProtocolError(f"{what}: {key!r} must be a string of <= {max_len} chars")
+        return v
+
+    return check
+
+
+def _int(lo: int | None = None, hi: int | None = None) -> Check:
+    def check(v: Any, key: str, what: str) -> int:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise _type_error(v, key, what)
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise ProtocolError(f"{what}: {key!r} must be an integer {bounds}, got {v}")
+        return v
+
+    return check
+
+
+def _seconds(v: Any, key: str, what: str) -> float:
+    """Seconds: a number >= 0 (``inf``: no limit); NaN is refused."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise _type_error(v, key, what)
+    if math.isnan(v):
+        raise ProtocolError(f"{what}: {key!r} is NaN; give seconds (inf: no limit)")
+    if v < 0:
+        raise ProtocolError(f"{what}: {key!r} must be a non-negative number, got {v}")
+    return float(v)
+
+
+def _bool(v: Any, key: str, what: str) -> bool:
+    if not isinstance(v, bool):
+        raise ProtocolError(f"{what}: {key!r} must be true or false, got {type(v).__name__}")
+    return v
+
+
+def _strs(v: Any, key: str, what: str) -> list[str]:
+    if not isinstance(v, list):
+        raise _type_error(v, key, what)
+    for i, x in enumerate(v):
+        if not isinstance(x, str):
+            raise ProtocolError(
+                f"{what}: {key} must be strings, item {i} has type {type(x).__name__}"
+            )
+    return v
+
+
+def _map(v: Any, key: str, what: str) -> dict[str, Any]:
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        raise _type_error(v, key, what)
+    return v
+
+
+def _counts(v: Any, key: str, what: str) -> dict[str, int]:
+    """A map of names to non-negative integers (rows per task, per field)."""
+    d = _map(v, key, what)
+    for k, n in d.items():
+        _int(0)(n, f"{key}[{k!r}]", what)
+    return d
+
+
+def _any(v: Any, key: str, what: str) -> Any:
+    return v
+
+
+def _const(value: str) -> Check:
+    def check(v: Any, key: str, what: str) -> str:
+        if v != value:
+            raise ProtocolError(f"{what}: {key!r} must be {value!r}, got {v!r}")
+        return value
+
+    return check
+
+
+def _optional(inner: Check) -> Check:
+    def check(v: Any, key: str, what: str) -> Any:
+        return None if v is None else inner(v, key, what)
+
+    return check
+
+
+def _message(cls: type[Message]) -> Check:
+    def check(v: Any, key: str, what: str) -> Any:
+        return cls.parse(_map(v, key, what), f"{what}: {key!r}")
+
+    return check
+
+
+def _map_of(cls: type[Message]) -> Check:
+    def check(v: Any, key: str, what: str) -> dict[str, Any]:
+        d = _map(v, key, what)
+        return {
+            k: cls.parse(_map(x, f"{key}[{k!r}]", what), f"{what}: {key}[{k!r}]")
+            for k, x in d.items()
+        }
+
+    return check
+
+
+def _list_of(cls: type[Message]) -> Check:
+    def check(v: Any, key: str, what: str) -> list[Any]:
+        if not isinstance(v, list):
+            raise _type_error(v, key, what)
+        return [
+            cls.parse(_map(x, f"{key}[{i}]", what), f"{what}: {key}[{i}]") for i, x in enumerate(v)
+        ]
+
+    return check
+
+
+_REQUIRED = dataclasses.MISSING
+_NO_OMIT = object()
+
+
+def _field(check: Check, default: Any = _REQUIRED, *, omit: Any = _NO_OMIT) -> Any:
+    """A message field: its check, its default (absent: required) and the value left off
+    the wire (``omit``: the key is not sent when the field holds it)."""
+    meta = {"check": check, "omit": omit}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------- messages
+
+
+class Message:
+    """A control message: a frozen dataclass whose fields are the map's keys."""
+
+    __slots__ = ()
+    #: How errors name the message (``"claim ticket"``, ``"clear"``).
+    WHAT: ClassVar[str] = "message"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The message as the map that travels (nested messages as maps too)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            omit = f.metadata["omit"]
+            if omit is not _NO_OMIT and v == omit:
+                continue
+            out[f.name] = _plain(v)
+        return out
+
+    def to_wire(self) -> bytes:
+        """The msgpack bytes of :meth:`to_dict`."""
+        return pack(self.to_dict())
+
+    @classmethod
+    def wire_keys(cls) -> list[str]:
+        """The map's keys, in order."""
+        return [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+
+    @classmethod
+    def parse(cls: type[M], data: Any, what: str | None = None) -> M:
+        """The message in ``data`` (msgpack bytes, a Flight buffer, or a map).
+
+        Raises
+        ------
+        ProtocolError
+            Naming the message and the key at fault.
+        """
+        what = cls.WHAT if what is None else what
+        d = data if isinstance(data, Mapping) else unpack(data, what)
+        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+        names = {f.name for f in fields}
+        unknown = [k for k in d if k not in names]
+        if unknown:
+            s = "s" if len(unknown) > 1 else ""
+            listed = ", ".join(repr(k) for k in unknown[:8])
+            raise ProtocolError(
+                f"{what}: unknown key{s} {listed}; expected {', '.join(cls.wire_keys())}"
+            )
+        kwargs: dict[str, Any] = {}
+        for f in fields:
+            if f.name in d:
+                kwargs[f.name] = f.metadata["check"](d[f.name], f.name, what)
+            elif f.default is _REQUIRED and f.default_factory is _REQUIRED:
+                raise ProtocolError(f"{what}: missing {f.name!r}")
+        return cls(**kwargs)
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, Message):
+        return v.to_dict()
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
+_FROZEN = {"frozen": True, "slots": True}
+
+
+# ---- DoGet tickets
+
+
+@dataclasses.dataclass(**_FROZEN)
+class GetTicket(Message):
+    """Rows by key, in the order asked (a key may repeat), with ``fields`` (None: all)."""
+
+    WHAT: ClassVar[str] = "get ticket"
+    partition: str = _field(_str())
+    keys: list[str] = _field(_strs)
+    fields: list[str] | None = _field(_optional(_strs), None)
+    #: Answer through shared memory (:mod:`flightq.shm`).
+    shm: bool = _field(_bool, False, omit=False)
+    op: str = _field(_const("get"), "get")
+
+
+@dataclasses.dataclass(**_FROZEN)
+class ClaimTicket(Message):
+    """The next ``batch_size`` ready rows for ``task``, waiting up to ``timeout`` seconds."""
+
+    WHAT: ClassVar[str] = "claim ticket"
+    partition: str = _field(_str())
+    task: str = _field(_str())
+    batch_size: int = _field(_int())
+    timeout: float = _field(_seconds)
+    fields: list[str] | None = _field(_optional(_strs), None)
+    wait_for: list[str] = _field(_strs, [])
+    shm: bool = _field(_bool, False, omit=False)
+    op: str = _field(_const("claim"), "claim")
+
+
+@dataclasses.dataclass(**_FROZEN)
+class ScanTicket(Message):
+    """Every row not yet cleared (the ticket of ``GetFlightInfo``'s endpoints)."""
+
+    WHAT: ClassVar[str] = "scan ticket"
+    partition: str = _field(_str())
+    shm: bool = _field(_bool, False, omit=False)
+    op: str = _field(_const("scan"), "scan")
+
+
+Ticket = GetTicket | ClaimTicket | ScanTicket
+_TICKETS: dict[str, type[Message]] = {"get": GetTicket, "claim": ClaimTicket, "scan": ScanTicket}
+
+
+def parse_ticket(data: Any) -> Ticket:
+    """A DoGet ticket, by its ``op``.
 
     Raises
     ------
     ProtocolError
-        If the key is missing or of the wrong type.
+        On a malformed ticket or an unknown ``op``.
     """
+    d = unpack(data, "ticket")
+    if "op" not in d:
+        raise ProtocolError("ticket: missing 'op'")
+    cls = _TICKETS.get(d["op"]) if isinstance(d["op"], str) else None
+    if cls is None:
+        raise ProtocolError(f"ticket: unknown op {d['op']!r}; expected get, claim or scan")
+    return cls.parse(d)  # type: ignore[return-value]
+
+
+# ---- DoPut
+
+
+@dataclasses.dataclass(**_FROZEN)
+class ShmRef(Message):
+    """A shared-memory segment: its file, the generation written and the bytes used."""
+
+    WHAT: ClassVar[str] = "shared-memory reference"
+    path: str = _field(_str(4096))
+    gen: int = _field(_int(0))
+    nbytes: int = _field(_int(0))
+
+
+@dataclasses.dataclass(**_FROZEN)
+class PutCommand(Message):
+    """The DoPut descriptor's command: where the stream's record batches go, and how."""
+
+    WHAT: ClassVar[str] = "put descriptor"
+    partition: str = _field(_str())
+    overwrite: bool = _field(_bool, False)
+    #: Seconds the server may wait for space under a memory budget.
+    timeout: float = _field(_seconds, 0.0)
+    #: Rows the stream carries; a stream that ends with another count stores nothing.
+    rows: int | None = _field(_optional(_int(0)), None, omit=None)
+    #: Names the put, so a retry of it is acknowledged again without storing anything.
+    put_id: str | None = _field(_optional(_str(256)), None, omit=None)
+    #: A put in parts: every part carries the same ``stage``, its ``part`` and ``parts``.
+    stage: str | None = _field(_optional(_str(64)), None, omit=None)
+    part: int | None = _field(_optional(_int(0, MAX_PUT_PARTS - 1)), None, omit=None)
+    parts: int | None = _field(_optional(_int(1, MAX_PUT_PARTS)), None, omit=None)
+    #: The batches travel in this segment, not on the stream.
+    shm: ShmRef | None = _field(_optional(_message(ShmRef)), None, omit=None)
+    op: str = _field(_const("put"), "put")
+
+
+@dataclasses.dataclass(**_FROZEN)
+class PutAck(Message):
+    """The acknowledgement a put's DoPut stream carries once the rows are stored."""
+
+    WHAT: ClassVar[str] = "put acknowledgement"
+    rows: int = _field(_int(0))
+
+
+# ---- DoAction: requests and answers
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Health(Message):
+    """Liveness; ``shm_probe`` names a file the client wrote, to prove a shared directory."""
+
+    WHAT: ClassVar[str] = "health"
+    shm_probe: str | None = _field(_optional(_str(4096)), None, omit=None)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class HealthReply(Message):
+    WHAT: ClassVar[str] = "health result"
+    ok: bool = _field(_bool)
+    protocol: int = _field(_int(0))
+    partitions: int = _field(_int(0))
+    #: ``{"dir": ..., "probe": hex or None}``; None: shared memory disabled.
+    shm: dict[str, Any] | None = _field(_optional(_map), None)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class CheckSchemas(Message):
+    WHAT: ClassVar[str] = "check_schemas"
+    #: Canonical JSON of each schema.
+    schemas: list[str] = _field(_strs)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class SchemaRef(Message):
+    WHAT: ClassVar[str] = "schema reference"
+    ref: str = _field(_str())
+    fingerprint: str = _field(_str())
+
+
+@dataclasses.dataclass(**_FROZEN)
+class CheckSchemasReply(Message):
+    WHAT: ClassVar[str] = "check_schemas result"
+    schemas: list[SchemaRef] = _field(_list_of(SchemaRef))
+
+
+@dataclasses.dataclass(**_FROZEN)
+class RegisterSchema(Message):
+    WHAT: ClassVar[str] = "register_schema"
+    schema: str = _field(_str())
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Declare(Message):
+    WHAT: ClassVar[str] = "declare"
+    partition: str = _field(_str())
+    schema: str = _field(_str())
+    tasks: list[str] | None = _field(_optional(_strs), None)
+    group_size: int | None = _field(_optional(_int()), None)
+    max_rows: int | None = _field(_optional(_int()), None)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Declaration(Message):
+    """A partition's declaration (the ``describe`` answer)."""
+
+    WHAT: ClassVar[str] = "describe result"
+    partition: str = _field(_str())
+    schema: str = _field(_str())
+    schema_ref: str = _field(_str())
+    fingerprint: str = _field(_str())
+    tasks: list[str] = _field(_strs)
+    group_size: int | None = _field(_optional(_int()))
+    max_rows: int | None = _field(_optional(_int()))
+
+
+@dataclasses.dataclass(**_FROZEN)
+class DeclareReply(Message):
+    WHAT: ClassVar[str] = "declare result"
+    created: bool = _field(_bool)
+    partition: str = _field(_str())
+    schema: str = _field(_str())
+    schema_ref: str = _field(_str())
+    fingerprint: str = _field(_str())
+    tasks: list[str] = _field(_strs)
+    group_size: int | None = _field(_optional(_int()))
+    max_rows: int | None = _field(_optional(_int()))
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Describe(Message):
+    WHAT: ClassVar[str] = "describe"
+    partition: str = _field(_str())
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Clear(Message):
+    WHAT: ClassVar[str] = "clear"
+    partition: str = _field(_str())
+    #: None: every row.
+    keys: list[str] | None = _field(_optional(_strs), None)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class ClearReply(Message):
+    WHAT: ClassVar[str] = "clear result"
+    cleared: int = _field(_int(0))
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Reset(Message):
+    WHAT: ClassVar[str] = "reset"
+    partition: str = _field(_str())
+    task: str = _field(_str())
+    keys: list[str] | None = _field(_optional(_strs), None)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class ResetReply(Message):
+    WHAT: ClassVar[str] = "reset result"
+    reset: int = _field(_int(0))
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Drop(Message):
+    WHAT: ClassVar[str] = "drop"
+    partition: str = _field(_str())
+
+
+@dataclasses.dataclass(**_FROZEN)
+class DropReply(Message):
+    WHAT: ClassVar[str] = "drop result"
+    dropped: bool = _field(_bool)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class AbortPut(Message):
+    """Fail a put sent in parts: none of it is stored, its waiting parts stop waiting."""
+
+    WHAT: ClassVar[str] = "abort_put"
+    partition: str = _field(_str())
+    stage: str = _field(_str(64))
+    parts: int = _field(_int(1, MAX_PUT_PARTS))
+
+
+@dataclasses.dataclass(**_FROZEN)
+class AbortPutReply(Message):
+    WHAT: ClassVar[str] = "abort_put result"
+    aborted: bool = _field(_bool)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Stats(Message):
+    WHAT: ClassVar[str] = "stats"
+
+
+@dataclasses.dataclass(**_FROZEN)
+class PartitionStats(Message):
+    """One partition in ``stats`` (and, with ``fields`` and ``ready``, in ``inspect``)."""
+
+    WHAT: ClassVar[str] = "partition stats"
+    schema: str = _field(_str())
+    fingerprint: str = _field(_str())
+    tasks: list[str] = _field(_strs)
+    group_size: int | None = _field(_optional(_int()))
+    rows: int = _field(_int(0))
+    #: Payload bytes as received (compressed where a codec applies).
+    bytes: int = _field(_int(0))
+    #: Rows delivered, per task.
+    delivered: dict[str, int] = _field(_counts)
+    #: Claims waiting for rows right now, per task.
+    waiting: dict[str, int] = _field(_counts, {})
+    #: ``inspect`` only: rows having each field.
+    fields: dict[str, int] | None = _field(_optional(_counts), None, omit=None)
+    #: ``inspect`` only: rows ready per task with the schema's required fields.
+    ready: dict[str, int] | None = _field(_optional(_counts), None, omit=None)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class StatsReply(Message):
+    WHAT: ClassVar[str] = "stats result"
+    partitions: dict[str, PartitionStats] = _field(_map_of(PartitionStats))
+    rows: int = _field(_int(0))
+    bytes: int = _field(_int(0))
+    #: Claims waiting for rows right now, over every partition.
+    waiting_claims: int = _field(_int(0), 0)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Inspect(Message):
+    WHAT: ClassVar[str] = "inspect"
+    partition: str = _field(_str())
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Snapshot(Message):
+    WHAT: ClassVar[str] = "snapshot"
+    #: A plain name (no path) under the server's snapshot directory.
+    name: str = _field(_str())
+    #: None: every partition.
+    partition: str | None = _field(_optional(_str()), None)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class SnapshotReply(Message):
+    WHAT: ClassVar[str] = "snapshot result"
+    path: str = _field(_str())
+    partitions: dict[str, int] = _field(_counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionSpec:
+    """One DoAction type: what it does, its request and its answer."""
+
+    doc: str
+    request: type[Message]
+    reply: type[Message]
+
+
+#: Every action type (DoAction), as ``ListActions`` lists them.
+ACTIONS: dict[str, ActionSpec] = {
+    "declare": ActionSpec("declare a partition before any producer writes", Declare, DeclareReply),
+    "check_schemas": ActionSpec(
+        "compare schema fingerprints with the server's", CheckSchemas, CheckSchemasReply
+    ),
+    "register_schema": ActionSpec(
+        "add a schema to the server's registry", RegisterSchema, SchemaRef
+    ),
+    "describe": ActionSpec("a partition's declaration", Describe, Declaration),
+    "clear": ActionSpec("remove rows (keys null: all)", Clear, ClearReply),
+    "reset": ActionSpec("make rows claimable again for a task (keys null: all)", Reset, ResetReply),
+    "drop": ActionSpec("remove a partition and its rows", Drop, DropReply),
+    "abort_put": ActionSpec("fail a put sent in parts, none stored", AbortPut, AbortPutReply),
+    "stats": ActionSpec("rows, bytes and per-task progress of every partition", Stats, StatsReply),
+    "inspect": ActionSpec("one partition in detail", Inspect, PartitionStats),
+    "health": ActionSpec("liveness and protocol version", Health, HealthReply),
+    "snapshot": ActionSpec("write partitions to the snapshot directory", Snapshot, SnapshotReply),
+}
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@dataclasses.dataclass(**_FROZEN)
+class ErrorDetail(Message):
+    """A flightq error as it travels in a Flight error's ``extra_info``."""
+
+    WHAT: ClassVar[str] = "error"
+    type: str = _field(_str())
+    message: str = _field(_str())
+    field: str | None = _field(_optional(_str()), None, omit=None)
+    key: str | None = _field(_optional(_str()), None, omit=None)
+    expected: Any = _field(_any, None, omit=None)
+    actual: Any = _field(_any, None, omit=None)
+    partition: str | None = _field(_optional(_str()), None, omit=None)
+
+    @classmethod
+    def of(cls, e: FlightqError) -> ErrorDetail:
+        """The detail of ``e``: its class name, message and structured attributes."""
+        attrs = {a: v for a, v in e.attributes().items() if _travels(v)}
+        return cls(type=type(e).__name__, message=str(e), **attrs)
+
+    def error(self) -> FlightqError:
+        """The flightq error this detail stands for (an unknown type: FlightqError)."""
+        cls = ERROR_CLASSES.get(self.type, FlightqError)
+        attrs = {a: getattr(self, a) for a in ATTRIBUTES}
+        return cls(self.message, **attrs)
+
+
+def _travels(v: Any) -> bool:
+    """Whether an attribute's value is plain data msgpack carries as it is."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    if isinstance(v, (list, tuple)):
+        return all(_travels(x) for x in v)
+    return False
+
+
+assert set(ATTRIBUTES) <= set(ErrorDetail.wire_keys())
+
+
+def require(msg: Mapping[str, Any], key: str, types: type | tuple[type, ...], what: str) -> Any:
+    """``msg[key]``, checked for presence and type (for maps no message type describes)."""
     if key not in msg:
         raise ProtocolError(f"{what}: missing {key!r}")
     v = msg[key]
-    if not isinstance(v, types) or (isinstance(v, bool) and bool not in _as_tuple(types)):
-        raise ProtocolError(f"{what}: {key!r} has type {type(v).__name__}")
+    allowed = types if isinstance(types, tuple) else (types,)
+    if not isinstance(v, allowed) or (isinstance(v, bool) and bool not in allowed):
+        raise _type_error(v, key, what)
     return v
 
 
-def _as_tuple(t: type | tuple[type, ...]) -> tuple[type, ...]:
-    return t if isinstance(t, tuple) else (t,)
-
-
-def to_flight_error(e: FlightqError) -> fl.FlightError:
+def to_flight_error(e: FlightqError) -> Exception:
     """The Flight error that carries ``e`` to the client."""
-    info = pack({"type": type(e).__name__, "message": str(e)})
+    import pyarrow.flight as fl
+
+    detail = ErrorDetail.of(e)
+    info = detail.to_wire()
     msg = f"{type(e).__name__}: {e}"
     if isinstance(e, FlightqTimeoutError):
         return fl.FlightTimedOutError(msg, extra_info=info)
@@ -127,12 +758,12 @@ def to_flight_error(e: FlightqError) -> fl.FlightError:
 
 def from_flight_error(e: BaseException, where: str = "") -> FlightqError:
     """The flightq error a Flight (or Arrow) exception stands for."""
+    import pyarrow.flight as fl
+
     info = getattr(e, "extra_info", None)
     if info:
         try:
-            d = unpack(info, "error")
-            cls = ERROR_CLASSES.get(str(d.get("type")), FlightqError)
-            return cls(str(d.get("message", "")))
+            return ErrorDetail.parse(info).error()
         except ProtocolError:
             pass
     text = str(e).split("\n")[0] or type(e).__name__

@@ -431,7 +431,7 @@ class Server(fl.FlightServerBase):
     def list_actions(self, context: fl.ServerCallContext) -> list[tuple[str, str]]:
         from ..protocol import ACTIONS
 
-        return list(ACTIONS.items())
+        return [(kind, spec.doc) for kind, spec in ACTIONS.items()]
 
     def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> Iterator[bytes]:
         result = self._guard(self._do_action, action)
