@@ -16,8 +16,9 @@ from typing import Any
 import msgpack
 import pyarrow as pa
 
+from .chunks import encode_chunks, row_nbytes, split_batch
 from .columns import ChunkedColumn, Column, MediaColumn, ScalarColumn, TensorColumn
-from .encode import GATHER, encode, encode_chunks, row_nbytes, split_batch
+from .encode import encode
 from .errors import DecodeError, MissingFieldError
 from .layout import TAGS
 from .schema import Schema
@@ -39,7 +40,6 @@ __all__ = [
     "split_batch",
     "encode_chunks",
     "row_nbytes",
-    "GATHER",
 ]
 
 

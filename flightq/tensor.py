@@ -13,7 +13,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -30,6 +30,8 @@ __all__ = [
     "column_base",
     "row_view",
     "MAX_NBYTES",
+    "memory_key",
+    "MemoryIndex",
 ]
 
 #: Largest payload one tensor may declare (int64 byte offsets).
@@ -55,6 +57,56 @@ def _torch_is_tensor(x: Any) -> bool:
     import torch
 
     return isinstance(x, torch.Tensor)
+
+
+def memory_key(x: Any) -> tuple[Any, ...] | None:
+    """Identity of a tensor's memory: while both tensors live, equal keys hold equal bytes.
+
+    The address, shape, strides and dtype of a numpy array or a torch tensor (of any
+    device: CUDA addresses are unique across devices). Empty tensors get no key: their
+    addresses may coincide, and sharing them saves nothing. None for anything else.
+    """
+    if isinstance(x, np.ndarray) and x.size:
+        return ("np", x.__array_interface__["data"][0], x.shape, x.strides, x.dtype.str)
+    if is_torch(x) and x.numel():
+        return ("torch", x.device, x.data_ptr(), x.shape, x.stride(), x.dtype)
+    return None
+
+
+_V = TypeVar("_V")
+
+
+class MemoryIndex(Generic[_V]):
+    """Values found by tensor memory: tensors that are the same memory find one value.
+
+    Used within one call (an encode, a put's staging) to send, store and copy a tensor
+    shared by several rows once. Every object asked about is held, with its
+    :func:`memory_key`, until the index goes: a tensor built on access (a fresh view per
+    read) could otherwise die during the call and leave its id, or its address, to another
+    tensor, which would then be taken for it.
+    """
+
+    def __init__(self) -> None:
+        self._objects: dict[int, tuple[Any, tuple[Any, ...] | None]] = {}
+        self._values: dict[tuple[Any, ...], _V] = {}
+
+    def key(self, x: Any) -> tuple[Any, ...] | None:
+        """``memory_key(x)``, worked out once per object."""
+        known = self._objects.get(id(x))
+        if known is None:
+            known = self._objects[id(x)] = (x, memory_key(x))
+        return known[1]
+
+    def get(self, x: Any) -> _V | None:
+        """The value of ``x``'s memory; None when it has none yet, or ``x`` has no key."""
+        k = self.key(x)
+        return None if k is None else self._values.get(k)
+
+    def put(self, x: Any, value: _V) -> None:
+        """Give ``x``'s memory a value (nothing happens when ``x`` has no key)."""
+        k = self.key(x)
+        if k is not None:
+            self._values[k] = value
 
 
 def nbytes_for(shape: Sequence[int], itemsize: int, where: str = "") -> int:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from flightq import SchemaRegistry, decode, encode
+from flightq.chunks import encode_chunks
 from flightq.errors import DTypeError, ShapeError
 from flightq.tensor import bulk_to_bytes, to_bytes
 
@@ -122,7 +123,7 @@ def test_decoding_all_rows_at_once_matches_row_by_row(as_: str) -> None:
 def test_bulk_copy_waits_for_the_fill_when_deferred(lib: str) -> None:
     cols = _columns(lib, [3, 0, 7])
     fills: list = []
-    (deferred,) = encode_module.encode_chunks(TEXT, cols, KEYS, max_bytes=2**20, fills=fills)
+    (deferred,) = encode_chunks(TEXT, cols, KEYS, max_bytes=2**20, fills=fills)
     for fill in fills:
         fill()
     assert _ipc(deferred) == _ipc(encode(TEXT, cols, KEYS))

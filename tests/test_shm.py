@@ -378,14 +378,17 @@ def test_a_gathered_stream_is_byte_for_byte_the_plain_one_also_for_row_slices():
     segments._write_stream(sink, plain[0].schema, plain)
     pool = shm.SegmentPool()
     try:
-        with shm.gathering():
+        with shm.gathering() as gather:
             cut = [
                 s
-                for b in encode_chunks(schema, step.columns, step.keys, step.tags, max_bytes=2**30)
+                for b in encode_chunks(
+                    schema, step.columns, step.keys, step.tags, max_bytes=2**30, sink=gather
+                )
                 for s in split_batch(b, 20 * 2**20)
             ]
             assert len(cut) > 1 and any(s.column(0).offset for s in cut)  # really sliced
-            ref = pool.write(cut[0].schema, cut, "test")
+            assert shm.gathered(gather)
+            ref = pool.write(cut[0].schema, cut, "test", gather)
         with open(ref["path"], "rb") as f:
             f.seek(shm.HEADER)
             assert f.read(ref["nbytes"]) == sink.getvalue().to_pybytes()

@@ -214,9 +214,8 @@ class FlightRecordsProducer(FlightProducer):
 
     def prepare(self) -> None:
         if self._table is None:
+            from flightq.chunks import encode_chunks
             from flightq.client.client import DEFAULT_MAX_BATCH_BYTES
-
-            from flightq.encode import encode_chunks
             from flightq.registry import SchemaRegistry
             from flightq.workloads import to_torch
 

@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as fl
 
 from ..batch import Batch, PartDecoder, Received, join
+from ..chunks import encode_chunks, split_batch
 from ..cuda import PinnedPool, decode_to_device, resolve_device, stage
-from ..encode import encode_chunks, split_batch
 from ..errors import (
     FlightqError,
     ProtocolError,
@@ -40,6 +40,7 @@ from ..memory import keep_freed_memory as _keep_freed_memory
 from ..protocol import from_flight_error, pack, unpack
 from ..registry import SchemaRegistry
 from ..schema import Schema
+from ..sink import DeferredFills, Sink
 from .streams import (
     DEFAULT_STREAMS,
     distinct_nbytes,
@@ -387,8 +388,7 @@ class Client:
         # Over the socket, every check runs before anything is sent; then each batch's copy
         # is made while the previous batch is on the wire, and a payload alone in its column
         # (or already end to end with its neighbours) is sent from the tensor's memory.
-        fills: list[Callable[[], None]] | None = None if self.shm_dir is not None else []
-        with stage(columns, self._pinned) as staged, _gathering(self.shm_dir):
+        with stage(columns, self._pinned) as staged, _put_sink(self.shm_dir) as sink:
             batches = encode_chunks(
                 schema,
                 staged.columns,
@@ -396,9 +396,9 @@ class Client:
                 tags,
                 max_bytes=self._put_batch_bytes(),
                 on_range=staged.on_range,
-                fills=fills,
+                sink=sink,
             )
-            return self._put(partition, batches, fills, overwrite, timeout, put_id)
+            return self._put(partition, batches, sink, overwrite, timeout, put_id)
 
     def _put_batch_bytes(self) -> int:
         """Record-batch size of a put: bounded for the socket, large through a segment."""
@@ -428,12 +428,14 @@ class Client:
         self,
         partition: str,
         batches: list[pa.RecordBatch],
-        fills: list[Callable[[], None]] | None,
+        sink: Sink | None,
         overwrite: bool,
         timeout: float | None,
         put_id: str | None,
     ) -> int:
-        """One DoPut of ``batches``; ``fills[i]()`` completes batch i (encode_chunks)."""
+        """One DoPut of ``batches``, encoded into ``sink`` (encode_chunks): deferred fills
+        (``fills[i]()`` completes batch i) or a gather into a segment."""
+        fills = sink.fills if isinstance(sink, DeferredFills) else None
         if not batches:
             raise ValueError(f"put to {partition!r}: no record batches")
         wait = self.timeout if timeout is None else timeout
@@ -443,10 +445,10 @@ class Client:
         cmd["rows"] = sum(b.num_rows for b in batches)
         if put_id is not None:
             cmd["put_id"] = put_id
-        if self.shm_dir is not None and not self._small_put(batches):
+        if self.shm_dir is not None and not self._small_put(batches, sink):
             from ..shm import put_via_shm
 
-            return put_via_shm(self, cmd, batches, timeout)
+            return put_via_shm(self, cmd, batches, timeout, sink)
         groups = put_groups(batches, self.put_streams)
         if len(groups) > 1:
             return put_parts(self, cmd, batches, fills, groups, timeout)
@@ -507,12 +509,12 @@ class Client:
                     decoder.add(b)
         return batches
 
-    def _small_put(self, batches: list[pa.RecordBatch]) -> bool:
+    def _small_put(self, batches: list[pa.RecordBatch], sink: Sink | None) -> bool:
         """Whether a put encoded for shm is better sent over the socket: it is small, and no
         payload waits to be copied into a segment (:func:`flightq.shm.gathering`)."""
         from ..shm import gathered
 
-        if gathered():
+        if gathered(sink):
             return False
         return sum(b.get_total_buffer_size() for b in batches) < self.shm_min_bytes
 
@@ -721,9 +723,11 @@ class Client:
         self.close()
 
 
-def _gathering(shm_dir: str | None) -> contextlib.AbstractContextManager[None]:
+def _put_sink(shm_dir: str | None) -> contextlib.AbstractContextManager[Sink]:
+    """Where a put's payloads go: gathered into a segment through shared memory; over the
+    socket, each batch's copy left to be made while the previous batch is on the wire."""
     if shm_dir is None:
-        return contextlib.nullcontext()
+        return contextlib.nullcontext(DeferredFills())
     from ..shm import gathering
 
     return gathering()

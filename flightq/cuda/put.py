@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..tensor import MemoryIndex
 from .device import PinnedPool, _align, _numpy_dtype, _torch
 
 #: An event is recorded on the copy stream after this many staged bytes (puts).
@@ -149,21 +150,22 @@ def stage(columns: Mapping[str, Any], pool: PinnedPool) -> Staged:
     torch = _torch()
     T = torch.Tensor
     plan: list[tuple[int, Any]] = []  # (row, normalised source); -1: a whole column
-    memo: dict[tuple[Any, ...], int] = {}
+    # The encoder's own test of shared memory (a prompt group's image is one tensor); the
+    # index holds every tensor it was asked about, so no address is reused meanwhile.
+    same: MemoryIndex[int] = MemoryIndex()
 
     def slot(x: Any, row: int) -> int | None:
         if not isinstance(x, T) or not x.is_cuda:
             return None
-        # Device addresses are unique across devices (unified virtual addressing).
-        key = (x.data_ptr(), x.shape, x.stride(), x.dtype)
-        hit = memo.get(key)
+        hit = same.get(x)
         if hit is None:
             t = x.detach() if x.requires_grad else x
             if t.is_conj() or t.is_neg():
                 t = t.resolve_conj().resolve_neg()
             if not t.is_contiguous():
                 t = t.contiguous()
-            hit = memo[key] = len(plan)
+            hit = len(plan)
+            same.put(x, hit)
             plan.append((row, t))
         return hit
 

@@ -32,8 +32,8 @@ from typing import Any
 import pyarrow as pa
 
 from ..batch import Batch, decode
+from ..chunks import encode_chunks
 from ..client.client import DEFAULT_MAX_BATCH_BYTES, DEFAULT_TIMEOUT, Client, _resolve
-from ..encode import encode_chunks
 from ..errors import (
     ClaimTimeoutError,
     FlightqError,

@@ -11,6 +11,8 @@ from typing import Any
 import pyarrow as pa
 
 from ..errors import ProtocolError
+from ..sink import Sink
+from .gather import ShmGather
 from .segments import SegmentPool
 
 # --------------------------------------------------------------------------- client side
@@ -53,16 +55,23 @@ def handshake(client: Any) -> None:
 
 
 def put_via_shm(
-    client: Any, cmd: dict[str, Any], batches: Sequence[pa.RecordBatch], timeout: float | None
+    client: Any,
+    cmd: dict[str, Any],
+    batches: Sequence[pa.RecordBatch],
+    timeout: float | None,
+    sink: Sink | None = None,
 ) -> int:
     """One put whose batches travel in a segment; the DoPut carries only the command.
+
+    Batches encoded into a :class:`~flightq.shm.gather.ShmGather` ``sink`` have their
+    large payloads copied from the caller's tensors straight into the segment.
 
     Raises
     ------
     FlightqError
         As a streamed put (the server validates the same way); nothing is stored.
     """
-    from ..encode import split_batch
+    from ..chunks import split_batch
 
     what = f"put to {cmd['partition']!r}"
     with client._lock:
@@ -70,7 +79,8 @@ def put_via_shm(
             client._shm_pool = SegmentPool(client.shm_dir)
         pool = client._shm_pool
     chunks = [c for b in batches for c in split_batch(b, client._put_batch_bytes())]
-    ref = pool.write(chunks[0].schema, chunks, what)
+    gather = sink if isinstance(sink, ShmGather) else None
+    ref = pool.write(chunks[0].schema, chunks, what, gather)
     try:
         return int(client._do_put({**cmd, "shm": ref}, chunks[0].schema, (), timeout))
     except BaseException:

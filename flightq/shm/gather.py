@@ -13,6 +13,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ..sink import CopyNow
+from ..tensor import Bulk
+
 # --------------------------------------------------------------------------- gathering
 
 #: Payload columns smaller than this are gathered by the encoder as usual.
@@ -23,14 +26,16 @@ _COPY_MIN = 8 * 2**20
 _COPY_PIECE = 8 * 2**20
 
 
-class _Gather:
-    """Placeholders for payload columns whose bytes are copied straight into a segment.
+class ShmGather(CopyNow):
+    """A sink (:mod:`flightq.sink`) whose large payload columns are copied straight into a
+    segment; smaller ones are copied at once, as :class:`flightq.sink.CopyNow` does.
 
-    Encoding under :func:`gathering` hands each large payload column a placeholder buffer
-    (allocated, never filled: its pages are never touched) and remembers the payloads;
-    the segment writer then copies each payload once, from the caller's tensor to its
-    place in the segment. A placeholder starts with a unique stamp so that Arrow's IPC
-    writer never takes two of them for equal dictionaries.
+    Each large payload column gets a placeholder buffer (allocated, never filled: its
+    pages are never touched) and the payloads are remembered; the segment writer
+    (:meth:`flightq.shm.SegmentPool.write` given this gather) then copies each payload
+    once, from the caller's tensor to its place in the segment. A placeholder starts with
+    a unique stamp so that Arrow's IPC writer never takes two of them for equal
+    dictionaries. Batches encoded into it are valid only for that writer.
     """
 
     def __init__(self) -> None:
@@ -39,15 +44,40 @@ class _Gather:
         self._stamp = itertools.count(1)
         self.copies: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def __call__(self, payloads: list[Any], offsets: np.ndarray) -> pa.Buffer | None:
+    @property
+    def gathered(self) -> bool:
+        """Whether a payload column was left to be copied into a segment (the batches then
+        hold placeholders)."""
+        return bool(self._spans)
+
+    def column(self, payloads: list[Any], lengths: np.ndarray, offsets: np.ndarray) -> pa.Buffer:
+        if int(offsets[-1]) < _GATHER_MIN:
+            return super().column(payloads, lengths, offsets)
+        return self._placeholder(payloads, offsets)
+
+    def bulk(self, bulk: Bulk, present: list[int], offsets: np.ndarray) -> pa.Buffer:
+        views = bulk.byte_views() if int(offsets[-1]) >= _GATHER_MIN else None
+        if views is None:
+            return super().bulk(bulk, present, offsets)
+        payloads: list[Any] = views
+        n = len(offsets) - 1
+        if len(present) < n:  # the rows' memory as it is; absent rows are empty
+            payloads = [b""] * n
+            for i, v in zip(present, views, strict=True):
+                payloads[i] = v
+        return self._placeholder(payloads, offsets)
+
+    def _placeholder(self, payloads: list[Any], offsets: np.ndarray) -> pa.Buffer:
         n = int(offsets[-1])
-        if n < _GATHER_MIN:
-            return None
         buf = pa.allocate_buffer(n)
         np.frombuffer(buf, dtype=np.uint64, count=1)[0] = next(self._stamp)
         bisect.insort(self._starts, buf.address)
         self._spans[buf.address] = (n, list(payloads), offsets, buf)
         return buf
+
+    def forget(self) -> None:
+        """Let go of the payloads (the caller's tensors): the placeholders are spent."""
+        self._starts, self._spans, self.copies = [], {}, []
 
     def fill(self, address: int, size: int, dst: np.ndarray) -> bool:
         """Plan the copy of the bytes a placeholder stands for at ``[address, address + size)``
@@ -119,12 +149,12 @@ class _Gather:
             raise errors[0]
 
 
-class _Sink:
+class _SegmentStream:
     """A write-only stream over a segment's data: copies, or fills placeholders."""
 
     closed = False
 
-    def __init__(self, dst: np.ndarray, gather: _Gather) -> None:
+    def __init__(self, dst: np.ndarray, gather: ShmGather) -> None:
         self.dst = dst
         self.gather = gather
         self.pos = 0
@@ -149,32 +179,30 @@ class _Sink:
         self.closed = True
 
 
-def _current_gather() -> _Gather | None:
-    from ..encode import GATHER
-
-    g = GATHER.get()
-    return g if isinstance(g, _Gather) else None
-
-
-def gathered() -> bool:
-    """Whether, in this :func:`gathering` block, the encoder left a payload column to be
-    copied into a segment (its batches then hold placeholders, valid only there)."""
-    g = _current_gather()
-    return g is not None and bool(g._spans)
+def gathered(sink: object) -> bool:
+    """Whether ``sink`` is a :class:`ShmGather` that left a payload column to be copied
+    into a segment (its batches then hold placeholders, valid only there)."""
+    return isinstance(sink, ShmGather) and sink.gathered
 
 
 @contextlib.contextmanager
-def gathering() -> Iterator[None]:
-    """Encode (:func:`flightq.batch.encode_chunks`) and write to a segment in this block.
+def gathering() -> Iterator[ShmGather]:
+    """A sink for encoding (:func:`flightq.chunks.encode_chunks`) batches to write to a
+    segment in this block.
 
     Large payload columns are then copied once, from the caller's tensors straight into
     the segment, instead of into an intermediate buffer first. The encoded batches hold
-    placeholders: they are valid for :meth:`SegmentPool.write` in the same block only.
-    """
-    from ..encode import GATHER
+    placeholders: they are valid for :meth:`SegmentPool.write` given this sink, in the
+    same block only; leaving it lets go of the caller's tensors.
 
-    token = GATHER.set(_Gather())
+    Examples
+    --------
+    >>> with gathering() as sink:  # doctest: +SKIP
+    ...     batches = encode_chunks(schema, columns, keys, max_bytes=BATCH_BYTES, sink=sink)
+    ...     ref = pool.write(batches[0].schema, batches, "put", gather=sink)
+    """
+    g = ShmGather()
     try:
-        yield
+        yield g
     finally:
-        GATHER.reset(token)
+        g.forget()

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import ProtocolError, ResourceExhaustedError
-from .gather import _current_gather, _Sink
+from .gather import ShmGather, _SegmentStream
 
 #: Where segments live unless told otherwise.
 DEFAULT_DIR = "/dev/shm"
@@ -205,9 +205,16 @@ class SegmentPool:
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def write(
-        self, schema: pa.Schema, batches: Sequence[pa.RecordBatch], what: str
+        self,
+        schema: pa.Schema,
+        batches: Sequence[pa.RecordBatch],
+        what: str,
+        gather: ShmGather | None = None,
     ) -> dict[str, Any]:
         """Write ``batches`` as one IPC stream into a segment; returns its reference.
+
+        Batches encoded into a ``gather`` sink are written with it: their placeholders are
+        filled from the caller's tensors.
 
         Raises
         ------
@@ -217,7 +224,6 @@ class SegmentPool:
         sink = pa.MockOutputStream()
         _write_stream(sink, schema, batches)
         n = int(sink.size())
-        gather = _current_gather()
         seg = self._room(n, what)
         try:
             view = memoryview(seg.mm)[HEADER : HEADER + n]
@@ -226,7 +232,7 @@ class SegmentPool:
                 _write_stream(out, schema, batches)
                 out.close()
             else:
-                dest = _Sink(np.frombuffer(view, dtype=np.uint8), gather)
+                dest = _SegmentStream(np.frombuffer(view, dtype=np.uint8), gather)
                 _write_stream(pa.PythonFile(dest, mode="w"), schema, batches)
                 if dest.pos != n:
                     raise ProtocolError(f"{what}: wrote {dest.pos} bytes of a {n}-byte stream")
