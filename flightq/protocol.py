@@ -166,7 +166,7 @@ def _int(lo: int | None = None, hi: int | None = None) -> Check:
             raise _type_error(v, key, what)
         if (lo is not None and v < lo) or (hi is not None and v > hi):
             bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-            raise ProtocolError(f"{what}: {key!r} must be an integer {bounds}, got {v}")
+            raise ProtocolError(f"{what}: expected an integer {key!r} {bounds}, got {v}")
         return v
 
     return check
@@ -727,17 +727,6 @@ def _travels(v: Any) -> bool:
 
 
 assert set(ATTRIBUTES) <= set(ErrorDetail.wire_keys())
-
-
-def require(msg: Mapping[str, Any], key: str, types: type | tuple[type, ...], what: str) -> Any:
-    """``msg[key]``, checked for presence and type (for maps no message type describes)."""
-    if key not in msg:
-        raise ProtocolError(f"{what}: missing {key!r}")
-    v = msg[key]
-    allowed = types if isinstance(types, tuple) else (types,)
-    if not isinstance(v, allowed) or (isinstance(v, bool) and bool not in allowed):
-        raise _type_error(v, key, what)
-    return v
 
 
 def to_flight_error(e: FlightqError) -> Exception:

@@ -26,18 +26,23 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from ..errors import (
-    FlightqError,
-    ProtocolError,
-    SchemaError,
-    SchemaMismatchError,
-    UnknownSchemaError,
-)
+from ..errors import FlightqError, ProtocolError, SchemaMismatchError, UnknownSchemaError
 from ..memory import keep_freed_memory
-from ..protocol import PROTOCOL_VERSION, pack, require, to_flight_error, unpack
+from ..protocol import (
+    ACTIONS,
+    ClaimTicket,
+    GetTicket,
+    PutAck,
+    PutCommand,
+    ScanTicket,
+    Ticket,
+    parse_ticket,
+    to_flight_error,
+)
 from ..registry import SchemaRegistry
-from ..schema import Schema, diff_schemas
+from ..schema import diff_schemas
 from ..validation import validate
+from .actions import HANDLERS, ActionContext
 from .assemble import assemble
 from .partition import Partition, Row, make_piece
 from .staging import Staging
@@ -200,18 +205,6 @@ class Server(fl.FlightServerBase):
 
     # ------------------------------------------------------------------ helpers
 
-    def _schema(self, text: Any) -> Schema:
-        if not isinstance(text, str):
-            raise ProtocolError("schema must be given as its JSON text")
-        theirs = Schema.from_json(text)
-        mine = self.registry.get(theirs.ref)
-        if mine.fingerprint != theirs.fingerprint:
-            raise SchemaMismatchError(
-                f"schema {theirs.ref} differs from the server's ({mine.fingerprint} here, "
-                f"{theirs.fingerprint} given): " + "; ".join(diff_schemas(mine, theirs))
-            )
-        return mine
-
     def _guard(self, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
@@ -236,47 +229,33 @@ class Server(fl.FlightServerBase):
         writer: fl.FlightMetadataWriter,
         context: fl.ServerCallContext | None = None,
     ) -> None:
-        cmd = _command(descriptor, "put descriptor")
-        name = require(cmd, "partition", str, "put")
-        overwrite = bool(cmd.get("overwrite", False))
-        wait = cmd.get("timeout", 0.0)
-        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not wait >= 0:
-            raise ProtocolError("put descriptor: 'timeout' must be a non-negative number")
-        rows = cmd.get("rows")
-        if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 0):
-            raise ProtocolError("put descriptor: 'rows' must be a non-negative integer")
-        put_id = cmd.get("put_id")
-        if put_id is not None and (not isinstance(put_id, str) or len(put_id) > 256):
-            raise ProtocolError("put descriptor: 'put_id' must be a string of <= 256 chars")
+        cmd = PutCommand.parse(_command(descriptor, PutCommand.WHAT))
+        name = cmd.partition
         staged = self._staging.check(cmd)
         try:
-            pieces = self._put_pieces(name, cmd, reader, context, rows)
+            pieces = self._put_pieces(cmd, reader, context)
         except BaseException as e:
             if staged is not None:  # the other parts fail with it
-                self._staging.fail(name, cmd["stage"], staged[1], e)
+                self._staging.fail(name, staged[0], staged[2], e)
             raise
+
+        def store(every: list[Any]) -> int:
+            return self.store.put(name, every, cmd.overwrite, cmd.timeout, cmd.put_id)
+
         if staged is None:
-            n = self.store.put(name, pieces, overwrite, float(wait), put_id)
+            n = store(pieces)
         else:
-            n = self._staging.join(
-                name,
-                cmd["stage"],
-                *staged,
-                pieces,
-                lambda every: self.store.put(name, every, overwrite, float(wait), put_id),
-                float(wait),
-            )
-        writer.write(pa.py_buffer(pack({"rows": n})))
+            n = self._staging.join(name, *staged, pieces, store, cmd.timeout)
+        writer.write(pa.py_buffer(PutAck(rows=n).to_wire()))
 
     def _put_pieces(
         self,
-        name: str,
-        cmd: dict[str, Any],
+        cmd: PutCommand,
         reader: fl.MetadataRecordBatchReader,
         context: fl.ServerCallContext | None,
-        rows: int | None,
     ) -> list[Any]:
         """One put stream's record batches, each checked against the partition's schema."""
+        name, rows = cmd.partition, cmd.rows
         part = self.store.partition(name)
         pieces = []
         got = 0
@@ -313,54 +292,40 @@ class Server(fl.FlightServerBase):
     def _do_get(
         self, ticket: fl.Ticket, context: fl.ServerCallContext | None = None
     ) -> fl.FlightDataStream:
-        t = unpack(ticket.ticket, "ticket")
-        op = require(t, "op", str, "ticket")
-        name = require(t, "partition", str, "ticket")
-        fields = t.get("fields")
-        if fields is not None and (
-            not isinstance(fields, list) or not all(isinstance(f, str) for f in fields)
-        ):
-            raise ProtocolError("ticket: 'fields' must be a list of names or null")
-        if op == "get":
-            keys = require(t, "keys", list, "get ticket")
-            if not all(isinstance(k, str) for k in keys):
-                raise ProtocolError("get ticket: keys must be strings")
-            part, rows, names = self.store.rows_for_get(name, keys, fields)
+        t = parse_ticket(ticket.ticket)
+        if isinstance(t, GetTicket):
+            part, rows, names = self.store.rows_for_get(t.partition, t.keys, t.fields)
             schema, batches = self._assemble(t, part, rows, names)
             return _stream(*self._shm_reply(t, schema, batches, context))
-        if op == "scan":
-            part, rows, names = self.store.scan(name)
+        if isinstance(t, ScanTicket):
+            part, rows, names = self.store.scan(t.partition)
             schema, batches = self._assemble(t, part, rows, names)
             return _stream(*self._shm_reply(t, schema, batches, context))
-        if op == "claim":
-            task = require(t, "task", str, "claim ticket")
-            size = require(t, "batch_size", int, "claim ticket")
-            timeout = float(require(t, "timeout", (int, float), "claim ticket"))
-            if timeout != timeout:
-                raise ProtocolError("claim ticket: 'timeout' is NaN; give seconds (inf: no limit)")
-            wait_for = t.get("wait_for") or []
-            if not isinstance(wait_for, list) or not all(isinstance(f, str) for f in wait_for):
-                raise ProtocolError("claim ticket: 'wait_for' must be a list of names")
-            cancelled = context.is_cancelled if context is not None else None
-            part, rows, names = self.store.claim(
-                name, task, size, fields, timeout, wait_for, cancelled
-            )
-            schema, batches = self._assemble(t, part, rows, names)
-            keys = [r.key for r in rows]
-            try:
-                schema, batches = self._shm_reply(t, schema, batches, context)
-            except BaseException:
-                self.store.unclaim(name, task, keys)
-                raise
-            return _stream(schema, self._claimed(name, task, keys, batches))
-        raise ProtocolError(f"ticket: unknown op {op!r}; expected get, claim or scan")
+        return self._do_claim(t, context)
+
+    def _do_claim(
+        self, t: ClaimTicket, context: fl.ServerCallContext | None
+    ) -> fl.FlightDataStream:
+        name, task = t.partition, t.task
+        cancelled = context.is_cancelled if context is not None else None
+        part, rows, names = self.store.claim(
+            name, task, t.batch_size, t.fields, t.timeout, t.wait_for, cancelled
+        )
+        schema, batches = self._assemble(t, part, rows, names)
+        keys = [r.key for r in rows]
+        try:
+            schema, batches = self._shm_reply(t, schema, batches, context)
+        except BaseException:
+            self.store.unclaim(name, task, keys)
+            raise
+        return _stream(schema, self._claimed(name, task, keys, batches))
 
     def _assemble(
-        self, t: dict[str, Any], part: Partition, rows: list[Row], names: list[str]
+        self, t: Ticket, part: Partition, rows: list[Row], names: list[str]
     ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
         """A read's answer: batches bounded for the socket (small slices copied together),
         large and as stored over shm, where the consumer maps them."""
-        if not t.get("shm"):
+        if not t.shm:
             return assemble(part, rows, names, self.max_batch_bytes, coalesce=True)
         from ..shm import BATCH_BYTES
 
@@ -382,13 +347,13 @@ class Server(fl.FlightServerBase):
 
     def _put_source(
         self,
-        cmd: dict[str, Any],
+        cmd: PutCommand,
         reader: fl.MetadataRecordBatchReader,
         context: fl.ServerCallContext | None,
         what: str,
     ) -> Iterator[pa.RecordBatch]:
         """A put's record batches: from the stream, or mapped from a shm segment."""
-        ref = cmd.get("shm")
+        ref = cmd.shm
         if ref is None:
             return (chunk.data for chunk in reader)
         from .. import shm
@@ -397,22 +362,22 @@ class Server(fl.FlightServerBase):
             raise ProtocolError(f"{what}: this server has shared memory disabled")
         if context is not None:
             shm.check_peer(context.peer(), what)
-        return iter(shm.read(ref, self.shm_dir, what, populate=False))
+        return iter(shm.read(ref.to_dict(), self.shm_dir, what, populate=False))
 
     def _shm_reply(
         self,
-        t: dict[str, Any],
+        t: Ticket,
         schema: pa.Schema,
         batches: Iterator[pa.RecordBatch],
         context: fl.ServerCallContext | None,
     ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
         """A read's answer: the batches, or (ticket ``shm``) the segment holding them."""
-        if not t.get("shm"):
+        if not t.shm:
             return schema, batches
         from .. import shm
         from ..shm import table as shmtable
 
-        what = f"{t.get('op')} from {t.get('partition')!r}"
+        what = f"{t.op} from {t.partition!r}"
         if self.shm_dir is None:
             raise ProtocolError(f"{what}: this server has shared memory disabled")
         if context is not None:
@@ -429,92 +394,22 @@ class Server(fl.FlightServerBase):
     # ------------------------------------------------------------------ DoAction
 
     def list_actions(self, context: fl.ServerCallContext) -> list[tuple[str, str]]:
-        from ..protocol import ACTIONS
-
         return [(kind, spec.doc) for kind, spec in ACTIONS.items()]
 
     def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> Iterator[bytes]:
-        result = self._guard(self._do_action, action)
-        return iter([pack(result)])
+        return iter([self._guard(self._do_action, action)])
 
-    def _do_action(self, action: fl.Action) -> dict[str, Any]:
-        kind = action.type
-        body = unpack(action.body, f"action {kind!r}") if action.body.size else {}
-        if kind == "health":
-            from ..shm import probe_reply
-
-            return {
-                "ok": True,
-                "protocol": PROTOCOL_VERSION,
-                "partitions": len(self.store.partitions()),
-                "shm": probe_reply(self.shm_dir, body),
-            }
-        if kind == "check_schemas":
-            schemas = require(body, "schemas", list, "check_schemas")
-            out = []
-            for text in schemas:
-                s = self._schema(text)
-                out.append({"ref": s.ref, "fingerprint": s.fingerprint})
-            return {"schemas": out}
-        if kind == "register_schema":
-            s = Schema.from_json(require(body, "schema", str, "register_schema"))
-            try:
-                self.registry.register(s)
-            except SchemaError as e:
-                raise SchemaMismatchError(str(e)) from e
-            return {"ref": s.ref, "fingerprint": s.fingerprint}
-        if kind == "declare":
-            name = require(body, "partition", str, "declare")
-            schema = self._schema(require(body, "schema", str, "declare"))
-            tasks = body.get("tasks") or []
-            if not isinstance(tasks, list) or not all(isinstance(t, str) for t in tasks):
-                raise ProtocolError("declare: tasks must be a list of names")
-            g = body.get("group_size")
-            if g is not None and (not isinstance(g, int) or isinstance(g, bool)):
-                raise ProtocolError("declare: group_size must be an integer or null")
-            m = body.get("max_rows")
-            if m is not None and (not isinstance(m, int) or isinstance(m, bool)):
-                raise ProtocolError("declare: max_rows must be an integer or null")
-            created = self.store.declare(name, schema, tasks, g, m)
-            return {"created": created, **self.store.partition(name).declaration()}
-        if kind == "describe":
-            name = require(body, "partition", str, "describe")
-            return self.store.partition(name).declaration()
-        if kind == "clear":
-            name = require(body, "partition", str, "clear")
-            return {"cleared": self.store.clear(name, _keys(body))}
-        if kind == "reset":
-            name = require(body, "partition", str, "reset")
-            task = require(body, "task", str, "reset")
-            return {"reset": self.store.reset(name, task, _keys(body))}
-        if kind == "drop":
-            self.store.drop(require(body, "partition", str, "drop"))
-            return {"dropped": True}
-        if kind == "abort_put":
-            name = require(body, "partition", str, "abort_put")
-            stage = require(body, "stage", str, "abort_put")
-            parts = require(body, "parts", int, "abort_put")
-            self._staging.fail(
-                name, stage, parts, ProtocolError(f"put to {name!r}: the client gave up a part")
-            )
-            return {"aborted": True}
-        if kind == "stats":
-            return self.store.stats()
-        if kind == "inspect":
-            return self.store.inspect(require(body, "partition", str, "inspect"))
-        if kind == "snapshot":
-            from .snapshot import snapshot_path, write_snapshot
-
-            dest = snapshot_path(self.snapshot_dir, body.get("name"))
-            only = body.get("partition")
-            if only is not None and not isinstance(only, str):
-                raise ProtocolError("snapshot: 'partition' must be a name or null")
-            manifest = write_snapshot(self.store, dest, None if only is None else [only])
-            return {
-                "path": str(dest),
-                "partitions": {e["name"]: e["rows"] for e in manifest["partitions"]},
-            }
-        raise ProtocolError(f"unknown action {kind!r}")
+    def _do_action(self, action: fl.Action) -> bytes:
+        """One action: its body parsed with the action's request type, its handler's reply
+        as msgpack bytes (one Flight ``Result``)."""
+        spec = ACTIONS.get(action.type)
+        if spec is None:
+            raise ProtocolError(f"unknown action {action.type!r}")
+        request = spec.request.parse(action.body if action.body.size else {})
+        context = ActionContext(
+            self.store, self.registry, self._staging, self.shm_dir, self.snapshot_dir
+        )
+        return HANDLERS[action.type](context, request).to_wire()
 
     # ------------------------------------------------------------------ descriptions
 
@@ -523,7 +418,7 @@ class Server(fl.FlightServerBase):
         from ..layout import arrow_schema
 
         schema = arrow_schema(part.schema, names)
-        ticket = fl.Ticket(pack({"op": "scan", "partition": name}))
+        ticket = fl.Ticket(ScanTicket(partition=name).to_wire())
         # Sharded: one endpoint per peer, same scan ticket; totals of other shards unknown.
         where = self.peers or [self.location]
         endpoints = [fl.FlightEndpoint(ticket, [fl.Location(loc)]) for loc in where]
@@ -546,9 +441,11 @@ class Server(fl.FlightServerBase):
         if descriptor.descriptor_type == fl.DescriptorType.PATH and descriptor.path:
             name = descriptor.path[0].decode()
         else:
-            name = self._guard(
-                lambda: require(_command(descriptor, "descriptor"), "partition", str, "descriptor")
+            # A command names the partition as a scan ticket does: {"partition": name}.
+            scan = self._guard(
+                lambda: ScanTicket.parse(_command(descriptor, "descriptor"), "descriptor")
             )
+            name = scan.partition
         return self._guard(self._info, name)
 
 
@@ -559,19 +456,10 @@ def _stream(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> fl.FlightDa
     return fl.RecordBatchStream(pa.RecordBatchReader.from_batches(schema, batches))
 
 
-def _command(descriptor: fl.FlightDescriptor, what: str) -> dict[str, Any]:
+def _command(descriptor: fl.FlightDescriptor, what: str) -> bytes:
     if descriptor.descriptor_type != fl.DescriptorType.CMD:
         raise ProtocolError(f"{what}: expected a command descriptor")
-    return unpack(descriptor.command, what)
-
-
-def _keys(body: dict[str, Any]) -> list[str] | None:
-    keys = body.get("keys")
-    if keys is None:
-        return None
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        raise ProtocolError("keys must be a list of strings or null")
-    return keys
+    return bytes(descriptor.command)
 
 
 def serve_forever(args: argparse.Namespace) -> int:

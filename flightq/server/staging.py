@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import FlightqError, ProtocolError
+from ..protocol import MAX_PUT_PARTS, PutCommand
 
 __all__ = ["Staging", "MAX_PARTS"]
 
 #: Most streams one put may use.
-MAX_PARTS = 16
+MAX_PARTS = MAX_PUT_PARTS
 #: Seconds a decided put is remembered (for its late parts).
 _KEEP_S = 300.0
 
@@ -48,33 +49,27 @@ class Staging:
         self._cond = threading.Condition()
         self._puts: dict[tuple[str, str], _Put] = {}  # (partition, stage)
 
-    def check(self, cmd: dict[str, Any]) -> tuple[int, int] | None:
-        """``(part, parts)`` of a put command, None for a put of one stream.
+    def check(self, cmd: PutCommand) -> tuple[str, int, int] | None:
+        """``(stage, part, parts)`` of a put command, None for a put of one stream.
+
+        The command's parser bounds ``part`` and ``parts``; a put in parts must also have
+        its ``part`` among its ``parts`` and a ``stage``.
 
         Raises
         ------
         ProtocolError
-            If ``part`` / ``parts`` are malformed or come without a ``stage``.
+            If ``part`` / ``parts`` disagree or come without a ``stage``.
         """
-        parts = cmd.get("parts")
+        parts, part, stage = cmd.parts, cmd.part, cmd.stage
         if parts is None:
             return None
-        part = cmd.get("part")
-        if (
-            not isinstance(parts, int)
-            or not isinstance(part, int)
-            or isinstance(parts, bool)
-            or isinstance(part, bool)
-            or not 1 <= parts <= MAX_PARTS
-            or not 0 <= part < parts
-        ):
+        if part is None or not 1 <= parts <= MAX_PARTS or not 0 <= part < parts:
             raise ProtocolError(
                 f"put descriptor: 'part' must be in [0, parts) and 'parts' in [1, {MAX_PARTS}]"
             )
-        stage = cmd.get("stage")
-        if not isinstance(stage, str) or not 0 < len(stage) <= 64:
+        if stage is None or not 0 < len(stage) <= 64:
             raise ProtocolError("put descriptor: a put in parts needs a 'stage' (<= 64 chars)")
-        return part, parts
+        return stage, part, parts
 
     def fail(self, partition: str, stage: str, parts: int, error: BaseException) -> None:
         """A part could not be read or checked: the whole put fails, nothing is stored."""

@@ -1,0 +1,197 @@
+"""The DoAction handlers: one per action type, from its parsed request to its reply.
+
+:data:`HANDLERS` has one entry per :data:`flightq.protocol.ACTIONS` entry (a test holds
+the two together). The server parses an action's body with the action's request type,
+calls its handler with an :class:`ActionContext` and sends the reply's ``to_wire()``; a
+handler never sees bytes or raw maps, and knows nothing of Flight.
+
+Examples
+--------
+>>> from flightq.protocol import Clear
+>>> from flightq.registry import SchemaRegistry
+>>> from flightq.server.staging import Staging
+>>> from flightq.server.store import Store
+>>> ctx = ActionContext(Store(), SchemaRegistry.default(), Staging())
+>>> HANDLERS["stats"](ctx, Stats())
+StatsReply(partitions={}, rows=0, bytes=0, waiting_claims=0)
+>>> HANDLERS["clear"](ctx, Clear(partition="nope"))
+Traceback (most recent call last):
+...
+flightq.errors.NotFoundError: unknown partition 'nope'; declared: (none)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ProtocolError, SchemaError, SchemaMismatchError
+from ..protocol import (
+    PROTOCOL_VERSION,
+    AbortPut,
+    AbortPutReply,
+    CheckSchemas,
+    CheckSchemasReply,
+    Clear,
+    ClearReply,
+    Declaration,
+    Declare,
+    DeclareReply,
+    Describe,
+    Drop,
+    DropReply,
+    Health,
+    HealthReply,
+    Inspect,
+    Message,
+    PartitionStats,
+    RegisterSchema,
+    Reset,
+    ResetReply,
+    SchemaRef,
+    Snapshot,
+    SnapshotReply,
+    Stats,
+    StatsReply,
+)
+from ..registry import SchemaRegistry
+from ..schema import Schema, diff_schemas
+from .staging import Staging
+from .store import Store
+
+__all__ = ["ActionContext", "Handler", "HANDLERS", "resolve_schema"]
+
+
+@dataclass(frozen=True)
+class ActionContext:
+    """What the handlers act on: the server's store, registry, staged puts and folders."""
+
+    store: Store
+    registry: SchemaRegistry
+    staging: Staging
+    #: The shared-memory directory; None: shared memory disabled.
+    shm_dir: str | None = None
+    #: Where ``snapshot`` writes; None: snapshots are refused.
+    snapshot_dir: str | os.PathLike[str] | None = None
+
+
+#: A handler takes the context and the parsed request and returns the reply.
+Handler = Callable[[ActionContext, Any], Message]
+
+
+def resolve_schema(registry: SchemaRegistry, text: str) -> Schema:
+    """The registry's schema for ``text`` (a schema's JSON), which must match it.
+
+    Raises
+    ------
+    UnknownSchemaError
+        If the registry does not know the schema's name and version.
+    SchemaMismatchError
+        If the fingerprints differ, with a field-by-field diff.
+    """
+    theirs = Schema.from_json(text)
+    mine = registry.get(theirs.ref)
+    if mine.fingerprint != theirs.fingerprint:
+        raise SchemaMismatchError(
+            f"schema {theirs.ref} differs from the server's ({mine.fingerprint} here, "
+            f"{theirs.fingerprint} given): " + "; ".join(diff_schemas(mine, theirs))
+        )
+    return mine
+
+
+def _health(ctx: ActionContext, req: Health) -> HealthReply:
+    from ..shm import probe_reply
+
+    return HealthReply(
+        ok=True,
+        protocol=PROTOCOL_VERSION,
+        partitions=len(ctx.store.partitions()),
+        shm=probe_reply(ctx.shm_dir, req.to_dict()),
+    )
+
+
+def _check_schemas(ctx: ActionContext, req: CheckSchemas) -> CheckSchemasReply:
+    found = [resolve_schema(ctx.registry, text) for text in req.schemas]
+    return CheckSchemasReply(
+        schemas=[SchemaRef(ref=s.ref, fingerprint=s.fingerprint) for s in found]
+    )
+
+
+def _register_schema(ctx: ActionContext, req: RegisterSchema) -> SchemaRef:
+    s = Schema.from_json(req.schema)
+    try:
+        ctx.registry.register(s)
+    except SchemaError as e:
+        raise SchemaMismatchError(str(e)) from e
+    return SchemaRef(ref=s.ref, fingerprint=s.fingerprint)
+
+
+def _declare(ctx: ActionContext, req: Declare) -> DeclareReply:
+    schema = resolve_schema(ctx.registry, req.schema)
+    created = ctx.store.declare(
+        req.partition, schema, req.tasks or [], req.group_size, req.max_rows
+    )
+    declaration = ctx.store.partition(req.partition).declaration()
+    return DeclareReply.parse({"created": created, **declaration})
+
+
+def _describe(ctx: ActionContext, req: Describe) -> Declaration:
+    return Declaration.parse(ctx.store.partition(req.partition).declaration())
+
+
+def _clear(ctx: ActionContext, req: Clear) -> ClearReply:
+    return ClearReply(cleared=ctx.store.clear(req.partition, req.keys))
+
+
+def _reset(ctx: ActionContext, req: Reset) -> ResetReply:
+    return ResetReply(reset=ctx.store.reset(req.partition, req.task, req.keys))
+
+
+def _drop(ctx: ActionContext, req: Drop) -> DropReply:
+    ctx.store.drop(req.partition)
+    return DropReply(dropped=True)
+
+
+def _abort_put(ctx: ActionContext, req: AbortPut) -> AbortPutReply:
+    gave_up = ProtocolError(f"put to {req.partition!r}: the client gave up a part")
+    ctx.staging.fail(req.partition, req.stage, req.parts, gave_up)
+    return AbortPutReply(aborted=True)
+
+
+def _stats(ctx: ActionContext, req: Stats) -> StatsReply:
+    # Parsed, not built field by field: a key the store adds and the protocol lacks fails.
+    return StatsReply.parse(ctx.store.stats())
+
+
+def _inspect(ctx: ActionContext, req: Inspect) -> PartitionStats:
+    return PartitionStats.parse(ctx.store.inspect(req.partition))
+
+
+def _snapshot(ctx: ActionContext, req: Snapshot) -> SnapshotReply:
+    from .snapshot import snapshot_path, write_snapshot
+
+    dest = snapshot_path(ctx.snapshot_dir, req.name)
+    only = None if req.partition is None else [req.partition]
+    manifest = write_snapshot(ctx.store, dest, only)
+    return SnapshotReply(
+        path=str(dest), partitions={e["name"]: e["rows"] for e in manifest["partitions"]}
+    )
+
+
+#: The handler of every action type, by name (the keys of ``protocol.ACTIONS``).
+HANDLERS: dict[str, Handler] = {
+    "declare": _declare,
+    "check_schemas": _check_schemas,
+    "register_schema": _register_schema,
+    "describe": _describe,
+    "clear": _clear,
+    "reset": _reset,
+    "drop": _drop,
+    "abort_put": _abort_put,
+    "stats": _stats,
+    "inspect": _inspect,
+    "health": _health,
+    "snapshot": _snapshot,
+}
