@@ -264,10 +264,17 @@ class Batch:
                     msgpack.StackError,
                 ) as e:
                     raise DecodeError(
-                        f"tags of row {self.keys[i]!r} are not valid msgpack: {e}"
+                        f"tags of row {self.keys[i]!r} are not valid msgpack: {e}",
+                        field=TAGS,
+                        key=self.keys[i],
                     ) from e
                 if not isinstance(t, dict):
-                    raise DecodeError(f"tags of row {self.keys[i]!r} are not a map")
+                    raise DecodeError(
+                        f"tags of row {self.keys[i]!r} are not a map",
+                        field=TAGS,
+                        key=self.keys[i],
+                        actual=type(t).__name__,
+                    )
                 out.append(t)
             self._tags = out
         return self._tags
@@ -285,7 +292,9 @@ class Batch:
             if name not in self.fields:
                 raise MissingFieldError(
                     f"field {name!r} is not in this batch of {self.schema.ref}; present: "
-                    f"{', '.join(self.fields)}"
+                    f"{', '.join(self.fields)}",
+                    field=name,
+                    key=self.keys[0] if self.keys else None,
                 )
             if self._parts is not None:
                 col = ChunkedColumn([p.column(name) for p in self._parts])

@@ -81,13 +81,21 @@ class Zstd(Codec):
     def decode(self, data: Any, nbytes: int) -> Any:
         size = self.decoded_size(data)
         if size != nbytes:
-            raise DecodeError(f"zstd frame declares {size} bytes, the shape needs {nbytes}")
+            raise DecodeError(
+                f"zstd frame declares {size} bytes, the shape needs {nbytes}",
+                expected=nbytes,
+                actual=size,
+            )
         try:
             out = zstandard.ZstdDecompressor().decompress(data, max_output_size=nbytes)
         except zstandard.ZstdError as e:
             raise DecodeError(f"zstd payload is corrupt: {e}") from e
         if len(out) != nbytes:
-            raise DecodeError(f"zstd payload decoded to {len(out)} bytes, expected {nbytes}")
+            raise DecodeError(
+                f"zstd payload decoded to {len(out)} bytes, expected {nbytes}",
+                expected=nbytes,
+                actual=len(out),
+            )
         return out
 
     def decoded_size(self, data: Any) -> int | None:

@@ -17,8 +17,8 @@ import numpy as np
 import pyarrow as pa
 
 from .codecs import RAW
-from .errors import MissingFieldError, ShapeError
-from .layout import SHAPE_SUFFIX, binary_offsets
+from .errors import DecodeError, MissingFieldError, ShapeError
+from .layout import KEY, SHAPE_SUFFIX, binary_offsets
 from .schema import Field
 from .tensor import column_base, nbytes_for, row_view
 
@@ -33,6 +33,7 @@ class Column:
         self.as_ = as_
         self.copy = copy
         self.payload = rb.column(f.name)
+        self._rb = rb
         #: Every row carries the field.
         self.complete = self.payload.null_count == 0
 
@@ -51,6 +52,11 @@ class Column:
 
     def __len__(self) -> int:
         return len(self.payload)
+
+    def _first_lacking(self) -> str | None:
+        """The key of the first row that lacks the field."""
+        i = int(np.argmin(self.valid)) if len(self) else 0
+        return None if self.complete else str(self._rb.column(KEY)[i].as_py())
 
     def rows(self) -> Any:
         """The per-row structure of ``Batch.__getitem__``."""
@@ -88,7 +94,11 @@ def _decoded_base(
     mv = memoryview(data) if data is not None else memoryview(b"")
     for i in range(len(shapes)):
         if sizes[i]:
-            raw = f.codec.decode(mv[offs[i] : offs[i + 1]], int(sizes[i]))
+            try:
+                raw = f.codec.decode(mv[offs[i] : offs[i + 1]], int(sizes[i]))
+            except DecodeError as e:
+                e.field = f.name  # the codec knows bytes, not columns
+                raise
             out[starts[i] : starts[i + 1]] = np.frombuffer(raw, dtype=np.uint8)
     base = column_base(out, 0, len(out), dt, as_)
     return base, starts[:-1] // dt.itemsize
@@ -241,7 +251,8 @@ class MediaColumn(Column):
         if len(trail) > 1 or any(len(s) == 0 for s in shapes):
             raise ShapeError(
                 f"column {self.field.name!r}: segments of shapes {sorted(trail)} cannot be "
-                "concatenated along dim 0; iterate the rows instead"
+                "concatenated along dim 0; iterate the rows instead",
+                field=self.field.name,
             )
         tail = next(iter(trail)) if trail else ()
         dim0 = np.array([s[0] for s in shapes], dtype=np.int64)
@@ -278,7 +289,9 @@ class ScalarColumn(Column):
         if not self.complete:
             raise MissingFieldError(
                 f"column {self.field.name!r}: {int((~self.valid).sum())} rows lack the field; "
-                "use .rows() for a list with None entries"
+                "use .rows() for a list with None entries",
+                field=self.field.name,
+                key=self._first_lacking(),
             )
         dt = self.field.dt
         arr = self.payload
@@ -305,7 +318,9 @@ class ScalarColumn(Column):
         dt = self.field.dt
         if not dt.native_numpy:
             raise MissingFieldError(
-                f"column {self.field.name!r}: {dt.name} rows with gaps; select rows that have it"
+                f"column {self.field.name!r}: {dt.name} rows with gaps; select rows that have it",
+                field=self.field.name,
+                key=self._first_lacking(),
             )
         return self.payload.to_pylist()
 

@@ -91,7 +91,10 @@ def dtype(name: str) -> DType:
     try:
         return DTYPES[name]
     except KeyError:
-        raise SchemaError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}") from None
+        raise SchemaError(
+            f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}",
+            actual=name if isinstance(name, str) else None,
+        ) from None
 
 
 def from_numpy(dt: np.dtype) -> str:
@@ -112,7 +115,10 @@ def from_numpy(dt: np.dtype) -> str:
         return dt.name  # ml_dtypes.bfloat16 and friends
     tag = _NUMPY_TO_TAG.get(dt.newbyteorder("="))
     if tag is None:
-        raise DTypeError(f"numpy dtype {dt} has no flightq dtype; supported: {', '.join(DTYPES)}")
+        raise DTypeError(
+            f"numpy dtype {dt} has no flightq dtype; supported: {', '.join(DTYPES)}",
+            actual=str(dt),
+        )
     return tag
 
 
@@ -126,5 +132,8 @@ def from_torch(dt: Any) -> str:
     """
     name = str(dt).removeprefix("torch.")
     if name not in DTYPES:
-        raise DTypeError(f"torch dtype {dt} has no flightq dtype; supported: {', '.join(DTYPES)}")
+        raise DTypeError(
+            f"torch dtype {dt} has no flightq dtype; supported: {', '.join(DTYPES)}",
+            actual=name,
+        )
     return name

@@ -145,7 +145,9 @@ def schema_of(arrow: pa.Schema) -> Schema:
     wire = meta.get(META_WIRE, b"").decode(errors="replace")
     if wire != WIRE_VERSION:
         raise DecodeError(
-            f"wire version {wire!r} is not supported (this flightq reads {WIRE_VERSION!r})"
+            f"wire version {wire!r} is not supported (this flightq reads {WIRE_VERSION!r})",
+            expected=WIRE_VERSION,
+            actual=wire,
         )
     return _parse_schema(meta[META_SCHEMA], meta.get(META_FINGERPRINT, b""))
 
@@ -161,7 +163,9 @@ def _parse_schema(text: bytes, fingerprint: bytes) -> Schema:
     if fp != schema.fingerprint:
         raise DecodeError(
             f"schema {schema.ref}: metadata fingerprint {fp!r} does not match its "
-            f"declarations ({schema.fingerprint})"
+            f"declarations ({schema.fingerprint})",
+            expected=schema.fingerprint,
+            actual=fp,
         )
     return schema
 

@@ -58,7 +58,8 @@ def check_evolution(old: Schema, new: Schema) -> None:
         if f.name not in new:
             raise EvolutionError(
                 f"{new.ref}: field {f.name!r} of {old.ref} was removed or renamed; "
-                "rule: fields are never removed or renamed (use a new schema name)"
+                "rule: fields are never removed or renamed (use a new schema name)",
+                field=f.name,
             )
         g = new[f.name]
         if f.to_dict(with_doc=False) != g.to_dict(with_doc=False):
@@ -70,17 +71,20 @@ def check_evolution(old: Schema, new: Schema) -> None:
             raise EvolutionError(
                 f"{new.ref}: field {f.name!r} changed its {', '.join(changed)} since {old.ref}; "
                 "rule: an existing field's dtype, role, shape, required flag and codec are "
-                "fixed (use a new schema name)"
+                "fixed (use a new schema name)",
+                field=f.name,
             )
         if i >= len(new_fields) or new_fields[i].name != f.name:
             raise EvolutionError(
-                f"{new.ref}: field {f.name!r} moved; rule: new versions only append fields"
+                f"{new.ref}: field {f.name!r} moved; rule: new versions only append fields",
+                field=f.name,
             )
     for g in new_fields[len(old.fields) :]:
         if g.required:
             raise EvolutionError(
                 f"{new.ref}: appended field {g.name!r} is required; "
-                "rule: fields added in a new version are optional"
+                "rule: fields added in a new version are optional",
+                field=g.name,
             )
 
 
@@ -156,7 +160,9 @@ class SchemaRegistry:
                     raise SchemaError(
                         f"{schema.ref} is already registered with fingerprint "
                         f"{have.fingerprint}, not {schema.fingerprint}; released versions "
-                        "are immutable"
+                        "are immutable",
+                        expected=have.fingerprint,
+                        actual=schema.fingerprint,
                     )
                 return have
             older = [v for v in versions if v < schema.version]
@@ -181,13 +187,17 @@ class SchemaRegistry:
             versions = self._by_name.get(name)
             if not versions:
                 known = ", ".join(sorted(self._by_name)) or "(none)"
-                raise UnknownSchemaError(f"unknown schema {name!r}; registered: {known}")
+                raise UnknownSchemaError(
+                    f"unknown schema {name!r}; registered: {known}",
+                    expected=name if v is None else f"{name}@{v}",
+                )
             if v is None:
                 return versions[max(versions)]
             if v not in versions:
                 raise UnknownSchemaError(
                     f"unknown schema version {name}@{v}; registered versions: "
-                    f"{', '.join(str(x) for x in sorted(versions))}"
+                    f"{', '.join(str(x) for x in sorted(versions))}",
+                    expected=f"{name}@{v}",
                 )
             return versions[v]
 

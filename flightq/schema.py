@@ -73,14 +73,24 @@ class Field:
 
     def __post_init__(self) -> None:
         where = f"field {self.name!r}: "
+        at = self.name if isinstance(self.name, str) else None
         if not isinstance(self.name, str) or not _NAME.match(self.name) or "__" in self.name:
             raise SchemaError(
                 f"{where}names are identifiers (letters, digits, _) without '__', "
-                f"starting with a letter"
+                f"starting with a letter",
+                field=at,
             )
-        dtype(self.dtype)  # raises on unknown tags
+        try:
+            dtype(self.dtype)  # raises on unknown tags
+        except SchemaError as e:
+            e.field = at
+            raise
         if self.role not in ROLES:
-            raise SchemaError(f"{where}unknown role {self.role!r}; expected one of {ROLES}")
+            raise SchemaError(
+                f"{where}unknown role {self.role!r}; expected one of {ROLES}",
+                field=at,
+                actual=self.role if isinstance(self.role, str) else None,
+            )
         shape = self.shape
         if shape is not None:
             if not isinstance(shape, (tuple, list)) or any(
@@ -89,24 +99,35 @@ class Field:
             ):
                 raise SchemaError(
                     f"{where}shape must be a list of non-negative ints or null, or null, "
-                    f"got {shape!r}"
+                    f"got {shape!r}",
+                    field=at,
                 )
             object.__setattr__(self, "shape", tuple(shape))
         if self.role == "scalar" and self.shape not in ((), None):
-            raise SchemaError(f"{where}a scalar has shape [], got {list(self.shape or ())}")
+            raise SchemaError(
+                f"{where}a scalar has shape [], got {list(self.shape or ())}",
+                field=at,
+                expected=[],
+                actual=list(self.shape or ()),
+            )
         if self.role == "scalar":
             object.__setattr__(self, "shape", ())
             if not isinstance(self.codec, type(RAW)):
-                raise SchemaError(f"{where}scalars are plain Arrow columns and take no codec")
+                raise SchemaError(
+                    f"{where}scalars are plain Arrow columns and take no codec", field=at
+                )
         if self.role == "token" and (not self.shape or self.shape[0] is not None):
             raise SchemaError(
                 f"{where}a token field's shape starts with null (the sequence length), "
-                f"e.g. [null] or [null, 3]; got {self.shape!r}"
+                f"e.g. [null] or [null, 3]; got {self.shape!r}",
+                field=at,
             )
         if self.role == "tensor" and self.shape is None:
-            raise SchemaError(f"{where}a tensor field has a fixed rank: give its shape as a list")
+            raise SchemaError(
+                f"{where}a tensor field has a fixed rank: give its shape as a list", field=at
+            )
         if not isinstance(self.required, bool):
-            raise SchemaError(f"{where}required must be true or false")
+            raise SchemaError(f"{where}required must be true or false", field=at)
 
     @property
     def dt(self) -> DType:
@@ -141,11 +162,12 @@ class Field:
             raise SchemaError(f"a field is an object, got {d!r}")
         known = {"name", "dtype", "role", "shape", "required", "codec", "doc"}
         unknown = set(d) - known
+        at = d.get("name") if isinstance(d.get("name"), str) else None
         if unknown:
-            raise SchemaError(f"field {d.get('name')!r}: unknown keys {sorted(unknown)}")
+            raise SchemaError(f"field {d.get('name')!r}: unknown keys {sorted(unknown)}", field=at)
         for key in ("name", "dtype", "role"):
             if key not in d:
-                raise SchemaError(f"field {d.get('name')!r}: missing {key!r}")
+                raise SchemaError(f"field {d.get('name')!r}: missing {key!r}", field=at)
         return cls(
             name=d["name"],
             dtype=d["dtype"],
@@ -202,7 +224,9 @@ class Schema:
         seen: set[str] = set()
         for f in self.fields:
             if f.name in seen:
-                raise SchemaError(f"schema {self.ref}: field {f.name!r} is declared twice")
+                raise SchemaError(
+                    f"schema {self.ref}: field {f.name!r} is declared twice", field=f.name
+                )
             seen.add(f.name)
         object.__setattr__(self, "_by_name", {f.name: f for f in self.fields})
         canonical = json.dumps(self.to_dict(with_doc=False), sort_keys=True, separators=(",", ":"))
@@ -234,7 +258,8 @@ class Schema:
         except KeyError:
             raise UnknownSchemaError(
                 f"schema {self.ref} declares no field {name!r}; declared: "
-                f"{', '.join(f.name for f in self.fields)}"
+                f"{', '.join(f.name for f in self.fields)}",
+                field=name if isinstance(name, str) else None,
             ) from None
 
     def __iter__(self) -> Iterator[Field]:

@@ -121,10 +121,15 @@ def nbytes_for(shape: Sequence[int], itemsize: int, where: str = "") -> int:
     for d in shape:
         d = int(d)
         if d < 0:
-            raise ShapeError(f"{where}shape {tuple(shape)} has a negative dim")
+            raise ShapeError(
+                f"{where}shape {tuple(shape)} has a negative dim", actual=[int(x) for x in shape]
+            )
         n *= d
     if n > MAX_NBYTES:
-        raise ShapeError(f"{where}shape {tuple(shape)} overflows: {n} bytes does not fit in int64")
+        raise ShapeError(
+            f"{where}shape {tuple(shape)} overflows: {n} bytes does not fit in int64",
+            actual=[int(x) for x in shape],
+        )
     return n
 
 
@@ -159,7 +164,8 @@ def to_bytes(x: Any, *, zero_copy: bool = False, where: str = "") -> Encoded:
         return _torch_to_bytes(x, zero_copy, where)
     raise EncodeError(
         f"{where}expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}; "
-        "wrap Python values with torch.tensor(...) or numpy.asarray(...)"
+        "wrap Python values with torch.tensor(...) or numpy.asarray(...)",
+        actual=type(x).__name__,
     )
 
 

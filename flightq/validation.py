@@ -20,7 +20,15 @@ import numpy as np
 import pyarrow as pa
 
 from .codecs import RAW, codec_from_dict
-from .errors import DecodeError, EncodeError, SchemaError, ShapeError, UndeclaredFieldError
+from .errors import (
+    DecodeError,
+    EncodeError,
+    FlightqError,
+    SchemaError,
+    SchemaMismatchError,
+    ShapeError,
+    UndeclaredFieldError,
+)
 from .layout import (
     FIELD_CODEC,
     FIELD_DTYPE,
@@ -35,7 +43,7 @@ from .layout import (
     schema_of,
     shape_type,
 )
-from .schema import Field, Schema
+from .schema import Field, Schema, diff_schemas
 
 __all__ = ["Checked", "validate", "shape_products"]
 
@@ -75,11 +83,16 @@ def shape_products(
     itemsize: int,
     where: str,
     at: Callable[[int], str] | None = None,
+    *,
+    field: str | None = None,
+    key: Callable[[int], str] | None = None,
 ) -> np.ndarray:
     """Byte length of each shape in a flattened shape list, overflow-safe.
 
     ``offsets`` (n+1) delimit each shape's dims in ``values``. Returns int64 byte lengths.
-    ``at(i)`` names shape ``i`` in error messages (e.g. its row key).
+    ``at(i)`` names shape ``i`` in error messages; ``key(i)`` is the row key of shape
+    ``i``, named in the message (where ``at`` is not given) and carried by the error with
+    ``field``.
 
     Raises
     ------
@@ -99,11 +112,20 @@ def shape_products(
         return tuple(int(d) for d in values[offsets[i] : offsets[i + 1]])
 
     def name(i: int) -> str:
-        return at(i) if at is not None else f" (shape {i})"
+        if at is not None:
+            return at(i)
+        return _row(key(i)) if key is not None else f" (shape {i})"
+
+    def fault(i: int) -> dict[str, Any]:
+        return {
+            "field": field,
+            "key": key(i) if key is not None else None,
+            "actual": list(shape(i)),
+        }
 
     if v.min() < 0:
         i = int(np.searchsorted(offsets[1:], lo + int(np.argmax(v < 0)), side="right"))
-        raise ShapeError(f"{where}expected dims >= 0, got shape {shape(i)}{name(i)}")
+        raise ShapeError(f"{where}expected dims >= 0, got shape {shape(i)}{name(i)}", **fault(i))
     ranks = offsets[1:] - offsets[:-1]
     r = int(ranks[0])
     if r and (ranks == r).all() and float(v.max()) ** r * itemsize < _LIMIT:
@@ -116,7 +138,8 @@ def shape_products(
         i = int(np.nonzero(nz)[0][int(np.argmax(fprod >= _LIMIT))])
         raise ShapeError(
             f"{where}shape {shape(i)} needs {math.prod(shape(i)) * itemsize} bytes, more than "
-            f"a payload may hold (2**62){name(i)}"
+            f"a payload may hold (2**62){name(i)}",
+            **fault(i),
         )
     out[nz] = np.multiply.reduceat(v, starts) * itemsize
     return out
@@ -130,16 +153,26 @@ def _np(arr: pa.Array) -> np.ndarray:
     return arr.to_numpy(zero_copy_only=False)
 
 
+def _row(key: str) -> str:
+    """How a message names a row."""
+    return f" (row key {key!r})"
+
+
+def _declared(f: Field) -> list[int | None] | None:
+    """A field's declared shape as plain data (None for a free dim)."""
+    return None if f.shape is None else list(f.shape)
+
+
 def _valid(arr: pa.Array) -> np.ndarray:
     if arr.null_count == 0:
         return np.ones(len(arr), dtype=bool)
     return _np(arr.is_valid())
 
 
-def _shape_arrays(shapes: pa.Array, where: str) -> tuple[np.ndarray, np.ndarray]:
+def _shape_arrays(shapes: pa.Array, f: Field, where: str) -> tuple[np.ndarray, np.ndarray]:
     """Offsets and dims of a ``list<int64>`` array (sliced or not)."""
     if shapes.values.null_count:
-        raise ShapeError(f"{where}a shape has a null dim")
+        raise ShapeError(f"{where}a shape has a null dim", field=f.name)
     return (
         _np(shapes.offsets).astype(np.int64, copy=False),
         _np(shapes.values).astype(np.int64, copy=False),
@@ -152,10 +185,10 @@ def _check_fixed(
     values: np.ndarray,
     valid: np.ndarray | None,
     where: str,
-    keys: Any,
+    key: Callable[[int], str],
 ) -> None:
     """Ranks and fixed dims of the valid rows (all when ``valid`` is None) against the
-    declaration (vectorised)."""
+    declaration (vectorised); ``key(i)`` is the row key of shape ``i``."""
     if f.shape is None:
         return
     ranks = offsets[1:] - offsets[:-1]
@@ -164,7 +197,13 @@ def _check_fixed(
     if wrong.any():
         i = int(wrong.argmax())
         got = tuple(int(x) for x in values[offsets[i] : offsets[i + 1]])
-        raise ShapeError(f"{where}expected rank {rank} {_fmt(f)}, got shape {got}{keys(i)}")
+        raise ShapeError(
+            f"{where}expected rank {rank} {_fmt(f)}, got shape {got}{_row(key(i))}",
+            field=f.name,
+            key=key(i),
+            expected=_declared(f),
+            actual=list(got),
+        )
     if all(d is None for d in f.shape):
         return
     if rank == 0 or offsets[-1] == offsets[0]:
@@ -177,8 +216,13 @@ def _check_fixed(
         if wrong.any():
             k = int(wrong.argmax())
             row = k if valid is None else int(valid.nonzero()[0][k])
+            got = tuple(int(x) for x in dims[k])
             raise ShapeError(
-                f"{where}expected shape {_fmt(f)}, got {tuple(int(x) for x in dims[k])}{keys(row)}"
+                f"{where}expected shape {_fmt(f)}, got {got}{_row(key(row))}",
+                field=f.name,
+                key=key(row),
+                expected=_declared(f),
+                actual=list(got),
             )
 
 
@@ -198,7 +242,9 @@ def _payload_lengths(f: Field, payload: pa.Array, valid: np.ndarray, where: str)
     for i in np.nonzero(valid)[0]:
         size = f.codec.decoded_size(memoryview(data)[offs[i] : offs[i + 1]]) if data else None
         if size is None:
-            raise ShapeError(f"{where}row {i}: {f.codec.id} payload without a readable size")
+            raise ShapeError(
+                f"{where}row {i}: {f.codec.id} payload without a readable size", field=f.name
+            )
         out[i] = size
     return out
 
@@ -254,11 +300,23 @@ def _make_plan(arrow: pa.Schema) -> _Plan:
         raise DecodeError(f"a flightq batch starts with columns {KEY!r}, {TAGS!r}; got {names[:2]}")
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
-        raise DecodeError(f"malformed record batch: column {dup!r} appears more than once")
+        raise DecodeError(
+            f"malformed record batch: column {dup!r} appears more than once", field=dup
+        )
     if arrow.field(0).type != pa.utf8():
-        raise DecodeError(f"column {KEY!r} must be non-null utf8, got {arrow.field(0).type}")
+        raise DecodeError(
+            f"column {KEY!r} must be non-null utf8, got {arrow.field(0).type}",
+            field=KEY,
+            expected=str(pa.utf8()),
+            actual=str(arrow.field(0).type),
+        )
     if arrow.field(1).type != pa.binary():
-        raise DecodeError(f"column {TAGS!r} must be binary (msgpack), got {arrow.field(1).type}")
+        raise DecodeError(
+            f"column {TAGS!r} must be binary (msgpack), got {arrow.field(1).type}",
+            field=TAGS,
+            expected=str(pa.binary()),
+            actual=str(arrow.field(1).type),
+        )
     rest = names[2:]
     shape_cols = {c for c in rest if c.endswith(SHAPE_SUFFIX)}
     present: list[str] = []
@@ -267,14 +325,19 @@ def _make_plan(arrow: pa.Schema) -> _Plan:
         if name in shape_cols:
             base = name[: -len(SHAPE_SUFFIX)]
             if base not in names:
-                raise DecodeError(f"shape column {name!r} has no payload column {base!r}")
+                raise DecodeError(
+                    f"shape column {name!r} has no payload column {base!r}", field=base
+                )
             if base in schema and schema[base].role == "scalar":
-                raise DecodeError(f"shape column {name!r}: scalar field {base!r} has no shape")
+                raise DecodeError(
+                    f"shape column {name!r}: scalar field {base!r} has no shape", field=base
+                )
             continue
         if name not in schema:
             raise UndeclaredFieldError(
                 f"column {name!r} is not declared by schema {schema.ref}; declared: "
-                f"{', '.join(f.name for f in schema.fields)}"
+                f"{', '.join(f.name for f in schema.fields)}",
+                field=name,
             )
         f = schema[name]
         where = f"column {name!r}: "
@@ -283,23 +346,32 @@ def _make_plan(arrow: pa.Schema) -> _Plan:
         meta = afield.metadata or {}
         if afield.type != payload_type(f):
             raise DecodeError(
-                f"{where}expected Arrow type {payload_type(f)} for role {f.role}, got {afield.type}"
+                f"{where}expected Arrow type {payload_type(f)} for role {f.role}, "
+                f"got {afield.type}",
+                field=name,
+                expected=str(payload_type(f)),
+                actual=str(afield.type),
             )
-        if meta.get(FIELD_DTYPE, f.dtype.encode()).decode(errors="replace") != f.dtype:
+        carried = meta.get(FIELD_DTYPE, f.dtype.encode()).decode(errors="replace")
+        if carried != f.dtype:
             raise DecodeError(
-                f"{where}field metadata says dtype {meta[FIELD_DTYPE].decode(errors='replace')!r}, "
-                f"schema {schema.ref} declares {f.dtype!r}"
+                f"{where}field metadata says dtype {carried!r}, schema {schema.ref} declares "
+                f"{f.dtype!r}",
+                field=name,
+                expected=f.dtype,
+                actual=carried,
             )
         codec_meta = meta.get(FIELD_CODEC)
         if codec_meta is not None:
             try:
                 got_codec = codec_from_dict(json.loads(codec_meta))
             except (ValueError, SchemaError) as e:
-                raise DecodeError(f"{where}bad codec metadata: {e}") from e
+                raise DecodeError(f"{where}bad codec metadata: {e}", field=name) from e
             if got_codec != f.codec:
                 raise DecodeError(
                     f"{where}codec {got_codec.to_dict()} differs from the schema's "
-                    f"{f.codec.to_dict()}"
+                    f"{f.codec.to_dict()}",
+                    field=name,
                 )
         present.append(name)
         if f.role == "scalar":
@@ -308,18 +380,27 @@ def _make_plan(arrow: pa.Schema) -> _Plan:
         sname = name + SHAPE_SUFFIX
         if sname not in shape_cols:
             raise ShapeError(
-                f"{where}has no shape column {sname!r}; tensors travel with their shapes"
+                f"{where}has no shape column {sname!r}; tensors travel with their shapes",
+                field=name,
             )
         j = arrow.get_field_index(sname)
         if arrow.field(j).type != shape_type(f):
             raise DecodeError(
-                f"column {sname!r}: expected Arrow type {shape_type(f)}, got {arrow.field(j).type}"
+                f"column {sname!r}: expected Arrow type {shape_type(f)}, got {arrow.field(j).type}",
+                field=name,
+                expected=str(shape_type(f)),
+                actual=str(arrow.field(j).type),
             )
         columns.append(_Column(f, i, j, where))
     return _Plan(arrow, schema, tuple(present), tuple(columns))
 
 
-def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
+def validate(
+    batch: pa.RecordBatch,
+    schema: Schema | None = None,
+    *,
+    duplicate_error: type[FlightqError] = EncodeError,
+) -> Checked:
     """Check a record batch against its schema from Arrow offsets and shape columns alone.
 
     Parameters
@@ -329,6 +410,11 @@ def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
     schema:
         The schema to check against; when given, the batch's own metadata must carry the
         same fingerprint. When None, the batch's metadata decides.
+    duplicate_error:
+        The class that refuses a row key given twice: the writer's fault, so
+        :class:`EncodeError` where the batch is a put being checked (the class the
+        writer's own :func:`flightq.encode` raises), :class:`DecodeError` where it is a
+        batch being decoded.
 
     Returns
     -------
@@ -337,17 +423,20 @@ def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
     Raises
     ------
     DecodeError, ShapeError, UndeclaredFieldError, SchemaMismatchError
-        Naming the column, the row key, what was expected and what arrived.
+        Naming the column, the row key, what was expected and what arrived, also as the
+        error's attributes (``field``, ``key``, ``expected``, ``actual``).
+    EncodeError
+        On a duplicate row key (or ``duplicate_error``).
     """
     plan = _plan(batch.schema)
     carried = plan.schema
     if schema is not None and carried.fingerprint != schema.fingerprint:
-        from .errors import SchemaMismatchError
-        from .schema import diff_schemas
-
         raise SchemaMismatchError(
             f"batch carries schema {carried.ref} ({carried.fingerprint}), expected "
-            f"{schema.ref} ({schema.fingerprint}): " + "; ".join(diff_schemas(schema, carried))
+            f"{schema.ref} ({schema.fingerprint}): " + "; ".join(diff_schemas(schema, carried)),
+            field=_one_field(schema, carried),
+            expected=schema.fingerprint,
+            actual=carried.fingerprint,
         )
     try:
         batch.validate(full=True)
@@ -355,15 +444,15 @@ def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
         raise DecodeError(f"malformed record batch: {e}") from e
     keycol = batch.column(0)
     if keycol.null_count:
-        raise DecodeError(f"column {KEY!r} must be non-null utf8, got nulls")
+        raise DecodeError(f"column {KEY!r} must be non-null utf8, got nulls", field=KEY)
     keys: list[str] = keycol.to_pylist()
     if len(set(keys)) != len(keys):
         seen: set[str] = set()
         dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise EncodeError(f"duplicate row key {dup!r} within one batch")
+        raise duplicate_error(f"duplicate row key {dup!r} within one batch", field=KEY, key=dup)
 
-    def at(i: int) -> str:
-        return f" (row key {keys[i]!r})"
+    def key(i: int) -> str:
+        return keys[i]
 
     n = batch.num_rows
     seq = np.full(n, -1, dtype=np.int64)
@@ -378,16 +467,26 @@ def validate(batch: pa.RecordBatch, schema: Schema | None = None) -> Checked:
             valid = _valid(col)
             differ = valid != _valid(shapes)
             if differ.any():
+                i = int(np.nonzero(differ)[0][0])
                 raise ShapeError(
                     f"{c.where}payload and shape disagree on whether the row has the "
-                    f"field{at(int(np.nonzero(differ)[0][0]))}"
+                    f"field{_row(key(i))}",
+                    field=c.f.name,
+                    key=key(i),
                 )
         if c.f.role == "media":
-            nbytes += _check_media(c.f, c.where, col, shapes, valid, at)
+            nbytes += _check_media(c.f, c.where, col, shapes, valid, key)
         else:
-            seq, sent = _check_tensor(c.f, c.where, col, shapes, valid, seq, at)
+            seq, sent = _check_tensor(c.f, c.where, col, shapes, valid, seq, key)
             nbytes += sent
     return Checked(carried, keys, list(plan.present), seq, nbytes)
+
+
+def _one_field(expected: Schema, actual: Schema) -> str | None:
+    """The field two schemas disagree on, where they disagree on one alone."""
+    names = [f.name for f in expected.fields if f.name not in actual or actual[f.name] != f]
+    names += [f.name for f in actual.fields if f.name not in expected]
+    return names[0] if len(names) == 1 else None
 
 
 def _check_media(
@@ -396,10 +495,10 @@ def _check_media(
     col: pa.Array,
     shapes: pa.Array,
     valid: np.ndarray | None,
-    at: Callable[[int], str],
+    key: Callable[[int], str],
 ) -> np.ndarray:
     """Check a media column's segments against their shapes; per row, its bytes (a shared
-    entry counted on its first use)."""
+    entry counted on its first use). ``key(i)`` is row ``i``'s key."""
     outer_p = _np(col.offsets)  # int64: large_list
     outer_s = _np(shapes.offsets)
     counts_p = outer_p[1:] - outer_p[:-1]
@@ -408,32 +507,40 @@ def _check_media(
     if wrong.any():
         i = int(wrong.argmax())
         got = int(outer_s[i + 1] - outer_s[i])
-        raise ShapeError(f"{where}{counts_p[i]} segments but {got} shapes{at(i)}")
+        raise ShapeError(
+            f"{where}{counts_p[i]} segments but {got} shapes{_row(key(i))}",
+            field=f.name,
+            key=key(i),
+            expected=int(counts_p[i]),
+            actual=got,
+        )
     if valid is not None and np.any(~valid & ((counts_p != 0) | differ)):
-        raise DecodeError(f"{where}a null row has segments")
+        raise DecodeError(f"{where}a null row has segments", field=f.name)
     lo = int(outer_p[0])
     segs = col.values.slice(lo, int(outer_p[-1]) - lo)
     seg_shapes = shapes.values.slice(int(outer_s[0]), int(outer_s[-1] - outer_s[0]))
     if segs.indices.null_count or seg_shapes.null_count:
-        raise DecodeError(f"{where}a media segment or its shape is null")
+        raise DecodeError(f"{where}a media segment or its shape is null", field=f.name)
     entries = segs.dictionary
     if entries.null_count:
-        raise DecodeError(f"{where}a media dictionary entry is null")
+        raise DecodeError(f"{where}a media dictionary entry is null", field=f.name)
     idx = _np(segs.indices)
     if idx.size and (idx.min() < 0 or idx.max() >= len(entries)):
-        raise DecodeError(f"{where}a media segment points outside its dictionary")
+        raise DecodeError(f"{where}a media segment points outside its dictionary", field=f.name)
 
-    def seg_at(j: int) -> str:
-        # The row of segment j (computed on failure only).
-        return at(int(np.searchsorted(outer_p[1:], lo + j, side="right")))
+    def seg_key(j: int) -> str:
+        # The key of segment j's row (computed on failure only).
+        return key(int(np.searchsorted(outer_p[1:], lo + j, side="right")))
 
-    so, sv = _shape_arrays(seg_shapes, where)
-    _check_fixed(f, so, sv, None, where, seg_at)
-    want = shape_products(so, sv, f.dt.itemsize, where, seg_at)
+    so, sv = _shape_arrays(seg_shapes, f, where)
+    _check_fixed(f, so, sv, None, where, seg_key)
+    want = shape_products(so, sv, f.dt.itemsize, where, field=f.name, key=seg_key)
     entry_bytes = np.diff(binary_offsets(entries))
     if f.codec is RAW:
         if f.dt.itemsize > 1 and np.any(entry_bytes % f.dt.itemsize):
-            raise ShapeError(f"{where}a media entry is not a whole number of {f.dtype}")
+            raise ShapeError(
+                f"{where}a media entry is not a whole number of {f.dtype}", field=f.name
+            )
         got = entry_bytes[idx]
     else:
         used = np.zeros(len(entries), dtype=bool)
@@ -444,7 +551,11 @@ def _check_media(
         shp = tuple(int(x) for x in sv[so[j] : so[j + 1]])
         raise ShapeError(
             f"{where}segment of shape {shp} needs {want[j]} bytes of {f.dtype}, "
-            f"payload has {got[j]}{seg_at(j)}"
+            f"payload has {got[j]}{_row(seg_key(j))}",
+            field=f.name,
+            key=seg_key(j),
+            expected=int(want[j]),
+            actual=int(got[j]),
         )
     return row_sums(first_use_bytes(idx, entry_bytes), outer_p)
 
@@ -456,24 +567,28 @@ def _check_tensor(
     shapes: pa.Array,
     valid: np.ndarray | None,
     seq: np.ndarray,
-    at: Callable[[int], str],
+    key: Callable[[int], str],
 ) -> tuple[np.ndarray, np.ndarray]:
     """Check a token or tensor column's payloads against their shapes (``valid`` None: no
-    row is null). Returns the rows' sequence lengths so far and the bytes sent per row."""
-    so, sv = _shape_arrays(shapes, where)
+    row is null; ``key(i)`` is row ``i``'s key). Returns the rows' sequence lengths so far
+    and the bytes sent per row."""
+    so, sv = _shape_arrays(shapes, f, where)
     if valid is None and f.codec is RAW:
         fast = _one_dim_rows(f, so, sv, col, seq)
         if fast is not None:
             return fast
     if valid is not None and (~valid & (so[1:] != so[:-1])).any():
-        raise DecodeError(f"{where}a null row has a shape")
-    _check_fixed(f, so, sv, valid, where, at)
+        raise DecodeError(f"{where}a null row has a shape", field=f.name)
+    _check_fixed(f, so, sv, valid, where, key)
     if f.role == "token":
         ranks = so[1:] - so[:-1]
         short = ranks < 1 if valid is None else valid & (ranks < 1)
         if short.any():
+            i = int(short.argmax())
             raise ShapeError(
-                f"{where}a token tensor has rank >= 1 (its first dim is S){at(int(short.argmax()))}"
+                f"{where}a token tensor has rank >= 1 (its first dim is S){_row(key(i))}",
+                field=f.name,
+                key=key(i),
             )
         if valid is not None:
             first = np.full(len(seq), -1, dtype=np.int64)
@@ -486,10 +601,14 @@ def _check_tensor(
             i = int(clash.argmax())
             raise ShapeError(
                 f"{where}sequence length {first[i]} differs from the row's other token "
-                f"fields ({seq[i]}){at(i)}"
+                f"fields ({seq[i]}){_row(key(i))}",
+                field=f.name,
+                key=key(i),
+                expected=int(seq[i]),
+                actual=int(first[i]),
             )
         seq = np.where(first >= 0, first, seq)
-    want = shape_products(so, sv, f.dt.itemsize, where, at)
+    want = shape_products(so, sv, f.dt.itemsize, where, field=f.name, key=key)
     sent = _lengths(binary_offsets(col))
     got = sent if f.codec is RAW else _payload_lengths(f, col, _all(valid, len(sent)), where)
     wrong = want != got if valid is None else valid & (want != got)
@@ -497,7 +616,12 @@ def _check_tensor(
         i = int(wrong.argmax())
         shp = tuple(int(x) for x in sv[so[i] : so[i + 1]])
         raise ShapeError(
-            f"{where}shape {shp} needs {want[i]} bytes of {f.dtype}, payload has {got[i]}{at(i)}"
+            f"{where}shape {shp} needs {want[i]} bytes of {f.dtype}, payload has {got[i]}"
+            f"{_row(key(i))}",
+            field=f.name,
+            key=key(i),
+            expected=int(want[i]),
+            actual=int(got[i]),
         )
     return seq, sent if valid is None else np.where(valid, sent, 0)
 
