@@ -51,7 +51,7 @@ def validate_part(batch: pa.RecordBatch, first: Batch | None) -> Checked:
     DecodeError
         If the batch is invalid or carries another schema or other fields than ``first``.
     """
-    c = validate(batch)
+    c = validate(batch, duplicate_error=DecodeError)
     if first is not None and (c.schema != first.schema or c.fields != first.fields):
         raise DecodeError(
             f"record batches of one stream differ: {first.schema.ref} {first.fields} "
