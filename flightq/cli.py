@@ -115,7 +115,18 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("dir")
     sp.set_defaults(func=_cmd_schema)
 
-    sv = sub.add_parser("serve", help="run a flightq server in the foreground")
+    sv = sub.add_parser(
+        "serve",
+        help="run a flightq server in the foreground",
+        description="Run a flightq server in the foreground until SIGINT or SIGTERM. It "
+        "prints one JSON line once it listens: the location, the schemas and what it set "
+        "in its own allocator. This command tunes glibc's malloc of its own process (and "
+        "only its own, see flightq.memory): it restarts itself once with "
+        "MALLOC_ARENA_MAX=1 unless the environment sets MALLOC_ARENA_MAX, and keeps freed "
+        "memory for the next transfer (mmap threshold 32 MiB, trim threshold 2 GiB) "
+        'instead of returning it to the kernel; the startup line\'s "malloc" entry says '
+        "what took.",
+    )
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     sv.add_argument("--port", type=int, default=8815)
     sv.add_argument("--schemas", help="schema folder (default: the shipped schemas)")

@@ -14,6 +14,7 @@ from fixtures_dataplane import TEXT, TIMEOUT, cli_server, python_env, text_colum
 
 import flightq
 from flightq import workloads
+from flightq.cli import main
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -195,8 +196,9 @@ def test_keep_freed_memory_changes_nothing_without_glibc(monkeypatch, where):
     assert flightq.keep_freed_memory() is False
 
 
-def _serve_environ(env: dict[str, str]) -> dict[str, str]:
-    """The environment a ``flightq serve`` process runs with, once it listens."""
+def _serve_environ(env: dict[str, str]) -> tuple[dict[str, str], dict[str, object]]:
+    """The environment a ``flightq serve`` process runs with once it listens, and the
+    ``malloc`` entry of its startup line."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "flightq.cli", "serve", "--host", "127.0.0.1", "--port", "0"],
         stdout=subprocess.PIPE,
@@ -205,10 +207,11 @@ def _serve_environ(env: dict[str, str]) -> dict[str, str]:
     )
     try:
         assert proc.stdout is not None
-        assert json.loads(proc.stdout.readline())["listening"].startswith("grpc://127.0.0.1:")
+        line = json.loads(proc.stdout.readline())
+        assert line["listening"].startswith("grpc://127.0.0.1:")
         with open(f"/proc/{proc.pid}/environ", "rb") as f:
             pairs = [kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv]
-        return {k.decode(): v.decode() for k, v in pairs}
+        return {k.decode(): v.decode() for k, v in pairs}, line["malloc"]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -219,5 +222,18 @@ def _serve_environ(env: dict[str, str]) -> dict[str, str]:
 )
 def test_serve_runs_with_one_malloc_arena_unless_the_environment_says_otherwise():
     env = {k: v for k, v in python_env().items() if k != "MALLOC_ARENA_MAX"}
-    assert _serve_environ(env)["MALLOC_ARENA_MAX"] == "1"
-    assert _serve_environ({**env, "MALLOC_ARENA_MAX": "3"})["MALLOC_ARENA_MAX"] == "3"
+    environ, malloc = _serve_environ(env)
+    assert environ["MALLOC_ARENA_MAX"] == "1"
+    # It says so on its startup line.
+    assert malloc == {"arena_max": "1", "keep_freed_memory": True}
+    environ, malloc = _serve_environ({**env, "MALLOC_ARENA_MAX": "3"})
+    assert environ["MALLOC_ARENA_MAX"] == "3"
+    assert malloc == {"arena_max": "3", "keep_freed_memory": True}
+
+
+def test_serve_help_says_it_tunes_its_own_allocator(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "tunes glibc's malloc of its own process" in text
+    assert "MALLOC_ARENA_MAX=1" in text and '"malloc" entry' in text

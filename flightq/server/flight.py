@@ -462,9 +462,24 @@ def _command(descriptor: fl.FlightDescriptor, what: str) -> bytes:
     return bytes(descriptor.command)
 
 
+def _malloc_report(kept: bool) -> dict[str, Any]:
+    """What this process's allocator runs with, as ``flightq serve`` announces it.
+
+    ``arena_max``: ``MALLOC_ARENA_MAX`` as glibc read it at startup (``flightq serve`` sets
+    ``"1"`` and restarts itself where the environment does not set it; None: glibc's
+    default). ``keep_freed_memory``: whether :func:`flightq.memory.keep_freed_memory` took
+    (freed blocks kept for the next transfer instead of returned to the kernel).
+    """
+    return {"arena_max": os.environ.get("MALLOC_ARENA_MAX"), "keep_freed_memory": kept}
+
+
 def serve_forever(args: argparse.Namespace) -> int:
-    """``flightq serve``: run a server in the foreground until SIGINT or SIGTERM."""
-    keep_freed_memory()
+    """``flightq serve``: run a server in the foreground until SIGINT or SIGTERM.
+
+    The process tunes its own allocator (:mod:`flightq.memory`) and says so on its JSON
+    startup line: ``"malloc": {"arena_max": ..., "keep_freed_memory": ...}``.
+    """
+    malloc = _malloc_report(keep_freed_memory())
     registry = SchemaRegistry.from_dir(args.schemas) if args.schemas else None
     host = args.host
     if ":" in host and not host.startswith("["):
@@ -501,7 +516,13 @@ def serve_forever(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _handler)
     server.start()
     print(
-        json.dumps({"listening": server.location, "schemas": [s.ref for s in server.registry]}),
+        json.dumps(
+            {
+                "listening": server.location,
+                "schemas": [s.ref for s in server.registry],
+                "malloc": malloc,
+            }
+        ),
         flush=True,
     )
     # Arrow's serve() re-raises SIGINT/SIGTERM on its own thread; waking often lets this
