@@ -2,6 +2,12 @@
 
 A row holds, per field, a reference to the received record batch (a :class:`Piece`) and the
 row index that carries it: nothing is rebuilt or copied on the way in.
+
+A put is planned, then applied: :meth:`Partition.plan_put` runs every check and works out
+what the put does (the rows it creates, the cells it replaces, the bytes it brings, or that
+it is a retry of one that landed) without changing anything; :meth:`Partition.apply` then
+makes those changes. Locking, waiting for room and the memory budget are the store's
+(:mod:`flightq.server.store`).
 """
 
 from __future__ import annotations
@@ -13,12 +19,16 @@ import msgpack
 import numpy as np
 import pyarrow as pa
 
-from ..errors import EncodeError
-from ..layout import MEDIA_TYPE, TAGS, binary_offsets, media_row_bytes
+from ..errors import ConflictError, EncodeError, MissingFieldError, ShapeError
+from ..layout import MEDIA_TYPE, SHAPE_SUFFIX, TAGS, binary_offsets, media_row_bytes
 from ..schema import Schema
 from ..validation import Checked
 
-__all__ = ["Piece", "Row", "Partition", "make_piece"]
+__all__ = ["Piece", "Row", "Partition", "PutPlan", "make_piece", "put_keys"]
+
+#: Put ids remembered per partition (for idempotent retries).
+RECENT_PUTS = 4096
+_MISSING = object()
 
 
 @dataclass
@@ -94,6 +104,214 @@ class Partition:
             "max_rows": self.max_rows,
         }
 
+    def plan_put(self, pieces: list[Piece], overwrite: bool, put_id: str | None) -> PutPlan:
+        """What storing ``pieces`` would do, after every check; changes nothing.
+
+        A retry is recognised first: a ``put_id`` seen recently, or (without
+        ``overwrite``) a put whose every cell and tag equals what its rows already hold,
+        is planned as a replay (:attr:`PutPlan.replay`), to acknowledge again.
+
+        Raises
+        ------
+        MissingFieldError
+            If a new row lacks a required field, or has it null.
+        ConflictError
+            If a row has a column already and ``overwrite`` is false.
+        ShapeError
+            If a row's token length differs from the stored row's, or a grouped partition
+            would get part of a group.
+        """
+        keys = [k for pc in pieces for k in pc.checked.keys]
+        if put_id is not None and put_id in self.recent_puts:
+            return PutPlan(pieces, keys, put_id, replay=self.recent_puts[put_id])
+        if not overwrite and _is_replay(self, pieces):
+            return PutPlan(pieces, keys, put_id, replay=len(keys))
+        name = self.name
+        new: list[str] = []
+        # Bytes of the cells an overwrite replaces, counted before anything changes.
+        replaced: dict[tuple[str, str], int] = {}
+        for pc in pieces:
+            ck = pc.checked
+            missing = [f for f in self.schema.required if f not in ck.fields]
+            # Required fields with null rows in this piece (usually none).
+            holes = [f for f in self.schema.required if f in ck.fields and pc.valid(f)]
+            for i, k in enumerate(ck.keys):
+                row = self.rows.get(k)
+                if row is None:
+                    if missing:
+                        raise MissingFieldError(
+                            f"row key {k!r} is new in partition {name!r} and lacks "
+                            f"required field(s) {missing}",
+                            field=missing[0],
+                            key=k,
+                            partition=name,
+                        )
+                    if holes:
+                        _check_required_not_null(pc, i, holes, k, name)
+                    new.append(k)
+                    continue
+                for f in ck.fields:
+                    if not _valid_at(pc, f, i):
+                        continue
+                    old = row.cells.get(f)
+                    if old is None:
+                        continue
+                    if not overwrite:
+                        raise ConflictError(
+                            f"row key {k!r} already has column {f!r} in partition "
+                            f"{name!r}; pass overwrite=True to rewrite it",
+                            field=f,
+                            key=k,
+                            partition=name,
+                        )
+                    replaced[(k, f)] = old[0].cell_nbytes(f, old[1])
+                s = int(ck.seq_lens[i])
+                if s >= 0 and row.seq_len >= 0 and s != row.seq_len:
+                    raise ShapeError(
+                        f"row key {k!r}: token fields of this put have sequence length "
+                        f"{s}, the stored row has {row.seq_len}",
+                        key=k,
+                        expected=row.seq_len,
+                        actual=s,
+                        partition=name,
+                    )
+        g = self.group_size
+        if g and len(new) % g:
+            raise ShapeError(
+                f"partition {name!r} has group size {g}: a put creates whole groups, "
+                f"got {len(new)} new rows",
+                actual=len(new),
+                partition=name,
+            )
+        return PutPlan(pieces, keys, put_id, new=new, replaced=replaced)
+
+    def apply(self, plan: PutPlan) -> int:
+        """Make the changes ``plan`` (from :meth:`plan_put` on this partition as it is now)
+        describes. Returns the rows written."""
+        if plan.replay is not None:
+            return plan.replay
+        g = self.group_size
+        new_set = set(plan.new)
+        n_new = 0
+        for pc in plan.pieces:
+            ck = pc.checked
+            # Fields every row of the piece carries, and the others with their rows.
+            dense = [f for f in ck.fields if pc.valid(f) is None]
+            sparse = [(f, v) for f in ck.fields if (v := pc.valid(f)) is not None]
+            seq_lens, nbytes = ck.seq_lens.tolist(), ck.nbytes.tolist()
+            for i, k in enumerate(ck.keys):
+                cell = (pc, i)
+                if k in new_set:
+                    group = self.next_group + n_new // g if g else self.next_group + n_new
+                    n_new += 1
+                    row = Row(k, group)
+                    self.rows[k] = row
+                    row.cells = dict.fromkeys(dense, cell)
+                    fields = [f for f, v in sparse if v[i]]
+                else:
+                    row = self.rows[k]
+                    fields = dense + [f for f, v in sparse if v[i]]
+                for f in fields:
+                    gone = plan.replaced.get((k, f), 0)  # overwrite: the old cell's bytes
+                    row.nbytes -= gone
+                    self.nbytes -= gone
+                    row.cells[f] = cell
+                if pc.tags[i]:
+                    row.tags.update(pc.tags[i])  # type: ignore[arg-type]
+                if seq_lens[i] >= 0:
+                    row.seq_len = seq_lens[i]
+                row.nbytes += nbytes[i]
+                self.nbytes += nbytes[i]
+        self.next_group += (n_new // g) if g else n_new
+        if plan.put_id is not None:
+            self.recent_puts[plan.put_id] = len(plan.keys)
+            while len(self.recent_puts) > RECENT_PUTS:
+                del self.recent_puts[next(iter(self.recent_puts))]
+        return len(plan.keys)
+
+
+@dataclass(frozen=True)
+class PutPlan:
+    """What a put does to a partition, worked out by :meth:`Partition.plan_put`."""
+
+    pieces: list[Piece]
+    #: Every row key of the put, in order.
+    keys: list[str]
+    put_id: str | None
+    #: The rows to acknowledge again without storing anything (a retry), or None.
+    replay: int | None = None
+    #: Keys of the rows the put creates, in order.
+    new: list[str] = field(default_factory=list)
+    #: ``(key, field)`` of each cell an overwrite replaces, to the bytes it held.
+    replaced: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes the put carries (what the memory budget must have room for)."""
+        return sum(int(pc.checked.nbytes.sum()) for pc in self.pieces)
+
+
+def put_keys(pieces: list[Piece]) -> list[str]:
+    """Every row key of a put, in order.
+
+    Raises
+    ------
+    EncodeError
+        If a key repeats within the put.
+    """
+    keys = [k for pc in pieces for k in pc.checked.keys]
+    if len(set(keys)) != len(keys):
+        seen: set[str] = set()
+        dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise EncodeError(f"duplicate row key {dup!r} within one put", key=dup)
+    return keys
+
+
+def _is_replay(p: Partition, pieces: list[Piece]) -> bool:
+    """Whether every row of the put exists and already holds each of its cells and tags.
+
+    Such a put is a retry of one that landed (its acknowledgement was lost): answering it
+    again stores nothing, so a retry never duplicates or conflicts.
+    """
+    for pc in pieces:
+        for i, k in enumerate(pc.checked.keys):
+            row = p.rows.get(k)
+            if row is None:
+                return False
+            t = pc.tags[i]
+            if t and any(row.tags.get(a, _MISSING) != b for a, b in t.items()):
+                return False
+            for f in pc.checked.fields:
+                if not _valid_at(pc, f, i):
+                    continue
+                cell = row.cells.get(f)
+                if cell is None:
+                    return False
+                names = [f] if p.schema[f].role == "scalar" else [f, f + SHAPE_SUFFIX]
+                for c in names:
+                    mine = cell[0].batch.column(c).slice(cell[1], 1)
+                    if not pc.batch.column(c).slice(i, 1).equals(mine):
+                        return False
+    return True
+
+
+def _valid_at(pc: Piece, f: str, i: int) -> bool:
+    valid = pc.valid(f)
+    return valid is None or valid[i]
+
+
+def _check_required_not_null(
+    pc: Piece, i: int, fields: list[str], key: str, partition: str
+) -> None:
+    for f in fields:
+        if not _valid_at(pc, f, i):
+            raise MissingFieldError(
+                f"row key {key!r}: required field {f!r} is null",
+                field=f,
+                key=key,
+                partition=partition,
+            )
+
 
 def _decode_tags(piece_batch: pa.RecordBatch, keys: list[str]) -> list[dict[str, Any] | None]:
     out: list[dict[str, Any] | None] = []
@@ -104,9 +322,16 @@ def _decode_tags(piece_batch: pa.RecordBatch, keys: list[str]) -> list[dict[str,
         try:
             t = msgpack.unpackb(b, raw=False)
         except Exception as e:  # hostile bytes raise assorted errors
-            raise EncodeError(f"tags of row {k!r} are not valid msgpack: {e}") from e
+            raise EncodeError(
+                f"tags of row {k!r} are not valid msgpack: {e}", field=TAGS, key=k
+            ) from e
         if not isinstance(t, dict):
-            raise EncodeError(f"tags of row {k!r} must be a msgpack map, got {type(t).__name__}")
+            raise EncodeError(
+                f"tags of row {k!r} must be a msgpack map, got {type(t).__name__}",
+                field=TAGS,
+                key=k,
+                actual=type(t).__name__,
+            )
         out.append(t)
     return out
 

@@ -1,11 +1,14 @@
 """Partitions, rows, columns, per-task claims: the server's in-memory state.
 
 A partition is declared once with a schema, the consumer tasks that will claim from it and
-an optional group size. Rows point into the received record batches
-(:mod:`flightq.server.partition`); serving them is :mod:`flightq.server.assemble`.
+an optional group size. Rows point into the received record batches, and a partition plans
+and applies each put (:mod:`flightq.server.partition`); serving rows is
+:mod:`flightq.server.assemble`.
 
-Every mutation happens under one lock, after all checks pass, so a put is all or nothing.
-Claims wait on a condition variable that puts, clears and resets notify.
+The store holds the one lock, the waiting and the memory budget. Every mutation happens
+under the lock, after all checks pass, so a put is all or nothing. Claims, and puts waiting
+for room, wait on a condition variable that puts, clears and resets notify; the claims
+waiting right now are counted per partition and task (:meth:`Store.stats`).
 """
 
 from __future__ import annotations
@@ -18,26 +21,20 @@ from typing import Any
 from ..errors import (
     ClaimTimeoutError,
     ConflictError,
-    EncodeError,
     FlightqTimeoutError,
     MissingFieldError,
     NotFoundError,
     ProtocolError,
     ResourceExhaustedError,
-    ShapeError,
     UnavailableError,
 )
-from ..layout import SHAPE_SUFFIX
 from ..schema import Schema
-from .partition import Partition, Piece, Row
+from .partition import Partition, Piece, Row, put_keys
 
 __all__ = ["Store"]
 
-#: Put ids remembered per partition (for idempotent retries).
-_RECENT_PUTS = 4096
 #: Seconds between checks that a waiting claim's caller is still there.
 _POLL = 0.2
-_MISSING = object()
 
 
 class Store:
@@ -48,6 +45,8 @@ class Store:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._parts: dict[str, Partition] = {}
+        #: Claims waiting for rows right now: partition name -> task -> count.
+        self._waiting: dict[str, dict[str, int]] = {}
         self._closing = False
 
     def close(self) -> None:
@@ -78,13 +77,23 @@ class Store:
             If the partition exists with another schema, tasks, group size or row limit.
         """
         if max_rows is not None and max_rows < 1:
-            raise ProtocolError(f"max_rows must be >= 1, got {max_rows}")
+            raise ProtocolError(
+                f"max_rows must be >= 1, got {max_rows}", actual=max_rows, partition=name
+            )
         if not name or "/" in name:
-            raise ProtocolError(f"partition name {name!r} must be non-empty and without '/'")
+            raise ProtocolError(
+                f"partition name {name!r} must be non-empty and without '/'", partition=name
+            )
         if group_size is not None and group_size < 1:
-            raise ProtocolError(f"group_size must be >= 1, got {group_size}")
+            raise ProtocolError(
+                f"group_size must be >= 1, got {group_size}", actual=group_size, partition=name
+            )
         if len(set(tasks)) != len(tasks):
-            raise ProtocolError(f"tasks of partition {name!r} repeat: {list(tasks)}")
+            raise ProtocolError(
+                f"tasks of partition {name!r} repeat: {list(tasks)}",
+                actual=list(tasks),
+                partition=name,
+            )
         with self._lock:
             p = self._parts.get(name)
             if p is not None:
@@ -103,7 +112,8 @@ class Store:
                             f"; max_rows {p.max_rows}, got {max_rows}"
                             if p.max_rows != max_rows
                             else ""
-                        )
+                        ),
+                        partition=name,
                     )
                 return False
             self._parts[name] = Partition(
@@ -131,7 +141,7 @@ class Store:
         p = self._parts.get(name)
         if p is None:
             known = ", ".join(sorted(self._parts)) or "(none)"
-            raise NotFoundError(f"unknown partition {name!r}; declared: {known}")
+            raise NotFoundError(f"unknown partition {name!r}; declared: {known}", partition=name)
         return p
 
     def partitions(self) -> list[Partition]:
@@ -176,7 +186,9 @@ class Store:
         with self._changed:
             clash = [p.name for p in parts if p.name in self._parts]
             if clash:
-                raise ConflictError(f"cannot restore partitions that exist already: {clash}")
+                raise ConflictError(
+                    f"cannot restore partitions that exist already: {clash}", partition=clash[0]
+                )
             for p in parts:
                 self._parts[p.name] = p
             self._changed.notify_all()
@@ -195,11 +207,14 @@ class Store:
         with self._lock:
             return sum(p.nbytes for p in self._parts.values())
 
-    def _wait_for_rows(self, name: str, keys: list[str], timeout: float) -> None:
+    def _wait_for_rows(self, name: str, keys: list[str], timeout: float) -> bool:
+        """Wait until the partition's row limit has room for the put's new rows; returns
+        whether it waited (let go of the lock)."""
         limit = self._get(name).max_rows
         if limit is None:
-            return
+            return False
         deadline = time.monotonic() + timeout
+        waited = False
         while True:
             self._check_open(f"put to {name!r}")
             p = self._get(name)
@@ -207,42 +222,59 @@ class Store:
             if new > limit:
                 raise ResourceExhaustedError(
                     f"put to {name!r} creates {new} rows, more than the partition's limit of "
-                    f"{limit} rows; split it"
+                    f"{limit} rows; split it",
+                    expected=limit,
+                    actual=new,
+                    partition=name,
                 )
             if len(p.rows) + new <= limit:
-                return
+                return waited
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ResourceExhaustedError(
                     f"put to {name!r} of {new} new rows: the partition holds {len(p.rows)} of "
                     f"its {limit}-row limit and no rows were cleared within {timeout:g}s; "
-                    "clear consumed rows"
+                    "clear consumed rows",
+                    expected=limit,
+                    actual=len(p.rows) + new,
+                    partition=name,
                 )
             self._changed.wait(min(left, 3600.0))
+            waited = True
 
-    def _wait_for_space(self, name: str, need: int, timeout: float) -> None:
+    def _wait_for_space(self, name: str, need: int, timeout: float) -> bool:
+        """Wait until the memory budget has room for ``need`` more bytes; returns whether
+        it waited (let go of the lock)."""
         budget = self.memory_budget
         if budget is None:
-            return
+            return False
         if need > budget:
             raise ResourceExhaustedError(
                 f"put to {name!r} carries {need} bytes, more than the server's whole memory "
-                f"budget of {budget} bytes; split it"
+                f"budget of {budget} bytes; split it",
+                expected=budget,
+                actual=need,
+                partition=name,
             )
         deadline = time.monotonic() + timeout
+        waited = False
         while True:
             self._check_open(f"put to {name!r}")
             held = sum(p.nbytes for p in self._parts.values())
             if held + need <= budget:
-                return
+                return waited
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ResourceExhaustedError(
                     f"put to {name!r} of {need} bytes: the server holds {held} of its "
                     f"{budget}-byte memory budget and no space was cleared within "
-                    f"{timeout:g}s; clear consumed rows"
+                    f"{timeout:g}s; clear consumed rows",
+                    expected=budget,
+                    actual=held + need,
+                    partition=name,
                 )
             self._changed.wait(min(left, 3600.0))  # inf or huge: wait in chunks
+            waited = True
 
     def put(
         self,
@@ -254,10 +286,12 @@ class Store:
     ) -> int:
         """Store the rows of validated pieces, all or nothing. Returns the rows written.
 
-        With a memory budget, waits up to ``timeout`` seconds for clears to make space.
-        A retry is idempotent: a ``put_id`` seen recently in the partition, or a put whose
-        every cell and tag equals what its rows already hold, is acknowledged again and
-        stores nothing.
+        Under the lock: the partition plans the put (every check), the store waits for
+        room by the plan's numbers (memory budget, row limit), and the partition applies
+        it. With a budget or a row limit, waits up to ``timeout`` seconds for clears to make
+        room. A retry is idempotent: a ``put_id`` seen recently in the partition, or a put
+        whose every cell and tag equals what its rows already hold, is acknowledged again
+        and stores nothing.
 
         Raises
         ------
@@ -266,103 +300,19 @@ class Store:
         ResourceExhaustedError
             If the budget has no room for the put within ``timeout``.
         """
-        keys = [k for pc in pieces for k in pc.checked.keys]
-        if len(set(keys)) != len(keys):
-            seen: set[str] = set()
-            dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-            raise EncodeError(f"duplicate row key {dup!r} within one put")
+        keys = put_keys(pieces)
         with self._changed:
+            plan = self._get(name).plan_put(pieces, overwrite, put_id)
+            if plan.replay is not None:
+                return plan.replay
+            waited = self._wait_for_space(name, plan.nbytes, timeout)
+            waited = self._wait_for_rows(name, keys, timeout) or waited
             p = self._get(name)
-            if put_id is not None and put_id in p.recent_puts:
-                return p.recent_puts[put_id]
-            if not overwrite and _is_replay(p, pieces):
-                return len(keys)
-            self._wait_for_space(name, sum(int(pc.checked.nbytes.sum()) for pc in pieces), timeout)
-            self._wait_for_rows(name, keys, timeout)
-            p = self._get(name)
-            new: list[str] = []
-            # Bytes of the cells an overwrite replaces, counted before anything changes.
-            replaced: dict[tuple[str, str], int] = {}
-            for pc in pieces:
-                ck = pc.checked
-                missing = [f for f in p.schema.required if f not in ck.fields]
-                # Required fields with null rows in this piece (usually none).
-                holes = [f for f in p.schema.required if f in ck.fields and pc.valid(f)]
-                for i, k in enumerate(ck.keys):
-                    row = p.rows.get(k)
-                    if row is None:
-                        if missing:
-                            raise MissingFieldError(
-                                f"row key {k!r} is new in partition {name!r} and lacks "
-                                f"required field(s) {missing}"
-                            )
-                        if holes:
-                            _check_required_not_null(pc, i, holes, k)
-                        new.append(k)
-                        continue
-                    for f in ck.fields:
-                        if not _valid_at(pc, f, i):
-                            continue
-                        old = row.cells.get(f)
-                        if old is None:
-                            continue
-                        if not overwrite:
-                            raise ConflictError(
-                                f"row key {k!r} already has column {f!r} in partition "
-                                f"{name!r}; pass overwrite=True to rewrite it"
-                            )
-                        replaced[(k, f)] = old[0].cell_nbytes(f, old[1])
-                    s = int(ck.seq_lens[i])
-                    if s >= 0 and row.seq_len >= 0 and s != row.seq_len:
-                        raise ShapeError(
-                            f"row key {k!r}: token fields of this put have sequence length "
-                            f"{s}, the stored row has {row.seq_len}"
-                        )
-            g = p.group_size
-            if g and len(new) % g:
-                raise ShapeError(
-                    f"partition {name!r} has group size {g}: a put creates whole groups, "
-                    f"got {len(new)} new rows"
-                )
-            # Every check passed: apply.
-            new_set = set(new)
-            n_new = 0
-            for pc in pieces:
-                ck = pc.checked
-                # Fields every row of the piece carries, and the others with their rows.
-                dense = [f for f in ck.fields if pc.valid(f) is None]
-                sparse = [(f, v) for f in ck.fields if (v := pc.valid(f)) is not None]
-                seq_lens, nbytes = ck.seq_lens.tolist(), ck.nbytes.tolist()
-                for i, k in enumerate(ck.keys):
-                    cell = (pc, i)
-                    if k in new_set:
-                        group = p.next_group + n_new // g if g else p.next_group + n_new
-                        n_new += 1
-                        row = Row(k, group)
-                        p.rows[k] = row
-                        row.cells = dict.fromkeys(dense, cell)
-                        fields = [f for f, v in sparse if v[i]]
-                    else:
-                        row = p.rows[k]
-                        fields = dense + [f for f, v in sparse if v[i]]
-                    for f in fields:
-                        gone = replaced.get((k, f), 0)  # overwrite: the old cell's bytes
-                        row.nbytes -= gone
-                        p.nbytes -= gone
-                        row.cells[f] = cell
-                    if pc.tags[i]:
-                        row.tags.update(pc.tags[i])  # type: ignore[arg-type]
-                    if seq_lens[i] >= 0:
-                        row.seq_len = seq_lens[i]
-                    row.nbytes += nbytes[i]
-                    p.nbytes += nbytes[i]
-            p.next_group += (n_new // g) if g else n_new
-            if put_id is not None:
-                p.recent_puts[put_id] = len(keys)
-                while len(p.recent_puts) > _RECENT_PUTS:
-                    del p.recent_puts[next(iter(p.recent_puts))]
+            if waited:  # the lock was let go meanwhile: plan again on what is there now
+                plan = p.plan_put(pieces, overwrite, put_id)
+            n = p.apply(plan)
             self._changed.notify_all()
-            return len(keys)
+            return n
 
     def clear(self, name: str, keys: Sequence[str] | None) -> int:
         """Remove rows (all when ``keys`` is None). Returns how many were removed.
@@ -465,34 +415,57 @@ class Store:
             if batch_size < 1 or (g and batch_size % g):
                 raise ProtocolError(
                     f"claim from {name!r}: batch_size {batch_size} must be >= 1"
-                    + (f" and a multiple of the group size {g}" if g else "")
+                    + (f" and a multiple of the group size {g}" if g else ""),
+                    actual=batch_size,
+                    partition=name,
                 )
             need = tuple(fields) if fields is not None else p.schema.required
             need = tuple(dict.fromkeys((*need, *wait_for)))
             for f in need:
                 p.schema[f]  # raises on an undeclared field
-            while True:
-                self._check_open(f"claim from {name!r}")
-                if cancelled is not None and cancelled():
-                    raise FlightqTimeoutError(
-                        f"claim from {name!r} for task {task!r} was cancelled by its caller; "
-                        "no rows were taken"
-                    )
-                p = self._get(name)  # the partition may have been dropped meanwhile
-                picked = _ready(p, task, need, batch_size)
-                if picked is not None:
-                    p.delivered[task].update(r.key for r in picked)
-                    return p, picked, _fields_for(p, picked, fields)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    ready = len(_ready(p, task, need, None) or [])
-                    raise ClaimTimeoutError(
-                        f"claim of {batch_size} rows for task {task!r} from partition {name!r}"
-                        f" timed out after {timeout:g}s: {ready} rows ready with fields "
-                        f"{list(need)}"
-                    )
-                # inf or huge: wait in chunks; poll a caller that may go away more often.
-                self._changed.wait(min(left, 3600.0 if cancelled is None else _POLL))
+            waiting = False
+            try:
+                while True:
+                    self._check_open(f"claim from {name!r}")
+                    if cancelled is not None and cancelled():
+                        raise FlightqTimeoutError(
+                            f"claim from {name!r} for task {task!r} was cancelled by its "
+                            "caller; no rows were taken",
+                            partition=name,
+                        )
+                    p = self._get(name)  # the partition may have been dropped meanwhile
+                    picked = _ready(p, task, need, batch_size)
+                    if picked is not None:
+                        p.delivered[task].update(r.key for r in picked)
+                        return p, picked, _fields_for(p, picked, fields)
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        ready = len(_ready(p, task, need, None) or [])
+                        raise ClaimTimeoutError(
+                            f"claim of {batch_size} rows for task {task!r} from partition "
+                            f"{name!r} timed out after {timeout:g}s: {ready} rows ready with "
+                            f"fields {list(need)}",
+                            expected=batch_size,
+                            actual=ready,
+                            partition=name,
+                        )
+                    if not waiting:
+                        waiting = True
+                        tasks = self._waiting.setdefault(name, {})
+                        tasks[task] = tasks.get(task, 0) + 1
+                    # inf or huge: wait in chunks; poll a caller that may go away more often.
+                    self._changed.wait(min(left, 3600.0 if cancelled is None else _POLL))
+            finally:
+                if waiting:
+                    self._stop_waiting(name, task)
+
+    def _stop_waiting(self, name: str, task: str) -> None:
+        tasks = self._waiting[name]
+        tasks[task] -= 1
+        if not tasks[task]:
+            del tasks[task]
+            if not tasks:
+                del self._waiting[name]
 
     def unclaim(self, name: str, task: str, keys: Sequence[str]) -> None:
         """Undo a claim whose rows never reached the consumer."""
@@ -512,57 +485,24 @@ class Store:
     # ------------------------------------------------------------------ description
 
     def stats(self) -> dict[str, Any]:
-        """Rows, bytes and per-task progress of every partition."""
+        """Rows, bytes and per-task progress of every partition, and the claims waiting for
+        rows right now (per partition and task, and in all)."""
         with self._lock:
             return {
-                "partitions": {n: _describe(p, detail=False) for n, p in self._parts.items()},
+                "partitions": {
+                    n: _describe(p, self._waiting.get(n, {}), detail=False)
+                    for n, p in self._parts.items()
+                },
                 "rows": sum(len(p.rows) for p in self._parts.values()),
                 "bytes": sum(p.nbytes for p in self._parts.values()),
+                "waiting_claims": sum(sum(t.values()) for t in self._waiting.values()),
             }
 
     def inspect(self, name: str) -> dict[str, Any]:
-        """One partition in detail: fields present, per task delivered and ready rows."""
+        """One partition in detail: fields present, per task delivered and ready rows and
+        waiting claims."""
         with self._lock:
-            return _describe(self._get(name), detail=True)
-
-
-def _is_replay(p: Partition, pieces: list[Piece]) -> bool:
-    """Whether every row of the put exists and already holds each of its cells and tags.
-
-    Such a put is a retry of one that landed (its acknowledgement was lost): answering it
-    again stores nothing, so a retry never duplicates or conflicts.
-    """
-    for pc in pieces:
-        for i, k in enumerate(pc.checked.keys):
-            row = p.rows.get(k)
-            if row is None:
-                return False
-            t = pc.tags[i]
-            if t and any(row.tags.get(a, _MISSING) != b for a, b in t.items()):
-                return False
-            for f in pc.checked.fields:
-                if not _valid_at(pc, f, i):
-                    continue
-                cell = row.cells.get(f)
-                if cell is None:
-                    return False
-                names = [f] if p.schema[f].role == "scalar" else [f, f + SHAPE_SUFFIX]
-                for c in names:
-                    mine = cell[0].batch.column(c).slice(cell[1], 1)
-                    if not pc.batch.column(c).slice(i, 1).equals(mine):
-                        return False
-    return True
-
-
-def _valid_at(pc: Piece, f: str, i: int) -> bool:
-    valid = pc.valid(f)
-    return valid is None or valid[i]
-
-
-def _check_required_not_null(pc: Piece, i: int, fields: list[str], key: str) -> None:
-    for f in fields:
-        if not _valid_at(pc, f, i):
-            raise MissingFieldError(f"row key {key!r}: required field {f!r} is null")
+            return _describe(self._get(name), self._waiting.get(name, {}), detail=True)
 
 
 def _known(p: Partition, keys: Sequence[str]) -> None:
@@ -570,14 +510,19 @@ def _known(p: Partition, keys: Sequence[str]) -> None:
     if missing:
         shown = ", ".join(repr(k) for k in missing[:10])
         more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
-        raise NotFoundError(f"partition {p.name!r} has no row key {shown}{more}")
+        raise NotFoundError(
+            f"partition {p.name!r} has no row key {shown}{more}", key=missing[0], partition=p.name
+        )
 
 
 def _task(p: Partition, task: str) -> set[str]:
     d = p.delivered.get(task)
     if d is None:
         raise NotFoundError(
-            f"partition {p.name!r} declares no task {task!r}; declared: {list(p.tasks)}"
+            f"partition {p.name!r} declares no task {task!r}; declared: {list(p.tasks)}",
+            expected=list(p.tasks),
+            actual=task,
+            partition=p.name,
         )
     return d
 
@@ -593,7 +538,10 @@ def _fields_for(p: Partition, rows: list[Row], fields: Sequence[str] | None) -> 
         if lacking:
             shown = ", ".join(repr(k) for k in lacking[:10])
             raise MissingFieldError(
-                f"field {name!r} is missing on row key {shown} of partition {p.name!r}"
+                f"field {name!r} is missing on row key {shown} of partition {p.name!r}",
+                field=name,
+                key=lacking[0],
+                partition=p.name,
             )
         out.append(name)
     order = {f.name: i for i, f in enumerate(p.schema.fields)}
@@ -624,7 +572,7 @@ def _ready(p: Partition, task: str, need: Sequence[str], limit: int | None) -> l
     return out if limit is None else None
 
 
-def _describe(p: Partition, detail: bool) -> dict[str, Any]:
+def _describe(p: Partition, waiting: dict[str, int], detail: bool) -> dict[str, Any]:
     d: dict[str, Any] = {
         "schema": p.schema.ref,
         "fingerprint": p.schema.fingerprint,
@@ -633,6 +581,7 @@ def _describe(p: Partition, detail: bool) -> dict[str, Any]:
         "rows": len(p.rows),
         "bytes": p.nbytes,
         "delivered": {t: len(s) for t, s in p.delivered.items()},
+        "waiting": {t: waiting.get(t, 0) for t in p.tasks},
     }
     if detail:
         counts = {f.name: 0 for f in p.schema.fields}
