@@ -158,20 +158,27 @@ class Received:
         Seconds spent validating and decoding the record batches as they arrived,
         per-row tensors included: wall time, waits for the interpreter lock included,
         summed over streams (each stream decodes on its thread, so over several streams
-        it can pass the get's own time).
+        it can pass the get's own time). Into a device: the time from the first request
+        to the batch on the device, the copies included.
+    route:
+        The way the answer travelled: ``"socket"`` (one DoGet stream), ``"streams=N"``
+        (a get split over N parallel DoGet streams, one connection each), ``"shm"``
+        (through a shared-memory segment) or ``"device"`` (decoded into CUDA tensors).
     """
 
     record_batches: int
     arrived: float
     decode_s: float
+    route: str = "socket"
 
     @classmethod
-    def of(cls, decoders: Iterable[PartDecoder]) -> Received:
+    def of(cls, decoders: Iterable[PartDecoder], route: str = "socket") -> Received:
         ds = list(decoders)
         return cls(
             sum(len(d.parts) for d in ds),
             max((d.arrived for d in ds), default=0.0),
             sum(d.decode_s for d in ds),
+            route,
         )
 
 

@@ -469,17 +469,17 @@ def test_async_client_gets_into_cuda(server):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_a_split_get_into_cuda_returns_the_rows_asked(client, monkeypatch):
-    import flightq.client.streams as fq_streams
-
-    monkeypatch.setattr(fq_streams, "MIN_STREAM_BYTES", 1)
+def test_a_split_get_into_cuda_returns_the_rows_asked(client):
+    client.min_stream_bytes = 1
     step = workloads.w1(groups=2, bf16=True)
     client.create_partition("p", step.schema, tasks=["train"], group_size=16)
     client.put("p", step.keys, workloads.to_torch(step).columns, tags=step.tags)
     client.get("p", step.keys[:2], device="cuda:0")  # learns the row size: one stream
     asked = step.keys[::-1]
     b = client.get("p", asked, device="cuda:0", sync=False)
-    assert isinstance(b, DeviceBatch) and b.keys == asked and len(client._streams) == 3
+    assert isinstance(b, DeviceBatch) and b.keys == asked
+    assert b.received is not None and b.received.route == "device"
+    assert client.transport.extra_connections == 3  # over 4 streams
     b.synchronize()
     want = client.get("p", asked)
 

@@ -64,12 +64,12 @@ def test_a_get_of_some_rows_carries_the_images_of_those_rows(client, vlm):
 
 def test_a_get_split_over_streams_sends_each_image_once(server):
     step = workloads.w1(0, groups=4, g=4)
-    with flightq.connect(server.location, [step.schema], get_streams=4) as c:
+    with flightq.connect(server.location, [step.schema], get_streams=4, min_stream_bytes=1) as c:
         c.create_partition("s", step.schema, tasks=["t"], group_size=step.group_size)
         c.put("s", step.keys, step.columns, step.tags)
-        # As if the partition's rows were large: the get is split, a group per stream.
-        c._row_bytes["s"] = 2**30
-        batch = c.get("s", step.keys)
+        c.get("s", step.keys[:1])  # the rows' size known: the next get is split
+        batch = c.get("s", step.keys)  # a group per stream
+        assert batch.received is not None and batch.received.route == "streams=4"
         assert len(batch._parts or [batch]) == 4
         assert _media_entries(batch, "pixel_values") == [1, 1, 1, 1]
         assert_rows_match(batch, step)

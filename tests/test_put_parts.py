@@ -17,9 +17,9 @@ import pytest
 from fixtures_dataplane import TEXT, TIMEOUT, text_columns, text_keys
 
 import flightq
-import flightq.client.streams as fq_streams
 from flightq.encode import encode
 from flightq.errors import ProtocolError
+from flightq.protocol import AbortPut
 from flightq.server.staging import Staging
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,11 +32,15 @@ def server_fixture() -> Iterator[flightq.Server]:
 
 
 @pytest.fixture(name="client")
-def client_fixture(server: flightq.Server, monkeypatch: pytest.MonkeyPatch) -> flightq.Client:
+def client_fixture(server: flightq.Server) -> flightq.Client:
     """A client that sends every put of 3 or more batches over 3 streams."""
-    monkeypatch.setattr(fq_streams, "MIN_STREAM_BYTES", 1)
     with flightq.connect(
-        server.location, [TEXT], timeout=TIMEOUT, put_streams=3, max_batch_bytes=64
+        server.location,
+        [TEXT],
+        timeout=TIMEOUT,
+        put_streams=3,
+        max_batch_bytes=64,
+        min_stream_bytes=1,
     ) as c:
         c.create_partition("p", TEXT, tasks=["train"])
         yield c
@@ -49,8 +53,8 @@ def _rows(n: int) -> tuple[list[str], dict[str, object]]:
 
 def test_a_put_in_parts_lands_whole_and_in_order(client):
     keys, cols = _rows(12)
-    assert client.put("p", keys, cols) == 12
-    assert len(client._streams) == 2  # two more connections carried parts 1 and 2
+    receipt = client.put("p", keys, cols)
+    assert receipt == 12 and receipt.route == "streams=3"
     got = client.get("p", keys, as_="numpy")
     assert got.keys == keys
     assert all(
@@ -94,7 +98,7 @@ def _cmd(**extra: object) -> dict[str, object]:
 
 
 def _batch(client: flightq.Client, keys: list[str]) -> pa.RecordBatch:
-    return encode(client._partition_schema("p"), text_columns(keys), keys)
+    return encode(flightq.SchemaRegistry.default().get(TEXT), text_columns(keys), keys)
 
 
 def test_a_part_that_never_comes_fails_the_put_after_its_timeout(server, client):
@@ -143,7 +147,7 @@ def test_an_aborted_put_wakes_its_waiting_parts(server, client):
     t.start()
     while not server._staging._puts:
         t.join(0.01)
-    client._action("abort_put", {"partition": "p", "stage": "s2", "parts": 2})
+    client.transport.action(AbortPut(partition="p", stage="s2", parts=2))
     t.join(10)
     assert not t.is_alive() and "the client gave up a part" in str(errors[0])
     assert client.stats()["partitions"]["p"]["rows"] == 0
@@ -202,7 +206,8 @@ def test_a_part_the_client_cannot_send_aborts_the_others_at_once(server, client,
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         dead = f"grpc://127.0.0.1:{s.getsockname()[1]}"
-    monkeypatch.setattr(client, "_stream_clients", lambda n: [fl.connect(dead)] * n)
+    main, lost = client.transport.connection(0), fl.connect(dead)
+    monkeypatch.setattr(client.transport, "connection", lambda i=0: lost if i else main)
     keys, cols = _rows(12)
     with pytest.raises(flightq.UnavailableError):
         client.put("p", keys, cols)

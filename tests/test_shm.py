@@ -6,6 +6,7 @@ the bytes, the validation, and that no segment of this process outlives its owne
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import subprocess
@@ -71,25 +72,28 @@ def test_small_transfers_of_a_shm_client_take_the_socket_and_large_ones_a_segmen
     with flightq.connect(server.location, [TEXT, VLM], timeout=TIMEOUT, shm=True) as c:
         assert c.shm_min_bytes == flightq.client.client.SHM_MIN_BYTES == 2**20
         c.create_partition("t", TEXT, tasks=["train"], group_size=4)
-        c.put("t", keys, cols)
-        assert c._shm_pool is None  # no segment for a put of a few KiB
+        assert c.put("t", keys, cols).route == "socket"  # no segment for a put of a few KiB
         first = c.get("t", keys, as_="numpy")  # nothing known of the rows yet: shm
+        assert first.received is not None and first.received.route == "shm"
         assert (
             assert_rows_match(first, workloads.Step("t", TEXT, keys, cols, [{} for _ in keys], 4))
             > 0
         )
-        assert not c._shm_read({"op": "get", "partition": "t", "keys": keys})
-        assert not c._shm_read({"op": "claim", "partition": "t", "batch_size": 8})
+        again = c.get("t", keys, as_="numpy")  # known small now: the socket
+        assert again.received is not None and again.received.route == "socket"
         got = c.claim("t", "train", 8, timeout=TIMEOUT, as_="numpy")
+        assert got.received is not None and got.received.route == "socket"
         assert got.keys == keys
         assert all(
             np.array_equal(a, b) for a, b in zip(got["input_ids"], cols["input_ids"], strict=True)
         )
         c.create_partition("m", step.schema, group_size=step.group_size)
-        c.put("m", step.keys, step.columns, tags=step.tags)
-        assert len(c._shm_pool.paths()) == 1  # megabytes of tiles: through a segment
-        assert c._shm_read({"op": "get", "partition": "m", "keys": step.keys[:1]})
-        assert assert_rows_match(c.get("m", step.keys, as_="numpy"), step) > 0
+        # Megabytes of tiles: through a segment, both ways.
+        assert c.put("m", step.keys, step.columns, tags=step.tags).route == "shm"
+        c.get("m", step.keys[:1])  # learns the rows' size
+        big = c.get("m", step.keys, as_="numpy")
+        assert big.received is not None and big.received.route == "shm"
+        assert assert_rows_match(big, step) > 0
 
 
 # --------------------------------------------------------------------------- round trips
@@ -232,21 +236,21 @@ def test_a_segment_is_filled_again_only_once_no_reader_holds_it(server, client):
     assert len(client._shm_pool.paths()) == 2  # one of the two was free again
 
 
-def test_a_reference_to_a_segment_filled_again_is_refused(server, client):
-    pool = client._shm_pool = shm.SegmentPool()
-    rb = flightq.encode(flightq.SchemaRegistry.default().get(TEXT), text_columns(["k"]), ["k"])
-    ref = pool.write(rb.schema, [rb], "test")
-    (seg,) = pool._segs
-    struct_free(seg)
-    held = pool._acquire(ref["nbytes"])  # the owner fills it again: exclusive lock held
-    assert held is seg
-    with pytest.raises(flightq.ProtocolError, match="being filled again by its owner"):
-        shm.map_data(ref, SHM, "get")
-    pool._written(seg, ref["nbytes"])
-    with pytest.raises(flightq.ProtocolError, match=f"is not generation {ref['gen']} of"):
-        shm.map_data(ref, SHM, "get")
-    with pytest.raises(flightq.ProtocolError, match=r"bytes \[0, 99999\) lie outside"):
-        shm.map_data({**ref, "gen": seg.gen}, SHM, "get", 0, 99999)
+def test_a_reference_to_a_segment_filled_again_is_refused():
+    with contextlib.closing(shm.SegmentPool()) as pool:
+        rb = flightq.encode(flightq.SchemaRegistry.default().get(TEXT), text_columns(["k"]), ["k"])
+        ref = pool.write(rb.schema, [rb], "test")
+        (seg,) = pool._segs
+        struct_free(seg)
+        held = pool._acquire(ref["nbytes"])  # the owner fills it again: exclusive lock held
+        assert held is seg
+        with pytest.raises(flightq.ProtocolError, match="being filled again by its owner"):
+            shm.map_data(ref, SHM, "get")
+        pool._written(seg, ref["nbytes"])
+        with pytest.raises(flightq.ProtocolError, match=f"is not generation {ref['gen']} of"):
+            shm.map_data(ref, SHM, "get")
+        with pytest.raises(flightq.ProtocolError, match=r"bytes \[0, 99999\) lie outside"):
+            shm.map_data({**ref, "gen": seg.gen}, SHM, "get", 0, 99999)
 
 
 def struct_free(seg: segments._Segment) -> None:

@@ -15,6 +15,7 @@ from helpers_wire import assert_same_rows, shipped
 
 import flightq
 import flightq.client.client as fq_client
+import flightq.client.reads as fq_reads
 import flightq.client.streams as fq_streams
 from flightq import workloads
 from flightq.batch import encode_chunks
@@ -107,13 +108,16 @@ def test_a_multi_batch_put_with_a_bad_late_row_is_refused_before_anything_is_sen
 
 
 @pytest.fixture
-def split_gets(monkeypatch: pytest.MonkeyPatch) -> Iterator[flightq.Client]:
+def split_gets() -> Iterator[flightq.Client]:
     """A client that splits every get of 2 or more rows over up to 3 streams."""
-    monkeypatch.setattr(fq_client, "DEFAULT_STREAMS", 3)
-    monkeypatch.setattr(fq_streams, "MIN_STREAM_BYTES", 1)
-    with flightq.Server() as srv, flightq.connect(srv.location, [TEXT]) as c:
+    with (
+        flightq.Server() as srv,
+        flightq.connect(srv.location, [TEXT], get_streams=3, min_stream_bytes=1) as c,
+    ):
         c.create_partition("t", TEXT, tasks=["train"])
-        c._row_bytes["t"] = 1.0  # as if a get had been made
+        c.put("t", ["w"], _text_rows(["w"]))
+        first = c.get("t", ["w"])  # a partition's first get: one stream; now its size is known
+        assert first.received is not None and first.received.route == "socket"
         yield c
 
 
@@ -129,9 +133,9 @@ def test_a_split_get_returns_rows_in_the_order_asked_with_repeats(split_gets) ->
     got = c.get("t", asked, as_="numpy")
     assert got.keys == asked
     assert [len(r) for r in got["input_ids"]] == [int(k[1:]) + 3 for k in asked]
-    assert len(c._streams) == 2  # two more connections, reused by the next get
-    c.get("t", asked)
-    assert len(c._streams) == 2
+    assert got.received is not None and got.received.route == "streams=3"
+    again = c.get("t", asked)
+    assert again.received is not None and again.received.route == "streams=3"
 
 
 def test_each_streams_rows_are_decoded_as_they_arrive_and_built_once(
@@ -163,7 +167,7 @@ def test_a_get_says_how_its_answer_arrived_over_every_stream(split_gets) -> None
     before = time.perf_counter()
     got = c.get("t", keys)
     r = got.received
-    assert r is not None and r.record_batches == len(got._parts) == 3
+    assert r is not None and r.record_batches == 3 and r.route == "streams=3"
     assert before < r.arrived < time.perf_counter() and r.decode_s > 0
     one = c.get("t", ["k0"])  # one row: one stream, one record batch
     assert one.received is not None and one.received.record_batches == 1
@@ -177,14 +181,21 @@ def test_a_partitions_first_get_and_small_gets_travel_as_one_stream(
     split_gets, monkeypatch
 ) -> None:
     c = split_gets
-    monkeypatch.setattr(fq_streams, "MIN_STREAM_BYTES", 2**20)
+    c.min_stream_bytes = 1
     c.create_partition("u", TEXT, tasks=["train"])
     keys = [f"k{i}" for i in range(8)]
     c.put("u", keys, _text_rows(keys))
-    assert c.get("u", keys).keys == keys  # nothing known yet about "u": one stream
-    assert 0 < c._row_bytes["u"] < 2**20 / len(keys)
-    assert c.get("u", keys).keys == keys  # known small: still one stream
-    assert c._streams == []
+    first = c.get("u", keys)  # nothing known yet about "u": one stream
+    assert first.keys == keys and first.received is not None
+    assert first.received.route == "socket"
+    c.min_stream_bytes = 2**20
+    small = c.get("u", keys)  # known small: still one stream
+    assert small.keys == keys and small.received is not None
+    assert small.received.route == "socket"
+    c.min_stream_bytes = 1  # the same rows, known, split
+    split = c.get("u", keys)
+    assert split.keys == keys and split.received is not None
+    assert split.received.route == "streams=3"
 
 
 def test_a_split_get_names_every_unknown_key_whichever_stream_had_it(split_gets) -> None:
@@ -216,10 +227,10 @@ def test_a_groups_shared_image_counts_once_when_a_get_is_sized() -> None:
         c.create_partition("v", VLM, tasks=["train"], group_size=16)
         c.put("v", step.keys, step.columns, step.tags)
         c.get("v", step.keys)
-        per_row = c._row_bytes["v"]
-        assert per_row * step.rows < 1.2 * step.nbytes(distinct_media=True)
-        assert c.get("v", step.keys).keys == step.keys  # under 2 x 16 MiB: one stream
-        assert c._streams == []
+        again = c.get("v", step.keys)
+        assert again.keys == step.keys  # about 8 MB, under 2 x 16 MiB: one stream
+        assert again.received is not None and again.received.route == "socket"
+        assert step.nbytes(distinct_media=True) < 2 * 16 * 2**20 < step.nbytes()
 
 
 @pytest.fixture
@@ -244,7 +255,7 @@ def fake_device(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         )
 
     monkeypatch.setattr(fq_client, "resolve_device", lambda d, as_="torch": d)
-    for module in (fq_client, fq_streams):
+    for module in (fq_reads, fq_streams):
         monkeypatch.setattr(module, "decode_to_device", decode_to_device)
     monkeypatch.setattr(fq_streams, "decode_streams_to_device", decode_streams_to_device)
     return calls
@@ -258,21 +269,25 @@ def test_a_device_get_splits_as_the_cpu_get_does(split_gets, fake_device) -> Non
     got = c.get("t", asked, as_="numpy", device="cuda")
     assert got.keys == asked
     assert [len(r) for r in got["input_ids"]] == [int(k[1:]) + 3 for k in asked]
-    assert len(fake_device) == 1 and len(c._streams) == 2  # 3 streams, one decode
-    assert c._row_bytes["t"] > 1.0  # learned from the answer
+    assert len(fake_device) == 1  # 3 streams, one decode
+    assert got.received is not None and got.received.route == "device"
+    assert got.received.record_batches == fake_device[0] >= 3
 
 
 def test_a_device_gets_first_and_small_gets_travel_as_one_stream(
     split_gets, fake_device, monkeypatch
 ) -> None:
     c = split_gets
-    monkeypatch.setattr(fq_streams, "MIN_STREAM_BYTES", 2**20)
+    c.min_stream_bytes = 2**20
     c.create_partition("u", TEXT, tasks=["train"])
     keys = [f"k{i}" for i in range(8)]
     c.put("u", keys, _text_rows(keys))
     assert c.get("u", keys, device="cuda").keys == keys
-    assert 0 < c._row_bytes["u"] < 2**20 / len(keys)
-    assert fake_device == [1] and c._streams == []
+    assert c.get("u", keys, device="cuda").keys == keys  # known small: one stream
+    assert fake_device == [1, 1]
+    c.min_stream_bytes = 1  # the device gets taught the rows' size: a CPU get splits
+    split = c.get("u", keys)
+    assert split.received is not None and split.received.route == "streams=3"
 
 
 def test_a_split_device_get_falls_back_to_one_stream(split_gets, fake_device) -> None:

@@ -21,37 +21,53 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.flight as fl
 
-from ..batch import Batch, PartDecoder, Received, join
-from ..chunks import encode_chunks, split_batch
-from ..cuda import PinnedPool, decode_to_device, resolve_device, stage
+from ..batch import Batch
+from ..chunks import encode_chunks
+from ..cuda import PinnedPool, resolve_device, stage
 from ..errors import (
-    FlightqError,
     ProtocolError,
     SchemaMismatchError,
     UnknownSchemaError,
 )
 from ..memory import keep_freed_memory as _keep_freed_memory
-from ..protocol import from_flight_error, pack, unpack
+from ..protocol import (
+    CheckSchemas,
+    ClaimTicket,
+    Clear,
+    Declare,
+    Describe,
+    Drop,
+    GetTicket,
+    Health,
+    Inspect,
+    PutCommand,
+    RegisterSchema,
+    Reset,
+    Snapshot,
+    Stats,
+)
 from ..registry import SchemaRegistry
 from ..schema import Schema
 from ..sink import DeferredFills, Sink
+from .interface import PutReceipt
+from .reads import Reader
 from .streams import (
     DEFAULT_STREAMS,
-    distinct_nbytes,
+    MIN_STREAM_BYTES,
     filled,
     get_to_device,
     put_groups,
     put_parts,
     read_keys,
 )
+from .transport import Transport
 
-__all__ = ["Client", "connect", "DEFAULT_TIMEOUT", "SHM_MIN_BYTES"]
+__all__ = ["Client", "connect", "resolve_schemas", "DEFAULT_TIMEOUT", "SHM_MIN_BYTES"]
 
 #: Seconds a call may take unless told otherwise.
 DEFAULT_TIMEOUT = 60.0
@@ -61,7 +77,10 @@ SHM_MIN_BYTES = 2**20
 DEFAULT_MAX_BATCH_BYTES = 16 * 2**20
 
 
-def _resolve(schemas: Iterable[str | Schema], registry: SchemaRegistry | None) -> list[Schema]:
+def resolve_schemas(
+    schemas: Iterable[str | Schema], registry: SchemaRegistry | None = None
+) -> list[Schema]:
+    """Schemas by ``"name@V"`` (in ``registry``, or the shipped one) or as given."""
     out: list[Schema] = []
     reg = registry
     for s in schemas:
@@ -84,7 +103,8 @@ def connect(
     shm: bool | str = False,
     get_streams: int | None = None,
     put_streams: int | None = None,
-    keep_freed_memory: bool = True,
+    min_stream_bytes: int = MIN_STREAM_BYTES,
+    keep_freed_memory: bool = False,
     **flight_kwargs: Any,
 ) -> Client:
     """Connect to a server and check the schema versions this process was built for.
@@ -115,13 +135,18 @@ def connect(
         Most parallel DoPut streams for one large put (at least 16 MiB each), stored
         together or not at all (:mod:`flightq.server.staging`); default 4. 1 keeps every put on
         one stream.
+    min_stream_bytes:
+        Fewest bytes each parallel stream of a get or put carries (16 MiB); a get's bytes
+        are estimated from the partition's last answer, so a partition's first get takes
+        one stream.
     keep_freed_memory:
-        Tune this process's malloc to keep freed memory for the next step
-        (:func:`flightq.keep_freed_memory`): received rows and put buffers then land in
-        pages the process already has instead of fresh ones that fault in one by one.
-        The setting is process-wide and stays once any client made it; the process keeps
-        its high-water mark of memory (per malloc arena: see that function). False leaves
-        malloc as it is; ``shm=True`` clients, whose payloads are mapped, do not touch it.
+        Opt in to tuning this process's malloc to keep freed memory for the next step
+        (:func:`flightq.keep_freed_memory`, which a process may also call itself):
+        received rows and put buffers then land in pages the process already has instead
+        of fresh ones that fault in one by one. Off by default: the setting is
+        process-wide, stays, and makes the process keep its high-water mark of memory
+        (per malloc arena: see that function). ``shm=True`` clients, whose payloads are
+        mapped, never touch it. See :func:`flightq.keep_freed_memory` for what it buys.
     **flight_kwargs:
         ``token="..."`` for a server that requires a bearer token; ``tls_root_certs``
         (PEM bytes) for a ``grpc+tls://`` server; anything else ``FlightClient`` takes.
@@ -152,16 +177,17 @@ def connect(
         shm=shm,
         get_streams=get_streams,
         put_streams=put_streams,
+        min_stream_bytes=min_stream_bytes,
         keep_freed_memory=keep_freed_memory,
         **flight_kwargs,
     )
     try:
         client.health()
         if client.shm_dir is not None:
-            from ..shm import handshake
+            from ..shm.client import handshake
 
-            handshake(client)
-        wanted = _resolve(schemas, registry)
+            handshake(client.transport, client.shm_dir)
+        wanted = resolve_schemas(schemas, registry)
         if wanted:
             client.check_schemas(wanted)
     except BaseException:
@@ -186,20 +212,19 @@ class Client:
         shm: bool | str = False,
         get_streams: int | None = None,
         put_streams: int | None = None,
-        keep_freed_memory: bool = True,
+        min_stream_bytes: int = MIN_STREAM_BYTES,
+        keep_freed_memory: bool = False,
         **flight_kwargs: Any,
     ) -> None:
-        self.get_streams = DEFAULT_STREAMS if get_streams is None else get_streams
+        gets = DEFAULT_STREAMS if get_streams is None else get_streams
         self.put_streams = DEFAULT_STREAMS if put_streams is None else put_streams
-        if self.get_streams < 1 or self.put_streams < 1:
+        if gets < 1 or self.put_streams < 1:
             raise ValueError(
                 f"get_streams and put_streams must be at least 1, got {get_streams}, {put_streams}"
             )
+        if min_stream_bytes < 1:
+            raise ValueError(f"min_stream_bytes must be at least 1, got {min_stream_bytes}")
         self.shm_dir: str | None = None
-        self._shm_pool: Any = None
-        #: With shm: puts (and reads, estimated from the partition's last answer) of fewer
-        #: bytes travel over the socket.
-        self.shm_min_bytes = SHM_MIN_BYTES
         if shm:
             from ..shm import directory, is_local
 
@@ -209,52 +234,86 @@ class Client:
                     "(127.0.0.0/8, ::1, localhost) or unix: connect without shm"
                 )
             self.shm_dir = directory(shm)
-        if token is not None:
-            from ..auth import BearerTokenClientMiddlewareFactory
-
-            flight_kwargs["middleware"] = [
-                *(flight_kwargs.get("middleware") or []),
-                BearerTokenClientMiddlewareFactory(token),
-            ]
         self.location = location
-        self.timeout = timeout
         self.max_batch_bytes = max_batch_bytes
         self._schemas: dict[str, Schema] = {}
         self._lock = threading.Lock()
         #: Pinned host buffers and copy streams for CUDA tensors (empty until first used).
         self._pinned = PinnedPool()
-        self._flight_kwargs = flight_kwargs
-        #: More connections to the server, opened on the first get split over streams.
-        self._streams: list[fl.FlightClient] = []
-        #: Per partition, payload bytes per row of the last get answer.
-        self._row_bytes: dict[str, float] = {}
-        try:
-            self._flight = fl.FlightClient(location, **flight_kwargs)
-        except (pa.ArrowException, fl.FlightError) as e:
-            raise from_flight_error(e, f"connect to {location}") from e
+        self._transport = Transport(location, timeout=timeout, token=token, **flight_kwargs)
+        self._reader = Reader(
+            self._transport,
+            shm_dir=self.shm_dir,
+            shm_min_bytes=SHM_MIN_BYTES,
+            get_streams=gets,
+            min_stream_bytes=min_stream_bytes,
+            pinned=self._pinned,
+        )
+        self._segments: Any = None
+        if self.shm_dir is not None:
+            from ..shm.client import ClientSegments
+
+            self._segments = ClientSegments(self.shm_dir)
         if keep_freed_memory and self.shm_dir is None:
             _keep_freed_memory()
 
+    # ------------------------------------------------------------------ settings
+
+    @property
+    def transport(self) -> Transport:
+        """The connections to the server (internal: :mod:`flightq.client.transport`)."""
+        return self._transport
+
+    @property
+    def timeout(self) -> float:
+        """Default seconds for every call."""
+        return self._transport.timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._transport.timeout = value
+
+    @property
+    def get_streams(self) -> int:
+        """Most parallel DoGet streams for one large get."""
+        return self._reader.get_streams
+
+    @get_streams.setter
+    def get_streams(self, value: int) -> None:
+        self._reader.get_streams = value
+
+    @property
+    def min_stream_bytes(self) -> int:
+        """Fewest bytes each parallel stream of a get or put carries."""
+        return self._reader.min_stream_bytes
+
+    @min_stream_bytes.setter
+    def min_stream_bytes(self, value: int) -> None:
+        self._reader.min_stream_bytes = value
+
+    @property
+    def shm_min_bytes(self) -> int:
+        """With shm: puts (and reads, estimated from the partition's last answer) of fewer
+        bytes travel over the socket."""
+        return self._reader.shm_min_bytes
+
+    @shm_min_bytes.setter
+    def shm_min_bytes(self, value: int) -> None:
+        self._reader.shm_min_bytes = value
+
+    @property
+    def _shm_pool(self) -> Any:
+        # The segment pool of puts through shared memory (None until the first), for tests.
+        return None if self._segments is None else self._segments.pool
+
     # ------------------------------------------------------------------ plumbing
-
-    def _options(self, timeout: float | None) -> fl.FlightCallOptions:
-        return fl.FlightCallOptions(timeout=self.timeout if timeout is None else timeout)
-
-    def _action(self, kind: str, body: Mapping[str, Any], timeout: float | None = None) -> Any:
-        try:
-            results = list(
-                self._flight.do_action(fl.Action(kind, pack(body)), options=self._options(timeout))
-            )
-        except (pa.ArrowException, fl.FlightError) as e:
-            raise from_flight_error(e, f"{kind} on {self.location}") from e
-        return unpack(results[0].body, f"{kind} result") if results else {}
 
     def _partition_schema(self, partition: str) -> Schema:
         with self._lock:
             s = self._schemas.get(partition)
         if s is None:
-            d = self._action("describe", {"partition": partition})
-            s = Schema.from_json(d["schema"])
+            d = self._transport.action(Describe(partition=partition))
+            s = Schema.from_json(d.schema)
             with self._lock:
                 self._schemas[partition] = s
         return s
@@ -263,7 +322,7 @@ class Client:
 
     def health(self, timeout: float | None = None) -> dict[str, Any]:
         """Liveness: ``{"ok": True, "protocol": N, "partitions": N}``."""
-        return self._action("health", {}, timeout)
+        return self._transport.action(Health(), timeout).to_dict()
 
     def check_schemas(self, schemas: Iterable[Schema]) -> None:
         """Check that the server holds these exact schema versions.
@@ -275,13 +334,13 @@ class Client:
         """
         schemas = list(schemas)
         try:
-            self._action("check_schemas", {"schemas": [s.canonical_json for s in schemas]})
+            self._transport.action(CheckSchemas(schemas=[s.canonical_json for s in schemas]))
         except (SchemaMismatchError, UnknownSchemaError) as e:
             raise type(e)(f"startup schema check against {self.location} failed: {e}") from None
 
     def register_schema(self, schema: Schema) -> None:
         """Add a schema to the server's registry (evolution rules apply there too)."""
-        self._action("register_schema", {"schema": schema.canonical_json})
+        self._transport.action(RegisterSchema(schema=schema.canonical_json))
 
     def create_partition(
         self,
@@ -305,53 +364,47 @@ class Client:
         ConflictError
             If it exists with another schema, tasks, group size or row limit.
         """
-        s = _resolve([schema], registry)[0]
-        d = self._action(
-            "declare",
-            {
-                "partition": name,
-                "schema": s.canonical_json,
-                "tasks": list(tasks),
-                "group_size": group_size,
-                "max_rows": max_rows,
-            },
+        s = resolve_schemas([schema], registry)[0]
+        d = self._transport.action(
+            Declare(
+                partition=name,
+                schema=s.canonical_json,
+                tasks=list(tasks),
+                group_size=group_size,
+                max_rows=max_rows,
+            )
         )
         with self._lock:
             self._schemas[name] = s
-        return bool(d["created"])
+        return bool(d.created)
 
     def describe(self, partition: str) -> dict[str, Any]:
         """A partition's declaration (schema JSON, fingerprint, tasks, group size)."""
-        return self._action("describe", {"partition": partition})
+        return self._transport.action(Describe(partition=partition)).to_dict()
 
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> int:
         """Remove rows (all when ``keys`` is None); returns how many."""
-        d = self._action(
-            "clear", {"partition": partition, "keys": None if keys is None else list(keys)}
-        )
-        return int(d["cleared"])
+        ks = None if keys is None else list(keys)
+        return int(self._transport.action(Clear(partition=partition, keys=ks)).cleared)
 
     def reset(self, partition: str, task: str, keys: Sequence[str] | None = None) -> int:
         """Make rows claimable again for ``task`` (all when ``keys`` is None)."""
-        d = self._action(
-            "reset",
-            {"partition": partition, "task": task, "keys": None if keys is None else list(keys)},
-        )
-        return int(d["reset"])
+        ks = None if keys is None else list(keys)
+        return int(self._transport.action(Reset(partition=partition, task=task, keys=ks)).reset)
 
     def drop(self, partition: str) -> None:
         """Remove a partition and its rows."""
-        self._action("drop", {"partition": partition})
+        self._transport.action(Drop(partition=partition))
         with self._lock:
             self._schemas.pop(partition, None)
 
     def stats(self) -> dict[str, Any]:
         """Rows, bytes and per-task progress of every partition."""
-        return self._action("stats", {})
+        return self._transport.action(Stats()).to_dict()
 
     def inspect(self, partition: str) -> dict[str, Any]:
         """One partition: fields present, delivered and ready rows per task."""
-        return self._action("inspect", {"partition": partition})
+        return self._transport.action(Inspect(partition=partition)).to_dict()
 
     # ------------------------------------------------------------------ data
 
@@ -365,8 +418,12 @@ class Client:
         overwrite: bool = False,
         timeout: float | None = None,
         put_id: str | None = None,
-    ) -> int:
+    ) -> PutReceipt:
         """Write rows, all or nothing, in one DoPut. Returns the rows written.
+
+        The count is a :class:`~flightq.PutReceipt` (an ``int``) that also says the route
+        the rows took: ``"socket"``, ``"streams=N"`` (N parallel DoPut streams) or
+        ``"shm"`` (a shared-memory segment).
 
         New rows must carry every required field; onto existing rows any subset of fields
         may be written. Writing a column a row already has needs ``overwrite=True``.
@@ -416,7 +473,7 @@ class Client:
         overwrite: bool = False,
         timeout: float | None = None,
         put_id: str | None = None,
-    ) -> int:
+    ) -> PutReceipt:
         """Write already encoded record batches (see :func:`flightq.encode`) as one put.
 
         Several batches (one schema) travel in one DoPut and are stored all or nothing.
@@ -432,7 +489,7 @@ class Client:
         overwrite: bool,
         timeout: float | None,
         put_id: str | None,
-    ) -> int:
+    ) -> PutReceipt:
         """One DoPut of ``batches``, encoded into ``sink`` (encode_chunks): deferred fills
         (``fills[i]()`` completes batch i) or a gather into a segment."""
         fills = sink.fills if isinstance(sink, DeferredFills) else None
@@ -440,74 +497,36 @@ class Client:
             raise ValueError(f"put to {partition!r}: no record batches")
         wait = self.timeout if timeout is None else timeout
         # The server may wait for space (memory budget) for most of the call's timeout.
-        cmd = {"op": "put", "partition": partition, "overwrite": overwrite, "timeout": 0.8 * wait}
         # The row count lets the server refuse a stream cut short; the id makes retries safe.
-        cmd["rows"] = sum(b.num_rows for b in batches)
-        if put_id is not None:
-            cmd["put_id"] = put_id
-        if self.shm_dir is not None and not self._small_put(batches, sink):
-            from ..shm import put_via_shm
+        cmd = PutCommand(
+            partition=partition,
+            overwrite=overwrite,
+            timeout=0.8 * wait,
+            rows=sum(b.num_rows for b in batches),
+            put_id=put_id,
+        )
+        if self._segments is not None and not self._small_put(batches, sink):
+            from ..shm.client import put_via_shm
 
-            return put_via_shm(self, cmd, batches, timeout, sink)
-        groups = put_groups(batches, self.put_streams)
+            batch_bytes = self._put_batch_bytes()
+            rows = put_via_shm(
+                self._transport, self._segments, cmd, batches, timeout, batch_bytes, sink
+            )
+            return PutReceipt(rows, "shm")
+        groups = put_groups(batches, self.put_streams, self.min_stream_bytes)
         if len(groups) > 1:
-            return put_parts(self, cmd, batches, fills, groups, timeout)
-        return self._do_put(cmd, batches[0].schema, filled(batches, fills), timeout)
-
-    def _do_put(
-        self,
-        cmd: Mapping[str, Any],
-        schema: pa.Schema,
-        batches: Iterable[pa.RecordBatch],
-        timeout: float | None,
-        flight: fl.FlightClient | None = None,
-    ) -> int:
-        """One DoPut exchange: the command, ``batches`` cut at ``max_batch_bytes``, then the
-        server's acknowledgement; returns the rows it acknowledged."""
-        what = f"put to {cmd['partition']!r}"
-        flight = self._flight if flight is None else flight
-        desc = fl.FlightDescriptor.for_command(pack(cmd))
-        try:
-            writer, reader = flight.do_put(desc, schema, options=self._options(timeout))
-            with writer:
-                for b in batches:
-                    for chunk in split_batch(b, self.max_batch_bytes):
-                        writer.write_batch(chunk)
-                writer.done_writing()
-                ack = reader.read()
-        except (pa.ArrowException, fl.FlightError) as e:
-            raise from_flight_error(e, what) from e
-        if ack is None:
-            raise FlightqError(f"{what}: the server sent no acknowledgement")
-        return int(unpack(ack, "put acknowledgement")["rows"])
-
-    def _read(
-        self,
-        ticket: Mapping[str, Any],
-        what: str,
-        timeout: float | None,
-        flight: fl.FlightClient | None = None,
-        decoder: PartDecoder | None = None,
-    ) -> list[pa.RecordBatch]:
-        """One DoGet's record batches; given a ``decoder``, each is decoded as it arrives
-        (while gRPC receives the next one)."""
-        via_shm = self._shm_read(ticket)
-        if via_shm:
-            ticket = {**ticket, "shm": True}
-        batches: list[pa.RecordBatch] = []
-        for rb in self._chunks(ticket, what, timeout, flight):
-            batches.append(rb)
-            if decoder is not None and not via_shm:
-                decoder.add(rb)
-        if via_shm:
-            assert self.shm_dir is not None
-            from ..shm.table import take
-
-            batches = take(batches, self.shm_dir, what)
-            if decoder is not None:
-                for b in batches:
-                    decoder.add(b)
-        return batches
+            rows = put_parts(
+                self._transport, cmd, batches, fills, groups, timeout, self.max_batch_bytes
+            )
+            return PutReceipt(rows, f"streams={len(groups)}")
+        rows = self._transport.put(
+            cmd,
+            batches[0].schema,
+            filled(batches, fills),
+            max_batch_bytes=self.max_batch_bytes,
+            timeout=timeout,
+        )
+        return PutReceipt(rows, "socket")
 
     def _small_put(self, batches: list[pa.RecordBatch], sink: Sink | None) -> bool:
         """Whether a put encoded for shm is better sent over the socket: it is small, and no
@@ -517,79 +536,6 @@ class Client:
         if gathered(sink):
             return False
         return sum(b.get_total_buffer_size() for b in batches) < self.shm_min_bytes
-
-    def _shm_read(self, ticket: Mapping[str, Any]) -> bool:
-        """Whether a read travels through shared memory: with shm, unless the partition's
-        last answer says it is small (its rows times their bytes)."""
-        if self.shm_dir is None:
-            return False
-        rows = ticket.get("keys") if ticket.get("op") == "get" else ticket.get("batch_size")
-        per_row = self._row_bytes.get(ticket.get("partition", ""))
-        if per_row is None or rows is None:
-            return True  # nothing known yet: a first read, or a scan
-        n = len(rows) if isinstance(rows, list) else int(rows)
-        return n * per_row >= self.shm_min_bytes
-
-    def _learn(self, partition: str, rows: int, batches: list[pa.RecordBatch]) -> None:
-        """Remember the bytes per row a partition's answer carried (to split later gets)."""
-        if rows:
-            self._row_bytes[partition] = distinct_nbytes(batches) / rows
-
-    def _learned(self, partition: str, decoders: list[PartDecoder]) -> Batch:
-        """The decoded answer of a read: remembers its size for the partition's next read
-        and says how it arrived (``batch.received``)."""
-        parts = [p for d in decoders for p in d.parts]
-        self._learn(partition, sum(len(p) for p in parts), [p.record_batch for p in parts])
-        batch = join(parts)
-        batch.received = Received.of(decoders)
-        return batch
-
-    def _stream_clients(self, n: int) -> list[fl.FlightClient]:
-        with self._lock:
-            try:
-                while len(self._streams) < n:
-                    self._streams.append(fl.FlightClient(self.location, **self._flight_kwargs))
-            except (pa.ArrowException, fl.FlightError) as e:
-                raise from_flight_error(e, f"connect to {self.location}") from e
-            return self._streams[:n]
-
-    def _read_to_device(
-        self,
-        device: Any,
-        ticket: Mapping[str, Any],
-        what: str,
-        timeout: float | None,
-        *,
-        copy: bool,
-        sync: bool,
-    ) -> Batch:
-        """A DoGet stream decoded into CUDA tensors as its record batches arrive."""
-        chunks = self._chunks(ticket, what, timeout)
-        return decode_to_device(chunks, device, self._pinned, copy=copy, sync=sync)
-
-    def _chunks(
-        self,
-        ticket: Mapping[str, Any],
-        what: str,
-        timeout: float | None,
-        flight: fl.FlightClient | None = None,
-        got: list[pa.RecordBatch] | None = None,
-        stop: threading.Event | None = None,
-    ) -> Iterator[pa.RecordBatch]:
-        """One DoGet stream's record batches as they arrive (also appended to ``got``);
-        ends early once ``stop`` is set."""
-        flight = self._flight if flight is None else flight
-        try:
-            reader = flight.do_get(fl.Ticket(pack(ticket)), options=self._options(timeout))
-            for chunk in reader:
-                if got is not None:
-                    got.append(chunk.data)
-                yield chunk.data
-                if stop is not None and stop.is_set():
-                    reader.cancel()
-                    return
-        except (pa.ArrowException, fl.FlightError) as e:
-            raise from_flight_error(e, what) from e
 
     def get(
         self,
@@ -620,13 +566,13 @@ class Client:
         DeviceError
             If ``device`` cannot be used here (no CUDA, no such device, ``as_='numpy'``).
         """
-        t: dict[str, Any] = {"op": "get", "partition": partition, "keys": list(keys)}
-        t["fields"] = None if fields is None else list(fields)
+        f = None if fields is None else list(fields)
+        t = GetTicket(partition=partition, keys=list(keys), fields=f)
         dev = resolve_device(device, as_)
+        what = f"get from {partition!r}"
         if dev is not None:
-            what = f"get from {partition!r}"
-            return get_to_device(self, dev, t, what, timeout, copy=copy, sync=sync)
-        return read_keys(self, t, f"get from {partition!r}", timeout, as_, copy)
+            return get_to_device(self._reader, dev, t, what, timeout, copy=copy, sync=sync)
+        return read_keys(self._reader, t, what, timeout, as_, copy)
 
     def claim(
         self,
@@ -661,22 +607,19 @@ class Client:
         """
         dev = resolve_device(device, as_)
         wait = self.timeout if timeout is None else timeout
-        t = {
-            "op": "claim",
-            "partition": partition,
-            "task": task,
-            "batch_size": batch_size,
-            "fields": None if fields is None else list(fields),
-            "wait_for": list(wait_for),
-            "timeout": wait,
-        }
+        t = ClaimTicket(
+            partition=partition,
+            task=task,
+            batch_size=batch_size,
+            fields=None if fields is None else list(fields),
+            wait_for=list(wait_for),
+            timeout=wait,
+        )
         # The server answers within `wait`; the transport gets a margin on top.
+        what, limit = f"claim from {partition!r}", wait + max(5.0, 0.1 * wait)
         if dev is not None:
-            what, limit = f"claim from {partition!r}", wait + max(5.0, 0.1 * wait)
-            return self._read_to_device(dev, t, what, limit, copy=copy, sync=sync)
-        d = PartDecoder(as_, copy)
-        self._read(t, f"claim from {partition!r}", wait + max(5.0, 0.1 * wait), None, d)
-        return self._learned(partition, [d])
+            return self._reader.to_device(dev, t, what, limit, copy=copy, sync=sync)
+        return self._reader.one(t, what, limit, as_, copy)
 
     def snapshot(
         self, name: str, partition: str | None = None, timeout: float | None = None
@@ -694,27 +637,19 @@ class Client:
         ConflictError
             If a snapshot of that name exists.
         """
-        return self._action("snapshot", {"name": name, "partition": partition}, timeout)
+        return self._transport.action(Snapshot(name=name, partition=partition), timeout).to_dict()
 
     def partitions(self) -> list[str]:
         """Names of the partitions the server holds (ListFlights)."""
-        try:
-            return [
-                info.descriptor.path[0].decode()
-                for info in self._flight.list_flights(options=self._options(None))
-            ]
-        except (pa.ArrowException, fl.FlightError) as e:
-            raise from_flight_error(e, "list partitions") from e
+        return self._transport.list_flights()
 
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
         """Close the connection."""
-        if self._shm_pool is not None:
-            self._shm_pool.close()
-        for flight in [self._flight, *self._streams]:
-            with contextlib.suppress(pa.ArrowException, fl.FlightError):
-                flight.close()
+        if self._segments is not None:
+            self._segments.close()
+        self._transport.close()
 
     def __enter__(self) -> Client:
         return self

@@ -7,34 +7,34 @@ cores. Parts of a get come back in key order; parts of a put are stored together
 all (:mod:`flightq.server.staging`). Streams are sized by the bytes that travel (a prompt group's
 shared image counts once), never below :data:`MIN_STREAM_BYTES` each.
 
-These functions are the :class:`flightq.client.client.Client`'s own machinery; they use its
-connections and options.
+The functions take what they use explicitly: a put the :class:`~.transport.Transport`, a
+get the client's :class:`~.reads.Reader` (its transport, row sizes and settings).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import secrets
 import threading
-from collections.abc import Callable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
-import pyarrow.flight as fl
 
 from ..batch import Batch, PartDecoder
 from ..cuda import decode_streams_to_device, decode_to_device
 from ..errors import FlightqError, MissingFieldError, NotFoundError
-
-if TYPE_CHECKING:
-    from .client import Client
+from ..protocol import AbortPut, GetTicket, PutCommand
+from .reads import Reader, received_on_device
+from .transport import Transport
 
 __all__ = [
     "DEFAULT_STREAMS",
     "MIN_STREAM_BYTES",
-    "distinct_nbytes",
     "filled",
     "get_to_device",
     "put_groups",
@@ -51,48 +51,37 @@ DEFAULT_STREAMS = 4
 MIN_STREAM_BYTES = 16 * 2**20
 
 
-def distinct_nbytes(batches: list[pa.RecordBatch]) -> int:
-    """Bytes the batches hold, each buffer once: slices of one stored batch share a media
-    dictionary, which ``RecordBatch.nbytes`` would count in every slice."""
-    seen: set[tuple[int, int]] = set()
-    for b in batches:
-        for col in b.columns:
-            bufs = col.buffers()
-            if pa.types.is_large_list(col.type) and pa.types.is_dictionary(col.type.value_type):
-                bufs += col.values.dictionary.buffers()
-            seen.update((x.address, x.size) for x in bufs if x is not None)
-    return sum(size for _, size in seen)
-
-
 class Resplit(Exception):
     """The parts of a split get differ in their columns: read it again as one stream."""
 
 
 def put_parts(
-    client: Client,
-    cmd: dict[str, Any],
+    transport: Transport,
+    cmd: PutCommand,
     batches: list[pa.RecordBatch],
     fills: list[Callable[[], None]] | None,
     groups: list[range],
     timeout: float | None,
+    max_batch_bytes: int,
 ) -> int:
     """One put over parallel DoPut streams, one range of batches each, on their own
     connections; the server stores the parts together or not at all
     (:mod:`flightq.server.staging`). Each stream fills its batches just before sending them."""
     stage = secrets.token_hex(8)
-    flights = [client._flight, *client._stream_clients(len(groups) - 1)]
 
     def send(i: int) -> int:
         part = groups[i]
-        mine = {
-            **cmd,
-            "rows": sum(batches[j].num_rows for j in part),
-            "stage": stage,
-            "part": i,
-            "parts": len(groups),
-        }
+        rows = sum(batches[j].num_rows for j in part)
+        mine = dataclasses.replace(cmd, rows=rows, stage=stage, part=i, parts=len(groups))
         schema = batches[part[0]].schema
-        return client._do_put(mine, schema, sent(part), timeout, flights[i])
+        return transport.put(
+            mine,
+            schema,
+            sent(part),
+            max_batch_bytes=max_batch_bytes,
+            timeout=timeout,
+            connection=i,
+        )
 
     def sent(part: range) -> Iterator[pa.RecordBatch]:
         # Each batch filled just before it is sent, and let go once handed over.
@@ -110,17 +99,14 @@ def put_parts(
         if first is not None:
             # The parts still waiting on the server must not wait for this one.
             with contextlib.suppress(FlightqError):
-                client._action(
-                    "abort_put",
-                    {"partition": cmd["partition"], "stage": stage, "parts": len(groups)},
-                )
+                transport.action(AbortPut(partition=cmd.partition, stage=stage, parts=len(groups)))
             wait(futures)
             raise first
     return int(futures[0].result())
 
 
 def read_keys(
-    client: Client, ticket: dict[str, Any], what: str, timeout: float | None, as_: str, copy: bool
+    reader: Reader, ticket: GetTicket, what: str, timeout: float | None, as_: str, copy: bool
 ) -> Batch:
     """A get's rows, over parallel streams when it asks for many rows.
 
@@ -132,58 +118,54 @@ def read_keys(
     rows holding different fields), the get runs again as one stream, whose answer or
     complete error is the reference.
     """
-    partition = ticket["partition"]
+    n = split_count(reader, ticket)
+    if n < 2:
+        return reader.one(ticket, what, timeout, as_, copy)
+    tickets = split(ticket, n)
 
-    def one(t: dict[str, Any], flight: fl.FlightClient | None = None) -> PartDecoder:
+    def part(i: int) -> PartDecoder:
         d = PartDecoder(as_, copy)
-        client._read(t, what, timeout, flight, d)
+        reader.read(tickets[i], what, timeout, connection=i, decoder=d)
         return d
 
-    n = split_count(client, ticket)
-    if n < 2:
-        return client._learned(partition, [one(ticket)])
-    flights, tickets = split(client, ticket, n)
     try:
         with ThreadPoolExecutor(n - 1, thread_name_prefix="flightq-get") as pool:
-            rest = [pool.submit(one, tickets[i], flights[i]) for i in range(1, n)]
-            parts = [one(tickets[0]), *(f.result() for f in rest)]
+            rest = [pool.submit(part, i) for i in range(1, n)]
+            parts = [part(0), *(f.result() for f in rest)]
     except (NotFoundError, MissingFieldError):
-        return client._learned(partition, [one(ticket)])
+        return reader.one(ticket, what, timeout, as_, copy)
     schema = parts[0].parts[0].record_batch.schema
     if any(
         not b.record_batch.schema.equals(schema, check_metadata=True)
         for d in parts
         for b in d.parts
     ):
-        return client._learned(partition, [one(ticket)])
-    return client._learned(partition, parts)
+        return reader.one(ticket, what, timeout, as_, copy)
+    return reader.decoded(ticket.partition, parts, f"streams={n}")
 
 
-def split_count(client: Client, ticket: Mapping[str, Any]) -> int:
+def split_count(reader: Reader, ticket: GetTicket) -> int:
     """How many streams a get travels over (1: one stream), from the partition's last
-    answer: at least ``MIN_STREAM_BYTES`` estimated per stream."""
-    if client.shm_dir is not None:
+    answer: at least ``reader.min_stream_bytes`` estimated per stream."""
+    if reader.shm_dir is not None:
         return 1
-    keys = ticket["keys"]
-    guess = client._row_bytes.get(ticket["partition"], 0.0) * len(keys)
-    return max(1, min(client.get_streams, len(keys), int(guess // MIN_STREAM_BYTES)))
+    keys = ticket.keys
+    guess = (reader.sizes.per_row(ticket.partition) or 0.0) * len(keys)
+    return max(1, min(reader.get_streams, len(keys), int(guess // reader.min_stream_bytes)))
 
 
-def split(
-    client: Client, ticket: Mapping[str, Any], n: int
-) -> tuple[list[fl.FlightClient], list[dict[str, Any]]]:
-    """The connections and tickets of a get split over ``n`` streams, keys in order."""
-    keys = ticket["keys"]
-    flights = [client._flight, *client._stream_clients(n - 1)]
+def split(ticket: GetTicket, n: int) -> list[GetTicket]:
+    """The tickets of a get split over ``n`` streams, keys in order (stream i travels on
+    the transport's connection i)."""
+    keys = ticket.keys
     cuts = [len(keys) * i // n for i in range(n + 1)]
-    tickets = [{**ticket, "keys": keys[a:b]} for a, b in itertools.pairwise(cuts)]
-    return flights, tickets
+    return [dataclasses.replace(ticket, keys=keys[a:b]) for a, b in itertools.pairwise(cuts)]
 
 
 def get_to_device(
-    client: Client,
+    reader: Reader,
     device: Any,
-    ticket: Mapping[str, Any],
+    ticket: GetTicket,
     what: str,
     timeout: float | None,
     *,
@@ -195,11 +177,13 @@ def get_to_device(
     together, in key order (:func:`flightq.cuda.decode_streams_to_device`). On an unknown
     key, a missing field or parts whose columns differ, the get runs again as one stream,
     whose answer or complete error is the reference."""
-    rows, partition = len(ticket["keys"]), ticket["partition"]
-    n = split_count(client, ticket)
+    rows, partition = len(ticket.keys), ticket.partition
+    transport = reader.transport
+    started = time.perf_counter()
+    n = split_count(reader, ticket)
     got: list[pa.RecordBatch] = []
     if n >= 2:
-        flights, tickets = split(client, ticket, n)
+        tickets = split(ticket, n)
         gots: list[list[pa.RecordBatch]] = [[] for _ in range(n)]
         stop = threading.Event()
         first: list[pa.Schema] = []
@@ -207,7 +191,10 @@ def get_to_device(
 
         def checked(i: int) -> Iterator[pa.RecordBatch]:
             # Stream i's record batches; Resplit where one's columns differ.
-            for rb in client._chunks(tickets[i], what, timeout, flights[i], gots[i], stop):
+            chunks = transport.get(
+                tickets[i], what, timeout=timeout, connection=i, got=gots[i], stop=stop
+            )
+            for rb in chunks:
                 with lock:
                     if not first:
                         first.append(rb.schema)
@@ -221,7 +208,7 @@ def get_to_device(
             out = decode_streams_to_device(
                 [checked(i) for i in range(n)],
                 device,
-                client._pinned,
+                reader.pinned,
                 copy=copy,
                 sync=sync,
                 stop=stop,
@@ -229,12 +216,13 @@ def get_to_device(
         except (NotFoundError, MissingFieldError, Resplit):
             pass
         else:
-            client._learn(partition, rows, [b for g in gots for b in g])
-            return out
-    chunks = client._chunks(ticket, what, timeout, got=got)
-    out = decode_to_device(chunks, device, client._pinned, copy=copy, sync=sync)
-    client._learn(partition, rows, got)
-    return out
+            every = [b for g in gots for b in g]
+            reader.sizes.learn(partition, rows, every)
+            return received_on_device(out, len(every), started)
+    chunks = transport.get(ticket, what, timeout=timeout, got=got)
+    out = decode_to_device(chunks, device, reader.pinned, copy=copy, sync=sync)
+    reader.sizes.learn(partition, rows, got)
+    return received_on_device(out, len(got), started)
 
 
 def filled(
@@ -268,13 +256,15 @@ def _done() -> None:
     pass
 
 
-def put_groups(batches: list[pa.RecordBatch], streams: int) -> list[range]:
+def put_groups(
+    batches: list[pa.RecordBatch], streams: int, min_bytes: int = MIN_STREAM_BYTES
+) -> list[range]:
     """Consecutive ranges of ``batches`` for a put's parallel streams, about equal in
-    bytes, each at least ``MIN_STREAM_BYTES``; one range for a small put."""
+    bytes, each at least ``min_bytes``; one range for a small put."""
     if len(batches) < 2:
         return [range(len(batches))]
     sizes = [b.nbytes for b in batches]
-    n = max(1, min(streams, len(batches), sum(sizes) // MIN_STREAM_BYTES))
+    n = max(1, min(streams, len(batches), sum(sizes) // min_bytes))
     if n < 2:
         return [range(len(batches))]
     total, acc, cuts = sum(sizes), 0, [0]

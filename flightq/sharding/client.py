@@ -31,15 +31,18 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..batch import Batch, decode
+from ..batch import Batch, Received, decode
 from ..chunks import encode_chunks
-from ..client.client import DEFAULT_MAX_BATCH_BYTES, DEFAULT_TIMEOUT, Client, _resolve
+from ..client.client import DEFAULT_MAX_BATCH_BYTES, DEFAULT_TIMEOUT, resolve_schemas
+from ..client.interface import PutReceipt
+from ..cuda import decode_to_device, resolve_device
 from ..errors import (
     ClaimTimeoutError,
     FlightqError,
     ProtocolError,
     UnavailableError,
 )
+from ..protocol import ClaimTicket, GetTicket
 from ..registry import SchemaRegistry
 from ..schema import Schema
 from .fanout import DEFAULT_POLL, Fanout, at_shard
@@ -108,7 +111,7 @@ def connect_sharded(
     )
     try:
         client.health()
-        wanted = _resolve(schemas, registry)
+        wanted = resolve_schemas(schemas, registry)
         if wanted:
             client.check_schemas(wanted)
     except BaseException:
@@ -135,8 +138,14 @@ class ShardedClient(Fanout):
         *,
         overwrite: bool = False,
         timeout: float | None = None,
-    ) -> int:
+        put_id: str | None = None,
+    ) -> PutReceipt:
         """Write rows, split by shard, to the shards in parallel. Returns the rows written.
+
+        The count is a :class:`~flightq.PutReceipt` naming the shards written to
+        (``shards``) and the route the parts took. ``put_id`` names each shard's part (the
+        same id on every shard): a retry of the put is acknowledged again by the shards
+        that stored their part, and stored by the others.
 
         Each shard's part is one atomic DoPut. If a part fails, the rows this put created
         on the other shards are cleared again, so a put that creates rows (a generator's)
@@ -170,27 +179,32 @@ class ShardedClient(Fanout):
             ]
             for s, pos in self.router.split(ks).items()
         }
-        return self._put_parts(partition, schema, parts, overwrite, timeout)
+        return self._put_parts(partition, schema, parts, overwrite, timeout, put_id)
 
     def put_batch(
         self,
         partition: str,
-        batch: pa.RecordBatch,
+        batch: pa.RecordBatch | Sequence[pa.RecordBatch],
         *,
         overwrite: bool = False,
         timeout: float | None = None,
-    ) -> int:
-        """Write an already encoded record batch, split by shard (see :meth:`put`).
+        put_id: str | None = None,
+    ) -> PutReceipt:
+        """Write already encoded record batches, split by shard (see :meth:`put`).
 
-        Each shard gets zero-copy slices of ``batch``; a media column's dictionary is the
-        whole batch's, so a shard also receives the media of rows it does not hold:
-        prefer :meth:`put` for media.
+        Each shard gets zero-copy slices of the batches, as one put; a media column's
+        dictionary is its whole batch's, so a shard also receives the media of rows it
+        does not hold: prefer :meth:`put` for media.
         """
         schema, g = self._decl(partition)
-        keys = keys_of([batch])
+        batches = [batch] if isinstance(batch, pa.RecordBatch) else list(batch)
+        keys = keys_of(batches)
         self.router.check_groups(keys, g, f"put to {partition!r}")
-        parts = {s: runs(batch, pos) for s, pos in self.router.split(keys).items()}
-        return self._put_parts(partition, schema, parts, overwrite, timeout)
+        parts: dict[int, list[pa.RecordBatch]] = {}
+        for b in batches:
+            for s, pos in self.router.split(keys_of([b])).items():
+                parts.setdefault(s, []).extend(runs(b, pos))
+        return self._put_parts(partition, schema, parts, overwrite, timeout, put_id)
 
     def _put_parts(
         self,
@@ -199,10 +213,15 @@ class ShardedClient(Fanout):
         parts: Mapping[int, list[pa.RecordBatch]],
         overwrite: bool,
         timeout: float | None,
-    ) -> int:
+        put_id: str | None,
+    ) -> PutReceipt:
         """Each shard's batches as one DoPut, in parallel; roll back if any part fails."""
         calls = {
-            s: (lambda c, bs=bs: c.put_batch(partition, bs, overwrite=overwrite, timeout=timeout))
+            s: (
+                lambda c, bs=bs: c.put_batch(
+                    partition, bs, overwrite=overwrite, timeout=timeout, put_id=put_id
+                )
+            )
             for s, bs in parts.items()
         }
         done, failed = self._run(calls)
@@ -213,7 +232,9 @@ class ShardedClient(Fanout):
                 else self._roll_back(partition, schema, parts, done, overwrite)
             )
             raise self._error(failed, note) from failed[0][1]
-        return sum(done.values())
+        routes = sorted({r.route for r in done.values()})
+        shards = [self.locations[s] for s in sorted(done)]
+        return PutReceipt(sum(done.values()), "+".join(routes), shards)
 
     def _roll_back(
         self,
@@ -257,8 +278,13 @@ class ShardedClient(Fanout):
         as_: str = "torch",
         copy: bool = False,
         timeout: float | None = None,
+        device: Any = None,
+        sync: bool = True,
     ) -> Batch:
         """Rows by key from their shards, in parallel, in the order asked.
+
+        ``device`` and ``sync`` as for :meth:`flightq.Client.get`: the shards' answers
+        are read, then decoded into CUDA tensors together.
 
         Raises
         ------
@@ -268,17 +294,40 @@ class ShardedClient(Fanout):
         NotFoundError, MissingFieldError
             As :meth:`flightq.Client.get`, naming the shard.
         """
+        dev = resolve_device(device, as_)
         ks = list(keys)
         parts = self.router.split(ks) if ks else {0: []}
         f = None if fields is None else list(fields)
+        what = f"get from {partition!r}"
 
-        def one(pos: list[int]) -> Callable[[Client], list[pa.RecordBatch]]:
-            t = {"op": "get", "partition": partition, "keys": [ks[i] for i in pos], "fields": f}
-            return lambda c: c._read(t, f"get from {partition!r}", timeout)
+        def one(s: int, pos: list[int]) -> Callable[[Any], list[pa.RecordBatch]]:
+            t = GetTicket(partition=partition, keys=[ks[i] for i in pos], fields=f)
+            return lambda _: list(self.transports[s].get(t, what, timeout=timeout))
 
-        res = self._fan({s: one(pos) for s, pos in parts.items()})
+        started = time.perf_counter()
+        res = self._fan({s: one(s, pos) for s, pos in parts.items()})
         merged = merge(len(ks), [(pos, res[s]) for s, pos in parts.items()])
-        return decode(merged, as_=as_, copy=copy)
+        return self._decoded(merged, started, as_, copy, dev, sync)
+
+    def _decoded(
+        self,
+        merged: list[pa.RecordBatch],
+        started: float,
+        as_: str,
+        copy: bool,
+        device: Any,
+        sync: bool,
+    ) -> Batch:
+        """The shards' merged answer decoded (into ``device`` when given), saying how it
+        arrived."""
+        if device is not None:
+            batch: Batch = decode_to_device(merged, device, self.pinned, copy=copy, sync=sync)
+            route = "device"
+        else:
+            batch, route = decode(merged, as_=as_, copy=copy), "socket"
+        now = time.perf_counter()
+        batch.received = Received(len(merged), now, now - started, route)
+        return batch
 
     def claim(
         self,
@@ -291,6 +340,8 @@ class ShardedClient(Fanout):
         timeout: float | None = None,
         as_: str = "torch",
         copy: bool = False,
+        device: Any = None,
+        sync: bool = True,
     ) -> Batch:
         """Take ``batch_size`` ready rows for ``task``, whole groups, from one or more shards.
 
@@ -311,7 +362,10 @@ class ShardedClient(Fanout):
         UnavailableError
             Naming a shard that cannot be reached, when the others lack rows (gathered
             rows are given back).
+        DeviceError
+            If ``device`` cannot be used here; nothing is claimed.
         """
+        dev = resolve_device(device, as_)
         wait = self.timeout if timeout is None else timeout
         _, g = self._decl(partition)
         unit = g or 1
@@ -323,22 +377,20 @@ class ShardedClient(Fanout):
         n = len(self._clients)
         start = next(self._turn) % n
         got: list[tuple[int, list[pa.RecordBatch]]] = []
-        base = {
-            "op": "claim",
-            "partition": partition,
-            "task": task,
-            "fields": None if fields is None else list(fields),
-            "wait_for": list(wait_for),
-        }
+        f, w = None if fields is None else list(fields), list(wait_for)
+        what = f"claim from {partition!r}"
+        started = time.perf_counter()
 
         down: dict[int, UnavailableError] = {}
 
         def take(s: int, size: int, secs: float) -> int:
             if s in down:
                 return 0
-            t = {**base, "batch_size": size, "timeout": secs}
+            t = ClaimTicket(
+                partition=partition, task=task, batch_size=size, timeout=secs, fields=f, wait_for=w
+            )
             try:
-                bs = self._clients[s]._read(t, f"claim from {partition!r}", secs + 5.0)
+                bs = list(self.transports[s].get(t, what, timeout=secs + 5.0))
             except ClaimTimeoutError:
                 return 0
             except UnavailableError as e:
@@ -373,7 +425,7 @@ class ShardedClient(Fanout):
                     self._clients[s].reset(partition, task, keys_of(bs))
             raise
         merged = merge(batch_size, sequential(got))
-        return decode(merged, as_=as_, copy=copy)
+        return self._decoded(merged, started, as_, copy, dev, sync)
 
 
 def _rows(v: Any, lo: int, hi: int) -> Any:

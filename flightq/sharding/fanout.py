@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ..client.client import DEFAULT_MAX_BATCH_BYTES, DEFAULT_TIMEOUT, Client, _resolve
+from ..client.client import DEFAULT_MAX_BATCH_BYTES, DEFAULT_TIMEOUT, Client, resolve_schemas
+from ..client.transport import Transport
+from ..cuda import PinnedPool
 from ..errors import FlightqError, UnavailableError
 from ..registry import SchemaRegistry
 from ..schema import Schema
@@ -37,7 +39,8 @@ def at_shard(location: str, e: FlightqError) -> FlightqError:
 class Fanout:
     """One client per shard, calls on several shards in parallel, and the control calls.
 
-    The base of :class:`flightq.ShardedClient`; see it for the data calls.
+    The base of :class:`flightq.ShardedClient`; see it for the data calls, which read
+    through each shard's :class:`~flightq.client.transport.Transport` (``transports``).
     """
 
     def __init__(
@@ -63,6 +66,10 @@ class Fanout:
         except FlightqError as e:
             self.close()
             raise at_shard(self.locations[len(self._clients)], e) from e
+        #: Each shard's connections, in ``locations`` order.
+        self.transports: list[Transport] = [c.transport for c in self._clients]
+        #: Pinned host buffers and copy streams of reads into CUDA tensors.
+        self.pinned = PinnedPool()
         self._pool = ThreadPoolExecutor(max(4, 2 * len(self._clients)), "flightq-shard")
         self._decls: dict[str, tuple[Schema, int | None]] = {}
         self._turn = itertools.count()
@@ -160,11 +167,16 @@ class Fanout:
         tasks: Sequence[str] = (),
         group_size: int | None = None,
         *,
+        max_rows: int | None = None,
         registry: SchemaRegistry | None = None,
     ) -> bool:
-        """Declare the partition on every shard (idempotent); True if any shard created it."""
-        s = _resolve([schema], registry)[0]
-        res = self._all(lambda c: c.create_partition(name, s, tasks, group_size))
+        """Declare the partition on every shard (idempotent); True if any shard created it.
+
+        ``max_rows`` caps the rows each shard holds at once (see
+        :meth:`flightq.Client.create_partition`).
+        """
+        s = resolve_schemas([schema], registry)[0]
+        res = self._all(lambda c: c.create_partition(name, s, tasks, group_size, max_rows=max_rows))
         self._decls[name] = (s, group_size)
         return any(res)
 
@@ -204,6 +216,26 @@ class Fanout:
         out = sum_description(res)
         out["shards"] = dict(zip(self.locations, res, strict=True))
         return out
+
+    def snapshot(
+        self, name: str, partition: str | None = None, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Make every shard write a snapshot of one partition (all when None) to its disk.
+
+        Returns ``{"partitions": {name: rows over every shard}, "shards": {location:
+        that shard's answer, its "path" included}}``.
+
+        Raises
+        ------
+        ProtocolError, ConflictError
+            As :meth:`flightq.Client.snapshot`, naming the shard.
+        """
+        res = self._all(lambda c: c.snapshot(name, partition, timeout))
+        rows: dict[str, int] = {}
+        for r in res:
+            for p, n in r["partitions"].items():
+                rows[p] = rows.get(p, 0) + n
+        return {"partitions": rows, "shards": dict(zip(self.locations, res, strict=True))}
 
     def partitions(self) -> list[str]:
         """Names of the partitions any shard holds."""

@@ -3,22 +3,56 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
+import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from ..errors import ProtocolError
+from ..protocol import Health, PutCommand, ShmRef
 from ..sink import Sink
 from .gather import ShmGather
 from .segments import SegmentPool
 
-# --------------------------------------------------------------------------- client side
+if TYPE_CHECKING:
+    from ..client.transport import Transport
+
+__all__ = ["ClientSegments", "handshake", "put_via_shm"]
 
 
-def handshake(client: Any) -> None:
+class ClientSegments:
+    """A client's segment pool, made on its first put through shared memory. Thread-safe."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dir = dirpath
+        self._pool: SegmentPool | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def pool(self) -> SegmentPool | None:
+        """The pool, or None while no put has gone through shared memory."""
+        return self._pool
+
+    def get(self) -> SegmentPool:
+        """The pool, made now if it is not yet."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = SegmentPool(self.dir)
+            return self._pool
+
+    def close(self) -> None:
+        """Close the pool (its files are unlinked)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+
+def handshake(transport: Transport, shm_dir: str) -> None:
     """Check that the server serves shared memory and sees the client's directory.
 
     The client writes a file of random bytes in its directory; the server's health reply
@@ -32,39 +66,43 @@ def handshake(client: Any) -> None:
     """
     token = secrets.token_bytes(32)
     name = f"flightq-{os.getpid()}-{secrets.token_hex(4)}-0"
-    path = os.path.join(client.shm_dir, name)
+    path = os.path.join(shm_dir, name)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.write(fd, token)
         os.close(fd)
-        reply = client._action("health", {"shm_probe": path}).get("shm")
+        reply = transport.action(Health(shm_probe=path)).shm
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
+    location = transport.location
     if not reply:
         raise ProtocolError(
-            f"the server at {client.location} has shared memory disabled (Server(shm=False)); "
+            f"the server at {location} has shared memory disabled (Server(shm=False)); "
             "connect without shm"
         )
     if reply.get("probe") != token.hex():
         raise ProtocolError(
-            f"the server at {client.location} does not see {client.shm_dir} (it uses "
+            f"the server at {location} does not see {shm_dir} (it uses "
             f"{reply.get('dir')!r}; another host or container?); connect without shm or "
             "pass shm=<a directory both share>"
         )
 
 
 def put_via_shm(
-    client: Any,
-    cmd: dict[str, Any],
+    transport: Transport,
+    segments: ClientSegments,
+    cmd: PutCommand,
     batches: Sequence[pa.RecordBatch],
     timeout: float | None,
+    batch_bytes: int,
     sink: Sink | None = None,
 ) -> int:
     """One put whose batches travel in a segment; the DoPut carries only the command.
 
-    Batches encoded into a :class:`~flightq.shm.gather.ShmGather` ``sink`` have their
-    large payloads copied from the caller's tensors straight into the segment.
+    ``batch_bytes`` is the record-batch size written into the segment. Batches encoded
+    into a :class:`~flightq.shm.gather.ShmGather` ``sink`` have their large payloads
+    copied from the caller's tensors straight into the segment.
 
     Raises
     ------
@@ -73,16 +111,16 @@ def put_via_shm(
     """
     from ..chunks import split_batch
 
-    what = f"put to {cmd['partition']!r}"
-    with client._lock:
-        if client._shm_pool is None:
-            client._shm_pool = SegmentPool(client.shm_dir)
-        pool = client._shm_pool
-    chunks = [c for b in batches for c in split_batch(b, client._put_batch_bytes())]
+    what = f"put to {cmd.partition!r}"
+    pool = segments.get()
+    chunks = [c for b in batches for c in split_batch(b, batch_bytes)]
     gather = sink if isinstance(sink, ShmGather) else None
     ref = pool.write(chunks[0].schema, chunks, what, gather)
+    command = dataclasses.replace(cmd, shm=ShmRef(**ref))
     try:
-        return int(client._do_put({**cmd, "shm": ref}, chunks[0].schema, (), timeout))
+        return transport.put(
+            command, chunks[0].schema, (), max_batch_bytes=batch_bytes, timeout=timeout
+        )
     except BaseException:
         pool.abandon(ref)
         raise

@@ -1,0 +1,188 @@
+"""A client's reads: one DoGet over the socket or through shared memory, decoded as it
+arrives, and what the answer teaches about the partition's rows.
+
+:class:`Reader` holds what a client's gets and claims share: the :class:`Transport`, the
+bytes per row each partition's last answer carried (:class:`RowSizes`, which size later
+reads: shared memory or the socket, one stream or several), the shared-memory directory
+and threshold, and the pinned pool of device reads. The parallel streams
+(:mod:`flightq.client.streams`) split a get over it; the :class:`~flightq.Client` makes
+one per connection.
+
+Every decoded answer says how it travelled in ``batch.received.route``: ``"socket"``,
+``"streams=N"`` (a get split over N parallel DoGet streams), ``"shm"`` (through a
+shared-memory segment) or ``"device"`` (decoded into CUDA tensors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import pyarrow as pa
+
+from ..batch import Batch, PartDecoder, Received, join
+from ..cuda import PinnedPool, decode_to_device
+from ..protocol import ClaimTicket, GetTicket, ScanTicket, Ticket
+from .transport import Transport
+
+__all__ = ["Reader", "RowSizes", "distinct_nbytes", "received_on_device"]
+
+
+def distinct_nbytes(batches: Iterable[pa.RecordBatch]) -> int:
+    """Bytes the batches hold, each buffer once: slices of one stored batch share a media
+    dictionary, which ``RecordBatch.nbytes`` would count in every slice."""
+    seen: set[tuple[int, int]] = set()
+    for b in batches:
+        for col in b.columns:
+            bufs = col.buffers()
+            if pa.types.is_large_list(col.type) and pa.types.is_dictionary(col.type.value_type):
+                bufs += col.values.dictionary.buffers()
+            seen.update((x.address, x.size) for x in bufs if x is not None)
+    return sum(size for _, size in seen)
+
+
+class RowSizes:
+    """Per partition, the payload bytes per row of its last answer. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._per_row: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def learn(self, partition: str, rows: int, batches: Iterable[pa.RecordBatch]) -> None:
+        """Remember the bytes per row an answer of ``rows`` rows carried."""
+        if rows:
+            per_row = distinct_nbytes(batches) / rows
+            with self._lock:
+                self._per_row[partition] = per_row
+
+    def per_row(self, partition: str) -> float | None:
+        """Bytes per row of the partition's last answer; None before its first."""
+        with self._lock:
+            return self._per_row.get(partition)
+
+
+def received_on_device(batch: Batch, record_batches: int, started: float) -> Batch:
+    """``batch`` (decoded into device memory since ``started``) marked as such."""
+    now = time.perf_counter()
+    batch.received = Received(record_batches, now, now - started, route="device")
+    return batch
+
+
+class Reader:
+    """The reads of one client: the transport, the row sizes, shm, the pinned pool.
+
+    Parameters
+    ----------
+    transport:
+        The client's connections.
+    shm_dir:
+        The shared-memory directory (None: every read takes the socket).
+    shm_min_bytes:
+        With shm, reads estimated at fewer bytes take the socket.
+    get_streams:
+        Most parallel DoGet streams one get is split over.
+    min_stream_bytes:
+        Fewest bytes per stream, estimated from the partition's last answer.
+    pinned:
+        Pinned host buffers and copy streams of reads into CUDA tensors.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        shm_dir: str | None,
+        shm_min_bytes: int,
+        get_streams: int,
+        min_stream_bytes: int,
+        pinned: PinnedPool,
+    ) -> None:
+        self.transport = transport
+        self.shm_dir = shm_dir
+        self.shm_min_bytes = shm_min_bytes
+        self.get_streams = get_streams
+        self.min_stream_bytes = min_stream_bytes
+        self.pinned = pinned
+        self.sizes = RowSizes()
+
+    def routed(self, ticket: Ticket) -> Ticket:
+        """``ticket``, asking for an answer through shared memory where one applies: with
+        shm, unless the partition's last answer says this one is small (its rows times
+        their bytes)."""
+        if self.shm_dir is None:
+            return ticket
+        if isinstance(ticket, GetTicket):
+            rows: int | None = len(ticket.keys)
+        elif isinstance(ticket, ClaimTicket):
+            rows = ticket.batch_size
+        else:
+            rows = None
+        per_row = self.sizes.per_row(ticket.partition)
+        # Nothing known yet (a first read, or a scan): through shared memory.
+        if per_row is None or rows is None or rows * per_row >= self.shm_min_bytes:
+            return dataclasses.replace(ticket, shm=True)
+        return ticket
+
+    def read(
+        self,
+        ticket: Ticket,
+        what: str,
+        timeout: float | None,
+        *,
+        connection: int = 0,
+        decoder: PartDecoder | None = None,
+    ) -> list[pa.RecordBatch]:
+        """One DoGet's record batches (rebuilt over the mapped segments when the ticket
+        asks for shared memory); given a ``decoder``, each is decoded as it arrives (while
+        gRPC receives the next one)."""
+        batches: list[pa.RecordBatch] = []
+        stream = self.transport.get(ticket, what, timeout=timeout, connection=connection)
+        for rb in stream:
+            batches.append(rb)
+            if decoder is not None and not ticket.shm:
+                decoder.add(rb)
+        if ticket.shm:
+            assert self.shm_dir is not None
+            from ..shm.table import take
+
+            batches = take(batches, self.shm_dir, what)
+            if decoder is not None:
+                for b in batches:
+                    decoder.add(b)
+        return batches
+
+    def decoded(self, partition: str, decoders: list[PartDecoder], route: str) -> Batch:
+        """The decoded answer of a read: remembers its size for the partition's next read
+        and says how it arrived (``batch.received``)."""
+        parts = [p for d in decoders for p in d.parts]
+        self.sizes.learn(partition, sum(len(p) for p in parts), [p.record_batch for p in parts])
+        batch = join(parts)
+        batch.received = Received.of(decoders, route)
+        return batch
+
+    def one(self, ticket: Ticket, what: str, timeout: float | None, as_: str, copy: bool) -> Batch:
+        """A read as one stream, decoded (through shared memory where it applies)."""
+        t = self.routed(ticket)
+        d = PartDecoder(as_, copy)
+        self.read(t, what, timeout, decoder=d)
+        return self.decoded(ticket.partition, [d], "shm" if t.shm else "socket")
+
+    def to_device(
+        self,
+        device: Any,
+        ticket: ClaimTicket | ScanTicket,
+        what: str,
+        timeout: float | None,
+        *,
+        copy: bool,
+        sync: bool,
+    ) -> Batch:
+        """A DoGet stream decoded into CUDA tensors as its record batches arrive."""
+        got: list[pa.RecordBatch] = []
+        started = time.perf_counter()
+        chunks = self.transport.get(ticket, what, timeout=timeout, got=got)
+        out = decode_to_device(chunks, device, self.pinned, copy=copy, sync=sync)
+        return received_on_device(out, len(got), started)

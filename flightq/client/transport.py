@@ -1,0 +1,231 @@
+"""The client's one edge to Arrow Flight: connections, call options, and error mapping.
+
+A :class:`Transport` owns the Flight connections to one server (the main one, and the
+extra connections a get or put split over parallel streams uses, opened on first need),
+the default timeout, and the translation of every Flight or Arrow error into the flightq
+error it stands for (:func:`flightq.protocol.from_flight_error`). It speaks the protocol's
+types: an action's request gives the action's name and its reply's type, a put sends a
+:class:`~flightq.protocol.PutCommand` and parses the :class:`~flightq.protocol.PutAck`.
+
+Nothing above this module handles a ``pyarrow.flight`` object or catches a Flight error;
+the client, the parallel streams, shared memory and the sharded client all go through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+import pyarrow as pa
+import pyarrow.flight as fl
+
+from ..chunks import split_batch
+from ..errors import FlightqError
+from ..protocol import ACTIONS, ActionSpec, Message, PutAck, PutCommand, Ticket, from_flight_error
+
+__all__ = ["Transport", "action_spec"]
+
+R = TypeVar("R", bound=Message)
+
+#: Each action's name and spec, by its request type.
+_BY_REQUEST: dict[type[Message], tuple[str, ActionSpec]] = {
+    spec.request: (name, spec) for name, spec in ACTIONS.items()
+}
+#: Flight and Arrow errors: what the transport translates.
+_FOREIGN = (pa.ArrowException, fl.FlightError)
+
+
+def action_spec(request: Message) -> tuple[str, ActionSpec]:
+    """The action name and spec of a request (its type names it).
+
+    Raises
+    ------
+    TypeError
+        If ``request`` is no action's request type.
+    """
+    try:
+        return _BY_REQUEST[type(request)]
+    except KeyError:
+        raise TypeError(f"{type(request).__name__} is not an action's request") from None
+
+
+class Transport:
+    """The Flight connections to one server, and the only place Flight errors are caught.
+
+    Thread-safe. The main connection opens at once; :meth:`connection` opens the extra
+    ones (for parallel streams) on first use and keeps them for later calls.
+
+    Parameters
+    ----------
+    location:
+        ``grpc://host:port`` (or ``grpc+tls://``, ``grpc+unix://``).
+    timeout:
+        Seconds a call may take when it is not told otherwise.
+    token:
+        A bearer token for a server that requires one.
+    **flight_kwargs:
+        Anything ``pyarrow.flight.FlightClient`` takes (``tls_root_certs``, ``middleware``).
+
+    Raises
+    ------
+    FlightqError
+        If the location cannot be used (a bad URI, TLS settings).
+    """
+
+    def __init__(
+        self, location: str, *, timeout: float, token: str | None = None, **flight_kwargs: Any
+    ) -> None:
+        if token is not None:
+            from ..auth import BearerTokenClientMiddlewareFactory
+
+            flight_kwargs["middleware"] = [
+                *(flight_kwargs.get("middleware") or []),
+                BearerTokenClientMiddlewareFactory(token),
+            ]
+        self.location = location
+        self.timeout = timeout
+        self._kwargs = flight_kwargs
+        self._lock = threading.Lock()
+        self._extra: list[fl.FlightClient] = []
+        self._main = self._open()
+
+    # ------------------------------------------------------------------ connections
+
+    def _open(self) -> fl.FlightClient:
+        try:
+            return fl.FlightClient(self.location, **self._kwargs)
+        except _FOREIGN as e:
+            raise from_flight_error(e, f"connect to {self.location}") from e
+
+    def connection(self, i: int = 0) -> fl.FlightClient:
+        """Connection ``i``: 0 is the main one, ``i >= 1`` the i-th extra one (opened now
+        if it is not yet)."""
+        if i == 0:
+            return self._main
+        with self._lock:
+            while len(self._extra) < i:
+                self._extra.append(self._open())
+            return self._extra[i - 1]
+
+    def options(self, timeout: float | None = None) -> fl.FlightCallOptions:
+        """Call options with ``timeout`` seconds (None: the transport's default)."""
+        return fl.FlightCallOptions(timeout=self.timeout if timeout is None else timeout)
+
+    # ------------------------------------------------------------------ calls
+
+    def action(self, request: Message, timeout: float | None = None) -> Any:
+        """Run the action ``request`` stands for; returns its parsed reply.
+
+        Raises
+        ------
+        FlightqError
+            The server's error (same class and message), or the transport's.
+        ProtocolError
+            If the reply does not parse as the action's reply type.
+        """
+        name, spec = action_spec(request)
+        try:
+            results = list(
+                self._main.do_action(
+                    fl.Action(name, request.to_wire()), options=self.options(timeout)
+                )
+            )
+        except _FOREIGN as e:
+            raise from_flight_error(e, f"{name} on {self.location}") from e
+        if not results:
+            raise FlightqError(f"{name} on {self.location}: the server sent no answer")
+        return spec.reply.parse(results[0].body)
+
+    def put(
+        self,
+        command: PutCommand,
+        schema: pa.Schema,
+        batches: Iterable[pa.RecordBatch],
+        *,
+        max_batch_bytes: int,
+        timeout: float | None = None,
+        connection: int = 0,
+    ) -> int:
+        """One DoPut: the command, ``batches`` cut at ``max_batch_bytes``, then the server's
+        acknowledgement; returns the rows it acknowledged.
+
+        Raises
+        ------
+        FlightqError
+            The server's error, the transport's, or no acknowledgement.
+        """
+        what = f"put to {command.partition!r}"
+        flight = self.connection(connection)
+        desc = fl.FlightDescriptor.for_command(command.to_wire())
+        try:
+            writer, reader = flight.do_put(desc, schema, options=self.options(timeout))
+            with writer:
+                for b in batches:
+                    for chunk in split_batch(b, max_batch_bytes):
+                        writer.write_batch(chunk)
+                writer.done_writing()
+                ack = reader.read()
+        except _FOREIGN as e:
+            raise from_flight_error(e, what) from e
+        if ack is None:
+            raise FlightqError(f"{what}: the server sent no acknowledgement")
+        return PutAck.parse(ack).rows
+
+    def get(
+        self,
+        ticket: Ticket,
+        what: str,
+        *,
+        timeout: float | None = None,
+        connection: int = 0,
+        got: list[pa.RecordBatch] | None = None,
+        stop: threading.Event | None = None,
+    ) -> Iterator[pa.RecordBatch]:
+        """One DoGet's record batches as they arrive (each also appended to ``got``); ends
+        early once ``stop`` is set. Errors name ``what``.
+
+        Raises
+        ------
+        FlightqError
+            The server's error or the transport's, while iterating.
+        """
+        flight = self.connection(connection)
+        try:
+            reader = flight.do_get(fl.Ticket(ticket.to_wire()), options=self.options(timeout))
+            for chunk in reader:
+                if got is not None:
+                    got.append(chunk.data)
+                yield chunk.data
+                if stop is not None and stop.is_set():
+                    reader.cancel()
+                    return
+        except _FOREIGN as e:
+            raise from_flight_error(e, what) from e
+
+    def list_flights(self, timeout: float | None = None) -> list[str]:
+        """The names of the partitions the server lists (ListFlights)."""
+        try:
+            return [
+                info.descriptor.path[0].decode()
+                for info in self._main.list_flights(options=self.options(timeout))
+            ]
+        except _FOREIGN as e:
+            raise from_flight_error(e, "list partitions") from e
+
+    # ------------------------------------------------------------------ lifetime
+
+    @property
+    def extra_connections(self) -> int:
+        """How many extra connections (for parallel streams) are open."""
+        with self._lock:
+            return len(self._extra)
+
+    def close(self) -> None:
+        """Close every connection; errors on the way are ignored."""
+        with self._lock:
+            flights, self._extra = [self._main, *self._extra], []
+        for flight in flights:
+            with contextlib.suppress(*_FOREIGN):
+                flight.close()
