@@ -214,5 +214,6 @@ ERROR_CLASSES: dict[str, type[FlightqError]] = {
         UnavailableError,
         ResourceExhaustedError,
         UnauthenticatedError,
+        DeviceError,
     )
 }
