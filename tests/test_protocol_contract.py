@@ -285,7 +285,11 @@ def test_the_protocol_doc_and_the_protocol_types_agree():
             "| `partition` | `str = null` | the partition the call",
             "error detail: 'partition' is str here, str | None in the code",
         ),
-        ("| `RuntimeError` |", "| `MemoryError` |", "error class 'ResourceExhaustedError'"),
+        (
+            "| `ResourceExhaustedError` | `RuntimeError` |",
+            "| `ResourceExhaustedError` | `MemoryError` |",
+            "error class 'ResourceExhaustedError'",
+        ),
     ],
 )
 def test_the_contract_check_fails_on_a_drifted_doc(old, new, problem):
