@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .batch import Batch, MediaColumn, Received, ScalarColumn, TensorColumn, decode
+from .client.interface import DataPlane, PutReceipt
 from .codecs import Raw, Zstd
 from .encode import encode
 from .errors import (
@@ -71,6 +72,8 @@ __all__ = [
     "Batch",
     "Received",
     "Client",
+    "DataPlane",
+    "PutReceipt",
     "Server",
     "ShardedClient",
     "connect",

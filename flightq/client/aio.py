@@ -22,35 +22,24 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..registry import SchemaRegistry
 from ..schema import Schema
-from .client import DEFAULT_TIMEOUT, Client
+from .client import DEFAULT_TIMEOUT
 from .client import connect as _connect
+from .interface import DataPlane, PutReceipt
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from ..batch import Batch
 
 __all__ = ["AsyncClient", "connect"]
 
-_METHODS = (
-    "health",
-    "check_schemas",
-    "register_schema",
-    "create_partition",
-    "describe",
-    "put",
-    "put_batch",
-    "get",
-    "claim",
-    "reset",
-    "clear",
-    "drop",
-    "stats",
-    "inspect",
-    "partitions",
-    "snapshot",
-)
+T = TypeVar("T")
 
 
 async def connect(
@@ -79,34 +68,191 @@ async def connect(
 
 
 class AsyncClient:
-    """Coroutine versions of every :class:`~flightq.client.client.Client` method.
+    """Coroutine versions of every :class:`~flightq.client.interface.DataPlane` method.
+
+    Each method takes the parameters of the blocking client's and returns, or raises,
+    what it does (see :class:`flightq.Client`).
 
     Parameters
     ----------
     client:
-        The blocking client to drive.
+        The blocking client to drive: a :class:`~flightq.Client` or a
+        :class:`~flightq.ShardedClient`.
     pool:
         Threads the calls run on; concurrent calls (a claim waiting while a put streams)
         each take one.
     """
 
-    def __init__(self, client: Client, pool: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, client: DataPlane, pool: ThreadPoolExecutor | None = None) -> None:
         self.client = client
         self._pool = pool or ThreadPoolExecutor(max_workers=4, thread_name_prefix="flightq-aio")
 
-    def __getattr__(self, name: str) -> Any:
-        if name not in _METHODS:
-            raise AttributeError(f"AsyncClient has no method {name!r}")
-        method = getattr(self.client, name)
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
-        @functools.wraps(method)
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(
-                self._pool, functools.partial(method, *args, **kwargs)
-            )
+    async def health(self, timeout: float | None = None) -> dict[str, Any]:
+        """See :meth:`flightq.Client.health`."""
+        return await self._call(self.client.health, timeout)
 
-        return call
+    async def check_schemas(self, schemas: Iterable[Schema]) -> None:
+        """See :meth:`flightq.Client.check_schemas`."""
+        return await self._call(self.client.check_schemas, list(schemas))
+
+    async def register_schema(self, schema: Schema) -> None:
+        """See :meth:`flightq.Client.register_schema`."""
+        return await self._call(self.client.register_schema, schema)
+
+    async def create_partition(
+        self,
+        name: str,
+        schema: str | Schema,
+        tasks: Sequence[str] = (),
+        group_size: int | None = None,
+        *,
+        max_rows: int | None = None,
+        registry: SchemaRegistry | None = None,
+    ) -> bool:
+        """See :meth:`flightq.Client.create_partition`."""
+        return await self._call(
+            self.client.create_partition,
+            name,
+            schema,
+            tasks,
+            group_size,
+            max_rows=max_rows,
+            registry=registry,
+        )
+
+    async def describe(self, partition: str) -> dict[str, Any]:
+        """See :meth:`flightq.Client.describe`."""
+        return await self._call(self.client.describe, partition)
+
+    async def clear(self, partition: str, keys: Sequence[str] | None = None) -> int:
+        """See :meth:`flightq.Client.clear`."""
+        return await self._call(self.client.clear, partition, keys)
+
+    async def reset(self, partition: str, task: str, keys: Sequence[str] | None = None) -> int:
+        """See :meth:`flightq.Client.reset`."""
+        return await self._call(self.client.reset, partition, task, keys)
+
+    async def drop(self, partition: str) -> None:
+        """See :meth:`flightq.Client.drop`."""
+        return await self._call(self.client.drop, partition)
+
+    async def stats(self) -> dict[str, Any]:
+        """See :meth:`flightq.Client.stats`."""
+        return await self._call(self.client.stats)
+
+    async def inspect(self, partition: str) -> dict[str, Any]:
+        """See :meth:`flightq.Client.inspect`."""
+        return await self._call(self.client.inspect, partition)
+
+    async def put(
+        self,
+        partition: str,
+        keys: Sequence[str],
+        columns: Mapping[str, Any],
+        tags: Sequence[Mapping[str, Any] | None] | None = None,
+        *,
+        overwrite: bool = False,
+        timeout: float | None = None,
+        put_id: str | None = None,
+    ) -> PutReceipt:
+        """See :meth:`flightq.Client.put`."""
+        return await self._call(
+            self.client.put,
+            partition,
+            keys,
+            columns,
+            tags,
+            overwrite=overwrite,
+            timeout=timeout,
+            put_id=put_id,
+        )
+
+    async def put_batch(
+        self,
+        partition: str,
+        batch: pa.RecordBatch | Sequence[pa.RecordBatch],
+        *,
+        overwrite: bool = False,
+        timeout: float | None = None,
+        put_id: str | None = None,
+    ) -> PutReceipt:
+        """See :meth:`flightq.Client.put_batch`."""
+        return await self._call(
+            self.client.put_batch,
+            partition,
+            batch,
+            overwrite=overwrite,
+            timeout=timeout,
+            put_id=put_id,
+        )
+
+    async def get(
+        self,
+        partition: str,
+        keys: Sequence[str],
+        fields: Sequence[str] | None = None,
+        *,
+        as_: str = "torch",
+        copy: bool = False,
+        timeout: float | None = None,
+        device: Any = None,
+        sync: bool = True,
+    ) -> Batch:
+        """See :meth:`flightq.Client.get`."""
+        return await self._call(
+            self.client.get,
+            partition,
+            keys,
+            fields,
+            as_=as_,
+            copy=copy,
+            timeout=timeout,
+            device=device,
+            sync=sync,
+        )
+
+    async def claim(
+        self,
+        partition: str,
+        task: str,
+        batch_size: int,
+        fields: Sequence[str] | None = None,
+        *,
+        wait_for: Sequence[str] = (),
+        timeout: float | None = None,
+        as_: str = "torch",
+        copy: bool = False,
+        device: Any = None,
+        sync: bool = True,
+    ) -> Batch:
+        """See :meth:`flightq.Client.claim`."""
+        return await self._call(
+            self.client.claim,
+            partition,
+            task,
+            batch_size,
+            fields,
+            wait_for=wait_for,
+            timeout=timeout,
+            as_=as_,
+            copy=copy,
+            device=device,
+            sync=sync,
+        )
+
+    async def snapshot(
+        self, name: str, partition: str | None = None, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """See :meth:`flightq.Client.snapshot`."""
+        return await self._call(self.client.snapshot, name, partition, timeout)
+
+    async def partitions(self) -> list[str]:
+        """See :meth:`flightq.Client.partitions`."""
+        return await self._call(self.client.partitions)
 
     async def close(self) -> None:
         """Close the connection and the thread pool."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -431,3 +431,13 @@ class ShardedClient(Fanout):
 def _rows(v: Any, lo: int, hi: int) -> Any:
     """Rows ``lo:hi`` of a column as :func:`flightq.encode` takes it (views where possible)."""
     return v[lo:hi] if hasattr(v, "__getitem__") else list(v)[lo:hi]
+
+
+if TYPE_CHECKING:
+    # mypy holds both blocking clients to the one interface (a runtime test compares the
+    # signatures of all three, the async client's included).
+    from ..client.client import Client
+    from ..client.interface import DataPlane
+
+    def _conforms(c: Client, s: ShardedClient) -> tuple[DataPlane, DataPlane]:
+        return c, s
