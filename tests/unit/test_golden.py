@@ -23,7 +23,7 @@ from helpers_wire import SHIPPED_REFS, read_ipc, shipped
 import flightq
 from flightq.layout import META_FINGERPRINT, META_SCHEMA, schema_of
 
-GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
+GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden"
 
 # Part of the wire contract: a schema file edited after release changes its fingerprint.
 FINGERPRINTS = {

@@ -28,7 +28,7 @@ from flightq import (
 )
 from flightq.registry import check_evolution, shipped_schema_dir
 
-README = Path(__file__).resolve().parent.parent / "schemas" / "README.md"
+README = Path(__file__).resolve().parents[2] / "schemas" / "README.md"
 
 V1: dict[str, Any] = {
     "name": "demo",

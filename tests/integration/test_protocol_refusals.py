@@ -18,6 +18,7 @@ import pytest
 from helpers_reliability import partition_state, plain_error, plain_put, put_command, text_batch
 
 import flightq
+from flightq.protocol import ACTIONS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -132,3 +133,9 @@ def test_a_put_of_a_bool_overwrite_still_rewrites(location):
     assert plain_put(location, put_command("p", overwrite=True), [text_batch(["k0"], 1)]) == {
         "rows": 1
     }
+
+
+def test_list_actions_lists_every_action_with_its_doc():
+    with flightq.Server() as srv, fl.connect(srv.location) as plain:
+        listed = {a.type: a.description for a in plain.list_actions()}
+    assert listed == {name: spec.doc for name, spec in ACTIONS.items()}

@@ -459,7 +459,7 @@ def test_a_writer_killed_mid_put_stores_nothing(served):
     before = partition_state(srv.location, "p")
     while not srv.put_outcomes.empty():  # the fixture's own put
         srv.put_outcomes.get_nowait()
-    tests_dir = str(__import__("pathlib").Path(__file__).parent)
+    tests_dir = str(__import__("pathlib").Path(__file__).parents[1])
     proc = subprocess.Popen(
         [sys.executable, "-c", _CUT_WRITER, srv.location, tests_dir],
         stdout=subprocess.PIPE,

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import pyarrow.flight as fl
 import pytest
 
 import flightq
@@ -37,7 +36,7 @@ from flightq.protocol import (
 )
 from flightq.server.actions import HANDLERS
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 TICKETS: dict[str, type[Message]] = {"get": GetTicket, "claim": ClaimTicket, "scan": ScanTicket}
 
 
@@ -301,12 +300,6 @@ def test_the_contract_check_fails_on_a_drifted_doc(old, new, problem):
 
 def test_every_action_has_one_handler():
     assert HANDLERS.keys() == ACTIONS.keys()
-
-
-def test_list_actions_lists_every_action_with_its_doc():
-    with flightq.Server() as srv, fl.connect(srv.location) as plain:
-        listed = {a.type: a.description for a in plain.list_actions()}
-    assert listed == {name: spec.doc for name, spec in ACTIONS.items()}
 
 
 # --------------------------------------------------------------------------- round trips
