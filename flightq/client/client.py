@@ -338,7 +338,9 @@ class Client:
         try:
             self._transport.action(CheckSchemas(schemas=[s.canonical_json for s in schemas]))
         except (SchemaMismatchError, UnknownSchemaError) as e:
-            raise type(e)(f"startup schema check against {self.location} failed: {e}") from None
+            raise type(e)(
+                f"startup schema check against {self.location} failed: {e}", **e.attributes()
+            ) from None
 
     def register_schema(self, schema: Schema) -> None:
         """Add a schema to the server's registry (evolution rules apply there too)."""

@@ -18,22 +18,24 @@ from ..errors import DeviceError
 
 #: Byte alignment of every tensor inside a staging buffer (covers every dtype and
 #: the vector loads of device kernels).
-_ALIGN = 256
+ALIGN = 256
 #: Pinned buffers are allocated in multiples of this.
 _GRAIN = 2**20
 
 
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+def align(n: int) -> int:
+    """``n`` rounded up to :data:`ALIGN`."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _numpy_dtype(torch_dtype: Any) -> np.dtype | None:
+def numpy_dtype(torch_dtype: Any) -> np.dtype | None:
     """The numpy dtype holding a torch dtype's values, None for bf16, fp8 and the unknown."""
     dt = DTYPES.get(str(torch_dtype).removeprefix("torch."))
     return dt.storage if dt is not None and dt.native_numpy else None
 
 
-def _torch() -> Any:
+def torch_module() -> Any:
+    """The torch module, or a DeviceError saying it is not installed."""
     try:
         import torch
     except ImportError as e:
@@ -76,7 +78,7 @@ def resolve_device(device: Any, as_: str = "torch") -> Any:
     """
     if device is None or (isinstance(device, str) and device.strip().lower() == "cpu"):
         return None
-    torch = _torch()
+    torch = torch_module()
     try:
         d = device if isinstance(device, torch.device) else torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
@@ -133,7 +135,7 @@ class PinnedPool:
 
     def take(self, nbytes: int) -> Any:
         """A pinned 1-D uint8 CPU tensor of at least ``nbytes`` bytes, idle."""
-        torch = _torch()
+        torch = torch_module()
         with self._lock:
             fits = [(b, ev) for b, ev in self._free if b.numel() >= nbytes]
             # Prefer an idle buffer, then the smallest: large ones stay for large puts.
@@ -165,7 +167,7 @@ class PinnedPool:
 
     def stream(self, device: Any) -> Any:
         """The side stream this pool copies on for ``device`` (a ``torch.device``)."""
-        torch = _torch()
+        torch = torch_module()
         with self._lock:
             s = self._streams.get(device.index)
             if s is None:

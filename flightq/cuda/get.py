@@ -27,7 +27,7 @@ from ..batch import (
     TensorColumn,
     join,
 )
-from .device import _ALIGN, PinnedPool, _align, _torch
+from .device import ALIGN, PinnedPool, align, torch_module
 
 #: A get's bytes cross to the device through pinned windows of at most this size.
 _WINDOW = 64 * 2**20
@@ -119,7 +119,7 @@ class _Region:
             self.nbytes = base.nbytes
             if self.nbytes:
                 self.pieces.append((0, self.nbytes, at))
-            return _align(at + self.nbytes)
+            return align(at + self.nbytes)
         # Python lists: a prompt group's few entries cost less than numpy calls on them.
         isz = base.element_size()
         elem = col._elem.tolist()
@@ -138,11 +138,11 @@ class _Region:
             starts[e] = hit // isz
         self.elem = np.array(starts, dtype=np.int64)
         self.nbytes = pos - at
-        return _align(pos)
+        return align(pos)
 
     def source(self) -> np.ndarray:
         """The host bytes the pieces are cut from."""
-        return self.base.reshape(-1).view(_torch().uint8).numpy()
+        return self.base.reshape(-1).view(torch_module().uint8).numpy()
 
     def finish(self, dev: Any) -> None:
         """Point the column at its bytes in ``dev``, the get's device buffer."""
@@ -252,10 +252,10 @@ def _to_device(
     The bytes go through pinned windows (two taking turns when the get is larger than
     one), each copied to the device with one non-blocking copy on ``side``.
     """
-    torch = _torch()
+    torch = torch_module()
     regions, total = _plan(parts)
     with torch.cuda.stream(side):
-        dev = torch.empty(max(total, _ALIGN), dtype=torch.uint8, device=device)
+        dev = torch.empty(max(total, ALIGN), dtype=torch.uint8, device=device)
     # Allocated on the side stream, used on the caller's: tell the caching allocator.
     dev.record_stream(consumer)
 
@@ -381,7 +381,7 @@ def decode_streams_to_device(
 
 def _assemble(parts: list[DeviceBatch], device: Any, pool: PinnedPool, sync: bool) -> DeviceBatch:
     """The parts, copied to ``device``, as one DeviceBatch with an event after the copies."""
-    torch = _torch()
+    torch = torch_module()
     whole = join(parts)  # refuses no parts, or parts of other schemas or fields
     assert isinstance(whole, DeviceBatch)
     side = pool.stream(device)

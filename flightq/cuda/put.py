@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..tensor import MemoryIndex
-from .device import PinnedPool, _align, _numpy_dtype, _torch
+from .device import PinnedPool, align, numpy_dtype, torch_module
 
 #: An event is recorded on the copy stream after this many staged bytes (puts).
 _EVENT_BYTES = 4 * 2**20
@@ -147,7 +147,7 @@ def stage(columns: Mapping[str, Any], pool: PinnedPool) -> Staged:
     """
     if not has_cuda(columns):
         return Staged(columns)
-    torch = _torch()
+    torch = torch_module()
     T = torch.Tensor
     plan: list[tuple[int, Any]] = []  # (row, normalised source); -1: a whole column
     # The encoder's own test of shared memory (a prompt group's image is one tensor); the
@@ -205,11 +205,11 @@ def stage(columns: Mapping[str, Any], pool: PinnedPool) -> Staged:
     for members in groups.values():
         size = sum(nbytes[k] for k in members)
         spans.append((members, total, size))
-        total = _align(total + size)
+        total = align(total + size)
     large_at: list[int] = []
     for k in large:
         large_at.append(total)
-        total = _align(total + nbytes[k])
+        total = align(total + nbytes[k])
     buf = pool.take(total)
     out._pool, out._buf = pool, buf
     views: list[Any] = [None] * len(plan)
@@ -222,7 +222,7 @@ def stage(columns: Mapping[str, Any], pool: PinnedPool) -> Staged:
         dtype = plan[members[0]][1].dtype
         h = buf[at : at + size].view(dtype)
         hosts.append(h)
-        npd = _numpy_dtype(dtype)
+        npd = numpy_dtype(dtype)
         o = 0
         if npd is not None:
             hn = buf_np[at : at + size].view(npd)
@@ -237,7 +237,7 @@ def stage(columns: Mapping[str, Any], pool: PinnedPool) -> Staged:
                 o += t.numel()
     for k, at in zip(large, large_at, strict=True):
         t = plan[k][1]
-        npd = _numpy_dtype(t.dtype)
+        npd = numpy_dtype(t.dtype)
         if npd is not None:
             views[k] = buf_np[at : at + nbytes[k]].view(npd).reshape(t.shape)
         else:

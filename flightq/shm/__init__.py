@@ -43,8 +43,8 @@ Examples
 '/dev/shm'
 """
 
-from .client import handshake, put_via_shm
-from .gather import gathered, gathering
+from typing import Any
+
 from .mapping import MAPPED, map_data, read, still_there
 from .segments import (
     BATCH_BYTES,
@@ -60,6 +60,24 @@ from .segments import (
     is_local,
     probe_reply,
 )
+
+#: The writer's side (the client's handshake and put, the encoder's gathering) loads on
+#: first use: a server that imports this package never loads the encoder.
+_WRITER = {
+    "handshake": "client",
+    "put_via_shm": "client",
+    "gathered": "gather",
+    "gathering": "gather",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WRITER:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_WRITER[name]}", __name__), name)
+    raise AttributeError(f"module 'flightq.shm' has no attribute {name!r}")
+
 
 __all__ = [
     "BATCH_BYTES",

@@ -75,6 +75,11 @@ class ShmGather(CopyNow):
         self._spans[buf.address] = (n, list(payloads), offsets, buf)
         return buf
 
+    def stream(self, dst: np.ndarray) -> SegmentStream:
+        """A write-only stream over a segment's data ``dst`` that fills this sink's
+        placeholders (:meth:`flightq.shm.segments.SegmentPool.write`)."""
+        return SegmentStream(dst, self)
+
     def forget(self) -> None:
         """Let go of the payloads (the caller's tensors): the placeholders are spent."""
         self._starts, self._spans, self.copies = [], {}, []
@@ -149,7 +154,7 @@ class ShmGather(CopyNow):
             raise errors[0]
 
 
-class _SegmentStream:
+class SegmentStream:
     """A write-only stream over a segment's data: copies, or fills placeholders."""
 
     closed = False

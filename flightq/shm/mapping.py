@@ -18,7 +18,16 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import ProtocolError
-from .segments import _HDR, _MAGIC, _NAME, _POPULATE, _STATE_AT, HEADER, TAKEN, WRITTEN
+from .segments import (
+    HEADER,
+    HEADER_FORMAT,
+    MAGIC,
+    MAP_POPULATE_FLAG,
+    SEGMENT_NAME,
+    STATE_AT,
+    TAKEN,
+    WRITTEN,
+)
 
 # --------------------------------------------------------------------------- reader side
 
@@ -114,7 +123,7 @@ def map_data(
             f"{what}: bytes [{lo}, {hi}) lie outside the {n} bytes of segment {path!r}"
         )
     real = os.path.realpath(path)
-    if os.path.dirname(real) != dirpath or not _NAME.match(os.path.basename(real)):
+    if os.path.dirname(real) != dirpath or not SEGMENT_NAME.match(os.path.basename(real)):
         raise ProtocolError(
             f"{what}: shared-memory segment {path!r} is not a flightq segment in {dirpath}"
         )
@@ -140,8 +149,8 @@ def map_data(
                 f"{HEADER + n} announced"
             )
         head = mmap.mmap(fd, HEADER, flags=mmap.MAP_SHARED)
-        magic, state, g, size, _pid, _at = _HDR.unpack_from(head, 0)
-        if magic != _MAGIC or g != gen or size != n or state not in (WRITTEN, TAKEN):
+        magic, state, g, size, _pid, _at = HEADER_FORMAT.unpack_from(head, 0)
+        if magic != MAGIC or g != gen or size != n or state not in (WRITTEN, TAKEN):
             raise ProtocolError(
                 f"{what}: shared-memory segment {path!r} is not generation {gen} of {n} "
                 "bytes ready to read (reused or corrupted); retry the call"
@@ -151,7 +160,7 @@ def map_data(
         body = mmap.mmap(
             fd,
             max(hi - start, 1),
-            flags=mmap.MAP_SHARED | (_POPULATE if populate else 0),
+            flags=mmap.MAP_SHARED | (MAP_POPULATE_FLAG if populate else 0),
             prot=mmap.PROT_READ,
             offset=HEADER + start,
         )
@@ -160,7 +169,7 @@ def map_data(
         if head is not None:
             head.close()
         raise
-    struct.pack_into("<q", head, _STATE_AT, TAKEN)
+    struct.pack_into("<q", head, STATE_AT, TAKEN)
     data = np.frombuffer(body, dtype=np.uint8, count=hi - lo, offset=lo - start)
     addr = int(data.ctypes.data)
     MAPPED.add(addr, hi - lo, {"path": real, "gen": gen, "nbytes": n, "ino": st.st_ino}, lo)

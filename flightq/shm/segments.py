@@ -17,13 +17,12 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 
 from ..errors import ProtocolError, ResourceExhaustedError
-from .gather import ShmGather, _SegmentStream
 
 #: Where segments live unless told otherwise.
 DEFAULT_DIR = "/dev/shm"
@@ -41,13 +40,24 @@ DEFAULT_KEEP_BYTES = 2 * 2**30
 #: Seconds a written segment may wait for its reader before the owner gives it up.
 DEFAULT_LEASE_S = 300.0
 
-_MAGIC = b"FQSHM001"
+MAGIC = b"FQSHM001"
 # magic, state, generation, payload bytes, owner pid, written at (monotonic seconds)
-_HDR = struct.Struct("<8sqqqqd")
-_STATE_AT = 8
+HEADER_FORMAT = struct.Struct("<8sqqqqd")
+STATE_AT = 8
 FREE, WRITTEN, TAKEN = 0, 1, 2
-_NAME = re.compile(r"^flightq-(\d+)-[0-9a-f]{8}-\d+$")
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+SEGMENT_NAME = re.compile(r"^flightq-(\d+)-[0-9a-f]{8}-\d+$")
+MAP_POPULATE_FLAG = getattr(mmap, "MAP_POPULATE", 0)
+
+
+class Gather(Protocol):
+    """What writes a put's batches gathered by the encoder (:class:`flightq.shm.gather.ShmGather`):
+    a stream over the segment's data that fills the placeholders, then the copies."""
+
+    def stream(self, dst: np.ndarray) -> Any:
+        """A write-only file object over ``dst`` whose ``pos`` counts the bytes written."""
+
+    def copy(self) -> None:
+        """Copy the payloads the stream left to be copied."""
 
 
 # --------------------------------------------------------------------------- checks
@@ -120,7 +130,7 @@ def probe_reply(dirpath: str | None, body: Mapping[str, Any]) -> dict[str, Any] 
     path = body.get("shm_probe")
     if isinstance(path, str):
         real = os.path.realpath(path)
-        if os.path.dirname(real) == dirpath and _NAME.match(os.path.basename(real)):
+        if os.path.dirname(real) == dirpath and SEGMENT_NAME.match(os.path.basename(real)):
             with contextlib.suppress(OSError), open(real, "rb") as f:
                 out["probe"] = f.read(64).hex()
     return out
@@ -153,7 +163,7 @@ class _Segment:
     written_at: float = 0.0
 
     def state(self) -> int:
-        return int(struct.unpack_from("<q", self.mm, _STATE_AT)[0])
+        return int(struct.unpack_from("<q", self.mm, STATE_AT)[0])
 
     def lock(self) -> bool:
         """Take the exclusive lock if no reader holds the segment (kept while writing)."""
@@ -209,7 +219,7 @@ class SegmentPool:
         schema: pa.Schema,
         batches: Sequence[pa.RecordBatch],
         what: str,
-        gather: ShmGather | None = None,
+        gather: Gather | None = None,
     ) -> dict[str, Any]:
         """Write ``batches`` as one IPC stream into a segment; returns its reference.
 
@@ -232,7 +242,7 @@ class SegmentPool:
                 _write_stream(out, schema, batches)
                 out.close()
             else:
-                dest = _SegmentStream(np.frombuffer(view, dtype=np.uint8), gather)
+                dest = gather.stream(np.frombuffer(view, dtype=np.uint8))
                 _write_stream(pa.PythonFile(dest, mode="w"), schema, batches)
                 if dest.pos != n:
                     raise ProtocolError(f"{what}: wrote {dest.pos} bytes of a {n}-byte stream")
@@ -278,7 +288,7 @@ class SegmentPool:
         # A new generation, then the exclusive lock goes: readers may come.
         seg.gen += 1
         seg.written_at = time.monotonic()
-        _HDR.pack_into(seg.mm, 0, _MAGIC, WRITTEN, seg.gen, n, os.getpid(), seg.written_at)
+        HEADER_FORMAT.pack_into(seg.mm, 0, MAGIC, WRITTEN, seg.gen, n, os.getpid(), seg.written_at)
         seg.unlock()
         return {"path": seg.path, "gen": seg.gen, "nbytes": n}
 
@@ -297,7 +307,7 @@ class SegmentPool:
         with self._lock:
             seg = next((s for s in self._segs if s.path == ref.get("path")), None)
             if seg is not None and seg.gen == ref.get("gen") and seg.state() == WRITTEN:
-                struct.pack_into("<q", seg.mm, _STATE_AT, FREE)
+                struct.pack_into("<q", seg.mm, STATE_AT, FREE)
 
     def _acquire(self, n: int) -> _Segment:
         need = -(-n // GRANULE) * GRANULE
@@ -324,7 +334,7 @@ class SegmentPool:
                 self._segs.remove(seg)
             if seg is not None:
                 free.remove(seg)
-                _HDR.pack_into(seg.mm, 0, _MAGIC, WRITTEN, seg.gen, 0, os.getpid(), now)
+                HEADER_FORMAT.pack_into(seg.mm, 0, MAGIC, WRITTEN, seg.gen, 0, os.getpid(), now)
                 seg.written_at = now
             self._count += 1
             name = f"flightq-{os.getpid()}-{self._token}-{self._count}"
@@ -354,14 +364,14 @@ class SegmentPool:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, HEADER + capacity)
-            mm = mmap.mmap(fd, HEADER + capacity, flags=mmap.MAP_SHARED | _POPULATE)
+            mm = mmap.mmap(fd, HEADER + capacity, flags=mmap.MAP_SHARED | MAP_POPULATE_FLAG)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(path)
             raise
         now = time.monotonic()
-        _HDR.pack_into(mm, 0, _MAGIC, WRITTEN, 0, 0, os.getpid(), now)
+        HEADER_FORMAT.pack_into(mm, 0, MAGIC, WRITTEN, 0, 0, os.getpid(), now)
         seg = _Segment(path, fd, mm, capacity, written_at=now)
         seg.lock()
         return seg
@@ -370,7 +380,7 @@ class SegmentPool:
     def _grow(seg: _Segment, capacity: int) -> _Segment:
         try:
             os.ftruncate(seg.fd, HEADER + capacity)
-            mm = mmap.mmap(seg.fd, HEADER + capacity, flags=mmap.MAP_SHARED | _POPULATE)
+            mm = mmap.mmap(seg.fd, HEADER + capacity, flags=mmap.MAP_SHARED | MAP_POPULATE_FLAG)
         except BaseException:
             seg.close()
             raise
@@ -408,7 +418,7 @@ def _sweep(dirpath: str) -> None:
     uid = os.getuid()
     with contextlib.suppress(OSError), os.scandir(dirpath) as it:
         for e in it:
-            m = _NAME.match(e.name)
+            m = SEGMENT_NAME.match(e.name)
             if m is None:
                 continue
             with contextlib.suppress(OSError):

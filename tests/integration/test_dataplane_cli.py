@@ -130,12 +130,12 @@ import flightq
 from flightq import keep_freed_memory
 if sys.argv[1] == "tuned":
     assert keep_freed_memory()
-elif sys.argv[1] == "connect":  # a trainer's client: keeps freed memory by default
+elif sys.argv[1] == "connect":  # a client leaves the process's malloc alone by default
     flightq.connect(sys.argv[2]).close()
-elif sys.argv[1] == "connect-untuned":
-    flightq.connect(sys.argv[2], keep_freed_memory=False).close()
+elif sys.argv[1] == "connect-tuned":  # unless asked
+    flightq.connect(sys.argv[2], keep_freed_memory=True).close()
 elif sys.argv[1] == "connect-shm":  # its payloads are mapped: malloc is left alone
-    flightq.connect(sys.argv[2], shm=True).close()
+    flightq.connect(sys.argv[2], shm=True, keep_freed_memory=True).close()
 def rss():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("RssAnon:")) * 1024
@@ -173,7 +173,7 @@ def test_serve_keeps_freed_blocks_so_the_next_put_reuses_warm_pages():
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt: Linux only")
-def test_a_client_keeps_freed_memory_for_the_next_step_unless_told_not_to():
+def test_a_client_keeps_freed_memory_only_when_asked():
     def returned(*args: str) -> int:
         out = subprocess.run(
             [sys.executable, "-c", _KEPT, *args], check=True, capture_output=True, text=True
@@ -181,8 +181,8 @@ def test_a_client_keeps_freed_memory_for_the_next_step_unless_told_not_to():
         return int(out.stdout)
 
     with cli_server() as (location, _):
-        assert returned("connect", location) < 32 * 2**20
-        assert returned("connect-untuned", location) > 128 * 2**20
+        assert returned("connect", location) > 128 * 2**20
+        assert returned("connect-tuned", location) < 32 * 2**20
         assert returned("connect-shm", location) > 128 * 2**20
 
 

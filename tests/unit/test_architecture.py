@@ -149,13 +149,25 @@ def test_the_data_model_never_reaches_flight_a_socket_a_server_or_a_client(modul
         )
 
 
-def test_the_server_never_reaches_the_decoding_side_or_torch():
-    decoding = ("flightq.batch", "flightq.columns", "flightq.client", "flightq.sharding", "torch")
+def test_the_server_never_reaches_the_decoding_side():
+    decoding = ("flightq.batch", "flightq.columns", "flightq.client", "flightq.sharding")
     for module in (m for m in _modules() if m.startswith("flightq.server")):
         for reached, path in _reached(module).items():
             assert not any(reached == d or reached.startswith(d + ".") for d in decoding), (
                 f"{module} reaches {reached}: " + " -> ".join(path)
             )
+
+
+def test_the_server_and_the_command_line_load_no_torch():
+    # torch is imported lazily, by the functions that take torch tensors.
+    code = (
+        "import sys, flightq.server, flightq.cli, flightq.server.actions; "
+        "print(sorted(m for m in ('torch',) if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_module_level_imports_go_down_the_layers():
