@@ -32,6 +32,8 @@ from .errors import DecodeError, SchemaError
 from .schema import Field, Schema
 
 __all__ = [
+    "DEFAULT_BATCH_BYTES",
+    "MAX_PAYLOAD_BYTES",
     "KEY",
     "MEDIA_TYPE",
     "TAGS",
@@ -62,6 +64,13 @@ META_WIRE = b"flightq.wire"
 FIELD_DTYPE = b"flightq.dtype"
 FIELD_ROLE = b"flightq.role"
 FIELD_CODEC = b"flightq.codec"
+
+#: Payload bytes per record batch, put and answer alike, unless told otherwise: a prompt
+#: group stays in one batch when it fits, and each batch is far below gRPC's 2 GiB.
+DEFAULT_BATCH_BYTES = 16 * 2**20
+#: Most bytes one payload may hold: shape products are checked in float64 against it,
+#: with room to spare below int64's offsets.
+MAX_PAYLOAD_BYTES = 2**62
 
 #: Bound on the remembered Arrow schemas (cleared when reached).
 _MAX_SCHEMAS = 256

@@ -33,6 +33,7 @@ from .layout import (
     FIELD_CODEC,
     FIELD_DTYPE,
     KEY,
+    MAX_PAYLOAD_BYTES,
     META_FINGERPRINT,
     SHAPE_SUFFIX,
     TAGS,
@@ -47,7 +48,7 @@ from .schema import Field, Schema, diff_schemas
 
 __all__ = ["Checked", "validate", "shape_products"]
 
-_LIMIT = float(2**62)
+_LIMIT = float(MAX_PAYLOAD_BYTES)
 #: Bound on the remembered layouts (cleared when reached).
 _MAX_PLANS = 256
 
@@ -138,7 +139,7 @@ def shape_products(
         i = int(np.nonzero(nz)[0][int(np.argmax(fprod >= _LIMIT))])
         raise ShapeError(
             f"{where}shape {shape(i)} needs {math.prod(shape(i)) * itemsize} bytes, more than "
-            f"a payload may hold (2**62){name(i)}",
+            f"a payload may hold (2**{MAX_PAYLOAD_BYTES.bit_length() - 1}){name(i)}",
             **fault(i),
         )
     out[nz] = np.multiply.reduceat(v, starts) * itemsize

@@ -34,6 +34,7 @@ from ..errors import (
     SchemaMismatchError,
     UnknownSchemaError,
 )
+from ..layout import DEFAULT_BATCH_BYTES
 from ..memory import keep_freed_memory as _keep_freed_memory
 from ..protocol import (
     CheckSchemas,
@@ -74,7 +75,7 @@ DEFAULT_TIMEOUT = 60.0
 #: With shm, transfers of fewer bytes take the socket (``Client.shm_min_bytes``).
 SHM_MIN_BYTES = 2**20
 #: Payload bytes per record batch sent by a put.
-DEFAULT_MAX_BATCH_BYTES = 16 * 2**20
+DEFAULT_MAX_BATCH_BYTES = DEFAULT_BATCH_BYTES
 
 
 def resolve_schemas(

@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.flight as fl
 
 from ..errors import FlightqError, ProtocolError, SchemaMismatchError, UnknownSchemaError
+from ..layout import DEFAULT_BATCH_BYTES
 from ..memory import keep_freed_memory
 from ..protocol import (
     ACTIONS,
@@ -57,7 +58,7 @@ __all__ = [
 ]
 
 #: Payload bytes per record batch served (batches are cut there; well below gRPC's 2 GiB).
-DEFAULT_MAX_BATCH_BYTES = 16 * 2**20
+DEFAULT_MAX_BATCH_BYTES = DEFAULT_BATCH_BYTES
 #: Largest record batch a put may send (Arrow buffer bytes); the client cuts at 16 MiB.
 DEFAULT_MAX_PUT_BATCH_BYTES = 2**30
 
