@@ -620,6 +620,10 @@ class PartitionStats(Message):
     delivered: dict[str, int] = _field(_counts)
     #: Claims waiting for rows right now, per task.
     waiting: dict[str, int] = _field(_counts, {})
+    #: Puts waiting for room (memory budget, row limit) right now.
+    waiting_puts: int = _field(_int(0), 0)
+    #: Parts of puts in parts that arrived and wait for the put's other parts right now.
+    staged_parts: int = _field(_int(0), 0)
     #: ``inspect`` only: rows having each field.
     fields: dict[str, int] | None = _field(_optional(_counts), None, omit=None)
     #: ``inspect`` only: rows ready per task with the schema's required fields.

@@ -162,11 +162,17 @@ def _abort_put(ctx: ActionContext, req: AbortPut) -> AbortPutReply:
 
 def _stats(ctx: ActionContext, req: Stats) -> StatsReply:
     # Parsed, not built field by field: a key the store adds and the protocol lacks fails.
-    return StatsReply.parse(ctx.store.stats())
+    stats = ctx.store.stats()
+    staged = ctx.staging.staged()
+    for name, p in stats["partitions"].items():
+        p["staged_parts"] = staged.get(name, 0)
+    return StatsReply.parse(stats)
 
 
 def _inspect(ctx: ActionContext, req: Inspect) -> PartitionStats:
-    return PartitionStats.parse(ctx.store.inspect(req.partition))
+    d = ctx.store.inspect(req.partition)
+    d["staged_parts"] = ctx.staging.staged().get(req.partition, 0)
+    return PartitionStats.parse(d)
 
 
 def _snapshot(ctx: ActionContext, req: Snapshot) -> SnapshotReply:

@@ -145,6 +145,18 @@ class Staging:
             raise ProtocolError(f"{what}: {p.error}")
         return p.result
 
+    def staged(self) -> dict[str, int]:
+        """Parts that arrived and wait for their put's other parts right now, per partition.
+
+        A put whose every part is here (committing) or that is decided counts no more.
+        """
+        out: dict[str, int] = {}
+        with self._cond:
+            for (partition, _), p in self._puts.items():
+                if not p.done and not p.committing and p.pieces:
+                    out[partition] = out.get(partition, 0) + len(p.pieces)
+        return out
+
     def _entry(self, partition: str, stage: str, parts: int) -> _Put:
         # With the lock held: the put of this stage, new or remembered; old ones go.
         now = time.monotonic()

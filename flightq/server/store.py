@@ -8,7 +8,8 @@ and applies each put (:mod:`flightq.server.partition`); serving rows is
 The store holds the one lock, the waiting and the memory budget. Every mutation happens
 under the lock, after all checks pass, so a put is all or nothing. Claims, and puts waiting
 for room, wait on a condition variable that puts, clears and resets notify; the claims
-waiting right now are counted per partition and task (:meth:`Store.stats`).
+waiting right now are counted per partition and task, and the puts waiting for room per
+partition (:meth:`Store.stats`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class Store:
         self._parts: dict[str, Partition] = {}
         #: Claims waiting for rows right now: partition name -> task -> count.
         self._waiting: dict[str, dict[str, int]] = {}
+        #: Puts waiting for room (memory budget, row limit) right now: partition -> count.
+        self._waiting_puts: dict[str, int] = {}
         self._closing = False
 
     def close(self) -> None:
@@ -239,7 +242,7 @@ class Store:
                     actual=len(p.rows) + new,
                     partition=name,
                 )
-            self._changed.wait(min(left, 3600.0))
+            self._wait_for_room(name, left)
             waited = True
 
     def _wait_for_space(self, name: str, need: int, timeout: float) -> bool:
@@ -273,8 +276,21 @@ class Store:
                     actual=held + need,
                     partition=name,
                 )
-            self._changed.wait(min(left, 3600.0))  # inf or huge: wait in chunks
+            self._wait_for_room(name, left)
             waited = True
+
+    def _wait_for_room(self, name: str, left: float) -> None:
+        """Let go of the lock until a change or ``left`` seconds pass, counted meanwhile as
+        a put waiting for room in ``name`` (:meth:`stats`)."""
+        self._waiting_puts[name] = self._waiting_puts.get(name, 0) + 1
+        try:
+            self._changed.wait(min(left, 3600.0))  # inf or huge: wait in chunks
+        finally:
+            n = self._waiting_puts[name] - 1
+            if n:
+                self._waiting_puts[name] = n
+            else:
+                del self._waiting_puts[name]
 
     def put(
         self,
@@ -485,14 +501,12 @@ class Store:
     # ------------------------------------------------------------------ description
 
     def stats(self) -> dict[str, Any]:
-        """Rows, bytes and per-task progress of every partition, and the claims waiting for
-        rows right now (per partition and task, and in all)."""
+        """Rows, bytes and per-task progress of every partition, the claims waiting for rows
+        right now (per partition and task, and in all) and the puts waiting for room right
+        now (per partition)."""
         with self._lock:
             return {
-                "partitions": {
-                    n: _describe(p, self._waiting.get(n, {}), detail=False)
-                    for n, p in self._parts.items()
-                },
+                "partitions": {n: self._partition_stats(n, detail=False) for n in self._parts},
                 "rows": sum(len(p.rows) for p in self._parts.values()),
                 "bytes": sum(p.nbytes for p in self._parts.values()),
                 "waiting_claims": sum(sum(t.values()) for t in self._waiting.values()),
@@ -500,9 +514,14 @@ class Store:
 
     def inspect(self, name: str) -> dict[str, Any]:
         """One partition in detail: fields present, per task delivered and ready rows and
-        waiting claims."""
+        waiting claims, and its puts waiting for room."""
         with self._lock:
-            return _describe(self._get(name), self._waiting.get(name, {}), detail=True)
+            return self._partition_stats(name, detail=True)
+
+    def _partition_stats(self, name: str, detail: bool) -> dict[str, Any]:
+        # With the lock held: one partition and what waits on it right now.
+        p = self._get(name)
+        return _describe(p, self._waiting.get(name, {}), self._waiting_puts.get(name, 0), detail)
 
 
 def _known(p: Partition, keys: Sequence[str]) -> None:
@@ -572,7 +591,9 @@ def _ready(p: Partition, task: str, need: Sequence[str], limit: int | None) -> l
     return out if limit is None else None
 
 
-def _describe(p: Partition, waiting: dict[str, int], detail: bool) -> dict[str, Any]:
+def _describe(
+    p: Partition, waiting: dict[str, int], waiting_puts: int, detail: bool
+) -> dict[str, Any]:
     d: dict[str, Any] = {
         "schema": p.schema.ref,
         "fingerprint": p.schema.fingerprint,
@@ -582,6 +603,7 @@ def _describe(p: Partition, waiting: dict[str, int], detail: bool) -> dict[str, 
         "bytes": p.nbytes,
         "delivered": {t: len(s) for t, s in p.delivered.items()},
         "waiting": {t: waiting.get(t, 0) for t in p.tasks},
+        "waiting_puts": waiting_puts,
     }
     if detail:
         counts = {f.name: 0 for f in p.schema.fields}
