@@ -252,6 +252,12 @@ class Batch:
         return f"Batch({len(self)} rows of {self.schema.ref}, fields={self.fields})"
 
     @property
+    def parts(self) -> tuple[Batch, ...]:
+        """The answer as it arrived: one :class:`Batch` per record batch, in order
+        (``(self,)`` for an answer of one record batch). Read-only."""
+        return (self,) if self._parts is None else tuple(self._parts)
+
+    @property
     def tags(self) -> list[dict[str, Any]]:
         """Per-row tag dicts (empty where a row has none)."""
         if self._tags is None and self._parts is not None:

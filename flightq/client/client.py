@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -67,6 +67,9 @@ from .streams import (
     read_keys,
 )
 from .transport import Transport
+
+if TYPE_CHECKING:
+    from ..shm import SegmentPool
 
 __all__ = ["Client", "connect", "resolve_schemas", "DEFAULT_TIMEOUT", "SHM_MIN_BYTES"]
 
@@ -305,9 +308,16 @@ class Client:
         self._reader.shm_min_bytes = value
 
     @property
-    def _shm_pool(self) -> Any:
-        # The segment pool of puts through shared memory (None until the first), for tests.
+    def shm_pool(self) -> SegmentPool | None:
+        """The shared-memory segments this client's puts were written into (read-only; for
+        diagnostics: ``shm_pool.paths()``). None without shm or before the first such put."""
         return None if self._segments is None else self._segments.pool
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host memory this client allocated for CUDA transfers so far, in bytes
+        (buffers reused do not count again; 0 before the first device get or put)."""
+        return self._pinned.allocated_bytes
 
     # ------------------------------------------------------------------ plumbing
 

@@ -21,7 +21,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.flight as fl
@@ -48,6 +48,9 @@ from .assemble import assemble
 from .partition import Partition, Row, make_piece
 from .staging import Staging
 from .store import Store
+
+if TYPE_CHECKING:
+    from ..shm import SegmentPool
 
 __all__ = [
     "Server",
@@ -150,6 +153,12 @@ class Server(fl.FlightServerBase):
     def location(self) -> str:
         """The bound address, e.g. ``grpc://127.0.0.1:40123``."""
         return self._location
+
+    @property
+    def shm_pool(self) -> SegmentPool | None:
+        """The shared-memory segments this server wrote answers into (read-only; for
+        diagnostics: ``shm_pool.paths()``). None until an answer first needs one."""
+        return self._shm_pool
 
     def start(self) -> Server:
         """Serve in a background thread (the server already listens once constructed)."""
