@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
+from helpers_waiting import stat_until
 
 import flightq
 
@@ -24,7 +24,9 @@ def test_put_over_budget_fails_typed_after_its_timeout_and_stores_nothing() -> N
         keys2, cols2 = _rows("b", 1)  # 8 000 more: over the budget
         with pytest.raises(flightq.ResourceExhaustedError, match="memory budget"):
             c.put("p", keys2, cols2, timeout=0.5)
-        assert c.stats()["rows"] == 2
+        stats = c.stats()
+        assert stats["rows"] == 2
+        assert stats["partitions"]["p"]["waiting_puts"] == 0  # the put that gave up is not counted
         big_keys, big = _rows("c", 3)
         with pytest.raises(flightq.ResourceExhaustedError, match="more than the server's whole"):
             c.put("p", big_keys, big)
@@ -42,11 +44,12 @@ def test_put_waiting_for_space_lands_once_rows_are_cleared() -> None:
             target=lambda: done.append(c.put("p", *_rows("b", 1), timeout=20)), daemon=True
         )
         t.start()
-        time.sleep(0.3)
+        stat_until(c, "p", "waiting_puts", 1)
         assert not done, "the put must wait while the budget is full"
         c.clear("p", keys)
         t.join(timeout=20)
         assert done == [1]
+        assert c.stats()["partitions"]["p"]["waiting_puts"] == 0
         assert c.get("p", ["b0"], as_="numpy")["input_ids"][0][0] == 0
 
 
@@ -68,10 +71,12 @@ def test_partition_row_limit_makes_a_put_wait_for_clears_then_fail_typed() -> No
             target=lambda: done.append(c.put("p", *_rows("d", 1, s=10), timeout=20)), daemon=True
         )
         t.start()
-        time.sleep(0.3)
+        stat_until(c, "p", "waiting_puts", 1)
+        assert c.inspect("p")["waiting_puts"] == 1
         assert not done, "the put must wait while the partition is full"
         c.clear("p", ["a1"])
         t.join(timeout=20)
         assert done == [1]
+        assert c.inspect("p")["waiting_puts"] == 0
         assert c.stats()["partitions"]["p"]["rows"] == 2
         assert c.describe("p")["max_rows"] == 2

@@ -17,6 +17,7 @@ from fixtures_dataplane import (
     text_columns,
     text_keys,
 )
+from helpers_waiting import stat_until_async
 
 import flightq
 import flightq.aio
@@ -64,7 +65,8 @@ def test_an_awaited_claim_leaves_the_loop_free_to_put(server):
         async with await flightq.aio.connect(server.location, [TEXT], timeout=TIMEOUT) as c:
             await c.create_partition("p", TEXT, tasks=["train"])
             claim = asyncio.ensure_future(c.claim("p", "train", 2, timeout=TIMEOUT))
-            await asyncio.sleep(0.3)  # the loop turns while the claim waits on the server
+            # The loop turns (this stats poll runs) while the claim waits on the server.
+            await stat_until_async(c, "p", "waiting", {"train": 1})
             assert not claim.done()
             await c.put("p", keys, text_columns(keys))
             return await claim

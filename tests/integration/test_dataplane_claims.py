@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -15,6 +14,7 @@ from fixtures_dataplane import (  # noqa: F401
     text_columns,
     text_keys,
 )
+from helpers_waiting import stat_until
 
 import flightq
 
@@ -92,8 +92,8 @@ def test_claim_blocks_until_a_later_put_makes_rows_ready(client):
     keys = ["x0", "x1", "x2"]
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(client.claim, "late", "train", 3, None, timeout=TIMEOUT)
-        time.sleep(0.3)
-        assert not fut.done()  # nothing to claim yet
+        stat_until(client, "late", "waiting", {"train": 1})
+        assert not fut.done()  # waiting on the server: nothing to claim yet
         client.put("late", keys, text_columns(keys))
         got = fut.result(timeout=TIMEOUT)
     assert got.keys == keys
@@ -104,8 +104,8 @@ def test_claim_blocks_until_a_write_back_adds_the_named_field(client, grouped):
     group0 = grouped[:4]
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(client.claim, "grouped", "train", 4, ["prev_logprobs"], timeout=TIMEOUT)
-        time.sleep(0.3)
-        assert not fut.done()
+        stat_until(client, "grouped", "waiting", {"prev_lp": 0, "train": 1})
+        assert not fut.done()  # waiting on the server for the field
         lp = [np.zeros(len(ids), dtype=np.float32) for ids in text_columns(grouped)["input_ids"]]
         client.put("grouped", group0, {"prev_logprobs": lp[:4]})
         got = fut.result(timeout=TIMEOUT)
