@@ -7,6 +7,7 @@ never comes, fails the whole put: nothing is stored and the server keeps serving
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import msgpack
@@ -15,6 +16,7 @@ import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
 from fixtures_dataplane import TEXT, TIMEOUT, text_columns, text_keys
+from helpers_waiting import WAIT_S, stat_until
 
 import flightq
 from flightq.encode import encode
@@ -124,13 +126,13 @@ def test_a_part_the_server_refuses_fails_every_part_with_its_error(server, clien
 
     good = threading.Thread(target=send, args=(0, 4))
     good.start()
-    while not server._staging._puts:
-        good.join(0.01)
+    stat_until(client, "p", "staged_parts", 1)  # part 0 is here and waits for part 1
     send(1, 5)  # announces 5 rows, sends 4
     good.join(10)
     assert set(errors) == {0, 1}
     assert all("stream ended after 4 of the 5 rows" in str(e) for e in errors.values())
-    assert client.stats()["partitions"]["p"]["rows"] == 0
+    p = client.stats()["partitions"]["p"]
+    assert p["rows"] == 0 and p["staged_parts"] == 0
 
 
 def test_an_aborted_put_wakes_its_waiting_parts(server, client):
@@ -145,12 +147,12 @@ def test_an_aborted_put_wakes_its_waiting_parts(server, client):
 
     t = threading.Thread(target=waiting)
     t.start()
-    while not server._staging._puts:
-        t.join(0.01)
+    stat_until(client, "p", "staged_parts", 1)
     client.transport.action(AbortPut(partition="p", stage="s2", parts=2))
     t.join(10)
     assert not t.is_alive() and "the client gave up a part" in str(errors[0])
-    assert client.stats()["partitions"]["p"]["rows"] == 0
+    p = client.stats()["partitions"]["p"]
+    assert p["rows"] == 0 and p["staged_parts"] == 0
 
 
 @pytest.mark.parametrize(
@@ -180,19 +182,24 @@ def test_once_every_part_is_here_only_the_commit_decides():
         return len(every)
 
     answers: dict[int, int] = {}
+    timeout = 0.5
 
     def part(i: int) -> None:
-        answers[i] = staging.join("p", "s", i, 2, [f"piece{i}"], slow_commit, 0.05)
+        answers[i] = staging.join("p", "s", i, 2, [f"piece{i}"], slow_commit, timeout)
 
     first = threading.Thread(target=part, args=(0,))
     first.start()
-    while not staging._puts:
+    deadline = time.monotonic() + WAIT_S
+    while staging.staged() != {"p": 1}:
+        assert time.monotonic() < deadline, f"part 0 never staged: {staging.staged()}"
         first.join(0.01)
+    seen = time.monotonic()  # part 0's own deadline is before seen + timeout
     last = threading.Thread(target=part, args=(1,))
     last.start()
     assert started.wait(10)
-    first.join(0.2)  # well past its 0.05 s timeout
-    assert first.is_alive()
+    assert staging.staged() == {}  # every part is here: none waits for another
+    first.join(max(0.0, seen + timeout - time.monotonic()) + 0.1)
+    assert first.is_alive()  # past its own timeout, part 0 waits for the commit
     staging.fail("p", "s", 2, ProtocolError("the client gave up a part"))
     release.set()
     first.join(10)
@@ -200,7 +207,7 @@ def test_once_every_part_is_here_only_the_commit_decides():
     assert answers == {0: 2, 1: 2}
 
 
-def test_a_part_the_client_cannot_send_aborts_the_others_at_once(server, client, monkeypatch):
+def test_a_part_the_client_cannot_send_aborts_the_others_at_once(client, monkeypatch):
     import socket
 
     with socket.socket() as s:  # a port nobody listens on
@@ -208,9 +215,22 @@ def test_a_part_the_client_cannot_send_aborts_the_others_at_once(server, client,
         dead = f"grpc://127.0.0.1:{s.getsockname()[1]}"
     main, lost = client.transport.connection(0), fl.connect(dead)
     monkeypatch.setattr(client.transport, "connection", lambda i=0: lost if i else main)
+    answers: dict[int, BaseException] = {}
+    put = client.transport.put
+
+    def recorded(*args: object, connection: int = 0, **kwargs: object) -> int:
+        try:
+            return put(*args, connection=connection, **kwargs)
+        except flightq.FlightqError as e:
+            answers[connection] = e
+            raise
+
+    monkeypatch.setattr(client.transport, "put", recorded)
     keys, cols = _rows(12)
     with pytest.raises(flightq.UnavailableError):
         client.put("p", keys, cols)
-    (decided,) = server._staging._puts.values()
-    assert "the client gave up a part" in str(decided.error)  # not its timeout
-    assert client.stats()["partitions"]["p"]["rows"] == 0
+    # Part 0 reached the server and was answered with the abort, not its own timeout.
+    assert isinstance(answers[0], flightq.ProtocolError)
+    assert "the client gave up a part" in str(answers[0])
+    p = client.stats()["partitions"]["p"]
+    assert p["rows"] == 0 and p["staged_parts"] == 0
