@@ -156,21 +156,21 @@ def test_a_claim_whose_answer_cannot_be_written_gives_its_rows_back(server, clie
     assert all(
         np.array_equal(a, b) for a, b in zip(got["input_ids"], cols["input_ids"], strict=True)
     )
-    assert len(server._shm_pool.paths()) == 1
+    assert len(server.shm_pool.paths()) == 1
 
 
 def test_a_read_maps_the_segment_the_put_filled_and_the_server_copies_nothing(server, client):
     step = workloads.w2(groups=1)
     client.create_partition("m", step.schema, group_size=step.group_size)
     client.put("m", step.keys, step.columns, tags=step.tags)
-    (put_seg,) = client._shm_pool.paths()
+    (put_seg,) = client.shm_pool.paths()
     batch = client.get("m", step.keys, as_="numpy")
     assert assert_rows_match(batch, step) > 0
     for field in ("pixel_values", "input_ids"):
         row = next(r for r in batch[field] if r is not None and len(r))
         view = row[0] if isinstance(row, list) else row
         assert _mapped_files(view.__array_interface__["data"][0]) == [put_seg]
-    assert server._shm_pool.paths() == []  # no answer needed a segment of its own
+    assert server.shm_pool.paths() == []  # no answer needed a segment of its own
 
 
 def test_rows_written_over_the_socket_read_back_over_shm(server, client):
@@ -181,7 +181,7 @@ def test_rows_written_over_the_socket_read_back_over_shm(server, client):
         plain.put("s", step.keys, step.columns, tags=step.tags)
     batch = client.get("s", step.keys, as_="numpy")
     assert assert_rows_match(batch, step) > 0
-    assert len(server._shm_pool.paths()) == 1
+    assert len(server.shm_pool.paths()) == 1
     ids = client.get("s", step.keys, fields=["input_lengths"], as_="numpy")["input_lengths"]
     assert ids.tolist() == [len(x) for x in step.columns["input_ids"]]
 
@@ -212,8 +212,8 @@ def test_segments_are_reused_across_puts_and_reads(server, client):
         del batch
         client.clear("r")
         gc.collect()
-    assert len(client._shm_pool.paths()) == 1
-    assert server._shm_pool.paths() == []
+    assert len(client.shm_pool.paths()) == 1
+    assert server.shm_pool.paths() == []
 
 
 def test_a_segment_is_filled_again_only_once_no_reader_holds_it(server, client):
@@ -224,16 +224,16 @@ def test_a_segment_is_filled_again_only_once_no_reader_holds_it(server, client):
     ids = client.get("v", keys, as_="numpy")["input_ids"][0]
     client.clear("v")
     gc.collect()
-    (seg,) = client._shm_pool._segs
+    (seg,) = client.shm_pool._segs
     assert seg.state() == shm.TAKEN and not seg.lock()  # the server let go; the view holds it
     client.put("v", keys, cols)  # so this put fills a second segment
-    assert len(client._shm_pool.paths()) == 2
+    assert len(client.shm_pool.paths()) == 2
     assert np.array_equal(ids, cols["input_ids"][0])
     del ids
     client.clear("v")
     gc.collect()
     client.put("v", keys, cols)
-    assert len(client._shm_pool.paths()) == 2  # one of the two was free again
+    assert len(client.shm_pool.paths()) == 2  # one of the two was free again
 
 
 def test_a_reference_to_a_segment_filled_again_is_refused():
@@ -416,4 +416,4 @@ def test_rows_outlive_the_producer_that_put_them_through_shm(server, client):
     batch = client.get("gone", step.keys, as_="numpy")
     assert assert_rows_match(batch, step) > 0
     row = batch["pixel_values"][0][0]
-    assert _mapped_files(row.__array_interface__["data"][0]) == server._shm_pool.paths()
+    assert _mapped_files(row.__array_interface__["data"][0]) == server.shm_pool.paths()
