@@ -31,7 +31,7 @@ from flightq_bench.payload import check_rows
 import flightq
 import flightq.aio
 from flightq import workloads
-from flightq.batch import decode, encode, encode_chunks
+from flightq.batch import decode, encode, encode_chunks, join
 from flightq.cuda import DeviceBatch, PinnedPool, has_cuda, rebase, resolve_device, stage
 from flightq.cuda import get as fq_cuda  # the reading side: windows, threads, plans
 from flightq.schema import Field, Schema
@@ -249,10 +249,8 @@ def test_a_device_get_lays_its_parts_out_in_one_buffer_filled_window_by_window(m
         fq_cuda._copy(copies, buf[start:stop], lambda: None)
     for r in regions:
         r.finish(torch.from_numpy(buf))
-    whole = DeviceBatch(
-        parts[0].record_batch, parts[0].schema, step.keys, parts[0].fields, "torch", False
-    )
-    whole._parts = parts
+    whole = join(parts)
+    assert isinstance(whole, DeviceBatch) and whole.keys == step.keys
     check_rows(step, whole.keys, {f: whole[f] for f in whole.fields}, whole.tags, "one buffer")
     lo, hi = buf.ctypes.data, buf.ctypes.data + total
     views = [whole["input_ids"], [r[0] for r in whole["pixel_values"]]]
@@ -311,7 +309,7 @@ def test_a_get_larger_than_a_pinned_window_crosses_window_by_window(client, monk
     client.put("p", step.keys, workloads.to_torch(step).columns, tags=step.tags)
     b = client.get("p", step.keys, device="cuda:0")
     check_rows(step, b.keys, {f: _to_host(b[f]) for f in b.fields}, b.tags, "get(device=)")
-    assert client._pinned.allocated_bytes == 2 * 2**20  # two windows, taking turns
+    assert client.pinned_bytes == 2 * 2**20  # two windows, taking turns
 
 
 @pytest.mark.gpu
@@ -378,7 +376,7 @@ def test_fp8_bf16_scalars_and_many_chunks_round_trip_on_the_gpu():
         c.create_partition("p", schema, tasks=["train"])
         assert c.put("p", keys, cols) == n
         b = c.get("p", keys, device="cuda:0")
-        assert b._parts is not None and len(b._parts) > 3  # many record batches
+        assert len(b.parts) > 3  # many record batches
         for name in ("tok8", "t5"):
             rows = b[name]
             assert all(r.is_cuda and r.dtype == cols_cpu[name][0].dtype for r in rows)

@@ -158,7 +158,7 @@ def test_serve_cuts_answers_at_max_batch_bytes_keeping_groups_whole():
         got = c.get("v", step.keys)
         c.close()
     assert got.received is not None and got.received.record_batches == 4  # a group each
-    assert [len(p) for p in got._parts] == [4, 4, 4, 4]
+    assert [len(p) for p in got.parts] == [4, 4, 4, 4]
 
 
 def test_serve_keeps_freed_blocks_so_the_next_put_reuses_warm_pages():

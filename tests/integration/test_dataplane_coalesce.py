@@ -24,10 +24,6 @@ from flightq.server.assemble import COALESCED_BYTES, SMALL_RUN_BYTES
 pytestmark = pytest.mark.timeout(60)
 
 
-def _parts(batch: flightq.Batch) -> list[flightq.Batch]:
-    return batch._parts or [batch]
-
-
 def _put_groups(client: flightq.Client, name: str, step: workloads.Step) -> None:
     client.create_partition(name, step.schema, tasks=["train"], group_size=step.group_size)
     for g in range(step.rows // step.group_size):
@@ -40,7 +36,7 @@ def test_a_get_of_many_small_puts_arrives_in_few_record_batches(client):
     _put_groups(client, "text", step)
     batch = client.get("text", step.keys)
     assert step.nbytes() < COALESCED_BYTES
-    assert len(_parts(batch)) == 1
+    assert len(batch.parts) == 1
     assert batch.keys == step.keys
     assert_rows_match(batch, step)
 
@@ -49,7 +45,7 @@ def test_a_claim_across_groups_is_coalesced_too(client):
     step = workloads.w3(0, groups=8, g=4)
     _put_groups(client, "text", step)
     batch = client.claim("text", "train", batch_size=16)
-    assert len(_parts(batch)) == 1 and batch.keys == step.keys[:16]
+    assert len(batch.parts) == 1 and batch.keys == step.keys[:16]
     assert_rows_match(batch, step)
 
 
@@ -62,7 +58,7 @@ def test_coalesced_media_keeps_each_groups_image_shared_and_separate(client):
     ]
     _put_groups(client, "vlm", step)
     batch = client.get("vlm", step.keys)
-    assert len(_parts(batch)) == 1
+    assert len(batch.parts) == 1
     assert_rows_match(batch, step)
     px = batch["pixel_values"]
     assert px[0][0].data_ptr() == px[2][0].data_ptr() != px[3][0].data_ptr()
@@ -75,7 +71,7 @@ def test_large_slices_are_served_as_they_are_stored(client):
     image = step.columns["pixel_values"][0][0].nbytes
     assert image >= SMALL_RUN_BYTES
     batch = client.get("big", step.keys)
-    assert len(_parts(batch)) == 2  # one slice per put, as stored
+    assert len(batch.parts) == 2  # one slice per put, as stored
     assert_rows_match(batch, step)
 
 
@@ -106,7 +102,7 @@ def test_coalesced_batches_stay_within_the_servers_batch_size(skip_first):
         batch = c.get("vlm", keys)
         assert batch.keys == keys
         assert_rows_match(batch, step)
-        parts = _parts(batch)
+        parts = batch.parts
         assert 1 < len(parts) < 8  # coalesced, and cut
         for p in parts:
             groups = {k.split("_")[0] for k in p.keys}
@@ -118,5 +114,5 @@ def test_a_get_of_some_fields_coalesces_by_the_bytes_of_those_fields(client):
     step = workloads.w1(0, groups=4, g=4)  # 3.4 MiB images, small text rows
     _put_groups(client, "vlm", step)
     batch = client.get("vlm", step.keys, fields=["input_ids"])
-    assert len(_parts(batch)) == 1  # the images are not asked for: the text slices merge
+    assert len(batch.parts) == 1  # the images are not asked for: the text slices merge
     assert [raw(x) for x in batch["input_ids"]] == [raw(x) for x in step.columns["input_ids"]]

@@ -21,13 +21,13 @@ pytestmark = pytest.mark.timeout(60)
 
 def _media_entries(batch: flightq.Batch, field: str) -> list[int]:
     """Per record batch received, the entries of the field's media dictionary."""
-    parts = batch._parts or [batch]
+    parts = batch.parts
     return [len(p.record_batch.column(field).values.dictionary) for p in parts]
 
 
 def _media_bytes(batch: flightq.Batch, field: str) -> int:
     """Payload bytes of the field's media dictionaries received."""
-    parts = batch._parts or [batch]
+    parts = batch.parts
     dicts = [p.record_batch.column(field).values.dictionary for p in parts]
     return sum(pc.sum(pc.binary_length(d)).as_py() or 0 for d in dicts)
 
@@ -70,7 +70,7 @@ def test_a_get_split_over_streams_sends_each_image_once(server):
         c.get("s", step.keys[:1])  # the rows' size known: the next get is split
         batch = c.get("s", step.keys)  # a group per stream
         assert batch.received is not None and batch.received.route == "streams=4"
-        assert len(batch._parts or [batch]) == 4
+        assert len(batch.parts) == 4
         assert _media_entries(batch, "pixel_values") == [1, 1, 1, 1]
         assert_rows_match(batch, step)
 
@@ -89,7 +89,7 @@ def test_answers_cut_smaller_than_a_stored_batch_keep_each_group_whole() -> None
         c.create_partition("s", step.schema, tasks=["t"], group_size=step.group_size)
         c.put("s", step.keys, step.columns, step.tags)
         batch = c.get("s", step.keys)
-    parts = batch._parts or [batch]
+    parts = batch.parts
     assert [len(p) for p in parts] == [4, 4, 4, 4]
     assert _media_entries(batch, "pixel_values") == [1, 1, 1, 1]
     assert all(p.record_batch.nbytes <= limit for p in parts)

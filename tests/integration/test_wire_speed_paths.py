@@ -153,7 +153,7 @@ def test_each_streams_rows_are_decoded_as_they_arrive_and_built_once(
 
     monkeypatch.setattr(flightq.batch.TensorColumn, "rows", counting)
     got = c.get("t", keys, as_="numpy")
-    assert len(got._parts) == 3 and sum(built) == 7  # every part, before any access
+    assert len(got.parts) == 3 and sum(built) == 7  # every part, before any access
     first, again = got["input_ids"], got["input_ids"]
     assert sum(built) == 7 and first is not again  # a new list of the same views
     assert all(a is b for a, b in zip(first, again, strict=True))
