@@ -6,18 +6,24 @@ Nothing here is a fixture or holds state: each helper builds what it returns.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import sys
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import torch
+import pytest
 
 from flightq import Field, Schema, SchemaRegistry
 from flightq.dtypes import DTYPES
 
 __all__ = [
+    "HAS_TORCH",
+    "LIBS",
+    "OUTPUTS",
     "SHIPPED_REFS",
+    "as_lib",
     "shipped",
     "schema_of_fields",
     "raw_bytes",
@@ -34,6 +40,14 @@ __all__ = [
 
 SHIPPED_REFS = ("rollout_text@1", "rollout_vlm@1", "rollout_vlm_bf16@1")
 
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+# The tensor libraries a test parametrizes over; the torch case skips where torch is absent.
+LIBS = ("numpy", pytest.param("torch", marks=pytest.mark.torch))
+
+# What decode can give here, for a refusal that must read the same whatever the output.
+OUTPUTS = ("torch", "numpy") if HAS_TORCH else ("numpy",)
+
 
 @functools.cache
 def shipped(ref: str) -> Schema:
@@ -46,9 +60,26 @@ def schema_of_fields(*fields: Field, name: str = "t", version: int = 1) -> Schem
     return Schema(name, version, fields)
 
 
+def as_lib(a: np.ndarray, lib: str) -> Any:
+    """``a`` as library ``lib`` holds it: itself for numpy, a torch tensor sharing its memory."""
+    if lib == "numpy":
+        return a
+    import torch
+
+    return torch.from_numpy(a)
+
+
+def _is_torch(x: Any) -> bool:
+    # A torch tensor exists only once torch is loaded: a run without torch never imports it.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
 def raw_bytes(x: Any) -> bytes:
     """A tensor's little-endian bytes, C order, whatever its dtype (bf16 and fp8 included)."""
-    if isinstance(x, torch.Tensor):
+    if _is_torch(x):
+        import torch
+
         flat = x.detach().contiguous().reshape(-1)
         return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
     a = np.asarray(x, order="C")
@@ -56,7 +87,7 @@ def raw_bytes(x: Any) -> bytes:
 
 
 def _dtype_tag(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
+    if _is_torch(x):
         return str(x.dtype).removeprefix("torch.")
     return np.dtype(x.dtype).name
 
@@ -68,9 +99,9 @@ def assert_same_tensor(got: Any, want: Any, *, bits_as: str | None = None) -> No
     dtype numpy lacks (bfloat16 as uint16, float8 as uint8).
     """
     if bits_as is None:
-        assert type(got) is type(want) or (
-            isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)
-        ), f"got a {type(got).__name__}, want a {type(want).__name__}"
+        assert type(got) is type(want) or (_is_torch(got) and _is_torch(want)), (
+            f"got a {type(got).__name__}, want a {type(want).__name__}"
+        )
         assert _dtype_tag(got) == _dtype_tag(want), (_dtype_tag(got), _dtype_tag(want))
     else:
         assert isinstance(got, np.ndarray), f"bit patterns come as numpy, got {type(got)}"
@@ -111,7 +142,9 @@ def assert_same_column(schema: Schema, name: str, got: Any, want: Any) -> None:
 
 def _like(want: Any, got: Any) -> Any:
     """``want`` as the library ``got`` came back in (numpy inputs decode to torch)."""
-    if isinstance(got, torch.Tensor) and isinstance(want, np.ndarray):
+    if _is_torch(got) and isinstance(want, np.ndarray):
+        import torch
+
         t = torch.from_numpy(np.asarray(want, order="C"))
         return (
             t.view(torch.bfloat16) if want.dtype == np.uint16 and got.dtype == torch.bfloat16 else t
@@ -174,7 +207,7 @@ def buffer_span(buf: pa.Buffer) -> tuple[int, int]:
 
 def tensor_span(t: Any) -> tuple[int, int]:
     """``[start, stop)`` addresses of a torch tensor's or numpy array's bytes."""
-    if isinstance(t, torch.Tensor):
+    if _is_torch(t):
         start = t.data_ptr()
         return start, start + t.numel() * t.element_size()
     return t.ctypes.data, t.ctypes.data + t.nbytes

@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 import flightq
 
@@ -73,7 +72,11 @@ def _text_inputs() -> Inputs:
 def _vlm_inputs(bf16: bool) -> Inputs:
     def px(values: np.ndarray) -> Any:
         # every value is exact in bfloat16, so the bf16 stream holds the same numbers
-        return torch.from_numpy(values).to(torch.bfloat16) if bf16 else values
+        if not bf16:
+            return values
+        import torch  # only the bf16 stream needs it: the others build where torch is absent
+
+        return torch.from_numpy(values).to(torch.bfloat16)
 
     keys = ["q0_g0", "q0_g1", "t0_g0"]
     tags: list[dict[str, Any] | None] = [
@@ -129,6 +132,8 @@ def encode(ref: str) -> bytes:
 
 
 def _tensor_json(x: Any) -> dict[str, Any]:
+    import torch
+
     t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
     flat = t.reshape(-1)
     values = flat.tolist() if t.dtype == torch.bool else flat.to(torch.float64).tolist()

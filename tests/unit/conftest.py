@@ -1,8 +1,9 @@
 """Unit tests: the data model, the protocol's messages and the architecture, no network.
 
 A unit test that starts a flightq server fails at once, naming the test: it belongs in
-``tests/integration``. Tests that need torch ask for it with ``pytest.importorskip``, so
-the rest run where torch is absent (``make test`` runs them so in a second environment).
+``tests/integration``. Tests that need torch are marked ``torch`` or take the ``torch``
+fixture (see ``tests/conftest.py``), so the rest run where torch is absent (``make test``
+runs them so in a second environment).
 """
 
 from __future__ import annotations

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pytest
-import torch
 from helpers_wire import (
+    LIBS,
+    OUTPUTS,
+    as_lib,
     assert_same_column,
     assert_same_rows,
     assert_same_tensor,
@@ -64,7 +67,8 @@ def _assert_step(step: workloads.Step, out: flightq.Batch) -> None:
 
 
 @pytest.fixture(scope="module")
-def w1() -> tuple[workloads.Step, pa.RecordBatch]:
+def w1(torch: ModuleType) -> tuple[workloads.Step, pa.RecordBatch]:
+    """W1 as torch tensors, encoded (asking for ``torch`` marks the tests that use it)."""
     step = workloads.to_torch(workloads.make("W1"))
     return step, flightq.encode(shipped(step.schema), step.columns, step.keys, step.tags)
 
@@ -75,7 +79,7 @@ def test_w1_round_trips_bit_exactly(w1: tuple[workloads.Step, pa.RecordBatch]) -
     _assert_step(step, flightq.decode(rb))
 
 
-def test_w1_bf16_round_trips_bit_exactly_with_bfloat16_pixels() -> None:
+def test_w1_bf16_round_trips_bit_exactly_with_bfloat16_pixels(torch: ModuleType) -> None:
     step = workloads.to_torch(workloads.make("W1-bf16"))
     rb = flightq.encode(shipped(step.schema), step.columns, step.keys, step.tags)
     out = flightq.decode(rb)
@@ -84,6 +88,7 @@ def test_w1_bf16_round_trips_bit_exactly_with_bfloat16_pixels() -> None:
     _assert_step(step, out)
 
 
+@pytest.mark.torch
 def test_w2_tiles_round_trip_bit_exactly_through_ipc() -> None:
     step = workloads.to_torch(workloads.w2(groups=2))
     rb = flightq.encode(shipped(step.schema), step.columns, step.keys, step.tags)
@@ -100,6 +105,7 @@ def test_w2_numpy_inputs_round_trip_to_numpy() -> None:
         assert_same_column(shipped(step.schema), name, out[name], want)
 
 
+@pytest.mark.torch
 def test_w3_round_trips_bit_exactly() -> None:
     step = workloads.to_torch(workloads.make("W3"))
     rb = flightq.encode(shipped(step.schema), step.columns, step.keys, step.tags)
@@ -107,6 +113,7 @@ def test_w3_round_trips_bit_exactly() -> None:
     _assert_step(step, flightq.decode(rb))
 
 
+@pytest.mark.torch
 def test_w3_write_back_of_prev_logprobs_is_a_batch_of_that_field_alone() -> None:
     step = workloads.w3(groups=1)
     prev = workloads.logprobs_for(step)
@@ -158,6 +165,7 @@ def test_decoding_w1_copies_no_tensor_bytes(w1: tuple[workloads.Step, pa.RecordB
     assert len({px[i][0].data_ptr() for i in range(128)}) == 8
 
 
+@pytest.mark.torch
 def test_decoding_a_received_stream_views_the_received_buffer() -> None:
     step = workloads.to_torch(workloads.w1(groups=1, g=2))
     wire = pa.py_buffer(ipc_bytes(flightq.encode(shipped(VLM), step.columns, step.keys)))
@@ -173,6 +181,7 @@ def test_decoding_a_received_stream_views_the_received_buffer() -> None:
     assert lo <= tensor_span(reward)[0] < tensor_span(reward)[1] <= hi
 
 
+@pytest.mark.torch
 def test_decode_copy_gives_writable_independent_tensors() -> None:
     step = workloads.to_torch(workloads.w1(groups=1, g=2))
     rb = read_ipc(ipc_bytes(flightq.encode(shipped(VLM), step.columns, step.keys)))
@@ -216,7 +225,7 @@ BOUNDARY_SHAPES = {
 
 
 @pytest.mark.parametrize("shape", BOUNDARY_SHAPES.values(), ids=BOUNDARY_SHAPES.keys())
-@pytest.mark.parametrize("lib", ["torch", "numpy"])
+@pytest.mark.parametrize("lib", LIBS)
 def test_boundary_shapes_round_trip_exactly_as_tensor_and_media(
     shape: tuple[int, ...], lib: str
 ) -> None:
@@ -225,15 +234,14 @@ def test_boundary_shapes_round_trip_exactly_as_tensor_and_media(
         Field("m", "uint8", "media", None),
     )
     rng = np.random.default_rng(len(shape))
-    x = rng.integers(0, 256, size=shape, dtype=np.uint8)
-    x = torch.from_numpy(x) if lib == "torch" else x
+    x = as_lib(rng.integers(0, 256, size=shape, dtype=np.uint8), lib)
     out = _round_trip(schema, {"t": [x, None], "m": [[x, x], []]}, ["a", "b"], as_=lib)
     assert_same_rows("tensor", out["t"], [x, None])
     assert_same_rows("media", out["m"], [[x, x], []])
 
 
 @pytest.mark.parametrize("shape", [(0,), (1,), (5,), (5, 1), (3, 4, 2)])
-def test_token_shapes_round_trip_exactly(shape: tuple[int, ...]) -> None:
+def test_token_shapes_round_trip_exactly(shape: tuple[int, ...], torch: ModuleType) -> None:
     schema = schema_of_fields(
         Field("tok", "float64", "token", (None, *([None] * (len(shape) - 1))))
     )
@@ -242,7 +250,7 @@ def test_token_shapes_round_trip_exactly(shape: tuple[int, ...]) -> None:
     assert_same_rows("token", out["tok"], [x])
 
 
-def test_ragged_stays_ragged_when_every_row_has_the_same_length() -> None:
+def test_ragged_stays_ragged_when_every_row_has_the_same_length(torch: ModuleType) -> None:
     ids = [torch.arange(5) + 10 * i for i in range(3)]
     rb = flightq.encode(shipped(TEXT), {"input_ids": ids}, ["a", "b", "c"])
     assert rb.column("input_ids__shape").to_pylist() == [[5], [5], [5]]
@@ -251,6 +259,7 @@ def test_ragged_stays_ragged_when_every_row_has_the_same_length() -> None:
     assert_same_rows("token", out, ids)
 
 
+@pytest.mark.torch
 def test_text_rows_of_a_vlm_batch_have_no_media_which_is_not_a_missing_field() -> None:
     step = workloads.to_torch(workloads.w2(groups=1))
     px = list(step.columns["pixel_values"])
@@ -269,7 +278,7 @@ def test_text_rows_of_a_vlm_batch_have_no_media_which_is_not_a_missing_field() -
     assert col.counts.tolist() == [0 if r is None else len(r) for r in px]
 
 
-def test_media_cat_concatenates_segments_along_dim0_with_row_offsets() -> None:
+def test_media_cat_concatenates_segments_along_dim0_with_row_offsets(torch: ModuleType) -> None:
     grids = [
         [torch.tensor([[1, 22, 34]])],
         [],
@@ -286,7 +295,7 @@ def test_media_cat_concatenates_segments_along_dim0_with_row_offsets() -> None:
     assert values.data_ptr() == col.segment(0).data_ptr()  # a view, not a copy
 
 
-def test_media_cat_of_distinct_images_is_one_view_of_every_image() -> None:
+def test_media_cat_of_distinct_images_is_one_view_of_every_image(torch: ModuleType) -> None:
     step = workloads.to_torch(workloads.w1(groups=4, g=1))
     rb = flightq.encode(shipped(VLM), step.columns, step.keys)
     values, offsets = flightq.decode(rb).column("pixel_values").cat()
@@ -297,7 +306,7 @@ def test_media_cat_of_distinct_images_is_one_view_of_every_image() -> None:
     assert torch.equal(values[748:1496], step.columns["pixel_values"][1][0])
 
 
-def test_media_cat_of_shared_images_repeats_them_in_one_copy() -> None:
+def test_media_cat_of_shared_images_repeats_them_in_one_copy(torch: ModuleType) -> None:
     step = workloads.to_torch(workloads.w1(groups=2, g=2))
     rb = flightq.encode(shipped(VLM), step.columns, step.keys)
     values, offsets = flightq.decode(rb).column("pixel_values").cat()
@@ -310,7 +319,7 @@ def test_media_cat_of_shared_images_repeats_them_in_one_copy() -> None:
     assert torch.equal(values[1496:2244], step.columns["pixel_values"][2][0])
 
 
-def test_media_cat_refuses_segments_of_different_trailing_dims() -> None:
+def test_media_cat_refuses_segments_of_different_trailing_dims(torch: ModuleType) -> None:
     px = [[torch.zeros(1, 3, 4, 4)], [torch.zeros(2, 3, 8, 4)]]
     out = _round_trip(shipped(VLM), {"pixel_values": px}, ["a", "b"])
     with pytest.raises(
@@ -321,13 +330,14 @@ def test_media_cat_refuses_segments_of_different_trailing_dims() -> None:
         out.column("pixel_values").cat()
 
 
+@pytest.mark.torch
 def test_media_cat_of_a_column_without_segments_is_empty() -> None:
     out = _round_trip(shipped(VLM), {"num_frames": [[], None]}, ["a", "b"])
     values, offsets = out.column("num_frames").cat()
     assert values.numel() == 0 and offsets.tolist() == [0, 0, 0]
 
 
-def test_numpy_output_gives_bfloat16_as_its_bit_patterns() -> None:
+def test_numpy_output_gives_bfloat16_as_its_bit_patterns(torch: ModuleType) -> None:
     px = torch.tensor([[1.0, -2.5, 3.0e38]], dtype=torch.bfloat16)
     out = _round_trip(shipped("rollout_vlm_bf16@1"), {"pixel_values": [[px]]}, ["a"], as_="numpy")
     got = out["pixel_values"][0][0]
@@ -336,7 +346,7 @@ def test_numpy_output_gives_bfloat16_as_its_bit_patterns() -> None:
     assert_same_tensor(got, px, bits_as="bfloat16")
 
 
-def test_scalars_decode_to_one_tensor_and_rows_lacking_them_to_none() -> None:
+def test_scalars_decode_to_one_tensor_and_rows_lacking_them_to_none(torch: ModuleType) -> None:
     schema = shipped(TEXT)
     cols = {
         "input_lengths": torch.tensor([3, 5], dtype=torch.int32),
@@ -355,13 +365,13 @@ def test_scalars_decode_to_one_tensor_and_rows_lacking_them_to_none() -> None:
         out.column("total_reward").tensor()
 
 
-def test_scalars_accept_numpy_and_torch_zero_dim_values_per_row() -> None:
+def test_scalars_accept_numpy_and_torch_zero_dim_values_per_row(torch: ModuleType) -> None:
     cols = {"input_lengths": [np.int32(4), torch.tensor(9, dtype=torch.int32)]}
     out = _round_trip(shipped(TEXT), cols, ["a", "b"])
     assert out["input_lengths"].tolist() == [4, 9]
 
 
-def test_batch_exposes_keys_tags_schema_and_fields() -> None:
+def test_batch_exposes_keys_tags_schema_and_fields(torch: ModuleType) -> None:
     tags = [{"weight_version": 3, "prompt_idx": 0}, None]
     rb = flightq.encode(shipped(TEXT), {"input_ids": [torch.arange(2)] * 2}, ["a", "b"], tags)
     out = flightq.decode(rb)
@@ -393,7 +403,7 @@ def test_split_batch_cuts_zero_copy_slices_under_the_byte_limit() -> None:
     parts = split_batch(rb, max_bytes=40_000)
     assert len(parts) > 1
     assert sum(p.num_rows for p in parts) == rb.num_rows
-    assert [k for p in parts for k in flightq.decode(p).keys] == step.keys
+    assert [k for p in parts for k in flightq.decode(p, as_="numpy").keys] == step.keys
     assert split_batch(rb, max_bytes=10**9) == [rb]
 
 
@@ -416,14 +426,15 @@ def test_undeclared_field_is_refused_naming_it_and_the_declared_ones() -> None:
 
 
 @pytest.mark.parametrize(
-    ("x", "hint"),
+    ("lib", "hint"),
     [
-        (torch.ones(1, 2, dtype=torch.int64), r"cast with \.to\(torch\.int32\)"),
-        (np.ones((1, 2), dtype=np.int64), r"cast with \.astype\(numpy\.int32\)"),
+        pytest.param("torch", r"cast with \.to\(torch\.int32\)", marks=pytest.mark.torch),
+        ("numpy", r"cast with \.astype\(numpy\.int32\)"),
     ],
 )
-def test_int64_into_an_int32_field_is_refused_with_the_cast_to_apply(x: Any, hint: str) -> None:
+def test_int64_into_an_int32_field_is_refused_with_the_cast_to_apply(lib: str, hint: str) -> None:
     ok = np.ones((1, 2), dtype=np.int32)
+    x = as_lib(np.ones((1, 2), dtype=np.int64), lib)
     with pytest.raises(
         DTypeError,
         match=r"column 'imgs_sizes': expected dtype int32, got int64 \(row key 'g7_3'\); "
@@ -433,7 +444,7 @@ def test_int64_into_an_int32_field_is_refused_with_the_cast_to_apply(x: Any, hin
         flightq.encode(shipped(VLM), {"imgs_sizes": [[ok], [ok, x]]}, ["g7_2", "g7_3"])
 
 
-def test_int64_scalars_into_an_int32_scalar_field_are_refused() -> None:
+def test_int64_scalars_into_an_int32_scalar_field_are_refused(torch: ModuleType) -> None:
     with pytest.raises(
         DTypeError,
         match=r"column 'input_lengths': expected dtype int32, got int64; cast with \.to\(torch",
@@ -460,7 +471,7 @@ def test_bool_scalar_field_refuses_ints() -> None:
         flightq.encode(shipped(TEXT), {"truncated": [1]}, ["a"])
 
 
-def test_scalar_tensor_of_the_wrong_length_is_refused() -> None:
+def test_scalar_tensor_of_the_wrong_length_is_refused(torch: ModuleType) -> None:
     with pytest.raises(
         ShapeError,
         match=r"column 'total_reward': a scalar column is one value per row: expected shape "
@@ -469,7 +480,7 @@ def test_scalar_tensor_of_the_wrong_length_is_refused() -> None:
         flightq.encode(shipped(TEXT), {"total_reward": torch.zeros(2)}, ["a", "b", "c"])
 
 
-def test_bfloat16_scalars_must_be_given_as_tensors() -> None:
+def test_bfloat16_scalars_must_be_given_as_tensors(torch: ModuleType) -> None:
     schema = schema_of_fields(Field("s", "bfloat16", "scalar"))
     with pytest.raises(DTypeError, match=r"column 's': bfloat16 scalars are given as tensors of"):
         flightq.encode(schema, {"s": [1.0]}, ["a"])
@@ -480,20 +491,23 @@ def test_bfloat16_scalars_must_be_given_as_tensors() -> None:
 
 
 @pytest.mark.parametrize(
-    ("grid", "message"),
+    ("grid_shape", "message"),
     [
-        (torch.zeros(1, 4, dtype=torch.int64), r"expected shape \[\?, 3\], got \(1, 4\)"),
-        (torch.zeros(3, dtype=torch.int64), r"expected rank 2 \[\?, 3\], got \(3,\)"),
+        ((1, 4), r"expected shape \[\?, 3\], got \(1, 4\)"),
+        ((3,), r"expected rank 2 \[\?, 3\], got \(3,\)"),
     ],
 )
-def test_shape_breaking_the_declared_fixed_dims_is_refused(grid: Any, message: str) -> None:
+def test_shape_breaking_the_declared_fixed_dims_is_refused(
+    grid_shape: tuple[int, ...], message: str, torch: ModuleType
+) -> None:
+    grid = torch.zeros(grid_shape, dtype=torch.int64)
     with pytest.raises(
         ShapeError, match=r"column 'image_grid_thw' segment 0: " + message + r" \(row key 'b'\)"
     ):
         flightq.encode(shipped(VLM), {"image_grid_thw": [[], [grid]]}, ["a", "b"])
 
 
-def test_token_fields_of_one_row_must_agree_on_the_sequence_length() -> None:
+def test_token_fields_of_one_row_must_agree_on_the_sequence_length(torch: ModuleType) -> None:
     cols = {
         "input_ids": [torch.arange(5), torch.arange(4)],
         "token_mask": [torch.ones(5, dtype=torch.int64), torch.ones(3, dtype=torch.int64)],
@@ -506,14 +520,14 @@ def test_token_fields_of_one_row_must_agree_on_the_sequence_length() -> None:
         flightq.encode(shipped(TEXT), cols, ["a", "b"])
 
 
-def test_a_token_tensor_of_rank_zero_is_refused() -> None:
+def test_a_token_tensor_of_rank_zero_is_refused(torch: ModuleType) -> None:
     with pytest.raises(
         ShapeError, match=r"column 'input_ids': expected rank 1 \[\?\], got \(\) \(row key 'a'\)"
     ):
         flightq.encode(shipped(TEXT), {"input_ids": [torch.tensor(3)]}, ["a"])
 
 
-def test_non_contiguous_tensor_is_refused_when_zero_copy_is_asked() -> None:
+def test_non_contiguous_tensor_is_refused_when_zero_copy_is_asked(torch: ModuleType) -> None:
     px = torch.zeros(8, 6).T
     with pytest.raises(
         EncodeError,
@@ -547,7 +561,7 @@ def test_a_column_that_is_not_a_sequence_of_rows_is_refused() -> None:
         flightq.encode(shipped(TEXT), {"input_ids": "abc"}, ["a"])
 
 
-def test_a_media_row_is_a_list_of_segments_not_a_tensor() -> None:
+def test_a_media_row_is_a_list_of_segments_not_a_tensor(torch: ModuleType) -> None:
     with pytest.raises(
         EncodeError,
         match=r"column 'pixel_values': a media row is a list of tensors \(one per segment\), got "
@@ -588,8 +602,9 @@ def _with_metadata(rb: pa.RecordBatch, **changes: bytes) -> pa.RecordBatch:
 def _refused_by_validate_and_decode(rb: pa.RecordBatch, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         validate(rb)
-    with pytest.raises(error, match=message):
-        flightq.decode(rb)
+    for as_ in OUTPUTS:
+        with pytest.raises(error, match=message):
+            flightq.decode(rb, as_=as_)
 
 
 def test_payload_shorter_than_its_shape_is_refused() -> None:
@@ -793,8 +808,9 @@ def test_duplicate_keys_in_a_received_batch_are_refused() -> None:
     message = r"duplicate row key 'r0' within one batch"
     with pytest.raises(EncodeError, match=message):
         validate(rb)  # a put being checked: the writer's fault, as its encode would say
-    with pytest.raises(DecodeError, match=message):
-        flightq.decode(rb)  # a received batch
+    for as_ in OUTPUTS:
+        with pytest.raises(DecodeError, match=message):
+            flightq.decode(rb, as_=as_)  # a received batch
 
 
 def test_batch_without_flightq_metadata_is_refused() -> None:
@@ -845,11 +861,12 @@ def test_tags_that_are_not_msgpack_maps_are_refused_naming_the_row() -> None:
     rb = replace_column(
         _text_batch(), "__tags__", pa.array([None, b"\x93\x01\x02\x03"], pa.binary())
     )
-    with pytest.raises(DecodeError, match=r"tags of row 'r1' are not a map"):
-        _ = flightq.decode(rb).tags
-    rb = replace_column(rb, "__tags__", pa.array([b"\xc1", None], pa.binary()))
-    with pytest.raises(DecodeError, match=r"tags of row 'r0' are not valid msgpack: "):
-        _ = flightq.decode(rb).tags
+    bad_msgpack = replace_column(rb, "__tags__", pa.array([b"\xc1", None], pa.binary()))
+    for as_ in OUTPUTS:
+        with pytest.raises(DecodeError, match=r"tags of row 'r1' are not a map"):
+            _ = flightq.decode(rb, as_=as_).tags
+        with pytest.raises(DecodeError, match=r"tags of row 'r0' are not valid msgpack: "):
+            _ = flightq.decode(bad_msgpack, as_=as_).tags
 
 
 def test_a_media_row_with_more_shapes_than_segments_is_named_before_a_null_row() -> None:
@@ -870,7 +887,9 @@ def test_a_media_row_with_more_shapes_than_segments_is_named_before_a_null_row()
     )
 
 
-def test_views_of_a_shared_image_behave_as_views_of_one_that_is_not_shared() -> None:
+def test_views_of_a_shared_image_behave_as_views_of_one_that_is_not_shared(
+    torch: ModuleType,
+) -> None:
     # Every row gets its own plain view: an in-place op under autograd works on a row whose
     # image its group shares as on any other view.
     step = workloads.w1(0, groups=1, g=2)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
+from types import ModuleType
 
 import numpy as np
 import pyarrow as pa
 import pytest
-import torch
 import zstandard
 from helpers_wire import assert_same_rows, replace_column, schema_of_fields
 
@@ -100,7 +100,9 @@ def test_a_scalar_field_takes_no_codec() -> None:
         Field("r", "float32", "scalar", (), codec=Zstd())
 
 
-def test_zstd_fields_round_trip_bit_exactly_and_name_their_codec_in_field_metadata() -> None:
+def test_zstd_fields_round_trip_bit_exactly_and_name_their_codec_in_field_metadata(
+    torch: ModuleType,
+) -> None:
     schema = _zstd_schema(level=5)
     ids = [torch.arange(300, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), None]
     img = [
@@ -124,7 +126,7 @@ def test_zstd_fields_round_trip_bit_exactly_and_name_their_codec_in_field_metada
     assert_same_rows("token", out["plain"], plain)
 
 
-def test_zstd_field_decodes_from_metadata_alone_through_ipc() -> None:
+def test_zstd_field_decodes_from_metadata_alone_through_ipc(torch: ModuleType) -> None:
     from helpers_wire import ipc_bytes, read_ipc
 
     schema = _zstd_schema()
@@ -135,7 +137,9 @@ def test_zstd_field_decodes_from_metadata_alone_through_ipc() -> None:
     assert out["ids"][0].tolist() == (np.arange(50) * 7).tolist()
 
 
-def test_zstd_payload_whose_frame_size_breaks_the_shape_is_refused_without_decompressing() -> None:
+def test_zstd_payload_whose_frame_size_breaks_the_shape_is_refused_without_decompressing(
+    torch: ModuleType,
+) -> None:
     schema = _zstd_schema()
     rb = flightq.encode(schema, {"ids": [torch.arange(4, dtype=torch.int64)]}, ["k7"])
     frame = Zstd().encode(np.arange(3, dtype=np.int64).tobytes())
@@ -147,7 +151,7 @@ def test_zstd_payload_whose_frame_size_breaks_the_shape_is_refused_without_decom
         validate(rb)
 
 
-def test_zstd_payload_without_a_readable_size_is_refused() -> None:
+def test_zstd_payload_without_a_readable_size_is_refused(torch: ModuleType) -> None:
     schema = _zstd_schema()
     rb = flightq.encode(schema, {"ids": [torch.arange(4, dtype=torch.int64)]}, ["k7"])
     rb = replace_column(rb, "ids", pa.array([b"garbage"], type=pa.large_binary()))
@@ -155,7 +159,9 @@ def test_zstd_payload_without_a_readable_size_is_refused() -> None:
         flightq.decode(rb)
 
 
-def test_codec_metadata_that_disagrees_with_the_carried_schema_is_refused() -> None:
+def test_codec_metadata_that_disagrees_with_the_carried_schema_is_refused(
+    torch: ModuleType,
+) -> None:
     schema = _zstd_schema()
     rb = flightq.encode(schema, {"ids": [torch.arange(4, dtype=torch.int64)]}, ["k"])
     i = rb.schema.get_field_index("ids")

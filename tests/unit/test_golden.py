@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from helpers_wire import SHIPPED_REFS, read_ipc, shipped
 
 import flightq
@@ -73,6 +72,8 @@ def test_golden_stream_carries_the_pinned_schema(ref: str) -> None:
 
 def _values(t: Any) -> list[Any]:
     """Flat values, floats as repr strings so that -0.0 and 0.0 differ."""
+    import torch
+
     flat = (t if isinstance(t, torch.Tensor) else torch.from_numpy(t)).reshape(-1)
     if flat.dtype.is_floating_point:
         return [repr(v) for v in flat.to(torch.float64).tolist()]
@@ -89,6 +90,7 @@ def _assert_row(got: Any, want: dict[str, Any], dtype: str) -> None:
     assert _values(got) == _want_values(want["values"], dtype)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("ref", FINGERPRINTS)
 def test_golden_stream_decodes_to_the_recorded_values(ref: str) -> None:
     data, want = _golden(ref)
@@ -117,6 +119,7 @@ def test_golden_stream_decodes_to_the_recorded_values(ref: str) -> None:
                 _assert_row(g, w, dtype)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("ref", ["rollout_vlm@1", "rollout_vlm_bf16@1"])
 def test_golden_image_shared_by_two_generations_travels_once(ref: str) -> None:
     data, _ = _golden(ref)
@@ -128,7 +131,7 @@ def test_golden_image_shared_by_two_generations_travels_once(ref: str) -> None:
     assert out["pixel_values"][0][0].data_ptr() == out["pixel_values"][1][0].data_ptr()
 
 
-def test_golden_bf16_pixels_decode_to_numpy_as_bit_patterns() -> None:
+def test_golden_bf16_pixels_decode_to_numpy_as_bit_patterns(torch: ModuleType) -> None:
     data, want = _golden("rollout_vlm_bf16@1")
     out = flightq.decode(read_ipc(data), as_="numpy")
     seg = out["pixel_values"][0][0]
@@ -138,12 +141,17 @@ def test_golden_bf16_pixels_decode_to_numpy_as_bit_patterns() -> None:
     assert seg.reshape(-1).tolist() == bits.tolist()
 
 
-@pytest.mark.parametrize("ref", FINGERPRINTS)
+# The bf16 inputs are torch tensors: numpy has no bfloat16.
+ENCODED = [pytest.param(r, marks=pytest.mark.torch) if "bf16" in r else r for r in FINGERPRINTS]
+
+
+@pytest.mark.parametrize("ref", ENCODED)
 def test_encoding_the_golden_inputs_gives_the_golden_bytes(ref: str) -> None:
     data, _ = _golden(ref)
     assert make_golden.encode(ref) == data
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("ref", FINGERPRINTS)
 def test_re_encoding_the_decoded_golden_rows_gives_the_golden_bytes(ref: str) -> None:
     data, _ = _golden(ref)
@@ -152,6 +160,7 @@ def test_re_encoding_the_decoded_golden_rows_gives_the_golden_bytes(ref: str) ->
     assert make_golden.stream_bytes(again) == data
 
 
+@pytest.mark.torch  # the generator records values through torch
 def test_generator_script_reproduces_every_golden_file_in_a_fresh_process(tmp_path: Path) -> None:
     script = GOLDEN_DIR / "make_golden.py"
     subprocess.run(
@@ -167,6 +176,7 @@ def test_generator_script_reproduces_every_golden_file_in_a_fresh_process(tmp_pa
             assert theirs.read_bytes() == mine.read_bytes(), f"{theirs.name} of {ref} differs"
 
 
+@pytest.mark.torch
 def test_generator_refuses_to_rewrite_a_golden_file_that_differs(tmp_path: Path) -> None:
     stream, _ = make_golden.paths("rollout_text@1", tmp_path)
     stream.parent.mkdir(parents=True)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
 import pytest
-import torch
 from helpers_wire import raw_bytes, tensor_span
 
 from flightq import EncodeError, ShapeError
@@ -20,7 +21,7 @@ def test_contiguous_numpy_array_is_flattened_without_a_copy() -> None:
     assert tensor_span(enc.data) == tensor_span(a)
 
 
-def test_contiguous_torch_tensor_is_flattened_without_a_copy() -> None:
+def test_contiguous_torch_tensor_is_flattened_without_a_copy(torch: ModuleType) -> None:
     t = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
     enc = to_bytes(t, zero_copy=True)
     assert (enc.shape, enc.dtype) == ((2, 3), "bfloat16")
@@ -29,22 +30,23 @@ def test_contiguous_torch_tensor_is_flattened_without_a_copy() -> None:
 
 
 @pytest.mark.parametrize("shape", [(), (0,), (0, 3), (5,), (5, 1), (2, 3, 4, 5)])
-def test_shape_is_kept_exactly(shape: tuple[int, ...]) -> None:
+def test_shape_is_kept_exactly(shape: tuple[int, ...], torch: ModuleType) -> None:
     t = torch.zeros(shape, dtype=torch.float16)
     assert to_bytes(t).shape == shape
     assert to_bytes(t.numpy()).shape == shape
     assert len(to_bytes(t).data) == t.numel() * 2
 
 
-@pytest.mark.parametrize(
-    "t",
-    [
-        torch.from_numpy(np.frombuffer(b"", dtype=np.int16).copy()),  # stride 0
-        torch.empty_strided((2, 0), (0, 0), dtype=torch.bfloat16),
-        torch.zeros(3, 0).T,
-    ],
-)
-def test_zero_size_tensor_of_any_strides_encodes_to_no_bytes(t: torch.Tensor) -> None:
+ZERO_SIZE = {
+    "stride 0": lambda torch: torch.from_numpy(np.frombuffer(b"", dtype=np.int16).copy()),
+    "strides (0, 0)": lambda torch: torch.empty_strided((2, 0), (0, 0), dtype=torch.bfloat16),
+    "transposed": lambda torch: torch.zeros(3, 0).T,
+}
+
+
+@pytest.mark.parametrize("case", ZERO_SIZE)
+def test_zero_size_tensor_of_any_strides_encodes_to_no_bytes(case: str, torch: ModuleType) -> None:
+    t = ZERO_SIZE[case](torch)
     enc = to_bytes(t, zero_copy=True)
     assert enc.shape == tuple(t.shape)
     assert len(enc.data) == 0 and enc.data.dtype == np.uint8
@@ -62,14 +64,14 @@ def test_big_endian_array_is_refused_when_zero_copy_is_asked() -> None:
         to_bytes(np.zeros(3, dtype=">f8"), zero_copy=True, where="row 3: ")
 
 
-def test_non_contiguous_tensor_is_copied_in_logical_order() -> None:
+def test_non_contiguous_tensor_is_copied_in_logical_order(torch: ModuleType) -> None:
     t = torch.arange(12, dtype=torch.int64).reshape(3, 4).T
     enc = to_bytes(t)
     assert enc.shape == (4, 3)
     assert enc.data.tobytes() == t.contiguous().numpy().tobytes()
 
 
-def test_non_contiguous_tensor_is_refused_when_zero_copy_is_asked() -> None:
+def test_non_contiguous_tensor_is_refused_when_zero_copy_is_asked(torch: ModuleType) -> None:
     t = torch.zeros(3, 4).T
     with pytest.raises(
         EncodeError, match=r"non-contiguous tensor of shape \(4, 3\) needs a copy; call \.contig"
@@ -83,12 +85,12 @@ def test_non_contiguous_array_is_refused_when_zero_copy_is_asked() -> None:
         to_bytes(a, zero_copy=True)
 
 
-def test_tensor_that_requires_grad_is_detached_not_refused() -> None:
+def test_tensor_that_requires_grad_is_detached_not_refused(torch: ModuleType) -> None:
     t = torch.ones(3, requires_grad=True)
     assert to_bytes(t, zero_copy=True).data.tobytes() == raw_bytes(t)
 
 
-def test_negative_view_is_resolved_to_its_values() -> None:
+def test_negative_view_is_resolved_to_its_values(torch: ModuleType) -> None:
     t = torch._neg_view(torch.tensor([1.0, -2.0]))
     assert to_bytes(t).data.tobytes() == raw_bytes(torch.tensor([-1.0, 2.0]))
 
@@ -101,7 +103,7 @@ def test_anything_but_a_tensor_is_refused_with_how_to_wrap_it(value: object) -> 
         to_bytes(value)
 
 
-def test_is_torch_tells_tensors_from_arrays() -> None:
+def test_is_torch_tells_tensors_from_arrays(torch: ModuleType) -> None:
     assert is_torch(torch.zeros(1))
     assert not is_torch(np.zeros(1))
 
@@ -150,13 +152,18 @@ def test_column_base_views_a_misaligned_buffer_in_place() -> None:
     base = column_base(storage, 1, 33, dtype("int64"), "numpy")
     assert base.tolist() == [0, 1, 2, 3]
     assert np.shares_memory(base, storage) and not base.flags.aligned
-    t = column_base(storage, 1, 33, dtype("int64"), "torch")
-    assert t.data_ptr() % 8 == 1 and t.sum().item() == 6 and (t * 2).tolist() == [0, 2, 4, 6]
     aligned = row_view(base, 0, (4,), copy=True)
     assert aligned.flags.aligned and aligned.flags.writeable
 
 
-def test_column_base_gives_torch_its_own_bfloat16_and_float8_dtypes() -> None:
+def test_column_base_views_a_misaligned_buffer_in_place_as_torch(torch: ModuleType) -> None:
+    storage = np.zeros(40, dtype=np.uint8)
+    storage[1:33] = np.frombuffer(np.arange(4, dtype="<i8").tobytes(), dtype=np.uint8)
+    t = column_base(storage, 1, 33, dtype("int64"), "torch")
+    assert t.data_ptr() % 8 == 1 and t.sum().item() == 6 and (t * 2).tolist() == [0, 2, 4, 6]
+
+
+def test_column_base_gives_torch_its_own_bfloat16_and_float8_dtypes(torch: ModuleType) -> None:
     want = torch.tensor([1.5, -2.0, 0.25], dtype=torch.bfloat16)
     base = column_base(raw_bytes(want), 0, 6, dtype("bfloat16"), "torch")
     assert base.dtype == torch.bfloat16 and torch.equal(base, want)
@@ -165,12 +172,12 @@ def test_column_base_gives_torch_its_own_bfloat16_and_float8_dtypes() -> None:
     assert base.dtype == torch.float8_e4m3fn and raw_bytes(base) == raw_bytes(fp8)
 
 
-def test_column_base_of_zero_bytes_is_an_empty_array_of_the_dtype() -> None:
+def test_column_base_of_zero_bytes_is_an_empty_array_of_the_dtype(torch: ModuleType) -> None:
     base = column_base(b"", 0, 0, dtype("float64"), "torch")
     assert base.dtype == torch.float64 and base.shape == (0,)
 
 
-def test_row_view_reshapes_a_slice_and_copies_only_when_asked() -> None:
+def test_row_view_reshapes_a_slice_and_copies_only_when_asked(torch: ModuleType) -> None:
     base = torch.arange(10, dtype=torch.int16)
     view = row_view(base, 4, (2, 3), copy=False)
     assert view.tolist() == [[4, 5, 6], [7, 8, 9]]
