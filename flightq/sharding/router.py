@@ -354,9 +354,10 @@ def gather(
 def sum_description(ds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One partition's description summed over shards (rows, bytes, per-task counts)."""
     out = dict(ds[0])
-    for k in ("rows", "bytes"):
-        out[k] = sum(int(d.get(k, 0)) for d in ds)
-    for k in ("delivered", "fields", "ready"):
+    for k in ("rows", "bytes", "waiting_puts", "staged_parts"):
+        if k in out:
+            out[k] = sum(int(d.get(k, 0)) for d in ds)
+    for k in ("delivered", "waiting", "fields", "ready"):
         if k in out:
             acc: dict[str, int] = {}
             for d in ds:
@@ -377,4 +378,5 @@ def sum_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "partitions": parts,
         "rows": sum(int(st.get("rows", 0)) for st in stats),
         "bytes": sum(int(st.get("bytes", 0)) for st in stats),
+        "waiting_claims": sum(int(st.get("waiting_claims", 0)) for st in stats),
     }

@@ -154,7 +154,11 @@ def check_peer(peer: str, what: str) -> None:
 
 
 @dataclass(eq=False)
-class _Segment:
+class Segment:
+    """One shared-memory file its owner fills: path, descriptor, mapping, capacity, the
+    generation last written; ``state()`` reads the header's state word, ``lock()`` /
+    ``unlock()`` take and release the owner's exclusive lock."""
+
     path: str
     fd: int
     mm: mmap.mmap
@@ -203,7 +207,7 @@ class SegmentPool:
     dir: str = DEFAULT_DIR
     keep_bytes: int = DEFAULT_KEEP_BYTES
     lease_s: float = DEFAULT_LEASE_S
-    _segs: list[_Segment] = field(default_factory=list)
+    _segs: list[Segment] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _token: str = field(default_factory=lambda: secrets.token_hex(4))
     _count: int = 0
@@ -232,24 +236,24 @@ class SegmentPool:
             If the directory has no room.
         """
         sink = pa.MockOutputStream()
-        _write_stream(sink, schema, batches)
+        write_stream(sink, schema, batches)
         n = int(sink.size())
         seg = self._room(n, what)
         try:
             view = memoryview(seg.mm)[HEADER : HEADER + n]
             if gather is None:
                 out = pa.FixedSizeBufferWriter(pa.py_buffer(view))
-                _write_stream(out, schema, batches)
+                write_stream(out, schema, batches)
                 out.close()
             else:
                 dest = gather.stream(np.frombuffer(view, dtype=np.uint8))
-                _write_stream(pa.PythonFile(dest, mode="w"), schema, batches)
+                write_stream(pa.PythonFile(dest, mode="w"), schema, batches)
                 if dest.pos != n:
                     raise ProtocolError(f"{what}: wrote {dest.pos} bytes of a {n}-byte stream")
                 gather.copy()
                 del dest
             del view
-            return self._written(seg, n)
+            return self.written(seg, n)
         except BaseException:
             self._drop(seg)
             raise
@@ -269,14 +273,14 @@ class SegmentPool:
                 src = np.frombuffer(buf, dtype=np.uint8)
                 dst[at : at + len(src)] = src
             del dst
-            return self._written(seg, n)
+            return self.written(seg, n)
         except BaseException:
             self._drop(seg)
             raise
 
-    def _room(self, n: int, what: str) -> _Segment:
+    def _room(self, n: int, what: str) -> Segment:
         try:
-            return self._acquire(n)
+            return self.acquire(n)
         except OSError as e:
             raise ResourceExhaustedError(
                 f"{what}: no room for {n} bytes of shared memory in {self.dir}: {e}; "
@@ -284,7 +288,9 @@ class SegmentPool:
             ) from e
 
     @staticmethod
-    def _written(seg: _Segment, n: int) -> dict[str, Any]:
+    def written(seg: Segment, n: int) -> dict[str, Any]:
+        """Publish ``n`` bytes of ``seg`` as a new generation, release its lock, and return
+        the reference a reader maps (``{"path", "gen", "nbytes"}``)."""
         # A new generation, then the exclusive lock goes: readers may come.
         seg.gen += 1
         seg.written_at = time.monotonic()
@@ -292,7 +298,7 @@ class SegmentPool:
         seg.unlock()
         return {"path": seg.path, "gen": seg.gen, "nbytes": n}
 
-    def _drop(self, seg: _Segment) -> None:
+    def _drop(self, seg: Segment) -> None:
         with self._lock:
             if seg in self._segs:
                 self._segs.remove(seg)
@@ -309,9 +315,19 @@ class SegmentPool:
             if seg is not None and seg.gen == ref.get("gen") and seg.state() == WRITTEN:
                 struct.pack_into("<q", seg.mm, STATE_AT, FREE)
 
-    def _acquire(self, n: int) -> _Segment:
+    def acquire(self, n: int) -> Segment:
+        """A free segment of at least ``n`` bytes (grown, or created), returned with its
+        exclusive lock held.
+
+        Raises
+        ------
+        OSError
+            When the directory has no room.
+        ProtocolError
+            When the pool is closed.
+        """
         need = -(-n // GRANULE) * GRANULE
-        drop: list[_Segment] = []
+        drop: list[Segment] = []
         with self._lock:
             if self._closed:
                 raise ProtocolError("shared memory: the segment pool is closed")
@@ -360,7 +376,7 @@ class SegmentPool:
         return seg
 
     @staticmethod
-    def _create(path: str, capacity: int) -> _Segment:
+    def _create(path: str, capacity: int) -> Segment:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, HEADER + capacity)
@@ -372,12 +388,12 @@ class SegmentPool:
             raise
         now = time.monotonic()
         HEADER_FORMAT.pack_into(mm, 0, MAGIC, WRITTEN, 0, 0, os.getpid(), now)
-        seg = _Segment(path, fd, mm, capacity, written_at=now)
+        seg = Segment(path, fd, mm, capacity, written_at=now)
         seg.lock()
         return seg
 
     @staticmethod
-    def _grow(seg: _Segment, capacity: int) -> _Segment:
+    def _grow(seg: Segment, capacity: int) -> Segment:
         try:
             os.ftruncate(seg.fd, HEADER + capacity)
             mm = mmap.mmap(seg.fd, HEADER + capacity, flags=mmap.MAP_SHARED | MAP_POPULATE_FLAG)
@@ -386,12 +402,17 @@ class SegmentPool:
             raise
         with contextlib.suppress(BufferError):
             seg.mm.close()
-        return _Segment(seg.path, seg.fd, mm, capacity, seg.gen, seg.written_at)
+        return Segment(seg.path, seg.fd, mm, capacity, seg.gen, seg.written_at)
 
     def paths(self) -> list[str]:
         """The files of this pool (for tests and diagnostics)."""
         with self._lock:
             return [s.path for s in self._segs]
+
+    def segments(self) -> list[Segment]:
+        """The pool's segments now (a snapshot, for tests and diagnostics)."""
+        with self._lock:
+            return list(self._segs)
 
     def close(self) -> None:
         """Unlink every segment; readers that mapped one keep valid pages."""
@@ -407,7 +428,8 @@ def _close_at_exit(ref: weakref.ref[SegmentPool]) -> None:
         pool.close()
 
 
-def _write_stream(sink: Any, schema: pa.Schema, batches: Sequence[pa.RecordBatch]) -> None:
+def write_stream(sink: Any, schema: pa.Schema, batches: Sequence[pa.RecordBatch]) -> None:
+    """``batches`` as one Arrow IPC stream into ``sink``."""
     with pa.ipc.new_stream(sink, schema) as w:
         for b in batches:
             w.write_batch(b)

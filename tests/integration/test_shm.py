@@ -224,7 +224,7 @@ def test_a_segment_is_filled_again_only_once_no_reader_holds_it(server, client):
     ids = client.get("v", keys, as_="numpy")["input_ids"][0]
     client.clear("v")
     gc.collect()
-    (seg,) = client.shm_pool._segs
+    (seg,) = client.shm_pool.segments()
     assert seg.state() == shm.TAKEN and not seg.lock()  # the server let go; the view holds it
     client.put("v", keys, cols)  # so this put fills a second segment
     assert len(client.shm_pool.paths()) == 2
@@ -240,20 +240,20 @@ def test_a_reference_to_a_segment_filled_again_is_refused():
     with contextlib.closing(shm.SegmentPool()) as pool:
         rb = flightq.encode(flightq.SchemaRegistry.default().get(TEXT), text_columns(["k"]), ["k"])
         ref = pool.write(rb.schema, [rb], "test")
-        (seg,) = pool._segs
+        (seg,) = pool.segments()
         struct_free(seg)
-        held = pool._acquire(ref["nbytes"])  # the owner fills it again: exclusive lock held
+        held = pool.acquire(ref["nbytes"])  # the owner fills it again: exclusive lock held
         assert held is seg
         with pytest.raises(flightq.ProtocolError, match="being filled again by its owner"):
             shm.map_data(ref, SHM, "get")
-        pool._written(seg, ref["nbytes"])
+        pool.written(seg, ref["nbytes"])
         with pytest.raises(flightq.ProtocolError, match=f"is not generation {ref['gen']} of"):
             shm.map_data(ref, SHM, "get")
         with pytest.raises(flightq.ProtocolError, match=r"bytes \[0, 99999\) lie outside"):
             shm.map_data({**ref, "gen": seg.gen}, SHM, "get", 0, 99999)
 
 
-def struct_free(seg: segments._Segment) -> None:
+def struct_free(seg: segments.Segment) -> None:
     """Mark a written segment as taken by a reader that has gone (its lock with it)."""
     import struct
 
@@ -379,7 +379,7 @@ def test_a_gathered_stream_is_byte_for_byte_the_plain_one_also_for_row_slices():
         for s in split_batch(b, 20 * 2**20)
     ]
     sink = pa.BufferOutputStream()
-    segments._write_stream(sink, plain[0].schema, plain)
+    segments.write_stream(sink, plain[0].schema, plain)
     pool = shm.SegmentPool()
     try:
         with shm.gathering() as gather:
