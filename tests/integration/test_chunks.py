@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import overload
+from types import ModuleType
+from typing import TYPE_CHECKING, overload
 
 import numpy as np
-import torch
+import pytest
 from helpers_wire import assert_same_rows, shipped
 
 import flightq
 from flightq import workloads
 from flightq.batch import encode_chunks, row_nbytes, split_batch
 
+if TYPE_CHECKING:
+    import torch
+
 VLM = "rollout_vlm@1"
 
 
+@pytest.mark.torch
 def test_chunks_keep_a_groups_shared_image_in_one_batch() -> None:
     step = workloads.w1(groups=3, g=4)
     batches = encode_chunks(shipped(VLM), step.columns, step.keys, step.tags, max_bytes=4 * 2**20)
@@ -37,7 +42,7 @@ def test_a_split_counts_a_shared_image_once_so_a_group_stays_in_one_batch() -> N
     assert sizes[0] > image and sizes[1:16].max() < image  # the group's first row pays
 
 
-def test_chunks_of_distinct_rows_stay_under_the_limit() -> None:
+def test_chunks_of_distinct_rows_stay_under_the_limit(torch: ModuleType) -> None:
     step = workloads.w2(groups=1, g=8)
     limit = 16 * 2**20
     batches = encode_chunks(shipped(VLM), step.columns, step.keys, step.tags, max_bytes=limit)
@@ -82,7 +87,7 @@ class _FreshViews:
         return [image.view(image.shape)]
 
 
-def test_views_built_on_access_are_matched_by_memory() -> None:
+def test_views_built_on_access_are_matched_by_memory(torch: ModuleType) -> None:
     # Shared images are found by memory (and remembered per object while the rows are
     # held): a group's fresh views are one entry, and no view is taken for another's.
     step = workloads.w1(groups=3, g=4)
@@ -117,6 +122,7 @@ class _LazyRow(Sequence[np.ndarray]):
         return self.images[j][:]
 
 
+@pytest.mark.torch
 def test_segments_built_on_access_keep_their_own_images() -> None:
     # A segment seen earlier is remembered by object and held for the call: a later
     # segment's fresh view, at a recycled id, is never taken for it.
@@ -133,7 +139,7 @@ def test_segments_built_on_access_keep_their_own_images() -> None:
         assert len(b.column("pixel_values").values.dictionary) == 3 * segs
 
 
-def test_two_media_columns_built_on_access_are_each_counted_for_the_cut() -> None:
+def test_two_media_columns_built_on_access_are_each_counted_for_the_cut(torch: ModuleType) -> None:
     # Rows are sized before the put is cut: the second column's fresh views must not pass
     # for the first column's (already counted) images, or batches outgrow the limit.
     n = 8

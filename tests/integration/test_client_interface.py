@@ -81,6 +81,7 @@ def _route(batch: flightq.Batch) -> str:
     return batch.received.route
 
 
+@pytest.mark.torch
 def test_small_transfers_take_one_socket_stream(server) -> None:
     keys = text_keys(2, 4)
     with flightq.connect(server.location, [TEXT], timeout=TIMEOUT) as c:
@@ -116,6 +117,7 @@ def test_large_transfers_split_over_parallel_streams(server) -> None:
         )
 
 
+@pytest.mark.torch
 def test_large_transfers_of_a_shm_client_go_through_shared_memory(server) -> None:
     step = workloads.w2(groups=1)
     with flightq.connect(server.location, [step.schema], timeout=TIMEOUT, shm=True) as c:
@@ -144,6 +146,7 @@ def test_a_sharded_put_names_the_shards_it_wrote_to() -> None:
             s.close()
 
 
+@pytest.mark.torch
 def test_the_async_client_drives_a_sharded_client_too() -> None:
     async def main(c: flightq.aio.AsyncClient) -> tuple[int, list[str]]:
         await c.create_partition("t", TEXT, tasks=["train"], group_size=4)

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from fixtures_dataplane import (
     TEXT,
     TIMEOUT,
@@ -36,7 +35,10 @@ from flightq.cuda import DeviceBatch, PinnedPool, has_cuda, rebase, resolve_devi
 from flightq.cuda import get as fq_cuda  # the reading side: windows, threads, plans
 from flightq.schema import Field, Schema
 
-pytestmark = pytest.mark.timeout(120)
+# Every test here moves torch tensors: without torch the module skips as a whole.
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.torch]
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(

@@ -154,6 +154,7 @@ def test_a_claim_timeout_travels_as_a_timeout_on_the_wire_too(server, client):
     assert info["message"].startswith("claim of 1 rows for task 'train' from partition 'p'")
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize(
     ("ticket", "cause"),
     [
@@ -205,6 +206,7 @@ def test_a_nan_claim_timeout_is_refused_not_waited_on(server, client):
         plain.do_get(fl.Ticket(msgpack.packb(ticket))).read_all()
 
 
+@pytest.mark.torch
 def test_a_claim_with_no_time_limit_waits_for_rows(client):
     client.create_partition("p", TEXT, tasks=["train"])
     timer = threading.Timer(0.2, client.put, ("p", ["k"], {"input_ids": [np.arange(3)]}))

@@ -49,6 +49,7 @@ def test_get_returns_rows_in_the_order_asked_with_only_the_fields_asked(client, 
     assert b.tags == [{"weight_version": 1, "prompt_idx": i} for i in (3, 0, 2)]
 
 
+@pytest.mark.torch
 def test_get_of_one_row_keeps_its_shapes(client, rows):
     _, cols, _ = rows
     b = client.get("rows", ["k2"], ["input_ids", "input_lengths"])
@@ -90,6 +91,7 @@ def test_get_with_fields_none_gives_none_where_a_row_lacks_a_column(client, rows
     assert raw(b["input_ids"][0]) == raw(cols["input_ids"][0])
 
 
+@pytest.mark.torch
 def test_get_with_fields_none_on_rows_without_the_column_omits_it(client, rows):
     b = client.get("rows", ["k0", "k2"])
     assert "prev_logprobs" not in b.fields
@@ -109,6 +111,7 @@ def _with_payload(rb: pa.RecordBatch, column: str, row: int, payload: bytes) -> 
     return pa.RecordBatch.from_arrays(arrays, schema=rb.schema)
 
 
+@pytest.mark.torch
 def test_a_put_with_one_int32_row_is_refused_by_the_server_and_stores_nothing(client):
     client.create_partition("g", TEXT, tasks=["train"], group_size=4)
     keys = text_keys(2, 4)
@@ -208,6 +211,7 @@ def test_overwrite_rewrites_sample_mask(client, rows):
     assert got.tolist() == [0.5] * 4
 
 
+@pytest.mark.torch
 def test_tags_of_a_later_put_are_merged_into_the_row(client, rows):
     _, cols, _ = rows
     n = len(cols["input_ids"][2])

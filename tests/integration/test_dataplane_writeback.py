@@ -17,7 +17,7 @@ from fixtures_dataplane import TIMEOUT, VLM, W1_TASKS, client_fixture, run_role,
 import flightq
 from flightq import workloads
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.torch]  # the trainer process reads torch
 
 
 def _finish(procs: dict[str, subprocess.Popen[str]]) -> dict[str, dict]:

@@ -113,6 +113,7 @@ class ClaimWatchingServer(flightq.Server):
         return out
 
 
+@pytest.mark.torch
 def test_a_claim_its_caller_abandoned_stops_waiting_and_takes_no_rows():
     ticket = {"op": "claim", "partition": "p", "task": "train", "batch_size": 1}
     ticket.update(fields=None, timeout=TIMEOUT)
@@ -172,6 +173,7 @@ def test_retrying_a_put_with_identical_content_is_acknowledged_and_stores_nothin
             c.claim("p", "train", 2, timeout=0.2)
 
 
+@pytest.mark.torch
 def test_retrying_a_put_by_its_id_after_the_rows_were_consumed_stores_nothing():
     keys = ["a0", "a1"]
     with flightq.Server() as srv, flightq.connect(srv.location, timeout=TIMEOUT) as c:
@@ -249,6 +251,7 @@ def _rows_by_key(batch: flightq.Batch) -> dict[str, dict[str, object]]:
     return out
 
 
+@pytest.mark.torch
 def test_snapshot_then_sigkill_then_restore_keeps_every_acknowledged_row_and_claim(tmp_path):
     snaps = tmp_path / "snaps"
     step = workloads.w1(groups=2, g=4)

@@ -109,6 +109,7 @@ def secure(certs: tuple[Path, Path]) -> Iterator[tuple[CountingServer, bytes]]:
         yield srv, root
 
 
+@pytest.mark.torch
 def test_a_client_with_the_token_over_tls_reads_and_writes(secure):
     srv, root = secure
     assert srv.location.startswith("grpc+tls://127.0.0.1:")

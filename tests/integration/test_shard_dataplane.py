@@ -102,6 +102,7 @@ def test_claims_gather_whole_groups_from_several_shards_each_row_once(
         sharded.claim("rows", "train", 6, timeout=0.2)
 
 
+@pytest.mark.torch
 def test_a_claim_that_times_out_gives_back_the_groups_it_gathered(
     sharded: flightq.ShardedClient,
 ) -> None:
@@ -126,6 +127,7 @@ def test_a_claim_waits_for_rows_put_later_on_any_shard(sharded: flightq.ShardedC
     assert sorted(b.keys) == sorted(put["keys"])
 
 
+@pytest.mark.torch
 def test_clear_reset_and_stats_fan_out(sharded: flightq.ShardedClient) -> None:
     assert sharded.create_partition("rows", TEXT, tasks=["train"], group_size=2)
     assert not sharded.create_partition("rows", TEXT, tasks=["train"], group_size=2)
@@ -171,6 +173,7 @@ def test_a_put_that_would_split_a_group_is_refused_and_stores_nothing(
     assert sharded.stats()["rows"] == 0
 
 
+@pytest.mark.torch
 def test_the_w1_writeback_pattern_runs_over_three_shards(shard_locations: list[str]) -> None:
     with flightq.connect_sharded(shard_locations, [VLM], timeout=30) as c:
         try:

@@ -70,6 +70,7 @@ def test_calls_touching_the_dead_shard_raise_unavailable_naming_it(
         flightq.connect_sharded(killed["locations"], [TEXT], timeout=FAST)
 
 
+@pytest.mark.torch
 def test_claims_skip_the_dead_shard_while_the_others_have_rows(killed: dict[str, Any]) -> None:
     c = killed["client"]
     alive, _ = _split(c, killed["put"]["keys"], killed["dead"])
