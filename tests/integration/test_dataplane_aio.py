@@ -30,6 +30,7 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
 
 
+@pytest.mark.torch
 def test_async_client_puts_gets_claims_clears(server):
     keys = text_keys(2, 4)
     cols = text_columns(keys)
@@ -58,6 +59,7 @@ def test_async_client_puts_gets_claims_clears(server):
     assert cleared == 8
 
 
+@pytest.mark.torch
 def test_an_awaited_claim_leaves_the_loop_free_to_put(server):
     keys = ["a0", "a1"]
 

@@ -39,6 +39,7 @@ def grouped(client):
     return keys
 
 
+@pytest.mark.torch
 def test_claims_deliver_rows_once_per_task_in_insertion_order(client, flat):
     first = client.claim("flat", "a", 2, timeout=TIMEOUT)
     second = client.claim("flat", "a", 2, timeout=TIMEOUT)
@@ -49,6 +50,7 @@ def test_claims_deliver_rows_once_per_task_in_insertion_order(client, flat):
     assert client.inspect("flat")["delivered"] == {"a": 4, "b": 5}
 
 
+@pytest.mark.torch
 def test_claim_returns_the_required_fields_by_default_and_named_fields_otherwise(client, flat):
     everything = client.claim("flat", "a", 1, timeout=TIMEOUT)
     assert set(everything.fields) == {"input_ids", "token_mask", "input_lengths", "total_reward"}
@@ -56,6 +58,7 @@ def test_claim_returns_the_required_fields_by_default_and_named_fields_otherwise
     assert only.fields == ["total_reward"]
 
 
+@pytest.mark.torch
 def test_claim_times_out_with_a_typed_error_that_is_also_a_timeout_error(client, flat):
     client.claim("flat", "a", 4, timeout=TIMEOUT)
     with pytest.raises(
@@ -70,6 +73,7 @@ def test_claim_times_out_with_a_typed_error_that_is_also_a_timeout_error(client,
     assert client.claim("flat", "a", 1, timeout=TIMEOUT).keys == ["k4"]
 
 
+@pytest.mark.torch
 def test_reset_makes_rows_claimable_again(client, flat):
     client.claim("flat", "a", 5, timeout=TIMEOUT)
     assert client.reset("flat", "a", ["k3", "k1"]) == 2
@@ -80,6 +84,7 @@ def test_reset_makes_rows_claimable_again(client, flat):
     assert client.inspect("flat")["delivered"] == {"a": 5, "b": 0}
 
 
+@pytest.mark.torch
 def test_reset_of_an_unknown_key_names_it_and_resets_nothing(client, flat):
     client.claim("flat", "a", 5, timeout=TIMEOUT)
     with pytest.raises(flightq.NotFoundError, match=r"partition 'flat' has no row key 'nope'"):
@@ -87,6 +92,7 @@ def test_reset_of_an_unknown_key_names_it_and_resets_nothing(client, flat):
     assert client.inspect("flat")["delivered"]["a"] == 5
 
 
+@pytest.mark.torch
 def test_claim_blocks_until_a_later_put_makes_rows_ready(client):
     client.create_partition("late", TEXT, tasks=["train"])
     keys = ["x0", "x1", "x2"]
@@ -100,6 +106,7 @@ def test_claim_blocks_until_a_later_put_makes_rows_ready(client):
     np.testing.assert_array_equal(got["input_ids"][1].numpy(), text_columns(keys)["input_ids"][1])
 
 
+@pytest.mark.torch
 def test_claim_blocks_until_a_write_back_adds_the_named_field(client, grouped):
     group0 = grouped[:4]
     with ThreadPoolExecutor(1) as pool:
@@ -113,6 +120,7 @@ def test_claim_blocks_until_a_write_back_adds_the_named_field(client, grouped):
     assert got.fields == ["prev_logprobs"]
 
 
+@pytest.mark.torch
 def test_claim_wait_for_a_field_returns_every_column_the_rows_have(client, grouped):
     lp = [np.zeros(len(ids), dtype=np.float32) for ids in text_columns(grouped)["input_ids"]]
     client.put("grouped", grouped[4:], {"prev_logprobs": lp[4:]})
@@ -127,6 +135,7 @@ def test_claim_wait_for_a_field_returns_every_column_the_rows_have(client, group
     }
 
 
+@pytest.mark.torch
 def test_grouped_claims_take_whole_groups_only(client, grouped):
     assert client.claim("grouped", "prev_lp", 4, timeout=TIMEOUT).keys == grouped[:4]
     with pytest.raises(flightq.ClaimTimeoutError, match=r"4 rows ready"):
@@ -145,6 +154,7 @@ def test_grouped_claim_batch_size_must_be_a_multiple_of_the_group_size(client, g
     assert client.inspect("grouped")["delivered"]["train"] == 0
 
 
+@pytest.mark.torch
 def test_a_group_with_a_row_cleared_is_never_delivered_in_part(client, grouped):
     client.clear("grouped", [grouped[5]])
     assert client.claim("grouped", "train", 4, timeout=TIMEOUT).keys == grouped[:4]
@@ -161,6 +171,7 @@ def test_a_put_creating_rows_in_a_grouped_partition_creates_whole_groups(client,
     assert client.stats()["partitions"]["grouped"]["rows"] == 8
 
 
+@pytest.mark.torch
 def test_concurrent_claimers_of_one_task_never_share_a_row(client):
     keys = text_keys(6, 4)
     client.create_partition("many", TEXT, tasks=["train"], group_size=4)

@@ -43,6 +43,7 @@ def served():
         yield location, proc, nbytes
 
 
+@pytest.mark.torch
 def test_serve_on_port_0_announces_the_bound_location(served):
     location, proc, _ = served
     assert location.startswith("grpc://127.0.0.1:")
@@ -50,6 +51,7 @@ def test_serve_on_port_0_announces_the_bound_location(served):
     assert proc.poll() is None
 
 
+@pytest.mark.torch
 def test_stats_prints_every_partition(served):
     location, _, _ = served
     out = flightq_cli("stats", location)
@@ -60,6 +62,7 @@ def test_stats_prints_every_partition(served):
     assert "prev_lp=0, train=2" in line
 
 
+@pytest.mark.torch
 def test_stats_json_is_the_servers_stats(served):
     location, _, nbytes = served
     out = flightq_cli("stats", location, "--json")
@@ -70,6 +73,7 @@ def test_stats_json_is_the_servers_stats(served):
     assert got["partitions"]["rollouts"]["delivered"] == {"prev_lp": 0, "train": 2}
 
 
+@pytest.mark.torch
 def test_inspect_prints_schema_fields_and_per_task_progress(served):
     location, _, _ = served
     out = flightq_cli("inspect", location, "rollouts")
@@ -84,6 +88,7 @@ def test_inspect_prints_schema_fields_and_per_task_progress(served):
     assert any(ln.split() == ["prev_lp", "0", "/", "4"] for ln in text.splitlines())
 
 
+@pytest.mark.torch
 def test_inspect_json_carries_the_declaration(served):
     location, _, _ = served
     out = flightq_cli("inspect", location, "rollouts", "--json")
@@ -95,6 +100,7 @@ def test_inspect_json_carries_the_declaration(served):
     assert json.loads(got["declaration"]["schema"])["name"] == "rollout_text"
 
 
+@pytest.mark.torch
 def test_inspect_of_an_unknown_partition_fails_with_the_servers_message(served):
     location, _, _ = served
     out = flightq_cli("inspect", location, "nope")
@@ -147,6 +153,7 @@ print(held - rss())
 """
 
 
+@pytest.mark.torch
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt: Linux only")
 def test_serve_cuts_answers_at_max_batch_bytes_keeping_groups_whole():
     step = workloads.w1(0, groups=4, g=4)

@@ -21,7 +21,7 @@ import flightq
 from flightq import workloads
 from flightq.server.assemble import COALESCED_BYTES, SMALL_RUN_BYTES
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.torch]
 
 
 def _put_groups(client: flightq.Client, name: str, step: workloads.Step) -> None:

@@ -41,6 +41,7 @@ def vlm(client):
     return step
 
 
+@pytest.mark.torch
 def test_a_claim_of_one_group_carries_its_image_and_no_other(client, vlm):
     image = vlm.columns["pixel_values"][0][0].nbytes
     for g in range(4):
@@ -51,6 +52,7 @@ def test_a_claim_of_one_group_carries_its_image_and_no_other(client, vlm):
         assert_rows_match(batch, vlm)
 
 
+@pytest.mark.torch
 def test_a_get_of_some_rows_carries_the_images_of_those_rows(client, vlm):
     keys = vlm.keys[4:12]  # groups 1 and 2
     batch = client.get("vlm", keys)
@@ -62,6 +64,7 @@ def test_a_get_of_some_rows_carries_the_images_of_those_rows(client, vlm):
     assert shared[0][0].data_ptr() == shared[3][0].data_ptr() != shared[4][0].data_ptr()
 
 
+@pytest.mark.torch
 def test_a_get_split_over_streams_sends_each_image_once(server):
     step = workloads.w1(0, groups=4, g=4)
     with flightq.connect(server.location, [step.schema], get_streams=4, min_stream_bytes=1) as c:
@@ -75,6 +78,7 @@ def test_a_get_split_over_streams_sends_each_image_once(server):
         assert_rows_match(batch, step)
 
 
+@pytest.mark.torch
 def test_answers_cut_smaller_than_a_stored_batch_keep_each_group_whole() -> None:
     # Answer batches hold a little more than one group: a batch cut after the row that
     # passes the limit would carry the next group's first row, and that group's image
@@ -96,6 +100,7 @@ def test_answers_cut_smaller_than_a_stored_batch_keep_each_group_whole() -> None
     assert_rows_match(batch, step)
 
 
+@pytest.mark.torch
 def test_rows_without_media_keep_their_place_in_a_trimmed_slice(client):
     step = workloads.w1(0, groups=4, g=4)
     pixels, grids = step.columns["pixel_values"], step.columns["image_grid_thw"]

@@ -53,6 +53,7 @@ def _rows(n: int) -> tuple[list[str], dict[str, object]]:
     return keys, text_columns(keys)
 
 
+@pytest.mark.torch
 def test_a_put_in_parts_lands_whole_and_in_order(client):
     keys, cols = _rows(12)
     receipt = client.put("p", keys, cols)

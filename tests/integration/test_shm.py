@@ -65,6 +65,7 @@ def client_fixture(server: flightq.Server) -> Iterator[flightq.Client]:
         yield c
 
 
+@pytest.mark.torch
 def test_small_transfers_of_a_shm_client_take_the_socket_and_large_ones_a_segment(server):
     keys = text_keys(2, 4)
     cols = text_columns(keys)
@@ -111,6 +112,7 @@ def test_w2_round_trips_bit_exact_and_the_tensors_are_views_into_a_mapped_segmen
     assert not row[0].flags.writeable  # the mapping is read-only
 
 
+@pytest.mark.torch
 def test_w1_round_trips_bit_exact_through_torch(client):
     step = workloads.w1(groups=1)
     client.create_partition("w1", step.schema, group_size=step.group_size)
@@ -118,6 +120,7 @@ def test_w1_round_trips_bit_exact_through_torch(client):
     assert assert_rows_match(client.get("w1", step.keys), step) > 0
 
 
+@pytest.mark.torch
 def test_a_claim_over_shm_delivers_whole_groups_once(client):
     keys = text_keys(2, 4)
     client.create_partition("c", TEXT, tasks=["train"], group_size=4)
@@ -202,6 +205,7 @@ def test_a_write_back_over_the_socket_joins_rows_put_through_shm(server, client)
     )
 
 
+@pytest.mark.torch
 def test_segments_are_reused_across_puts_and_reads(server, client):
     keys = text_keys(2, 4)
     cols = text_columns(keys)

@@ -12,6 +12,8 @@ import pytest
 
 import flightq
 
+pytestmark = pytest.mark.torch  # the claims decode to torch tensors
+
 TEXT = "rollout_text@1"
 #: Seconds a claim, or a wait for the stats to show it, may take before the test fails.
 TIMEOUT = 30.0

@@ -125,6 +125,7 @@ def _text_rows(keys: list[str]) -> dict[str, list[np.ndarray]]:
     return {"input_ids": [np.arange(i + 3, dtype=np.int64) for i in range(len(keys))]}
 
 
+@pytest.mark.torch
 def test_a_split_get_returns_rows_in_the_order_asked_with_repeats(split_gets) -> None:
     c = split_gets
     keys = [f"k{i}" for i in range(7)]
@@ -138,6 +139,7 @@ def test_a_split_get_returns_rows_in_the_order_asked_with_repeats(split_gets) ->
     assert again.received is not None and again.received.route == "streams=3"
 
 
+@pytest.mark.torch
 def test_each_streams_rows_are_decoded_as_they_arrive_and_built_once(
     split_gets, monkeypatch
 ) -> None:
@@ -160,6 +162,7 @@ def test_each_streams_rows_are_decoded_as_they_arrive_and_built_once(
     assert [len(r) for r in first] == [i + 3 for i in range(7)]
 
 
+@pytest.mark.torch
 def test_a_get_says_how_its_answer_arrived_over_every_stream(split_gets) -> None:
     c = split_gets
     keys = [f"k{i}" for i in range(7)]
@@ -177,6 +180,7 @@ def test_a_get_says_how_its_answer_arrived_over_every_stream(split_gets) -> None
     assert flightq.decode(got.record_batch).received is None  # not read from a server
 
 
+@pytest.mark.torch
 def test_a_partitions_first_get_and_small_gets_travel_as_one_stream(
     split_gets, monkeypatch
 ) -> None:
@@ -198,6 +202,7 @@ def test_a_partitions_first_get_and_small_gets_travel_as_one_stream(
     assert split.received.route == "streams=3"
 
 
+@pytest.mark.torch
 def test_a_split_get_names_every_unknown_key_whichever_stream_had_it(split_gets) -> None:
     c = split_gets
     keys = [f"k{i}" for i in range(6)]
@@ -206,6 +211,7 @@ def test_a_split_get_names_every_unknown_key_whichever_stream_had_it(split_gets)
         c.get("t", ["nope0", "k1", "k2", "k3", "k4", "nope5"])
 
 
+@pytest.mark.torch
 def test_a_split_get_of_rows_with_different_fields_returns_their_union(split_gets) -> None:
     c = split_gets
     keys = [f"k{i}" for i in range(6)]
@@ -220,6 +226,7 @@ def test_a_split_get_of_rows_with_different_fields_returns_their_union(split_get
         c.get("t", keys, fields=["prev_logprobs"])
 
 
+@pytest.mark.torch
 def test_a_groups_shared_image_counts_once_when_a_get_is_sized() -> None:
     # 2 groups of 16 rows share 2 images: what travels is about 8 MB, not 16 images' 57 MB.
     step = workloads.w1(groups=2)
@@ -261,6 +268,7 @@ def fake_device(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+@pytest.mark.torch
 def test_a_device_get_splits_as_the_cpu_get_does(split_gets, fake_device) -> None:
     c = split_gets
     keys = [f"k{i}" for i in range(7)]
@@ -274,6 +282,7 @@ def test_a_device_get_splits_as_the_cpu_get_does(split_gets, fake_device) -> Non
     assert got.received.record_batches == fake_device[0] >= 3
 
 
+@pytest.mark.torch
 def test_a_device_gets_first_and_small_gets_travel_as_one_stream(
     split_gets, fake_device, monkeypatch
 ) -> None:
@@ -290,6 +299,7 @@ def test_a_device_gets_first_and_small_gets_travel_as_one_stream(
     assert split.received is not None and split.received.route == "streams=3"
 
 
+@pytest.mark.torch
 def test_a_split_device_get_falls_back_to_one_stream(split_gets, fake_device) -> None:
     c = split_gets
     keys = [f"k{i}" for i in range(6)]
