@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import msgpack
@@ -63,8 +64,7 @@ def test_an_int64_tensor_in_an_int32_field_names_field_key_and_both_dtypes() -> 
     }
 
 
-def test_a_torch_tensor_of_the_wrong_dtype_carries_the_same_attributes() -> None:
-    torch = pytest.importorskip("torch")
+def test_a_torch_tensor_of_the_wrong_dtype_carries_the_same_attributes(torch: ModuleType) -> None:
     with pytest.raises(flightq.DTypeError, match=r"expected dtype int32, got int64") as e:
         flightq.encode(SCHEMA, {"ids": [torch.arange(3)]}, ["a"])
     assert (e.value.field, e.value.key, e.value.expected, e.value.actual) == (
