@@ -3,6 +3,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+# A second, small environment without torch: the suite must pass there too (torch is optional).
+NOTORCH       ?= .venv-notorch
+NOTORCH_STAMP := $(NOTORCH)/.installed
 
 .PHONY: demo test lint bench bench-quick clean venv
 
@@ -12,6 +15,13 @@ $(STAMP): pyproject.toml constraints-test.txt
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c constraints-test.txt -e '.[torch,test,bench,ray]'
 	@touch $(STAMP)
+
+$(NOTORCH_STAMP): pyproject.toml constraints-test.txt
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found; set PYTHON=python3.x"; exit 1; }
+	$(PYTHON) -m venv $(NOTORCH)
+	$(NOTORCH)/bin/python -m pip install --quiet --upgrade pip
+	$(NOTORCH)/bin/python -m pip install --quiet -c constraints-test.txt -e '.[test]'
+	@touch $(NOTORCH_STAMP)
 
 venv: $(STAMP)
 
@@ -23,8 +33,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check flightq tests benchmarks
 	$(VENV)/bin/mypy flightq benchmarks/flightq_bench
 
-test: lint
+# The suite with torch, then tests/ again without it: tests that need torch skip there
+# ("torch is not installed"), every other one must pass.
+test: lint $(NOTORCH_STAMP)
 	$(VENV)/bin/pytest -q
+	$(NOTORCH)/bin/pytest -q -p no:cacheprovider tests
 
 # The side-by-side benchmark measures TransferQueue and Ray too: the peers extra.
 PEERS := $(VENV)/.peers
@@ -40,4 +53,4 @@ bench-quick: $(PEERS)
 	$(VENV)/bin/flightq bench --quick --out bench-results
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(NOTORCH) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
