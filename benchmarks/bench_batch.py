@@ -10,8 +10,8 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from conftest import make_step, record_throughput
 from flightq_bench.payload import check_rows
+from helpers_bench import make_step, record_throughput
 
 import flightq
 from flightq.workloads import to_torch

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import make_step, record_throughput
 from flightq_bench.payload import check_rows
+from helpers_bench import make_step, record_throughput
 
 from flightq.workloads import to_torch
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import record_throughput
+from helpers_bench import record_throughput
 
 from flightq.dtypes import dtype
 from flightq.tensor import column_base, row_view, to_bytes
