@@ -10,6 +10,7 @@ clears the rows. Progress is printed as it runs and a table at the end.
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
 import queue
 import time
@@ -42,6 +43,11 @@ def _step(s: int) -> Any:
     return st
 
 
+#: What the consumers decode into: torch tensors, as a trainer does, where torch is
+#: installed; numpy arrays elsewhere (the demo runs without torch too).
+_AS = "torch" if importlib.util.find_spec("torch") is not None else "numpy"
+
+
 def _generator(location: str, steps: int, out: Any) -> None:
     import flightq
 
@@ -62,23 +68,25 @@ def _logprob(location: str, steps: int, out: Any) -> None:
     with flightq.connect(location, [SCHEMA]) as c:
         for i in range(steps * GROUPS * G // per_claim):
             t0 = time.perf_counter()
-            b = c.claim(PARTITION, "prev_lp", per_claim, fields=["input_ids"], timeout=TIMEOUT)
-            ids = b["input_ids"]
-            lps = [prev_logprobs_of(x.numpy()) for x in ids]
+            b = c.claim(
+                PARTITION, "prev_lp", per_claim, fields=["input_ids"], timeout=TIMEOUT, as_=_AS
+            )
+            ids = [np.asarray(x) for x in b["input_ids"]]
+            lps = [prev_logprobs_of(x) for x in ids]
             c.put(PARTITION, b.keys, {"prev_logprobs": lps})
-            nbytes = sum(x.numel() * 8 for x in ids) + sum(x.nbytes for x in lps)
+            nbytes = sum(x.nbytes for x in ids) + sum(x.nbytes for x in lps)
             out.put(("logprob", i, len(b), nbytes, time.perf_counter() - t0))
 
 
 def _trainer(location: str, steps: int, out: Any) -> None:
-    import torch
-
     import flightq
 
     with flightq.connect(location, [SCHEMA]) as c:
         for _ in range(steps):
             t0 = time.perf_counter()
-            b = c.claim(PARTITION, "train", GROUPS * G, wait_for=["prev_logprobs"], timeout=TIMEOUT)
+            b = c.claim(
+                PARTITION, "train", GROUPS * G, wait_for=["prev_logprobs"], timeout=TIMEOUT, as_=_AS
+            )
             dt = time.perf_counter() - t0
             s = int(b.tags[0]["weight_version"])
             st = _step(s)
@@ -91,14 +99,14 @@ def _trainer(location: str, steps: int, out: Any) -> None:
                     g = got[j]
                     if isinstance(w, list):
                         for ws, gs in zip(w, g, strict=True):
-                            assert np.array_equal(ws, gs.numpy()), (name, k)
+                            assert np.array_equal(ws, np.asarray(gs)), (name, k)
                             nbytes += ws.nbytes
                     else:
-                        assert np.array_equal(np.asarray(w), g.numpy()), (name, k)
+                        assert np.array_equal(np.asarray(w), np.asarray(g)), (name, k)
                         nbytes += np.asarray(w).nbytes
             for j, k in enumerate(b.keys):
                 want_lp = prev_logprobs_of(st.columns["input_ids"][order[k]])
-                assert torch.equal(b["prev_logprobs"][j], torch.from_numpy(want_lp)), k
+                assert np.array_equal(np.asarray(b["prev_logprobs"][j]), want_lp), k
             c.clear(PARTITION, b.keys)
             out.put(("trainer", s, len(b), nbytes, dt))
 

@@ -5,10 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
-pytestmark = pytest.mark.torch  # the demo's stages compare their rows as torch tensors
-
 
 def test_demo_runs_three_processes_and_verifies_every_byte() -> None:
     proc = subprocess.run(
