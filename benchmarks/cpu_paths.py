@@ -41,10 +41,16 @@ import flightq
 from flightq import workloads
 from flightq.batch import PartDecoder, encode_chunks
 from flightq.registry import SchemaRegistry
-from flightq.server.assemble import assemble
-from flightq.server.partition import make_piece
-from flightq.server.store import Store
 from flightq.validation import validate
+
+try:
+    from flightq.server.assemble import assemble
+    from flightq.server.partition import make_piece
+    from flightq.server.store import Store
+except ImportError:  # a tree from before the server moved into flightq/server/
+    from flightq.assemble import assemble  # type: ignore[no-redef]
+    from flightq.rows import make_piece  # type: ignore[no-redef]
+    from flightq.store import Store  # type: ignore[no-redef]
 
 __all__ = ["measure", "main"]
 
