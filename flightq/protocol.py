@@ -525,16 +525,11 @@ class Declaration(Message):
 
 
 @dataclasses.dataclass(**_FROZEN)
-class DeclareReply(Message):
+class DeclareReply(Declaration):
+    """The declaration, and whether this call created the partition."""
+
     WHAT: ClassVar[str] = "declare result"
     created: bool = _field(_bool)
-    partition: str = _field(_str())
-    schema: str = _field(_str())
-    schema_ref: str = _field(_str())
-    fingerprint: str = _field(_str())
-    tasks: list[str] = _field(_strs)
-    group_size: int | None = _field(_optional(_int()))
-    max_rows: int | None = _field(_optional(_int()))
 
 
 @dataclasses.dataclass(**_FROZEN)
