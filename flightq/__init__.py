@@ -58,12 +58,18 @@ _LAZY = {
 }
 
 
+#: Public submodules reachable as attributes after ``import flightq`` (loaded on first use).
+_SUBMODULES = frozenset({"aio", "ray", "cuda", "shm", "sharding", "server", "client"})
+
+
 def __getattr__(name: str) -> object:
     # The Flight edges import pyarrow.flight; load them on first use.
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'flightq' has no attribute {name!r}")
 
 
