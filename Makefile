@@ -1,4 +1,8 @@
-PYTHON ?= python3.11
+# The first Python 3.10+ found (3.11 first: the test constraints' torch is built for it here);
+# `make PYTHON=python3.12 test` picks another.
+PYTHON ?= $(shell for p in python3.11 python3.12 python3.13 python3.10 python3; do \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+	&& { echo $$p; break; }; done)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
@@ -10,14 +14,14 @@ NOTORCH_STAMP := $(NOTORCH)/.installed
 .PHONY: demo test lint bench bench-quick clean venv
 
 $(STAMP): pyproject.toml constraints-test.txt
-	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found; set PYTHON=python3.x"; exit 1; }
+	@test -n "$(PYTHON)" && command -v $(PYTHON) >/dev/null 2>&1 || { echo "no Python 3.10+ found ($(PYTHON)); set PYTHON=python3.x"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c constraints-test.txt -e '.[torch,test,bench,ray]'
 	@touch $(STAMP)
 
 $(NOTORCH_STAMP): pyproject.toml constraints-test.txt
-	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found; set PYTHON=python3.x"; exit 1; }
+	@test -n "$(PYTHON)" && command -v $(PYTHON) >/dev/null 2>&1 || { echo "no Python 3.10+ found ($(PYTHON)); set PYTHON=python3.x"; exit 1; }
 	$(PYTHON) -m venv $(NOTORCH)
 	$(NOTORCH)/bin/python -m pip install --quiet --upgrade pip
 	$(NOTORCH)/bin/python -m pip install --quiet -c constraints-test.txt -e '.[test]'
