@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.flight as fl
 
 from ..chunks import split_batch
-from ..errors import FlightqError
+from ..errors import FlightqError, ProtocolError
 from ..protocol import ACTIONS, ActionSpec, Message, PutAck, PutCommand, Ticket, from_flight_error
 
 __all__ = ["Transport", "action_spec"]
@@ -94,6 +94,11 @@ class Transport:
     # ------------------------------------------------------------------ connections
 
     def _open(self) -> fl.FlightClient:
+        if "://" not in self.location:
+            raise ProtocolError(
+                f"location {self.location!r} names no scheme; use grpc://{self.location} "
+                "(or grpc+tls://, grpc+unix://)"
+            )
         try:
             return fl.FlightClient(self.location, **self._kwargs)
         except _FOREIGN as e:
