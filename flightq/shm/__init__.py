@@ -45,7 +45,7 @@ Examples
 
 from typing import Any
 
-from .mapping import MAPPED, map_data, read, still_there
+from .mapping import MAPPED, STORES, map_data, read, read_private, still_there, store_copy
 from .segments import (
     BATCH_BYTES,
     DEFAULT_DIR,
@@ -58,6 +58,7 @@ from .segments import (
     check_peer,
     directory,
     is_local,
+    open_regular,
     probe_reply,
 )
 
@@ -86,6 +87,7 @@ __all__ = [
     "HEADER",
     "MAPPED",
     "MARKER",
+    "STORES",
     "TAKEN",
     "WRITTEN",
     "SegmentPool",
@@ -96,8 +98,11 @@ __all__ = [
     "handshake",
     "is_local",
     "map_data",
+    "open_regular",
     "probe_reply",
     "put_via_shm",
     "read",
+    "read_private",
     "still_there",
+    "store_copy",
 ]

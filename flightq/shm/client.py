@@ -67,7 +67,7 @@ def handshake(transport: Transport, shm_dir: str) -> None:
     token = secrets.token_bytes(32)
     name = f"flightq-{os.getpid()}-{secrets.token_hex(4)}-0"
     path = os.path.join(shm_dir, name)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         os.write(fd, token)
         os.close(fd)
@@ -118,9 +118,12 @@ def put_via_shm(
     ref = pool.write(chunks[0].schema, chunks, what, gather)
     command = dataclasses.replace(cmd, shm=ShmRef(**ref))
     try:
-        return transport.put(
+        n = transport.put(
             command, chunks[0].schema, (), max_batch_bytes=batch_bytes, timeout=timeout
         )
     except BaseException:
         pool.abandon(ref)
         raise
+    # The server stores its own copy (flightq.shm.mapping.store_copy): the segment is free.
+    pool.release(ref)
+    return n

@@ -1,4 +1,10 @@
-"""Readers' side of a segment: maps held under a shared lock, and where each lies."""
+"""Readers' side of a segment: maps held under a shared lock, and where each lies.
+
+Every file of the segment directory is opened without blocking and mapped only if it is a
+regular file of this user (:func:`open_regular`). A consumer maps copy-on-write
+(:func:`map_data`); a server copies a put out of the writer's file before storing it
+(:func:`store_copy`).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,6 @@ import contextlib
 import fcntl
 import mmap
 import os
-import stat
 import struct
 import threading
 import weakref
@@ -27,6 +32,8 @@ from .segments import (
     STATE_AT,
     TAKEN,
     WRITTEN,
+    SegmentPool,
+    open_regular,
 )
 
 # --------------------------------------------------------------------------- reader side
@@ -74,13 +81,11 @@ class _Mapped:
 MAPPED = _Mapped()
 
 
-def _unmap(fd: int, head: mmap.mmap, start: int) -> None:
+def _unmap(fd: int, start: int) -> None:
     # Runs when the last view of the data dies: the reader's lock goes with the descriptor.
     MAPPED.remove(start)
     with contextlib.suppress(OSError):
         os.close(fd)
-    with contextlib.suppress(BufferError, ValueError):
-        head.close()
 
 
 def _check_ref(ref: Any, what: str) -> tuple[str, int, int]:
@@ -99,81 +104,104 @@ def _check_ref(ref: Any, what: str) -> tuple[str, int, int]:
     return path, gen, n
 
 
+def _checked_path(ref: Any, dirpath: str, what: str) -> tuple[str, int, int]:
+    path, gen, n = _check_ref(ref, what)
+    real = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+    if os.path.dirname(real) != dirpath or not SEGMENT_NAME.match(os.path.basename(real)):
+        raise ProtocolError(
+            f"{what}: shared-memory segment {path!r} is not a flightq segment in {dirpath}"
+        )
+    return real, gen, n
+
+
+def _lock_shared(fd: int, path: str, what: str) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        raise ProtocolError(
+            f"{what}: shared-memory segment {path!r} is being filled again by its owner "
+            "(the rows it held are gone); retry the call"
+        ) from e
+
+
+def _check_header(raw: bytes, path: str, gen: int, n: int, what: str) -> None:
+    if len(raw) < HEADER_FORMAT.size:
+        raise ProtocolError(f"{what}: shared-memory segment {path!r} has no header")
+    magic, state, g, size, _pid, _at = HEADER_FORMAT.unpack_from(raw, 0)
+    if magic != MAGIC or g != gen or size != n or state not in (WRITTEN, TAKEN):
+        raise ProtocolError(
+            f"{what}: shared-memory segment {path!r} is not generation {gen} of {n} "
+            "bytes ready to read (reused or corrupted); retry the call"
+        )
+
+
+def _mark_taken(fd: int) -> None:
+    # The state word tells the owner a reader came (its pool may then reuse the segment
+    # once no reader holds it). The file was checked through ``fd``; reopening that very
+    # file for this one word cannot block. Where this user may not write it (a server's
+    # stored rows, mode 0400), the owner marks it itself.
+    with contextlib.suppress(OSError):
+        wfd = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            os.pwrite(wfd, struct.pack("<q", TAKEN), STATE_AT)
+        finally:
+            os.close(wfd)
+
+
 def map_data(
-    ref: Any, dirpath: str, what: str, lo: int = 0, hi: int | None = None, populate: bool = True
+    ref: Any,
+    dirpath: str,
+    what: str,
+    lo: int = 0,
+    hi: int | None = None,
+    populate: bool = True,
+    private: bool = True,
 ) -> np.ndarray:
-    """Map bytes ``[lo, hi)`` of a segment's data read-only; returns them as uint8.
+    """Map bytes ``[lo, hi)`` of a segment's data; returns them as uint8.
 
     The reader holds a shared lock on the segment while any view of the returned array
     lives, so its owner cannot fill it again under the reader; the segment's header must
     name the generation the reference names. ``populate`` maps every page at once (a
-    reader about to touch all the bytes); a server storing a put touches only offsets and
-    shapes, and maps the rest lazily.
+    reader about to touch all the bytes). ``private`` (a consumer) maps copy-on-write:
+    a write through a view (``add_`` on a returned tensor) changes this process's pages
+    only, never the file, the server's rows or another consumer's. Otherwise (a server
+    mapping the rows it stores in its own segment) the mapping is shared and read-only.
 
     Raises
     ------
     ProtocolError
         If the reference is malformed, names a file outside ``dirpath``, the file is gone,
-        being filled again or not a flightq segment of that generation and size.
+        not a regular file of this user, being filled again or not a flightq segment of
+        that generation and size.
     """
-    path, gen, n = _check_ref(ref, what)
+    path, gen, n = _checked_path(ref, dirpath, what)
     hi = n if hi is None else hi
     if not 0 <= lo <= hi <= n:
         raise ProtocolError(
             f"{what}: bytes [{lo}, {hi}) lie outside the {n} bytes of segment {path!r}"
         )
-    real = os.path.realpath(path)
-    if os.path.dirname(real) != dirpath or not SEGMENT_NAME.match(os.path.basename(real)):
-        raise ProtocolError(
-            f"{what}: shared-memory segment {path!r} is not a flightq segment in {dirpath}"
-        )
+    fd, st = open_regular(path, what, HEADER + n)
     try:
-        fd = os.open(real, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as e:
-        raise ProtocolError(
-            f"{what}: shared-memory segment {path!r} is gone: {e}; retry the call"
-        ) from e
-    head = None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as e:
-            raise ProtocolError(
-                f"{what}: shared-memory segment {path!r} is being filled again by its owner "
-                "(the rows it held are gone); retry the call"
-            ) from e
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size < HEADER + n:
-            raise ProtocolError(
-                f"{what}: shared-memory segment {path!r} holds {st.st_size} bytes, "
-                f"{HEADER + n} announced"
-            )
-        head = mmap.mmap(fd, HEADER, flags=mmap.MAP_SHARED)
-        magic, state, g, size, _pid, _at = HEADER_FORMAT.unpack_from(head, 0)
-        if magic != MAGIC or g != gen or size != n or state not in (WRITTEN, TAKEN):
-            raise ProtocolError(
-                f"{what}: shared-memory segment {path!r} is not generation {gen} of {n} "
-                "bytes ready to read (reused or corrupted); retry the call"
-            )
-        # The data is mapped read-only: views handed out can never write the owner's pages.
+        _lock_shared(fd, path, what)
+        _check_header(os.pread(fd, HEADER_FORMAT.size, 0), path, gen, n, what)
         start = lo - lo % mmap.ALLOCATIONGRANULARITY
+        flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if private else 0)
         body = mmap.mmap(
             fd,
             max(hi - start, 1),
-            flags=mmap.MAP_SHARED | (MAP_POPULATE_FLAG if populate else 0),
-            prot=mmap.PROT_READ,
+            flags=flags | (MAP_POPULATE_FLAG if populate else 0),
+            prot=prot,
             offset=HEADER + start,
         )
     except BaseException:
         os.close(fd)
-        if head is not None:
-            head.close()
         raise
-    struct.pack_into("<q", head, STATE_AT, TAKEN)
+    _mark_taken(fd)
     data = np.frombuffer(body, dtype=np.uint8, count=hi - lo, offset=lo - start)
     addr = int(data.ctypes.data)
-    MAPPED.add(addr, hi - lo, {"path": real, "gen": gen, "nbytes": n, "ino": st.st_ino}, lo)
-    weakref.finalize(data, _unmap, fd, head, addr)
+    MAPPED.add(addr, hi - lo, {"path": path, "gen": gen, "nbytes": n, "ino": st.st_ino}, lo)
+    weakref.finalize(data, _unmap, fd, addr)
     return data
 
 
@@ -186,18 +214,142 @@ def still_there(ref: Mapping[str, Any]) -> bool:
         return False
 
 
-def read(ref: Any, dirpath: str, what: str, populate: bool = True) -> list[pa.RecordBatch]:
-    """Map a segment and return its record batches, zero-copy views into the mapping.
+class _Stores:
+    """The segments a server copies puts into, one pool per directory, made on first use.
 
-    The segment goes back to its owner once every returned buffer is gone (see
-    :func:`map_data`).
+    One per process, as :data:`MAPPED`: a server's stored rows are named by the table of
+    what this process maps. Their files are mode 0400, so no process opens them for
+    writing by mistake; the pool reuses one only once no reader holds it. A pool lives
+    while it holds rows: when the last stored copy is gone (the rows cleared, or the
+    server stopped) its files are unlinked.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pools: dict[str, tuple[SegmentPool, int]] = {}
+
+    def hold(self, dirpath: str) -> SegmentPool:
+        """The directory's pool, counted as holding one more copy until :meth:`let_go`."""
+        with self._lock:
+            pool, n = self._pools.get(dirpath, (None, 0))
+            if pool is None:
+                pool = SegmentPool(dirpath, mode=0o400)
+            self._pools[dirpath] = (pool, n + 1)
+            return pool
+
+    def let_go(self, dirpath: str, pool: SegmentPool) -> None:
+        """One copy of ``pool`` is gone; the last one closes the pool."""
+        with self._lock:
+            held, n = self._pools.get(dirpath, (None, 0))
+            if held is not pool:
+                return
+            if n > 1:
+                self._pools[dirpath] = (pool, n - 1)
+                return
+            del self._pools[dirpath]
+        pool.close()
+
+    def paths(self) -> list[str]:
+        """The files of every store pool (for tests and diagnostics)."""
+        with self._lock:
+            pools = [p for p, _ in self._pools.values()]
+        return [path for pool in pools for path in pool.paths()]
+
+
+#: Where a server keeps the bytes of puts that came through shared memory.
+STORES = _Stores()
+
+
+def _copy_in(fd: int, dst: memoryview, path: str, what: str) -> None:
+    # pread, not a mapping of the writer's file: a writer that shrinks its file meanwhile
+    # makes the read come up short (refused), never a SIGBUS in the server.
+    done = 0
+    while done < len(dst):
+        try:
+            got = os.preadv(fd, [dst[done:]], HEADER + done)
+        except OSError as e:
+            raise ProtocolError(f"{what}: shared-memory segment {path!r}: {e}") from e
+        if got == 0:
+            raise ProtocolError(
+                f"{what}: shared-memory segment {path!r} shrank to {HEADER + done} bytes "
+                f"while the server read it ({HEADER + len(dst)} announced); nothing is stored"
+            )
+        done += got
+
+
+def store_copy(ref: Any, dirpath: str, what: str) -> np.ndarray:
+    """Copy a writer's segment into a segment the server owns; returns the copy's bytes.
+
+    The writer's file is opened without blocking, checked (a regular file of this user,
+    of the announced size and generation, not being filled again), read once with
+    ``pread`` and let go: what the server then checks, acknowledges and serves is its own
+    copy, which no writer can shrink or change.
+
+    Raises
+    ------
+    ProtocolError
+        As :func:`map_data`, or if the file shrinks during the copy.
+    ResourceExhaustedError
+        If the directory has no room for the copy.
+    """
+    path, gen, n = _checked_path(ref, dirpath, what)
+    fd, _ = open_regular(path, what, HEADER + n)
+    try:
+        _lock_shared(fd, path, what)
+        _check_header(os.pread(fd, HEADER_FORMAT.size, 0), path, gen, n, what)
+        pool = STORES.hold(dirpath)
+        try:
+            seg = pool.room(n, what)
+            try:
+                view = memoryview(seg.mm)[HEADER : HEADER + n]
+                try:
+                    _copy_in(fd, view, path, what)
+                finally:
+                    view.release()
+                own = pool.written(seg, n)
+                data = map_data(own, dirpath, what, populate=False, private=False)
+            except BaseException:
+                pool.drop(seg)
+                raise
+        except BaseException:
+            STORES.let_go(dirpath, pool)
+            raise
+        weakref.finalize(data, STORES.let_go, dirpath, pool)
+        # The owner marks its own segment taken: no reader may write a 0400 file.
+        struct.pack_into("<q", seg.mm, STATE_AT, TAKEN)
+        return data
+    finally:
+        os.close(fd)
+
+
+def read(ref: Any, dirpath: str, what: str, populate: bool = True) -> list[pa.RecordBatch]:
+    """A put's record batches through shared memory, as the server stores them.
+
+    The writer's segment is copied into one the server owns (:func:`store_copy`); the
+    batches are zero-copy views of that copy, which goes back to the server's pool once
+    every returned buffer is gone. ``populate`` is accepted for older callers; the copy
+    touches every page anyway.
+
+    Raises
+    ------
+    ProtocolError
+        As :func:`store_copy`, or if the stream in the segment is malformed.
+    """
+    return _stream(store_copy(ref, dirpath, what), what)
+
+
+def read_private(ref: Any, dirpath: str, what: str) -> list[pa.RecordBatch]:
+    """A consumer's record batches from a segment: views of a copy-on-write mapping.
 
     Raises
     ------
     ProtocolError
         As :func:`map_data`, or if the stream in the segment is malformed.
     """
-    data = map_data(ref, dirpath, what, populate=populate)
+    return _stream(map_data(ref, dirpath, what), what)
+
+
+def _stream(data: np.ndarray, what: str) -> list[pa.RecordBatch]:
     try:
         return list(pa.ipc.open_stream(pa.py_buffer(data)))
     except pa.ArrowException as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import ipaddress
 import mmap
@@ -11,6 +12,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import struct
 import threading
 import time
@@ -116,6 +118,63 @@ def directory(option: bool | str | os.PathLike[str]) -> str:
     return path
 
 
+#: Flags every open in the segment directory uses: a FIFO or device named like a segment
+#: cannot block the opener, a symlink is not followed, children do not inherit it.
+OPEN_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
+
+
+def open_regular(path: str, what: str, min_size: int = 0) -> tuple[int, os.stat_result]:
+    """Open a file of the segment directory read-only, never blocking; returns (fd, stat).
+
+    Only a regular file of this process's user, of at least ``min_size`` bytes, is
+    accepted: a FIFO, a device, a directory or a symlink named like a segment is refused
+    at once.
+
+    Raises
+    ------
+    ProtocolError
+        If the file is gone, a symlink, not a regular file, another user's, or too small.
+    """
+    try:
+        fd = os.open(path, OPEN_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ProtocolError(
+                f"{what}: shared-memory segment {path!r} is a symlink, not a regular file; "
+                "only flightq's own segment files are mapped"
+            ) from e
+        raise ProtocolError(
+            f"{what}: shared-memory segment {path!r} is gone: {e}; retry the call"
+        ) from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ProtocolError(
+                f"{what}: shared-memory segment {path!r} is not a regular file "
+                f"(mode {stat.filemode(st.st_mode)}); only flightq's own segment files "
+                "are mapped"
+            )
+        if st.st_uid != os.getuid():
+            raise ProtocolError(
+                f"{what}: shared-memory segment {path!r} belongs to uid {st.st_uid}, "
+                f"expected {os.getuid()} (this process's user)"
+            )
+        if st.st_size < min_size:
+            raise ProtocolError(
+                f"{what}: shared-memory segment {path!r} holds {st.st_size} bytes, "
+                f"{min_size} announced"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
 # --------------------------------------------------------------------------- checks (server)
 
 
@@ -129,10 +188,15 @@ def probe_reply(dirpath: str | None, body: Mapping[str, Any]) -> dict[str, Any] 
     out: dict[str, Any] = {"dir": dirpath, "probe": None}
     path = body.get("shm_probe")
     if isinstance(path, str):
-        real = os.path.realpath(path)
+        real = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
         if os.path.dirname(real) == dirpath and SEGMENT_NAME.match(os.path.basename(real)):
-            with contextlib.suppress(OSError), open(real, "rb") as f:
-                out["probe"] = f.read(64).hex()
+            # A FIFO or symlink named like a probe gets no echo, at once.
+            with contextlib.suppress(OSError, ProtocolError):
+                fd, _ = open_regular(real, "health")
+                try:
+                    out["probe"] = os.pread(fd, 64, 0).hex()
+                finally:
+                    os.close(fd)
     return out
 
 
@@ -202,11 +266,15 @@ class SegmentPool:
         Capacity of free segments kept for reuse; the rest are unlinked.
     lease_s:
         Seconds a written segment may wait for its reader before it is given up.
+    mode:
+        Permissions of the files (0400: a server's stored rows, written only through the
+        descriptor that created them).
     """
 
     dir: str = DEFAULT_DIR
     keep_bytes: int = DEFAULT_KEEP_BYTES
     lease_s: float = DEFAULT_LEASE_S
+    mode: int = 0o600
     _segs: list[Segment] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _token: str = field(default_factory=lambda: secrets.token_hex(4))
@@ -238,7 +306,7 @@ class SegmentPool:
         sink = pa.MockOutputStream()
         write_stream(sink, schema, batches)
         n = int(sink.size())
-        seg = self._room(n, what)
+        seg = self.room(n, what)
         try:
             view = memoryview(seg.mm)[HEADER : HEADER + n]
             if gather is None:
@@ -255,7 +323,7 @@ class SegmentPool:
             del view
             return self.written(seg, n)
         except BaseException:
-            self._drop(seg)
+            self.drop(seg)
             raise
 
     def write_bytes(self, parts: Sequence[tuple[int, Any]], n: int, what: str) -> dict[str, Any]:
@@ -266,7 +334,7 @@ class SegmentPool:
         ResourceExhaustedError
             If the directory has no room.
         """
-        seg = self._room(n, what)
+        seg = self.room(n, what)
         try:
             dst = np.frombuffer(seg.mm, dtype=np.uint8, count=n, offset=HEADER)
             for at, buf in parts:
@@ -275,10 +343,17 @@ class SegmentPool:
             del dst
             return self.written(seg, n)
         except BaseException:
-            self._drop(seg)
+            self.drop(seg)
             raise
 
-    def _room(self, n: int, what: str) -> Segment:
+    def room(self, n: int, what: str) -> Segment:
+        """:meth:`acquire`, with no room in the directory a typed refusal.
+
+        Raises
+        ------
+        ResourceExhaustedError
+            If the directory has no room.
+        """
         try:
             return self.acquire(n)
         except OSError as e:
@@ -298,7 +373,8 @@ class SegmentPool:
         seg.unlock()
         return {"path": seg.path, "gen": seg.gen, "nbytes": n}
 
-    def _drop(self, seg: Segment) -> None:
+    def drop(self, seg: Segment) -> None:
+        """Unlink a segment whose writing failed."""
         with self._lock:
             if seg in self._segs:
                 self._segs.remove(seg)
@@ -370,14 +446,14 @@ class SegmentPool:
         if seg is not None:
             seg = self._grow(seg, need)
         else:
-            seg = self._create(os.path.join(self.dir, name), need)
+            seg = self._create(os.path.join(self.dir, name), need, self.mode)
         with self._lock:
             self._segs.append(seg)
         return seg
 
     @staticmethod
-    def _create(path: str, capacity: int) -> Segment:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    def _create(path: str, capacity: int, mode: int = 0o600) -> Segment:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         try:
             os.ftruncate(fd, HEADER + capacity)
             mm = mmap.mmap(fd, HEADER + capacity, flags=mmap.MAP_SHARED | MAP_POPULATE_FLAG)
@@ -414,6 +490,22 @@ class SegmentPool:
         with self._lock:
             return list(self._segs)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._closed
+
+    def release(self, ref: Mapping[str, Any]) -> None:
+        """After the server acknowledged a put it copied: the segment is free again.
+
+        Its reader read it (the server keeps its own copy); once no reader holds its lock
+        the pool may fill it again.
+        """
+        with self._lock:
+            seg = next((s for s in self._segs if s.path == ref.get("path")), None)
+            if seg is not None and seg.gen == ref.get("gen"):
+                struct.pack_into("<q", seg.mm, STATE_AT, FREE)
+
     def close(self) -> None:
         """Unlink every segment; readers that mapped one keep valid pages."""
         with self._lock:
@@ -436,7 +528,11 @@ def write_stream(sink: Any, schema: pa.Schema, batches: Sequence[pa.RecordBatch]
 
 
 def _sweep(dirpath: str) -> None:
-    """Unlink segments of this user whose owner process no longer runs."""
+    """Unlink segments of this user whose owner process no longer runs.
+
+    Only regular files are touched, and none is opened: a FIFO, a symlink or a directory
+    named like a segment is left alone.
+    """
     uid = os.getuid()
     with contextlib.suppress(OSError), os.scandir(dirpath) as it:
         for e in it:
@@ -444,7 +540,8 @@ def _sweep(dirpath: str) -> None:
             if m is None:
                 continue
             with contextlib.suppress(OSError):
-                if e.stat(follow_symlinks=False).st_uid != uid or _alive(int(m.group(1))):
+                st = e.stat(follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or _alive(int(m.group(1))):
                     continue
                 os.unlink(e.path)
 

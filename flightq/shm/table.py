@@ -6,7 +6,7 @@ offsets and buffer references ``[segment, offset, size]``. A buffer that lies in
 the server maps (the bytes a put through shared memory left there) is named where it lies
 and is not copied; the few others (keys, tags, a column written over the socket) travel
 inline in the table, or in one segment the server writes when they are large. The client
-maps each named segment once, read-only, rebuilds the arrays over the mapping, validates
+maps each named segment once, copy-on-write, rebuilds the arrays over the mapping, validates
 them in full (offsets, dictionary indices, buffer sizes) and decodes them with the same
 :func:`flightq.decode`: the tensors it hands out are views of the producer's pages.
 
@@ -30,7 +30,7 @@ import pyarrow as pa
 
 from ..errors import ProtocolError
 from ..protocol import pack, unpack
-from .mapping import MAPPED, map_data, read, still_there
+from .mapping import MAPPED, map_data, read_private, still_there
 from .segments import MARKER, SegmentPool
 
 __all__ = ["INLINE_BYTES", "answer", "take"]
@@ -155,7 +155,7 @@ def take(batches: list[pa.RecordBatch], dirpath: str, what: str) -> list[pa.Reco
         return batches
     body = unpack(batches[0].column(0)[0].as_py(), f"{what}: shared-memory answer")
     if _TABLE not in body:
-        return read(body, dirpath, what)
+        return read_private(body, dirpath, what)
     try:
         return _rebuild(body, dirpath, what)
     except (pa.ArrowException, KeyError, TypeError, ValueError, IndexError) as e:

@@ -50,10 +50,19 @@ def _mapped_files(address: int) -> list[str]:
     return out
 
 
+def _drop_all(srv: flightq.Server) -> None:
+    """Drop every partition: the server's copies of puts through shared memory go with
+    their rows (it unlinks a stored segment once no row uses it)."""
+    with flightq.connect(srv.location, timeout=TIMEOUT) as c:
+        for name in c.stats()["partitions"]:
+            c.drop(name)
+
+
 @pytest.fixture(name="server")
 def server_fixture() -> Iterator[flightq.Server]:
     with flightq.Server() as srv:
         yield srv
+        _drop_all(srv)
     gc.collect()
     assert _mine() == []
 
@@ -109,7 +118,7 @@ def test_w2_round_trips_bit_exact_and_the_tensors_are_views_into_a_mapped_segmen
     row = next(r for r in batch["pixel_values"] if r)
     files = _mapped_files(row[0].__array_interface__["data"][0])
     assert files and os.path.basename(files[0]).startswith("flightq-"), files
-    assert not row[0].flags.writeable  # the mapping is read-only
+    assert not row[0].flags.writeable  # numpy marks views of the answer read-only
 
 
 @pytest.mark.torch
@@ -162,11 +171,12 @@ def test_a_claim_whose_answer_cannot_be_written_gives_its_rows_back(server, clie
     assert len(server.shm_pool.paths()) == 1
 
 
-def test_a_read_maps_the_segment_the_put_filled_and_the_server_copies_nothing(server, client):
+def test_a_read_maps_the_servers_copy_of_the_put_and_copies_nothing_more(server, client):
     step = workloads.w2(groups=1)
     client.create_partition("m", step.schema, group_size=step.group_size)
     client.put("m", step.keys, step.columns, tags=step.tags)
-    (put_seg,) = client.shm_pool.paths()
+    (put_seg,) = shm.STORES.paths()  # the server's copy, not the writer's segment
+    assert put_seg not in client.shm_pool.paths()
     batch = client.get("m", step.keys, as_="numpy")
     assert assert_rows_match(batch, step) > 0
     for field in ("pixel_values", "input_ids"):
@@ -220,24 +230,23 @@ def test_segments_are_reused_across_puts_and_reads(server, client):
     assert server.shm_pool.paths() == []
 
 
-def test_a_segment_is_filled_again_only_once_no_reader_holds_it(server, client):
+def test_the_writers_segment_is_free_at_the_ack_and_a_view_outlives_the_servers_copy(
+    server, client
+):
     keys = text_keys(1, 4)
     cols = text_columns(keys)
     client.create_partition("v", TEXT, group_size=4)
     client.put("v", keys, cols)
+    (seg,) = client.shm_pool.segments()
+    assert seg.state() == shm.FREE and seg.lock()  # the server holds its own copy
+    seg.unlock()
     ids = client.get("v", keys, as_="numpy")["input_ids"][0]
     client.clear("v")
     gc.collect()
-    (seg,) = client.shm_pool.segments()
-    assert seg.state() == shm.TAKEN and not seg.lock()  # the server let go; the view holds it
-    client.put("v", keys, cols)  # so this put fills a second segment
-    assert len(client.shm_pool.paths()) == 2
-    assert np.array_equal(ids, cols["input_ids"][0])
-    del ids
-    client.clear("v")
-    gc.collect()
+    assert shm.STORES.paths() == []  # no row uses the server's copy: unlinked
     client.put("v", keys, cols)
-    assert len(client.shm_pool.paths()) == 2  # one of the two was free again
+    assert client.shm_pool.segments() == [seg]  # the writer fills the same segment again
+    assert np.array_equal(ids, cols["input_ids"][0])  # the consumer's pages stay valid
 
 
 def test_a_reference_to_a_segment_filled_again_is_refused():
@@ -405,8 +414,7 @@ def test_a_gathered_stream_is_byte_for_byte_the_plain_one_also_for_row_slices():
 
 
 def test_rows_outlive_the_producer_that_put_them_through_shm(server, client):
-    # The producer exits, its pool unlinks its segment: the server still maps the pages
-    # and serves them through a segment of its own.
+    # The producer exits, its pool unlinks its segment: the server serves its own copy.
     script = (
         "import sys, flightq\n"
         "from flightq import workloads\n"
@@ -420,4 +428,5 @@ def test_rows_outlive_the_producer_that_put_them_through_shm(server, client):
     batch = client.get("gone", step.keys, as_="numpy")
     assert assert_rows_match(batch, step) > 0
     row = batch["pixel_values"][0][0]
-    assert _mapped_files(row.__array_interface__["data"][0]) == server.shm_pool.paths()
+    assert _mapped_files(row.__array_interface__["data"][0]) == shm.STORES.paths()
+    assert server.shm_pool.paths() == []  # the answer needed no segment of its own

@@ -1,0 +1,266 @@
+"""Shared memory that cannot be turned against anyone (``connect(..., shm=<dir>)``).
+
+Real servers on loopback, real files in a private directory under /dev/shm. Each test
+plays one hostile or careless party: a file named like a segment that is no regular file,
+a consumer writing into a returned tensor, a writer shrinking or rewriting its segment
+after the ack.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import msgpack
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as fl
+import pytest
+from fixtures_dataplane import TIMEOUT, assert_rows_match
+
+import flightq
+from flightq import shm, workloads
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(name="shm_dir")
+def shm_dir_fixture() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="flightq-test-", dir=shm.DEFAULT_DIR)
+    try:
+        yield os.path.realpath(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(name="server")
+def server_fixture(shm_dir: str) -> Iterator[flightq.Server]:
+    with flightq.Server(shm=shm_dir) as srv:
+        yield srv
+        with flightq.connect(srv.location, timeout=TIMEOUT) as c:
+            for name in c.stats()["partitions"]:
+                c.drop(name)
+    gc.collect()
+
+
+@pytest.fixture(name="client")
+def client_fixture(server: flightq.Server, shm_dir: str) -> Iterator[flightq.Client]:
+    step = workloads.w2(groups=1)
+    with flightq.connect(server.location, [step.schema], timeout=TIMEOUT, shm=shm_dir) as c:
+        c.shm_min_bytes = 0
+        yield c
+
+
+def _name(n: int) -> str:
+    return f"flightq-{os.getpid()}-0badf00d-{n}"
+
+
+def _raw_put(location: str, ref: dict[str, object]) -> None:
+    cmd = {"op": "put", "partition": "p", "overwrite": False, "timeout": 1.0, "shm": ref}
+    client = fl.connect(location)
+    try:
+        schema = pa.schema([("__key__", pa.utf8())])
+        writer, reader = client.do_put(fl.FlightDescriptor.for_command(msgpack.packb(cmd)), schema)
+        with writer:
+            writer.done_writing()
+            reader.read()
+    finally:
+        client.close()
+
+
+# --------------------------------------------------------------------------- opening
+
+
+def test_a_fifo_a_symlink_and_a_directory_named_like_a_segment_are_refused_at_once(shm_dir):
+    fifo, link, folder = (os.path.join(shm_dir, _name(i)) for i in (1, 2, 3))
+    os.mkfifo(fifo, 0o600)
+    target = os.path.join(shm_dir, "elsewhere")
+    with open(target, "wb") as f:
+        f.write(b"\0" * 8192)
+    os.symlink(target, link)
+    os.mkdir(folder)
+    refusals = {
+        fifo: r"ProtocolError: .* is not a regular file \(mode p",
+        link: r"ProtocolError: .* is a symlink, not a regular file",
+        folder: r"ProtocolError: .* is not a regular file \(mode d",
+    }
+    server = flightq.Server(shm=shm_dir).start()
+    try:
+        with flightq.connect(server.location, timeout=TIMEOUT) as c:
+            c.create_partition("p", workloads.w2(groups=1).schema)
+            for path, message in refusals.items():
+                t0 = time.monotonic()
+                with pytest.raises(fl.FlightServerError, match=message):
+                    _raw_put(server.location, {"path": path, "gen": 1, "nbytes": 10})
+                assert time.monotonic() - t0 < 5.0, path
+            assert c.health()["ok"]  # the server keeps serving
+        # The handshake's probe gets no echo from a FIFO, and at once.
+        t0 = time.monotonic()
+        assert shm.probe_reply(shm_dir, {"shm_probe": fifo}) == {"dir": shm_dir, "probe": None}
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        assert server.stop(deadline=5.0) is True  # no thread is stuck in an open
+    # The sweep of dead owners' segments opens nothing and leaves these alone.
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    dead_fifo = os.path.join(shm_dir, f"flightq-{int(dead.stdout)}-0badf00d-1")
+    os.mkfifo(dead_fifo, 0o600)
+    shm.SegmentPool(shm_dir).close()
+    assert os.path.exists(dead_fifo) and os.path.exists(fifo)
+
+
+def test_a_segment_of_the_wrong_size_is_refused_typed(shm_dir):
+    path = os.path.join(shm_dir, _name(9))
+    with open(path, "wb") as f:
+        f.write(b"\0" * 100)
+    with pytest.raises(flightq.ProtocolError, match=r"holds 100 bytes, 4106 announced"):
+        shm.map_data({"path": path, "gen": 1, "nbytes": 10}, shm_dir, "get")
+
+
+# --------------------------------------------------------------------------- consumers
+
+_SECOND_CONSUMER = """
+import hashlib, sys, flightq, numpy as np
+from flightq import workloads
+step = workloads.w2(groups=1)
+with flightq.connect(sys.argv[1], [step.schema], shm=sys.argv[2]) as c:
+    c.shm_min_bytes = 0
+    b = c.get("m", step.keys, as_="numpy")
+    assert b.received.route == "shm", b.received
+    row = next(r for r in b["pixel_values"] if r)
+    print(hashlib.sha256(np.ascontiguousarray(row[0]).tobytes()).hexdigest())
+"""
+
+
+def _digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def _in_a_segment(address: int) -> bool:
+    """Whether ``address`` lies in a mapping of a flightq segment file."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= address < hi and len(parts) >= 6:
+                return os.path.basename(parts[5]).startswith("flightq-")
+    return False
+
+
+def _first_tile(batch: flightq.Batch) -> np.ndarray:
+    return next(r for r in batch["pixel_values"] if r)[0]
+
+
+def _put_w2(client: flightq.Client) -> workloads.Step:
+    step = workloads.w2(groups=1)
+    client.create_partition("m", step.schema, group_size=step.group_size)
+    assert client.put("m", step.keys, step.columns, tags=step.tags).route == "shm"
+    return step
+
+
+def _second_consumer(server: flightq.Server, shm_dir: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", _SECOND_CONSUMER, server.location, shm_dir],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return out.stdout.strip()
+
+
+def test_a_consumer_writing_into_a_returned_array_changes_only_its_own_pages(
+    server, client, shm_dir
+):
+    step = _put_w2(client)
+    batch = client.get("m", step.keys, as_="numpy")
+    assert batch.received is not None and batch.received.route == "shm"
+    tile = _first_tile(batch)
+    original = _digest(tile)
+    # numpy hands views out read-only, as over the socket (np.array(view) or copy=True
+    # for a writeable one). The pages under them are a private copy-on-write mapping:
+    # code that writes through the address anyway (a C extension, ctypes) changes this
+    # process's pages only; through the old read-only mapping this was a SIGSEGV.
+    assert not tile.flags.writeable
+    ctypes.memset(tile.ctypes.data, 0xFF, tile.nbytes)
+    assert _digest(tile) != original
+    assert _second_consumer(server, shm_dir) == original  # another process
+    again = client.get("m", step.keys, as_="numpy")  # a fresh answer in this process
+    assert _digest(_first_tile(again)) == original
+    assert assert_rows_match(again, step) > 0
+    with flightq.connect(server.location, [step.schema], timeout=TIMEOUT) as plain:
+        assert assert_rows_match(plain.get("m", step.keys, as_="numpy"), step) > 0
+
+
+def test_add_on_a_returned_tensor_changes_only_that_tensor(server, client, shm_dir, torch):
+    step = _put_w2(client)
+    batch = client.get("m", step.keys)
+    tensor = next(r for r in batch["pixel_values"] if r)[0]
+    original = _digest(tensor.numpy())
+    tensor.add_(1)  # through a read-only mapping this was a SIGSEGV
+    assert _digest(tensor.numpy()) != original
+    assert _second_consumer(server, shm_dir) == original
+    again = client.get("m", step.keys)
+    assert _digest(next(r for r in again["pixel_values"] if r)[0].numpy()) == original
+
+
+def test_a_private_copy_shares_nothing(server, client):
+    step = _put_w2(client)
+    batch = client.get("m", step.keys, as_="numpy", copy=True)
+    tile = _first_tile(batch)
+    assert not _in_a_segment(tile.ctypes.data)  # heap memory of this process
+    assert assert_rows_match(batch, step) > 0
+    shared = client.get("m", step.keys, as_="numpy")
+    assert _in_a_segment(_first_tile(shared).ctypes.data)
+
+
+# --------------------------------------------------------------------------- writers
+
+
+def test_a_writer_shrinking_or_rewriting_its_segment_after_the_ack_changes_nothing(server, client):
+    step = _put_w2(client)
+    (path,) = client.shm_pool.paths()
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:  # rewrite every byte after the header
+        f.seek(shm.HEADER)
+        f.write(b"\xa5" * (size - shm.HEADER))
+    assert assert_rows_match(client.get("m", step.keys, as_="numpy"), step) > 0
+    os.truncate(path, 0)  # through a mapping of this file the server died of SIGBUS
+    gc.collect()
+    assert assert_rows_match(client.get("m", step.keys, as_="numpy"), step) > 0
+    with flightq.connect(server.location, [step.schema], timeout=TIMEOUT) as plain:
+        assert assert_rows_match(plain.get("m", step.keys, as_="numpy"), step) > 0
+    assert client.health()["ok"]
+
+
+def test_a_segment_shrunk_under_its_announcement_is_refused_and_nothing_is_stored(
+    server, client, shm_dir
+):
+    step = workloads.w2(groups=1)
+    client.create_partition("p", step.schema, group_size=step.group_size)
+    rb = flightq.encode(
+        flightq.SchemaRegistry.default().get(step.schema),
+        {k: v[:1] for k, v in step.columns.items()},
+        step.keys[:1],
+    )
+    own = shm.SegmentPool(shm_dir)
+    try:
+        ref = own.write(rb.schema, [rb], "test")
+        os.truncate(ref["path"], shm.HEADER + 8)
+        with pytest.raises(fl.FlightServerError, match=r"ProtocolError: .* holds \d+ bytes"):
+            _raw_put(server.location, ref)
+    finally:
+        own.close()
+    assert client.stats()["partitions"]["p"]["rows"] == 0
