@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ from ..protocol import (
     Ticket,
     parse_ticket,
     to_flight_error,
+    unpack,
 )
 from ..registry import SchemaRegistry
 from ..schema import diff_schemas
@@ -136,6 +138,10 @@ class Server(fl.FlightServerBase):
         self.max_batch_bytes = max_batch_bytes
         self.max_put_batch_bytes = max_put_batch_bytes
         self.snapshot_dir = snapshot_dir
+        if snapshot_dir is not None:
+            from .snapshot import remove_stale
+
+            remove_stale(snapshot_dir)  # of a snapshot a killed server left unfinished
         host = location.split("://", 1)[-1].rsplit(":", 1)[0]
         scheme = location.split("://", 1)[0]
         self._location = f"{scheme}://{host}:{self.port}"
@@ -145,6 +151,11 @@ class Server(fl.FlightServerBase):
         from .. import shm as _shm
 
         self.shm_dir = _shm.directory(shm) if shm else None
+        # The pool a put's copy goes into stays warm while this server lives: each put then
+        # reuses segments freed by cleared rows instead of faulting in fresh tmpfs pages.
+        self._store_hold = (
+            None if self.shm_dir is None else (self.shm_dir, _shm.STORES.hold(self.shm_dir))
+        )
         self._shm_pool: _shm.SegmentPool | None = None
         self._staging = Staging()
         self._shm_lock = threading.Lock()
@@ -188,6 +199,11 @@ class Server(fl.FlightServerBase):
             self._thread = None
         if self._shm_pool is not None:
             self._shm_pool.close()
+        if self._store_hold is not None:
+            from .. import shm as _shm
+
+            _shm.STORES.let_go(*self._store_hold)
+            self._store_hold = None
         return True
 
     def _restore(self, path: str | os.PathLike[str]) -> None:
@@ -239,9 +255,14 @@ class Server(fl.FlightServerBase):
         writer: fl.FlightMetadataWriter,
         context: fl.ServerCallContext | None = None,
     ) -> None:
-        cmd = PutCommand.parse(_command(descriptor, PutCommand.WHAT))
+        raw = unpack(_command(descriptor, PutCommand.WHAT), PutCommand.WHAT)
+        try:
+            cmd = PutCommand.parse(raw)
+            staged = self._staging.check(cmd)
+        except ProtocolError as e:
+            self._staging.refuse(raw, e)  # a refused part fails the put it belongs to
+            raise
         name = cmd.partition
-        staged = self._staging.check(cmd)
         try:
             pieces = self._put_pieces(cmd, reader, context)
         except BaseException as e:
@@ -449,7 +470,7 @@ class Server(fl.FlightServerBase):
         self, context: fl.ServerCallContext, descriptor: fl.FlightDescriptor
     ) -> fl.FlightInfo:
         if descriptor.descriptor_type == fl.DescriptorType.PATH and descriptor.path:
-            name = descriptor.path[0].decode()
+            name = self._guard(_path_name, descriptor.path[0])
         else:
             # A command names the partition as a scan ticket does: {"partition": name}.
             scan = self._guard(
@@ -464,6 +485,17 @@ def _stream(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> fl.FlightDa
     # batches); a dictionary shared by consecutive batches is sent once. A batch serving
     # part of a stored batch carries a dictionary already cut to its rows (assemble).
     return fl.RecordBatchStream(pa.RecordBatchReader.from_batches(schema, batches))
+
+
+def _path_name(segment: bytes) -> str:
+    """The partition a descriptor path names (its first segment, UTF-8)."""
+    try:
+        return segment.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ProtocolError(
+            f"descriptor: the path {segment[:64]!r} is not UTF-8 ({e.reason} at byte "
+            f"{e.start}); name the partition in UTF-8"
+        ) from e
 
 
 def _command(descriptor: fl.FlightDescriptor, what: str) -> bytes:
@@ -507,6 +539,14 @@ def serve_forever(args: argparse.Namespace) -> int:
         from ..auth import read_tokens
 
         extra["tokens"] = read_tokens(args.token_file)
+        if scheme == "grpc":
+            print(
+                "flightq serve: warning: bearer tokens without TLS travel in clear text; "
+                "anyone on the network path can read and replay them. Serve over TLS "
+                "(--tls-cert and --tls-key) unless every client is on this host.",
+                file=sys.stderr,
+                flush=True,
+            )
     server = Server(
         f"{scheme}://{host}:{args.port}",
         registry=registry,

@@ -230,9 +230,7 @@ def test_segments_are_reused_across_puts_and_reads(server, client):
     assert server.shm_pool.paths() == []
 
 
-def test_the_writers_segment_is_free_at_the_ack_and_a_view_outlives_the_servers_copy(
-    server, client
-):
+def test_the_writers_segment_is_free_at_the_ack_and_the_servers_copy_is_reused(server, client):
     keys = text_keys(1, 4)
     cols = text_columns(keys)
     client.create_partition("v", TEXT, group_size=4)
@@ -240,13 +238,20 @@ def test_the_writers_segment_is_free_at_the_ack_and_a_view_outlives_the_servers_
     (seg,) = client.shm_pool.segments()
     assert seg.state() == shm.FREE and seg.lock()  # the server holds its own copy
     seg.unlock()
-    ids = client.get("v", keys, as_="numpy")["input_ids"][0]
+    assert len(shm.STORES.paths()) == 1  # the server's own copy of the put
+    ids = client.get("v", keys, as_="numpy")["input_ids"][0]  # a view of that copy
     client.clear("v")
     gc.collect()
-    assert shm.STORES.paths() == []  # no row uses the server's copy: unlinked
     client.put("v", keys, cols)
     assert client.shm_pool.segments() == [seg]  # the writer fills the same segment again
-    assert np.array_equal(ids, cols["input_ids"][0])  # the consumer's pages stay valid
+    assert len(shm.STORES.paths()) == 2  # the consumer's view holds the first copy
+    assert np.array_equal(ids, cols["input_ids"][0])  # whose pages stay valid
+    copies = shm.STORES.paths()
+    del ids
+    client.clear("v")
+    gc.collect()
+    client.put("v", keys, cols)
+    assert shm.STORES.paths() == copies  # no view left: the server reuses a warm segment
 
 
 def test_a_reference_to_a_segment_filled_again_is_refused():
