@@ -3,7 +3,8 @@
 A codec's identity is a stable string and its configuration a plain dict, stored in the
 Arrow field metadata, so a receiver decodes with no out-of-band knowledge. Codecs apply
 per tensor (per row, or per media segment). zstd frames carry their content size, so a
-server can check a compressed payload against its shape without decompressing it.
+server checks a compressed payload's header against its shape before decompressing
+it, then decompresses it once, bounded by that size, to check it decodes to exactly that.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ import zstandard
 from .errors import DecodeError, SchemaError
 
 __all__ = ["Codec", "Raw", "Zstd", "codec_from_dict", "RAW"]
+
+#: Frames that declare up to this many bytes are decoded in one call (an allocation of at
+#: most this size); larger ones stream through a buffer of this size, so checking a frame
+#: never holds more than this, whatever it declares.
+_ONE_SHOT = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,18 @@ class Codec:
         """The decoded byte length, read cheaply from the payload, or None if unknown."""
         raise NotImplementedError
 
+    def context(self) -> Any:
+        """State to reuse across the payloads of one batch (one thread), or None."""
+        return None
+
+    def check(self, data: Any, nbytes: int, ctx: Any = None) -> None:
+        """Check that a payload decodes to exactly ``nbytes`` bytes, keeping none of them."""
+        raise NotImplementedError
+
+    def decode_into(self, data: Any, out: memoryview, ctx: Any = None) -> None:
+        """Decode one payload into ``out``, which it must fill exactly."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class Raw(Codec):
@@ -58,6 +76,17 @@ class Raw(Codec):
 
     def decoded_size(self, data: Any) -> int | None:
         return len(memoryview(data))
+
+    def check(self, data: Any, nbytes: int, ctx: Any = None) -> None:
+        got = len(memoryview(data))
+        if got != nbytes:
+            raise DecodeError(
+                f"raw payload has {got} bytes, expected {nbytes}", expected=nbytes, actual=got
+            )
+
+    def decode_into(self, data: Any, out: memoryview, ctx: Any = None) -> None:
+        self.check(data, len(out))
+        out[:] = memoryview(data).cast("B")
 
 
 @dataclass(frozen=True)
@@ -79,24 +108,76 @@ class Zstd(Codec):
         return cctx.compress(data)
 
     def decode(self, data: Any, nbytes: int) -> Any:
+        """Decode one frame, which must declare and decode to exactly ``nbytes`` bytes.
+
+        Raises
+        ------
+        DecodeError
+            If the frame has no content size, declares another size, is corrupt, decodes
+            to another size or is followed by other bytes; nothing beyond ``nbytes`` is
+            ever allocated.
+        """
+        if 0 < nbytes <= _ONE_SHOT:
+            return self._exact(data, nbytes, None, keep=True)
+        out = bytearray(nbytes)
+        self._exact(data, nbytes, memoryview(out), keep=False)
+        return out
+
+    def context(self) -> Any:
+        """A decompression context, reused across one batch's frames (not thread-safe)."""
+        return zstandard.ZstdDecompressor()
+
+    def check(self, data: Any, nbytes: int, ctx: Any = None) -> None:
+        """Check a frame as :meth:`decode` does, through a bounded buffer, keeping nothing."""
+        self._exact(data, nbytes, None, keep=False, dctx=ctx)
+
+    def decode_into(self, data: Any, out: memoryview, ctx: Any = None) -> None:
+        """Decode a frame into ``out`` (no intermediate copy), checked as :meth:`decode`."""
+        self._exact(data, len(out), out, keep=False, dctx=ctx)
+
+    def _exact(
+        self, data: Any, nbytes: int, out: memoryview | None, *, keep: bool, dctx: Any = None
+    ) -> Any:
+        """Check the header, then decode once, bounded by ``nbytes``: into ``out`` when
+        given, returned when ``keep``, else through a scratch buffer that is discarded."""
         size = self.decoded_size(data)
+        if size is None:
+            raise DecodeError(
+                f"zstd frame has no content size in its header, the shape needs {nbytes} "
+                "bytes; compress with write_content_size=True",
+                expected=nbytes,
+            )
         if size != nbytes:
             raise DecodeError(
                 f"zstd frame declares {size} bytes, the shape needs {nbytes}",
                 expected=nbytes,
                 actual=size,
             )
+        dctx = dctx if dctx is not None else zstandard.ZstdDecompressor()
+        raw = None
         try:
-            out = zstandard.ZstdDecompressor().decompress(data, max_output_size=nbytes)
+            if 0 < nbytes <= _ONE_SHOT:
+                # The header's size, checked above, is what this allocates.
+                raw = dctx.decompress(data, max_output_size=nbytes, allow_extra_data=False)
+                got = len(raw)
+                if out is not None and got == nbytes:
+                    out[:] = raw
+            else:  # also size 0, which the one-call path returns early without reading
+                got = _stream(dctx, data, nbytes, out)
         except zstandard.ZstdError as e:
-            raise DecodeError(f"zstd payload is corrupt: {e}") from e
-        if len(out) != nbytes:
             raise DecodeError(
-                f"zstd payload decoded to {len(out)} bytes, expected {nbytes}",
+                f"zstd payload is corrupt: it does not decode to the {nbytes} bytes its "
+                f"frame declares: {e}",
                 expected=nbytes,
-                actual=len(out),
+            ) from e
+        if got != nbytes:
+            more = "or more " if got > nbytes else ""
+            raise DecodeError(
+                f"zstd payload decoded to {got} bytes {more}but its frame declares {nbytes}",
+                expected=nbytes,
+                actual=got,
             )
-        return out
+        return raw if keep else None
 
     def decoded_size(self, data: Any) -> int | None:
         try:
@@ -107,6 +188,27 @@ class Zstd(Codec):
 
 
 RAW = Raw()
+
+
+def _stream(dctx: Any, data: Any, nbytes: int, out: memoryview | None) -> int:
+    """Decode ``data`` into ``out`` (or through a scratch buffer) and count the bytes,
+    stopping once past ``nbytes``; returns the count (past ``nbytes`` if it decodes to
+    more, or is followed by another frame)."""
+    reader = dctx.stream_reader(data)
+    got = 0
+    if out is not None:
+        while got < nbytes:
+            k = reader.readinto(out[got:])
+            if not k:
+                return got
+            got += k
+    scratch = bytearray(min(nbytes, _ONE_SHOT) + 1 if out is None else 1)
+    while got <= nbytes:
+        k = reader.readinto(scratch)
+        if not k:
+            break
+        got += k
+    return got
 
 
 def codec_from_dict(d: dict[str, Any] | None) -> Codec:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -72,11 +73,17 @@ class Column:
 
 
 def _decoded_base(
-    f: Field, payloads: pa.Array, shapes: list[tuple[int, ...]] | None, as_: str
+    f: Field,
+    payloads: pa.Array,
+    shapes: list[tuple[int, ...] | None] | None,
+    as_: str,
+    key: Callable[[int], str] | None = None,
 ) -> tuple[Any, np.ndarray]:
     """One flat view over a binary array's payloads, and each payload's element offset.
 
-    Raw payloads are viewed in place; compressed ones are decoded into one new buffer.
+    Raw payloads are viewed in place; compressed ones are decoded into one new buffer,
+    each straight into its place and bounded by its shape (``None``: a payload no row
+    uses, skipped). ``key(i)`` names payload ``i``'s row in an error.
     """
     dt = f.dt
     if f.codec is RAW:
@@ -85,21 +92,39 @@ def _decoded_base(
         base = column_base(data if data is not None else b"", int(offs[0]), int(offs[-1]), dt, as_)
         return base, (offs[:-1] - offs[0]) // dt.itemsize
     assert shapes is not None  # compressed payloads are sized by their shapes
-    sizes = np.array([nbytes_for(s, dt.itemsize) for s in shapes], dtype=np.int64)
+    sizes = np.array(
+        [0 if s is None else nbytes_for(s, dt.itemsize) for s in shapes], dtype=np.int64
+    )
     starts = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=starts[1:])
-    out = np.empty(int(starts[-1]), dtype=np.uint8)
+    try:
+        out = np.empty(int(starts[-1]), dtype=np.uint8)
+    except MemoryError as e:
+        raise DecodeError(
+            f"column {f.name!r}: its shapes need {int(starts[-1])} decoded bytes, more than "
+            "this process can allocate; ask for fewer rows at a time",
+            field=f.name,
+            expected=int(starts[-1]),
+        ) from e
     data = payloads.buffers()[2]
     offs = binary_offsets(payloads)
     mv = memoryview(data) if data is not None else memoryview(b"")
-    for i in range(len(shapes)):
-        if sizes[i]:
-            try:
-                raw = f.codec.decode(mv[offs[i] : offs[i + 1]], int(sizes[i]))
-            except DecodeError as e:
-                e.field = f.name  # the codec knows bytes, not columns
-                raise
-            out[starts[i] : starts[i + 1]] = np.frombuffer(raw, dtype=np.uint8)
+    dst = out.data
+    ctx = f.codec.context()
+    for i, shape in enumerate(shapes):
+        if shape is None:
+            continue
+        try:
+            f.codec.decode_into(mv[offs[i] : offs[i + 1]], dst[starts[i] : starts[i + 1]], ctx)
+        except DecodeError as e:  # the codec knows bytes, not columns or rows
+            k = key(i) if key is not None else None
+            raise DecodeError(
+                f"column {f.name!r}: {e}" + ("" if k is None else f" (row key {k!r})"),
+                field=f.name,
+                key=k,
+                expected=e.expected,
+                actual=e.actual,
+            ) from e
     base = column_base(out, 0, len(out), dt, as_)
     return base, starts[:-1] // dt.itemsize
 
@@ -122,8 +147,11 @@ class TensorColumn(Column):
             and (f.role == "token" or bool((offs[1:] - offs[:-1] == 1).all()))
         )
         self._shapes: list[tuple[int, ...] | None] | None = None
-        present = None if f.codec is RAW else [(0,) if s is None else s for s in self.shapes]
-        self._base, self._elem = _decoded_base(f, self.payload, present, as_)
+        present = None if f.codec is RAW else self.shapes
+        keys = rb.column(KEY)
+        self._base, self._elem = _decoded_base(
+            f, self.payload, present, as_, lambda i: str(keys[i].as_py())
+        )
 
     @property
     def shapes(self) -> list[tuple[int, ...] | None]:
@@ -185,9 +213,9 @@ class MediaColumn(Column):
         #: Per segment, its entry in the batch's dictionary of distinct payloads.
         self.entry = segs.indices.to_numpy(zero_copy_only=False).astype(np.int64)
         entries = segs.dictionary
-        entry_shapes: list[tuple[int, ...]] | None = None
+        entry_shapes: list[tuple[int, ...] | None] | None = None
         if f.codec is not RAW:  # compressed entries are sized by their segments' shapes
-            entry_shapes = [(0,)] * len(entries)
+            entry_shapes = [None] * len(entries)
             for e, shape in zip(self.entry.tolist(), self.segment_shapes, strict=True):
                 entry_shapes[e] = shape
         self._base, self._elem = _decoded_base(f, entries, entry_shapes, as_)

@@ -4,7 +4,9 @@
 payload's byte length must equal the product of its shape and the field's item size
 (overflow-safe), shapes must keep the declared ranks and fixed dims, token fields of a
 row must agree on the sequence length, media segments must point inside their batch's
-dictionary. What an Arrow schema settles (column names, types, field metadata, the
+dictionary. A compressed payload's frame header must declare the byte length its shape
+needs, and the payload must then decode to exactly that (decoded once, through a bounded
+buffer, and discarded). What an Arrow schema settles (column names, types, field metadata, the
 flightq schema it carries) is checked once per distinct schema and remembered.
 """
 
@@ -558,6 +560,14 @@ def _check_media(
             expected=int(want[j]),
             actual=int(got[j]),
         )
+    if f.codec is not RAW and idx.size:
+        # Each entry a segment uses, once: its first segment's size (all agree, as above).
+        used_entries, first_seg = np.unique(idx, return_index=True)
+        sizes = np.zeros(len(entries), dtype=np.int64)
+        sizes[used_entries] = want[first_seg]
+        first = np.zeros(len(entries), dtype=np.int64)
+        first[used_entries] = first_seg
+        _check_frames(f, where, entries, used_entries, sizes, lambda e: seg_key(int(first[e])))
     return row_sums(first_use_bytes(idx, entry_bytes), outer_p)
 
 
@@ -624,7 +634,42 @@ def _check_tensor(
             expected=int(want[i]),
             actual=int(got[i]),
         )
+    if f.codec is not RAW:
+        _check_frames(f, where, col, np.nonzero(_all(valid, len(sent)))[0], want, key)
     return seq, sent if valid is None else np.where(valid, sent, 0)
+
+
+def _check_frames(
+    f: Field,
+    where: str,
+    payload: pa.Array,
+    cells: np.ndarray,
+    want: np.ndarray,
+    key: Callable[[int], str],
+) -> None:
+    """Decode each of ``cells`` once, bounded by ``want`` (its header's size, already
+    checked against its shape), keeping nothing: it must come to exactly ``want`` bytes.
+
+    Raises
+    ------
+    DecodeError
+        Naming the column and the row key, with the declared size as ``expected``.
+    """
+    offs = binary_offsets(payload)
+    data = payload.buffers()[2]
+    mv = memoryview(data) if data is not None else memoryview(b"")
+    ctx = f.codec.context()
+    for i in cells.tolist():
+        try:
+            f.codec.check(mv[offs[i] : offs[i + 1]], int(want[i]), ctx)
+        except DecodeError as e:
+            raise DecodeError(
+                f"{where}{e}{_row(key(i))}",
+                field=f.name,
+                key=key(i),
+                expected=e.expected,
+                actual=e.actual,
+            ) from e
 
 
 def _one_dim_rows(
