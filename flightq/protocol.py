@@ -51,6 +51,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "MAX_BODY",
     "MAX_PUT_PARTS",
+    "MAX_SECONDS",
+    "MAX_ERROR_MESSAGE",
     "Message",
     "GetTicket",
     "ClaimTicket",
@@ -91,6 +93,7 @@ __all__ = [
     "unpack",
     "to_flight_error",
     "from_flight_error",
+    "cut_message",
 ]
 
 PROTOCOL_VERSION = 1
@@ -99,6 +102,12 @@ PROTOCOL_VERSION = 1
 MAX_BODY = 64 * 2**20
 #: Most parallel DoPut streams one put may travel over.
 MAX_PUT_PARTS = 16
+#: Largest finite seconds value a message may carry (one day); a claim may say ``inf``.
+MAX_SECONDS = 86400.0
+#: Longest error message sent (UTF-8 bytes): the message travels twice in gRPC metadata
+#: (about 8 KiB in all; percent-encoding triples non-ASCII), and under the limit its class
+#: survives. A longer one is cut with ``... (N more bytes)``.
+MAX_ERROR_MESSAGE = 1024
 
 M = TypeVar("M", bound="Message")
 
@@ -172,15 +181,24 @@ def _int(lo: int | None = None, hi: int | None = None) -> Check:
     return check
 
 
-def _seconds(v: Any, key: str, what: str) -> float:
-    """Seconds: a number >= 0 (``inf``: no limit); NaN is refused."""
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        raise _type_error(v, key, what)
-    if math.isnan(v):
-        raise ProtocolError(f"{what}: {key!r} is NaN; give seconds (inf: no limit)")
-    if v < 0:
-        raise ProtocolError(f"{what}: {key!r} must be a non-negative number, got {v}")
-    return float(v)
+def _seconds(inf: bool) -> Check:
+    """Seconds: a number in [0, MAX_SECONDS], or (``inf``) infinity for no limit."""
+
+    def check(v: Any, key: str, what: str) -> float:
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise _type_error(v, key, what)
+        if math.isnan(v):
+            raise ProtocolError(f"{what}: {key!r} is NaN; give seconds (inf: no limit)")
+        if v < 0:
+            raise ProtocolError(f"{what}: {key!r} must be a non-negative number, got {v}")
+        if v > MAX_SECONDS and not (inf and math.isinf(v)):
+            no_limit = " (inf: no limit)" if inf else ""
+            raise ProtocolError(
+                f"{what}: {key!r} must be at most {MAX_SECONDS:g} seconds{no_limit}, got {v:g}"
+            )
+        return float(v)
+
+    return check
 
 
 def _bool(v: Any, key: str, what: str) -> bool:
@@ -372,7 +390,7 @@ class ClaimTicket(Message):
     partition: str = _field(_str())
     task: str = _field(_str())
     batch_size: int = _field(_int())
-    timeout: float = _field(_seconds)
+    timeout: float = _field(_seconds(inf=True))
     fields: list[str] | None = _field(_optional(_strs), None)
     wait_for: list[str] = _field(_strs, [])
     shm: bool = _field(_bool, False, omit=False)
@@ -431,7 +449,7 @@ class PutCommand(Message):
     partition: str = _field(_str())
     overwrite: bool = _field(_bool, False)
     #: Seconds the server may wait for space under a memory budget.
-    timeout: float = _field(_seconds, 0.0)
+    timeout: float = _field(_seconds(inf=False), 0.0)
     #: Rows the stream carries; a stream that ends with another count stores nothing.
     rows: int | None = _field(_optional(_int(0)), None, omit=None)
     #: Names the put, so a retry of it is acknowledged again without storing anything.
@@ -705,15 +723,49 @@ class ErrorDetail(Message):
 
     @classmethod
     def of(cls, e: FlightqError) -> ErrorDetail:
-        """The detail of ``e``: its class name, message and structured attributes."""
-        attrs = {a: v for a, v in e.attributes().items() if _travels(v)}
-        return cls(type=type(e).__name__, message=str(e), **attrs)
+        """The detail of ``e``: its class name, message and structured attributes, each
+        cut to a size that fits gRPC's metadata (see :func:`cut_message`)."""
+        attrs = {a: _cut_value(v) for a, v in e.attributes().items() if _travels(v)}
+        return cls(type=type(e).__name__, message=cut_message(str(e)), **attrs)
 
     def error(self) -> FlightqError:
         """The flightq error this detail stands for (an unknown type: FlightqError)."""
         cls = ERROR_CLASSES.get(self.type, FlightqError)
         attrs = {a: getattr(self, a) for a in ATTRIBUTES}
         return cls(self.message, **attrs)
+
+
+def cut_message(text: str, limit: int = MAX_ERROR_MESSAGE) -> str:
+    """``text`` cut to ``limit`` UTF-8 bytes (at a character boundary), saying how much
+    was left off: ``"... (N more bytes)"``.
+
+    Examples
+    --------
+    >>> cut_message("x" * 5000, 20)
+    'xxxxxxxxxxxxxxxxxxxx... (4980 more bytes)'
+    """
+    raw = text.encode("utf-8", "surrogatepass")
+    if len(raw) <= limit:
+        return text
+    head = raw[:limit].decode("utf-8", "ignore")
+    return f"{head}... ({len(raw) - len(head.encode('utf-8', 'surrogatepass'))} more bytes)"
+
+
+def _cut_value(v: Any) -> Any:
+    """An attribute's value, small: strings cut, lists cut to their first items."""
+    if isinstance(v, str):
+        return cut_message(v, _MAX_ATTRIBUTE)
+    if isinstance(v, (list, tuple)):
+        items = [_cut_value(x) for x in v[:_MAX_ATTRIBUTE_ITEMS]]
+        if len(v) > _MAX_ATTRIBUTE_ITEMS:
+            items.append(f"... ({len(v) - _MAX_ATTRIBUTE_ITEMS} more)")
+        return items
+    return v
+
+
+#: Longest string attribute (UTF-8 bytes) and most list items an error detail carries.
+_MAX_ATTRIBUTE = 128
+_MAX_ATTRIBUTE_ITEMS = 8
 
 
 def _travels(v: Any) -> bool:
@@ -732,9 +784,11 @@ def to_flight_error(e: FlightqError) -> Exception:
     """The Flight error that carries ``e`` to the client."""
     import pyarrow.flight as fl
 
+    # Both the message and the detail travel in gRPC metadata (about 8 KiB in all): cut
+    # long ones, since over the limit the error arrives without its class.
     detail = ErrorDetail.of(e)
     info = detail.to_wire()
-    msg = f"{type(e).__name__}: {e}"
+    msg = f"{type(e).__name__}: {detail.message}"
     if isinstance(e, FlightqTimeoutError):
         return fl.FlightTimedOutError(msg, extra_info=info)
     if isinstance(e, UnauthenticatedError):

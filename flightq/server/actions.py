@@ -17,7 +17,7 @@ StatsReply(partitions={}, rows=0, bytes=0, waiting_claims=0)
 >>> HANDLERS["clear"](ctx, Clear(partition="nope"))
 Traceback (most recent call last):
 ...
-flightq.errors.NotFoundError: unknown partition 'nope'; declared: (none)
+flightq.errors.NotFoundError: unknown partition 'nope'
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ started with (``Server(snapshot_dir=...)``); a client names a snapshot, never a 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -34,20 +35,35 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..errors import ConflictError, DecodeError, ProtocolError
+from ..errors import (
+    ConflictError,
+    DecodeError,
+    FlightqError,
+    ProtocolError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from ..schema import Schema
 from ..validation import validate
 from .assemble import assemble
 from .partition import Partition, Row, make_piece
 from .store import Store
 
-__all__ = ["FORMAT", "MANIFEST", "snapshot_path", "write_snapshot", "read_snapshot"]
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "snapshot_path",
+    "write_snapshot",
+    "read_snapshot",
+    "remove_stale",
+]
 
 #: Version of the snapshot layout.
 FORMAT = 1
 MANIFEST = "manifest.json"
 _BATCH_BYTES = 64 * 2**20
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # matched in full
+_TMP = ".tmp-"
 
 
 def snapshot_path(root: str | os.PathLike[str] | None, name: Any) -> Path:
@@ -64,7 +80,7 @@ def snapshot_path(root: str | os.PathLike[str] | None, name: Any) -> Path:
             "snapshot: this server has no snapshot directory; start it with "
             "Server(snapshot_dir=...) or flightq serve --snapshot-dir DIR"
         )
-    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
         raise ProtocolError(
             f"snapshot: name {name!r} must be 1-128 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
@@ -112,16 +128,23 @@ def write_snapshot(
     Raises
     ------
     ConflictError
-        If ``path`` exists already.
+        If ``path`` exists already, or another snapshot of that name won the race.
     NotFoundError
         If a named partition does not exist.
+    ResourceExhaustedError
+        If the disk is full (the temporary directory is removed).
+    UnavailableError
+        If the snapshot directory cannot be written otherwise.
     """
     dest = Path(path)
     if dest.exists():
         raise ConflictError(f"snapshot {dest.name!r} exists already; choose a new name")
-    dest.parent.mkdir(parents=True, exist_ok=True)
     parts = store.capture(partitions)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}{_TMP}", dir=dest.parent))
+    except OSError as e:
+        raise _disk_error(dest, e) from e
     try:
         entries = []
         for i, p in enumerate(parts):
@@ -144,6 +167,8 @@ def write_snapshot(
                     "rows": len(rows),
                     "bytes": p.nbytes,
                     "delivered": {t: len(d) for t, d in p.delivered.items()},
+                    # Oldest first: a retry after a restore is acknowledged, not stored twice.
+                    "recent_puts": [[k, n] for k, n in p.recent_puts.items()],
                     "files": {"rows": rows_file, "state": state_file},
                     "sha256": {
                         rows_file: _sha256(tmp / rows_file),
@@ -156,16 +181,58 @@ def write_snapshot(
             json.dump(manifest, fh, indent=1, sort_keys=True)
             fh.flush()
             os.fsync(fh.fileno())
-        os.rename(tmp, dest)  # atomic: the snapshot is complete or absent
-    except BaseException:
+        try:
+            os.rename(tmp, dest)  # atomic: the snapshot is complete or absent
+        except OSError as e:
+            if dest.exists():  # another snapshot of this name was renamed in first
+                raise ConflictError(
+                    f"snapshot {dest.name!r} exists already; choose a new name"
+                ) from e
+            raise
+        fd = os.open(dest.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise _disk_error(dest, e) from e
         raise
-    fd = os.open(dest.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
     return manifest
+
+
+def _disk_error(dest: Path, e: OSError) -> FlightqError:
+    """The typed error for a snapshot the disk refused."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ResourceExhaustedError(
+            f"snapshot {dest.name!r}: the disk under {str(dest.parent)!r} is full "
+            f"({e.strerror}); nothing was written; free space or drop old snapshots"
+        )
+    return UnavailableError(
+        f"snapshot {dest.name!r}: cannot write under {str(dest.parent)!r}: "
+        f"{e.strerror or type(e).__name__}; nothing was written"
+    )
+
+
+def remove_stale(root: str | os.PathLike[str]) -> list[str]:
+    """Remove the temporary directories of snapshots that never finished (a server killed
+    while writing one) under ``root``; returns their names. Run at start-up, when no
+    snapshot of this directory is being written."""
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed  # absent (created on first snapshot) or unreadable: nothing to do
+    for entry in entries:
+        if (
+            entry.name.startswith(".")
+            and _TMP in entry.name
+            and entry.is_dir(follow_symlinks=False)
+        ):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
 
 
 def _read_ipc(path: Path) -> pa.Table:
@@ -180,7 +247,14 @@ def _restore_partition(root: Path, e: dict[str, Any]) -> Partition:
     schema = Schema.from_json(e["schema"])
     files = e["files"]
     for fname, digest in e["sha256"].items():
-        if _sha256(root / fname) != digest:
+        try:
+            actual = _sha256(root / fname)
+        except OSError as err:
+            raise DecodeError(
+                f"snapshot file {fname!r} of {e['name']!r} cannot be read: "
+                f"{err.strerror or type(err).__name__}"
+            ) from err
+        if actual != digest:
             raise DecodeError(f"snapshot file {fname!r} is corrupt: its SHA-256 differs")
     tasks = tuple(e["tasks"])
     part = Partition(
@@ -191,6 +265,7 @@ def _restore_partition(root: Path, e: dict[str, Any]) -> Partition:
         delivered={t: set() for t in tasks},
         next_group=int(e["next_group"]),
         max_rows=e.get("max_rows"),
+        recent_puts={str(k): int(n) for k, n in e.get("recent_puts", [])},
     )
     state = _read_ipc(root / files["state"])
     keys = state.column("key").to_pylist()

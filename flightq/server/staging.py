@@ -29,6 +29,8 @@ __all__ = ["Staging", "MAX_PARTS"]
 MAX_PARTS = MAX_PUT_PARTS
 #: Seconds a decided put is remembered (for its late parts).
 _KEEP_S = 300.0
+#: Longest single wait (a condition wait refuses huge timeouts).
+_WAIT_S = 3600.0
 
 
 @dataclass
@@ -70,6 +72,23 @@ class Staging:
         if stage is None or not 0 < len(stage) <= 64:
             raise ProtocolError("put descriptor: a put in parts needs a 'stage' (<= 64 chars)")
         return stage, part, parts
+
+    def refuse(self, command: Any, error: BaseException) -> None:
+        """A part whose command was refused (it did not parse): if the command still names
+        a put in parts (``partition``, ``stage``, ``parts``), that put fails, so that its
+        other parts stop waiting and it is never committed without this one."""
+        if not isinstance(command, dict):
+            return
+        partition, stage, parts = (command.get(k) for k in ("partition", "stage", "parts"))
+        if (
+            isinstance(partition, str)
+            and isinstance(stage, str)
+            and 0 < len(stage) <= 64
+            and isinstance(parts, int)
+            and not isinstance(parts, bool)
+            and 1 <= parts <= MAX_PARTS
+        ):
+            self.fail(partition, stage, parts, error)
 
     def fail(self, partition: str, stage: str, parts: int, error: BaseException) -> None:
         """A part could not be read or checked: the whole put fails, nothing is stored."""
@@ -125,20 +144,26 @@ class Staging:
                 with self._cond:
                     self._decide(p, result=result, final=True)
         with self._cond:
-            while not p.done:
-                # Once every part is here, the commit's answer is the answer, however long
-                # the store takes (it waits for space within the put's own timeout).
-                left = deadline - time.monotonic()
-                if left <= 0 and not p.committing:
-                    self._decide(
-                        p,
-                        error=ProtocolError(
-                            f"{what}: {len(p.pieces)} arrived within {timeout:.3g} s; "
-                            "nothing was stored"
-                        ),
-                    )
-                    break
-                self._cond.wait(left if left > 0 else 1.0)
+            try:
+                while not p.done:
+                    # Once every part is here, the commit's answer is the answer, however
+                    # long the store takes (it waits for space within the put's timeout).
+                    left = deadline - time.monotonic()
+                    if left <= 0 and not p.committing:
+                        self._decide(
+                            p,
+                            error=ProtocolError(
+                                f"{what}: {len(p.pieces)} arrived within {timeout:.3g} s; "
+                                "nothing was stored"
+                            ),
+                        )
+                        break
+                    self._cond.wait(min(left, _WAIT_S) if left > 0 else 1.0)
+            except BaseException as e:
+                # This part's handler is going away (interrupted, or a wait the platform
+                # refused): its put must never be committed later without it.
+                self._decide(p, error=ProtocolError(f"{what}: part {part} failed: {e!r}"))
+                raise
         if p.error is not None:
             if isinstance(p.error, FlightqError):
                 raise type(p.error)(str(p.error))

@@ -14,9 +14,11 @@ partition (:meth:`Store.stats`).
 
 from __future__ import annotations
 
+import difflib
+import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import (
@@ -143,8 +145,9 @@ class Store:
     def _get(self, name: str) -> Partition:
         p = self._parts.get(name)
         if p is None:
-            known = ", ".join(sorted(self._parts)) or "(none)"
-            raise NotFoundError(f"unknown partition {name!r}; declared: {known}", partition=name)
+            raise NotFoundError(
+                f"unknown partition {name!r}{_close(name, self._parts)}", partition=name
+            )
         return p
 
     def partitions(self) -> list[Partition]:
@@ -174,6 +177,7 @@ class Store:
                     next_group=p.next_group,
                     nbytes=p.nbytes,
                     max_rows=p.max_rows,
+                    recent_puts=dict(p.recent_puts),
                 )
                 for p in parts
             ]
@@ -524,6 +528,21 @@ class Store:
         return _describe(p, self._waiting.get(name, {}), self._waiting_puts.get(name, 0), detail)
 
 
+#: Most names an error lists: other partitions are never listed wholesale (they may be
+#: other users'), and a partition's tasks only while they are this few.
+_LISTED = 8
+#: Most names searched for close matches.
+_CANDIDATES = 10_000
+
+
+def _close(name: str, names: Iterable[str]) -> str:
+    """``"; did you mean 'a', 'b'?"`` with at most 3 names close to ``name``, or ``""``."""
+    # Bounded: this runs under the store's lock, on a name a client chose.
+    candidates = [n for n in itertools.islice(names, _CANDIDATES) if len(n) <= 256]
+    near = difflib.get_close_matches(name[:256], candidates, n=3)
+    return f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+
+
 def _known(p: Partition, keys: Sequence[str]) -> None:
     missing = [k for k in keys if k not in p.rows]
     if missing:
@@ -537,8 +556,11 @@ def _known(p: Partition, keys: Sequence[str]) -> None:
 def _task(p: Partition, task: str) -> set[str]:
     d = p.delivered.get(task)
     if d is None:
+        declared = (
+            f"; declared: {list(p.tasks)}" if len(p.tasks) <= _LISTED else _close(task, p.tasks)
+        )
         raise NotFoundError(
-            f"partition {p.name!r} declares no task {task!r}; declared: {list(p.tasks)}",
+            f"partition {p.name!r} declares no task {task!r}{declared}",
             expected=list(p.tasks),
             actual=task,
             partition=p.name,
