@@ -104,3 +104,17 @@ def text_batch(keys: Sequence[str], seed: int = 0, ref: str = "rollout_text@1") 
     schema = flightq.SchemaRegistry.default().get(ref)
     cols = {"input_ids": ids, "input_lengths": np.array([len(x) for x in ids], np.int32)}
     return flightq.encode(schema, cols, list(keys))
+
+
+def plain_shm_put(location: str, ref: dict[str, object]) -> None:
+    """A put to partition 'p' whose bytes a plain Flight client says lie in segment ``ref``."""
+    cmd = {"op": "put", "partition": "p", "overwrite": False, "timeout": 1.0, "shm": ref}
+    client = fl.connect(location)
+    try:
+        schema = pa.schema([("__key__", pa.utf8())])
+        writer, reader = client.do_put(fl.FlightDescriptor.for_command(msgpack.packb(cmd)), schema)
+        with writer:
+            writer.done_writing()
+            reader.read()
+    finally:
+        client.close()

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
 from fixtures_dataplane import TEXT, TIMEOUT, VLM, assert_rows_match, text_columns, text_keys
+from helpers_reliability import plain_shm_put
 from helpers_wire import replace_column
 
 import flightq
@@ -330,25 +331,14 @@ def test_a_crafted_int32_payload_is_refused_like_a_streamed_put_and_nothing_is_s
     assert client.put_batch("g", good) == 8
 
 
-def _raw_put(location: str, ref: dict[str, object]) -> None:
-    cmd = {"op": "put", "partition": "p", "overwrite": False, "timeout": 1.0, "shm": ref}
-    client = fl.connect(location)
-    try:
-        schema = pa.schema([("__key__", pa.utf8())])
-        writer, reader = client.do_put(fl.FlightDescriptor.for_command(msgpack.packb(cmd)), schema)
-        with writer:
-            writer.done_writing()
-            reader.read()
-    finally:
-        client.close()
-
-
 def test_a_reference_outside_the_segment_directory_is_refused(server, client):
     client.create_partition("p", TEXT)
     with pytest.raises(fl.FlightServerError, match=r"ProtocolError: .* not a flightq segment"):
-        _raw_put(server.location, {"path": "/etc/passwd", "gen": 1, "nbytes": 10})
+        plain_shm_put(server.location, {"path": "/etc/passwd", "gen": 1, "nbytes": 10})
     with pytest.raises(fl.FlightServerError, match=r"ProtocolError: .* is gone"):
-        _raw_put(server.location, {"path": f"{SHM}/flightq-1-00000000-1", "gen": 1, "nbytes": 9})
+        plain_shm_put(
+            server.location, {"path": f"{SHM}/flightq-1-00000000-1", "gen": 1, "nbytes": 9}
+        )
 
 
 # --------------------------------------------------------------------------- opting in

@@ -19,12 +19,11 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-import msgpack
 import numpy as np
-import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
 from fixtures_dataplane import TIMEOUT, assert_rows_match
+from helpers_reliability import plain_shm_put
 
 import flightq
 from flightq import shm, workloads
@@ -63,19 +62,6 @@ def _name(n: int) -> str:
     return f"flightq-{os.getpid()}-0badf00d-{n}"
 
 
-def _raw_put(location: str, ref: dict[str, object]) -> None:
-    cmd = {"op": "put", "partition": "p", "overwrite": False, "timeout": 1.0, "shm": ref}
-    client = fl.connect(location)
-    try:
-        schema = pa.schema([("__key__", pa.utf8())])
-        writer, reader = client.do_put(fl.FlightDescriptor.for_command(msgpack.packb(cmd)), schema)
-        with writer:
-            writer.done_writing()
-            reader.read()
-    finally:
-        client.close()
-
-
 # --------------------------------------------------------------------------- opening
 
 
@@ -99,7 +85,7 @@ def test_a_fifo_a_symlink_and_a_directory_named_like_a_segment_are_refused_at_on
             for path, message in refusals.items():
                 t0 = time.monotonic()
                 with pytest.raises(fl.FlightServerError, match=message):
-                    _raw_put(server.location, {"path": path, "gen": 1, "nbytes": 10})
+                    plain_shm_put(server.location, {"path": path, "gen": 1, "nbytes": 10})
                 assert time.monotonic() - t0 < 5.0, path
             assert c.health()["ok"]  # the server keeps serving
         # The handshake's probe gets no echo from a FIFO, and at once.
@@ -260,7 +246,7 @@ def test_a_segment_shrunk_under_its_announcement_is_refused_and_nothing_is_store
         ref = own.write(rb.schema, [rb], "test")
         os.truncate(ref["path"], shm.HEADER + 8)
         with pytest.raises(fl.FlightServerError, match=r"ProtocolError: .* holds \d+ bytes"):
-            _raw_put(server.location, ref)
+            plain_shm_put(server.location, ref)
     finally:
         own.close()
     assert client.stats()["partitions"]["p"]["rows"] == 0
