@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .batch import Batch, MediaColumn, Received, ScalarColumn, TensorColumn, decode
+from .batch import Batch, Claim, MediaColumn, Received, ScalarColumn, TensorColumn, decode
 from .client.interface import DataPlane, PutReceipt
 from .codecs import Raw, Zstd
 from .encode import encode
@@ -24,6 +24,7 @@ from .errors import (
     EvolutionError,
     FlightqError,
     FlightqTimeoutError,
+    LeaseExpiredError,
     MissingFieldError,
     NotFoundError,
     ProtocolError,
@@ -77,6 +78,7 @@ __all__ = [
     "AsyncClient",
     "Batch",
     "Received",
+    "Claim",
     "Client",
     "DataPlane",
     "PutReceipt",
@@ -86,6 +88,7 @@ __all__ = [
     "connect_sharded",
     "ClaimTimeoutError",
     "ConflictError",
+    "LeaseExpiredError",
     "DTypeError",
     "DecodeError",
     "DeviceError",

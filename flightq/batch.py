@@ -29,6 +29,8 @@ __all__ = [
     "decode",
     "PartDecoder",
     "Received",
+    "Claim",
+    "check_as",
     "join",
     "validate_part",
     "Batch",
@@ -85,6 +87,25 @@ def decode(
     DecodeError, ShapeError, UndeclaredFieldError
         If the batch is not a valid flightq batch.
     """
+    check_as(as_)
+    batches = [batch] if isinstance(batch, pa.RecordBatch) else list(batch)
+    d = PartDecoder(as_, copy, prepare=False)
+    for b in batches:
+        d.add(b)
+    return join(d.parts)
+
+
+def check_as(as_: str) -> None:
+    """Refuse an ``as_`` this process cannot decode to, before anything is read (so a
+    claim takes no rows it could not return).
+
+    Raises
+    ------
+    ValueError
+        If ``as_`` is neither ``"torch"`` nor ``"numpy"``.
+    DecodeError
+        If ``as_`` is ``"torch"`` and torch is not installed.
+    """
     if as_ not in ("torch", "numpy"):
         raise ValueError(f"as_ must be 'torch' or 'numpy', got {as_!r}")
     if as_ == "torch":
@@ -94,11 +115,6 @@ def decode(
             raise DecodeError(
                 "decoding to torch needs torch (pip install 'flightq[torch]'), or pass as_='numpy'"
             ) from e
-    batches = [batch] if isinstance(batch, pa.RecordBatch) else list(batch)
-    d = PartDecoder(as_, copy, prepare=False)
-    for b in batches:
-        d.add(b)
-    return join(d.parts)
 
 
 class PartDecoder:
@@ -140,6 +156,45 @@ class PartDecoder:
             part.prepare()
         self.parts.append(part)
         self.decode_s += time.perf_counter() - t
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The lease a claim's rows came under (``Batch.claim``): pass it, or the batch, to
+    ``Client.ack`` when done with the rows, or to ``Client.nack`` to give them back.
+
+    Attributes
+    ----------
+    partition, task:
+        Where the rows were claimed, and for which task.
+    id:
+        The claim's id on the server (``ack``/``nack`` name it).
+    keys:
+        The rows, in the batch's order.
+    deliveries:
+        Per row, how many times it has been delivered to the task, this time included:
+        above 1 the row came back (a consumer before gave it back, failed or went away).
+    lease:
+        Seconds the rows stay leased without an ack (``inf``: until acked, given back or
+        the client goes away).
+    expires:
+        ``time.monotonic()`` in this process when the lease runs out.
+    parts:
+        A claim over several shards: one claim per shard, each with its ``shard``
+        (the index in ``ShardedClient.locations``); empty otherwise.
+    shard:
+        The shard of a part, else None.
+    """
+
+    partition: str
+    task: str
+    id: str
+    keys: tuple[str, ...]
+    deliveries: tuple[int, ...]
+    lease: float
+    expires: float
+    parts: tuple[Claim, ...] = ()
+    shard: int | None = None
 
 
 @dataclass(frozen=True)
@@ -238,9 +293,25 @@ class Batch:
         self._parts: list[Batch] | None = None
         #: Set on what a get or claim returns: see :class:`Received`.
         self.received: Received | None = None
+        #: Set on what a claim returns: the lease its rows came under (:class:`Claim`).
+        self.claim: Claim | None = None
+        #: Set by the client that claimed the batch: called on leaving ``with batch:``.
+        self._settle: Any = None
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        """Leaving ``with client.claim(...) as batch:`` acknowledges the rows; leaving it
+        with an exception gives them back (a :class:`~flightq.errors.FlightqError` naming
+        one of the batch's rows in ``key`` counts a failed delivery of that row), and the
+        exception goes on. A batch that is not a claim's does nothing."""
+        if self._settle is not None:
+            settle, self._settle = self._settle, None
+            settle(exc)
 
     def __contains__(self, name: object) -> bool:
         return name in self.fields

@@ -39,6 +39,7 @@ __all__ = [
     "ProtocolError",
     "NotFoundError",
     "ConflictError",
+    "LeaseExpiredError",
     "ClaimTimeoutError",
     "FlightqTimeoutError",
     "UnavailableError",
@@ -164,6 +165,12 @@ class ConflictError(FlightqError, ValueError):
     """A request conflicts with what is stored (existing column, different declaration)."""
 
 
+class LeaseExpiredError(ConflictError):
+    """An ``ack`` came too late for some rows: their claim's lease had ended and another
+    claim took them (or they went to the dead letters), so they are delivered again.
+    ``key`` names the first, ``actual`` counts them."""
+
+
 class FlightqTimeoutError(FlightqError, TimeoutError):
     """A call did not finish within its timeout."""
 
@@ -209,6 +216,7 @@ ERROR_CLASSES: dict[str, type[FlightqError]] = {
         ProtocolError,
         NotFoundError,
         ConflictError,
+        LeaseExpiredError,
         FlightqTimeoutError,
         ClaimTimeoutError,
         UnavailableError,

@@ -52,6 +52,15 @@ __all__ = [
     "MAX_BODY",
     "MAX_PUT_PARTS",
     "MAX_SECONDS",
+    "MAX_CLAIM_ROWS",
+    "CLAIM_METADATA",
+    "ClaimGrant",
+    "Ack",
+    "AckReply",
+    "Nack",
+    "NackReply",
+    "DeadLetters",
+    "DeadLettersReply",
     "MAX_ERROR_MESSAGE",
     "Message",
     "GetTicket",
@@ -62,6 +71,8 @@ __all__ = [
     "ShmRef",
     "PutCommand",
     "PutAck",
+    "SessionCommand",
+    "SessionReply",
     "Health",
     "HealthReply",
     "CheckSchemas",
@@ -104,6 +115,10 @@ MAX_BODY = 64 * 2**20
 MAX_PUT_PARTS = 16
 #: Largest finite seconds value a message may carry (one day); a claim may say ``inf``.
 MAX_SECONDS = 86400.0
+#: Most rows one claim may ask for.
+MAX_CLAIM_ROWS = 1 << 20
+#: The key of a claim answer's schema metadata that carries its :class:`ClaimGrant`.
+CLAIM_METADATA = b"flightq.claim"
 #: Longest error message sent (UTF-8 bytes): the message travels twice in gRPC metadata
 #: (about 8 KiB in all; percent-encoding triples non-ASCII), and under the limit its class
 #: survives. A longer one is cut with ``... (N more bytes)``.
@@ -181,16 +196,18 @@ def _int(lo: int | None = None, hi: int | None = None) -> Check:
     return check
 
 
-def _seconds(inf: bool) -> Check:
-    """Seconds: a number in [0, MAX_SECONDS], or (``inf``) infinity for no limit."""
+def _seconds(inf: bool, positive: bool = False) -> Check:
+    """Seconds: a number in [0, MAX_SECONDS] (above 0 when ``positive``), or (``inf``)
+    infinity for no limit."""
 
     def check(v: Any, key: str, what: str) -> float:
         if not isinstance(v, (int, float)) or isinstance(v, bool):
             raise _type_error(v, key, what)
         if math.isnan(v):
             raise ProtocolError(f"{what}: {key!r} is NaN; give seconds (inf: no limit)")
-        if v < 0:
-            raise ProtocolError(f"{what}: {key!r} must be a non-negative number, got {v}")
+        if v < 0 or (positive and v == 0):
+            sign = "positive" if positive else "non-negative"
+            raise ProtocolError(f"{what}: {key!r} must be a {sign} number, got {v}")
         if v > MAX_SECONDS and not (inf and math.isinf(v)):
             no_limit = " (inf: no limit)" if inf else ""
             raise ProtocolError(
@@ -214,6 +231,17 @@ def _strs(v: Any, key: str, what: str) -> list[str]:
         if not isinstance(x, str):
             raise ProtocolError(
                 f"{what}: {key} must be strings, item {i} has type {type(x).__name__}"
+            )
+    return v
+
+
+def _ints(v: Any, key: str, what: str) -> list[int]:
+    if not isinstance(v, list):
+        raise _type_error(v, key, what)
+    for i, x in enumerate(v):
+        if not isinstance(x, int) or isinstance(x, bool):
+            raise ProtocolError(
+                f"{what}: {key} must be integers, item {i} has type {type(x).__name__}"
             )
     return v
 
@@ -384,17 +412,32 @@ class GetTicket(Message):
 
 @dataclasses.dataclass(**_FROZEN)
 class ClaimTicket(Message):
-    """The next ``batch_size`` ready rows for ``task``, waiting up to ``timeout`` seconds."""
+    """The next ``batch_size`` ready rows for ``task``, waiting up to ``timeout`` seconds,
+    leased for ``lease`` seconds (the partition's when None) or until ``session`` ends."""
 
     WHAT: ClassVar[str] = "claim ticket"
     partition: str = _field(_str())
     task: str = _field(_str())
-    batch_size: int = _field(_int())
+    batch_size: int = _field(_int(1, MAX_CLAIM_ROWS))
     timeout: float = _field(_seconds(inf=True))
     fields: list[str] | None = _field(_optional(_strs), None)
     wait_for: list[str] = _field(_strs, [])
     shm: bool = _field(_bool, False, omit=False)
+    lease: float | None = _field(_optional(_seconds(inf=True, positive=True)), None, omit=None)
+    session: str | None = _field(_optional(_str(64)), None, omit=None)
     op: str = _field(_const("claim"), "claim")
+
+
+@dataclasses.dataclass(**_FROZEN)
+class ClaimGrant(Message):
+    """What a claim's answer says of its lease, in the answer schema's metadata
+    (:data:`CLAIM_METADATA`): the claim's id (for ``ack``/``nack``), the lease's seconds,
+    and per row, in the answer's order, how many times it has been delivered."""
+
+    WHAT: ClassVar[str] = "claim grant"
+    claim: str = _field(_str(64))
+    lease: float = _field(_seconds(inf=True, positive=True))
+    deliveries: list[int] = _field(_ints)
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -464,6 +507,22 @@ class PutCommand(Message):
 
 
 @dataclasses.dataclass(**_FROZEN)
+class SessionCommand(Message):
+    """The DoExchange descriptor's command that opens a consumer session."""
+
+    WHAT: ClassVar[str] = "session command"
+    op: str = _field(_const("session"), "session")
+
+
+@dataclasses.dataclass(**_FROZEN)
+class SessionReply(Message):
+    """The session's first message (its app metadata): the id claims name it by."""
+
+    WHAT: ClassVar[str] = "session reply"
+    session: str = _field(_str(64))
+
+
+@dataclasses.dataclass(**_FROZEN)
 class PutAck(Message):
     """The acknowledgement a put's DoPut stream carries once the rows are stored."""
 
@@ -526,6 +585,10 @@ class Declare(Message):
     tasks: list[str] | None = _field(_optional(_strs), None)
     group_size: int | None = _field(_optional(_int()), None)
     max_rows: int | None = _field(_optional(_int()), None)
+    #: Seconds a claim's rows stay leased without an ack; None: 600.
+    lease: float | None = _field(_optional(_seconds(inf=True, positive=True)), None)
+    #: Failed deliveries after which a row goes to the dead letters; None: 3.
+    max_failures: int | None = _field(_optional(_int(1, 1000)), None)
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -540,6 +603,8 @@ class Declaration(Message):
     tasks: list[str] = _field(_strs)
     group_size: int | None = _field(_optional(_int()))
     max_rows: int | None = _field(_optional(_int()))
+    lease: float = _field(_seconds(inf=True, positive=True))
+    max_failures: int = _field(_int(1))
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -582,6 +647,66 @@ class Reset(Message):
 class ResetReply(Message):
     WHAT: ClassVar[str] = "reset result"
     reset: int = _field(_int(0))
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Ack(Message):
+    """The consumer is done with rows of a claim (all of them when ``keys`` is None)."""
+
+    WHAT: ClassVar[str] = "ack"
+    partition: str = _field(_str())
+    claim: str = _field(_str(64))
+    keys: list[str] | None = _field(_optional(_strs), None)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class AckReply(Message):
+    WHAT: ClassVar[str] = "ack result"
+    acked: int = _field(_int(0))
+    #: Rows the claim had lost: its lease ended and another claim took them, or they
+    #: went to the dead letters.
+    lost: list[str] = _field(_strs, [])
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Nack(Message):
+    """Give rows of a claim back (all it holds when ``keys`` is None); ``failed`` counts a
+    failed delivery of each."""
+
+    WHAT: ClassVar[str] = "nack"
+    partition: str = _field(_str())
+    claim: str = _field(_str(64))
+    keys: list[str] | None = _field(_optional(_strs), None)
+    failed: bool = _field(_bool, False)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class NackReply(Message):
+    WHAT: ClassVar[str] = "nack result"
+    released: int = _field(_int(0))
+    dead: int = _field(_int(0), 0)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class DeadLetters(Message):
+    """The rows of a task given up on (failed deliveries reached ``max_failures``)."""
+
+    WHAT: ClassVar[str] = "dead_letters"
+    partition: str = _field(_str())
+    task: str = _field(_str())
+    limit: int = _field(_int(1, 100_000), 1000)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class DeadLettersReply(Message):
+    WHAT: ClassVar[str] = "dead_letters result"
+    keys: list[str] = _field(_strs)
+    #: Per key: ``"expired"`` (its lease ran out), ``"gone"`` (its consumer's session
+    #: ended) or ``"failed"`` (a ``nack`` with ``failed``), the last failure's.
+    why: list[str] = _field(_strs)
+    deliveries: list[int] = _field(_ints)
+    #: Dead rows in all (``keys`` holds the first ``limit``).
+    total: int = _field(_int(0))
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -629,8 +754,16 @@ class PartitionStats(Message):
     rows: int = _field(_int(0))
     #: Payload bytes as received (compressed where a codec applies).
     bytes: int = _field(_int(0))
-    #: Rows delivered, per task.
+    #: Rows delivered and not given back (leased or acknowledged), per task.
     delivered: dict[str, int] = _field(_counts)
+    #: Rows acknowledged, per task.
+    acked: dict[str, int] = _field(_counts, {})
+    #: Rows under a claim's lease right now, per task.
+    leased: dict[str, int] = _field(_counts, {})
+    #: Rows in the dead letters, per task.
+    dead: dict[str, int] = _field(_counts, {})
+    #: Claims holding rows right now.
+    claims: int = _field(_int(0), 0)
     #: Claims waiting for rows right now, per task.
     waiting: dict[str, int] = _field(_counts, {})
     #: Puts waiting for room (memory budget, row limit) right now.
@@ -696,6 +829,9 @@ ACTIONS: dict[str, ActionSpec] = {
     "describe": ActionSpec("a partition's declaration", Describe, Declaration),
     "clear": ActionSpec("remove rows (keys null: all)", Clear, ClearReply),
     "reset": ActionSpec("make rows claimable again for a task (keys null: all)", Reset, ResetReply),
+    "ack": ActionSpec("the consumer is done with rows of a claim", Ack, AckReply),
+    "nack": ActionSpec("give rows of a claim back to be claimed again", Nack, NackReply),
+    "dead_letters": ActionSpec("the rows of a task given up on", DeadLetters, DeadLettersReply),
     "drop": ActionSpec("remove a partition and its rows", Drop, DropReply),
     "abort_put": ActionSpec("fail a put sent in parts, none stored", AbortPut, AbortPutReply),
     "stats": ActionSpec("rows, bytes and per-task progress of every partition", Stats, StatsReply),

@@ -35,7 +35,7 @@ from .interface import DataPlane, PutReceipt
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from ..batch import Batch
+    from ..batch import Batch, Claim
 
 __all__ = ["AsyncClient", "connect"]
 
@@ -111,6 +111,8 @@ class AsyncClient:
         group_size: int | None = None,
         *,
         max_rows: int | None = None,
+        lease: float | None = None,
+        max_failures: int | None = None,
         registry: SchemaRegistry | None = None,
     ) -> bool:
         """See :meth:`flightq.Client.create_partition`."""
@@ -121,6 +123,8 @@ class AsyncClient:
             tasks,
             group_size,
             max_rows=max_rows,
+            lease=lease,
+            max_failures=max_failures,
             registry=registry,
         )
 
@@ -228,8 +232,10 @@ class AsyncClient:
         copy: bool = False,
         device: Any = None,
         sync: bool = True,
+        lease: float | None = None,
     ) -> Batch:
-        """See :meth:`flightq.Client.claim`."""
+        """See :meth:`flightq.Client.claim`. ``with batch:`` acks or gives back as there,
+        blocking the loop for that one call: ``await c.ack(batch)`` does not."""
         return await self._call(
             self.client.claim,
             partition,
@@ -242,7 +248,22 @@ class AsyncClient:
             copy=copy,
             device=device,
             sync=sync,
+            lease=lease,
         )
+
+    async def ack(self, claim: Claim | Batch, keys: Sequence[str] | None = None) -> int:
+        """See :meth:`flightq.Client.ack`."""
+        return await self._call(self.client.ack, claim, keys)
+
+    async def nack(
+        self, claim: Claim | Batch, keys: Sequence[str] | None = None, *, failed: bool = False
+    ) -> int:
+        """See :meth:`flightq.Client.nack`."""
+        return await self._call(self.client.nack, claim, keys, failed=failed)
+
+    async def dead_letters(self, partition: str, task: str, limit: int = 1000) -> dict[str, Any]:
+        """See :meth:`flightq.Client.dead_letters`."""
+        return await self._call(self.client.dead_letters, partition, task, limit)
 
     async def snapshot(
         self, name: str, partition: str | None = None, timeout: float | None = None

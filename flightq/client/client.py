@@ -20,16 +20,21 @@ Examples
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from ..batch import Batch
+from ..batch import Batch, Claim, check_as
 from ..chunks import encode_chunks
 from ..cuda import PinnedPool, resolve_device, stage
 from ..errors import (
+    FlightqError,
+    LeaseExpiredError,
+    NotFoundError,
     ProtocolError,
     SchemaMismatchError,
     UnknownSchemaError,
@@ -37,15 +42,19 @@ from ..errors import (
 from ..layout import DEFAULT_BATCH_BYTES
 from ..memory import keep_freed_memory as _keep_freed_memory
 from ..protocol import (
+    Ack,
     CheckSchemas,
+    ClaimGrant,
     ClaimTicket,
     Clear,
+    DeadLetters,
     Declare,
     Describe,
     Drop,
     GetTicket,
     Health,
     Inspect,
+    Nack,
     PutCommand,
     RegisterSchema,
     Reset,
@@ -57,6 +66,7 @@ from ..schema import Schema
 from ..sink import DeferredFills, Sink
 from .interface import PutReceipt
 from .reads import Reader
+from .session import Session
 from .streams import (
     DEFAULT_STREAMS,
     MIN_STREAM_BYTES,
@@ -255,6 +265,8 @@ class Client:
             min_stream_bytes=min_stream_bytes,
             pinned=self._pinned,
         )
+        #: Ends this client's leases when it goes (opened by the first claim).
+        self._session = Session(self._transport)
         self._segments: Any = None
         if self.shm_dir is not None:
             from ..shm.client import ClientSegments
@@ -314,6 +326,12 @@ class Client:
         return None if self._segments is None else self._segments.pool
 
     @property
+    def session(self) -> Session:
+        """This client's consumer session, which claims name (internal:
+        :mod:`flightq.client.session`)."""
+        return self._session
+
+    @property
     def pinned_bytes(self) -> int:
         """Pinned host memory this client allocated for CUDA transfers so far, in bytes
         (buffers reused do not count again; 0 before the first device get or put)."""
@@ -365,19 +383,26 @@ class Client:
         group_size: int | None = None,
         *,
         max_rows: int | None = None,
+        lease: float | None = None,
+        max_failures: int | None = None,
         registry: SchemaRegistry | None = None,
     ) -> bool:
         """Declare a partition before any producer writes; idempotent for the same arguments.
 
         ``max_rows`` caps the rows it holds at once: a put that would create more waits up
-        to its timeout for clears, then fails with ResourceExhaustedError.
+        to its timeout for clears, then fails with ResourceExhaustedError. ``lease`` is
+        the seconds a claim's rows stay leased without an ack (None: 600; ``inf``: until
+        acked, given back or the consumer goes away); ``max_failures`` the failed
+        deliveries after which a row goes to the dead letters (None: 3). See
+        ``docs/reliability.md``.
 
         Returns whether it was created by this call.
 
         Raises
         ------
         ConflictError
-            If it exists with another schema, tasks, group size or row limit.
+            If it exists with another schema, tasks, group size, row limit, lease or
+            failure limit.
         """
         s = resolve_schemas([schema], registry)[0]
         d = self._transport.action(
@@ -387,6 +412,8 @@ class Client:
                 tasks=list(tasks),
                 group_size=group_size,
                 max_rows=max_rows,
+                lease=lease,
+                max_failures=max_failures,
             )
         )
         with self._lock:
@@ -602,16 +629,26 @@ class Client:
         copy: bool = False,
         device: Any = None,
         sync: bool = True,
+        lease: float | None = None,
     ) -> Batch:
-        """Block until ``batch_size`` rows are ready for ``task``, take them, return them.
+        """Block until ``batch_size`` rows are ready for ``task``, lease them, return them.
 
-        A row is ready when not yet delivered to the task and it has every field in
-        ``fields`` (the schema's required ones when ``fields`` is None) and in
-        ``wait_for``; whole groups when the partition has a group size. The rows come back
-        with ``fields``, or with every column they have when ``fields`` is None: a trainer
-        calls ``claim(p, "train", n, wait_for=["prev_logprobs"])``. Rows count as
-        delivered once claimed; :meth:`reset` releases them. ``device`` and ``sync`` as
-        for :meth:`get` (a bad device is refused before anything is claimed).
+        A row is ready when no claim of the task holds it, it is neither acknowledged nor
+        dead, and it has every field in ``fields`` (the schema's required ones when
+        ``fields`` is None) and in ``wait_for``; whole groups when the partition has a
+        group size. The rows come back with ``fields``, or with every column they have
+        when ``fields`` is None: a trainer calls ``claim(p, "train", n,
+        wait_for=["prev_logprobs"])``.
+
+        The rows are leased (``batch.claim``, a :class:`~flightq.Claim`): :meth:`ack`
+        them when done, or :meth:`nack` them to give them back; ``with client.claim(...)
+        as batch:`` acks on leaving the block and gives back on an exception. Rows not
+        acked go back to ready when the lease runs out (``lease`` seconds, the
+        partition's when None), and at once when this client closes or its process or
+        connection goes away. If anything fails between the server's answer and the
+        batch (decoding, the transport), the rows are given back before the error is
+        raised. ``device`` and ``sync`` as for :meth:`get` (a bad device, or
+        ``as_='torch'`` without torch, is refused before anything is claimed).
 
         Raises
         ------
@@ -619,8 +656,12 @@ class Client:
             (also a ``TimeoutError``) if not enough rows are ready within ``timeout``.
         DeviceError
             If ``device`` cannot be used here; nothing is claimed.
+        DecodeError
+            ``as_='torch'`` without torch; nothing is claimed.
         """
         dev = resolve_device(device, as_)
+        if dev is None:
+            check_as(as_)
         wait = self.timeout if timeout is None else timeout
         t = ClaimTicket(
             partition=partition,
@@ -629,12 +670,128 @@ class Client:
             fields=None if fields is None else list(fields),
             wait_for=list(wait_for),
             timeout=wait,
+            lease=lease,
+            session=self._session.id(),
         )
+        try:
+            return self._claim(t, wait, as_, copy, dev, sync)
+        except NotFoundError as e:
+            if e.key is None or e.key != t.session:
+                raise
+            # The server no longer knows the session (it restarted): open another.
+            t = dataclasses.replace(t, session=self._session.reopen(e.key))
+            return self._claim(t, wait, as_, copy, dev, sync)
+
+    def _claim(
+        self, t: ClaimTicket, wait: float, as_: str, copy: bool, dev: Any, sync: bool
+    ) -> Batch:
         # The server answers within `wait`; the transport gets a margin on top.
-        what, limit = f"claim from {partition!r}", wait + max(5.0, 0.1 * wait)
-        if dev is not None:
-            return self._reader.to_device(dev, t, what, limit, copy=copy, sync=sync)
-        return self._reader.one(t, what, limit, as_, copy)
+        what, limit = f"claim from {t.partition!r}", wait + max(5.0, 0.1 * wait)
+        grant: list[ClaimGrant] = []
+        started = time.monotonic()
+        try:
+            if dev is not None:
+                batch = self._reader.to_device(
+                    dev, t, what, limit, copy=copy, sync=sync, grant=grant
+                )
+            else:
+                batch = self._reader.one(t, what, limit, as_, copy, grant=grant)
+        except BaseException as e:
+            if grant:  # the rows were taken: give them back before raising
+                self._give_back(t.partition, grant[0].claim, e)
+            raise
+        g = grant[0]
+        claim = Claim(
+            t.partition,
+            t.task,
+            g.claim,
+            tuple(batch.keys),
+            tuple(g.deliveries),
+            g.lease,
+            started + g.lease,
+        )
+        batch.claim = claim
+        batch._settle = lambda exc: self._settle(claim, exc)
+        return batch
+
+    def _give_back(self, partition: str, claim: str, error: BaseException | None) -> None:
+        """Release a claim after ``error``: a row the error names counts a failed
+        delivery. Errors on the way are dropped (the lease ends anyway)."""
+        key = getattr(error, "key", None)
+        with contextlib.suppress(FlightqError):
+            if isinstance(error, FlightqError) and key is not None:
+                with contextlib.suppress(NotFoundError):  # not one of the claim's rows
+                    self._transport.action(
+                        Nack(partition=partition, claim=claim, keys=[key], failed=True)
+                    )
+            self._transport.action(Nack(partition=partition, claim=claim))
+
+    def _settle(self, claim: Claim, error: BaseException | None) -> None:
+        if error is None:
+            self.ack(claim)
+        else:
+            self._give_back(claim.partition, claim.id, error)
+
+    def ack(self, claim: Claim | Batch, keys: Sequence[str] | None = None) -> int:
+        """Acknowledge rows of a claim (all of them when ``keys`` is None): they are done
+        for the claim's task and are never delivered to it again. Acking again is
+        harmless. Returns the rows acknowledged now.
+
+        Raises
+        ------
+        LeaseExpiredError
+            (a ``ConflictError``) naming rows the ack came too late for: the lease had
+            run out and another claim took them, or they went to the dead letters. The
+            other rows are acknowledged.
+        NotFoundError
+            If ``keys`` names a row the claim did not take, or the server does not know
+            the claim (it restarted, or thousands of claims ended since).
+        """
+        c = _claim_of(claim)
+        ks = None if keys is None else list(keys)
+        reply = self._transport.action(Ack(partition=c.partition, claim=c.id, keys=ks))
+        if reply.lost:
+            shown = ", ".join(repr(k) for k in reply.lost[:10])
+            more = f" and {len(reply.lost) - 10} more" if len(reply.lost) > 10 else ""
+            raise LeaseExpiredError(
+                f"ack of claim {c.id} from {c.partition!r}: the lease had run out and rows "
+                f"{shown}{more} were claimed again or went to the dead letters; "
+                f"{reply.acked} rows were acknowledged",
+                key=reply.lost[0],
+                actual=len(reply.lost),
+                partition=c.partition,
+            )
+        return int(reply.acked)
+
+    def nack(
+        self, claim: Claim | Batch, keys: Sequence[str] | None = None, *, failed: bool = False
+    ) -> int:
+        """Give rows of a claim back (all it still holds when ``keys`` is None): ready to
+        be claimed again, behind the rows ready already. ``failed=True`` counts a failed
+        delivery of each; a row whose failures reach the partition's ``max_failures``
+        goes to the dead letters instead (:meth:`dead_letters`). Returns the rows given
+        back.
+
+        Raises
+        ------
+        NotFoundError
+            If ``keys`` names a row the claim did not take, or the server does not know
+            the claim.
+        """
+        c = _claim_of(claim)
+        ks = None if keys is None else list(keys)
+        reply = self._transport.action(
+            Nack(partition=c.partition, claim=c.id, keys=ks, failed=failed)
+        )
+        return int(reply.released) + int(reply.dead)
+
+    def dead_letters(self, partition: str, task: str, limit: int = 1000) -> dict[str, Any]:
+        """The rows of ``task`` given up on: ``{"keys", "why", "deliveries", "total"}``,
+        the first ``limit`` of ``total``. They stay stored (:meth:`get` reads them) and
+        :meth:`reset` makes them claimable again."""
+        return self._transport.action(
+            DeadLetters(partition=partition, task=task, limit=limit)
+        ).to_dict()
 
     def snapshot(
         self, name: str, partition: str | None = None, timeout: float | None = None
@@ -661,7 +818,9 @@ class Client:
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
-        """Close the connection."""
+        """Close the connection. Rows this client claimed and did not acknowledge are
+        ready again for other consumers."""
+        self._session.close()
         if self._segments is not None:
             self._segments.close()
         self._transport.close()
@@ -681,3 +840,17 @@ def _put_sink(shm_dir: str | None) -> contextlib.AbstractContextManager[Sink]:
     from ..shm import gathering
 
     return gathering()
+
+
+def _claim_of(claim: Claim | Batch) -> Claim:
+    """The claim a batch came under, or ``claim`` itself.
+
+    Raises
+    ------
+    ProtocolError
+        If the batch is not a claim's (a get's answer).
+    """
+    c = claim.claim if isinstance(claim, Batch) else claim
+    if c is None:
+        raise ProtocolError("ack/nack: this batch was not claimed (a get's answer has no lease)")
+    return c

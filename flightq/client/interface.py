@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from ..batch import Batch
+    from ..batch import Batch, Claim
     from ..registry import SchemaRegistry
     from ..schema import Schema
 
@@ -92,6 +92,8 @@ class DataPlane(Protocol):
         group_size: int | None = None,
         *,
         max_rows: int | None = None,
+        lease: float | None = None,
+        max_failures: int | None = None,
         registry: SchemaRegistry | None = None,
     ) -> bool: ...
 
@@ -155,7 +157,16 @@ class DataPlane(Protocol):
         copy: bool = False,
         device: Any = None,
         sync: bool = True,
+        lease: float | None = None,
     ) -> Batch: ...
+
+    def ack(self, claim: Claim | Batch, keys: Sequence[str] | None = None) -> int: ...
+
+    def nack(
+        self, claim: Claim | Batch, keys: Sequence[str] | None = None, *, failed: bool = False
+    ) -> int: ...
+
+    def dead_letters(self, partition: str, task: str, limit: int = 1000) -> dict[str, Any]: ...
 
     def snapshot(
         self, name: str, partition: str | None = None, timeout: float | None = None

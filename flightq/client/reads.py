@@ -18,17 +18,18 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pyarrow as pa
 
 from ..batch import Batch, PartDecoder, Received, join
 from ..cuda import PinnedPool, decode_to_device
-from ..protocol import ClaimTicket, GetTicket, ScanTicket, Ticket
+from ..errors import ProtocolError
+from ..protocol import CLAIM_METADATA, ClaimGrant, ClaimTicket, GetTicket, ScanTicket, Ticket
 from .transport import Transport
 
-__all__ = ["Reader", "RowSizes", "distinct_nbytes", "received_on_device"]
+__all__ = ["Reader", "RowSizes", "claim_grant", "distinct_nbytes", "received_on_device"]
 
 
 def distinct_nbytes(batches: Iterable[pa.RecordBatch]) -> int:
@@ -134,14 +135,18 @@ class Reader:
         *,
         connection: int = 0,
         decoder: PartDecoder | None = None,
+        grant: list[ClaimGrant] | None = None,
     ) -> list[pa.RecordBatch]:
         """One DoGet's record batches (rebuilt over the mapped segments when the ticket
         asks for shared memory); given a ``decoder``, each is decoded as it arrives (while
-        gRPC receives the next one)."""
+        gRPC receives the next one). A claim's :class:`ClaimGrant` is appended to
+        ``grant`` as soon as its first record batch arrives."""
         batches: list[pa.RecordBatch] = []
         stream = self.transport.get(ticket, what, timeout=timeout, connection=connection)
         for rb in stream:
             batches.append(rb)
+            if grant is not None and not grant:
+                grant.append(claim_grant(rb, what))
             if decoder is not None and not ticket.shm:
                 decoder.add(rb)
         if ticket.shm:
@@ -163,11 +168,19 @@ class Reader:
         batch.received = Received.of(decoders, route)
         return batch
 
-    def one(self, ticket: Ticket, what: str, timeout: float | None, as_: str, copy: bool) -> Batch:
+    def one(
+        self,
+        ticket: Ticket,
+        what: str,
+        timeout: float | None,
+        as_: str,
+        copy: bool,
+        grant: list[ClaimGrant] | None = None,
+    ) -> Batch:
         """A read as one stream, decoded (through shared memory where it applies)."""
         t = self.routed(ticket)
         d = PartDecoder(as_, copy)
-        self.read(t, what, timeout, decoder=d)
+        self.read(t, what, timeout, decoder=d, grant=grant)
         return self.decoded(ticket.partition, [d], "shm" if t.shm else "socket")
 
     def to_device(
@@ -179,10 +192,38 @@ class Reader:
         *,
         copy: bool,
         sync: bool,
+        grant: list[ClaimGrant] | None = None,
     ) -> Batch:
         """A DoGet stream decoded into CUDA tensors as its record batches arrive."""
         got: list[pa.RecordBatch] = []
         started = time.perf_counter()
-        chunks = self.transport.get(ticket, what, timeout=timeout, got=got)
+        chunks: Iterator[pa.RecordBatch] = self.transport.get(
+            ticket, what, timeout=timeout, got=got
+        )
+        if grant is not None:
+            chunks = _granted(chunks, grant, what)
         out = decode_to_device(chunks, device, self.pinned, copy=copy, sync=sync)
         return received_on_device(out, len(got), started)
+
+
+def claim_grant(rb: pa.RecordBatch, what: str) -> ClaimGrant:
+    """The :class:`ClaimGrant` in a claim answer's schema metadata.
+
+    Raises
+    ------
+    ProtocolError
+        If the answer carries none (a server that predates leases) or a malformed one.
+    """
+    raw = (rb.schema.metadata or {}).get(CLAIM_METADATA)
+    if raw is None:
+        raise ProtocolError(f"{what}: the answer carries no claim grant (a server too old?)")
+    return ClaimGrant.parse(raw)
+
+
+def _granted(
+    chunks: Iterator[pa.RecordBatch], grant: list[ClaimGrant], what: str
+) -> Iterator[pa.RecordBatch]:
+    for rb in chunks:
+        if not grant:
+            grant.append(claim_grant(rb, what))
+        yield rb

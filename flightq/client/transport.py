@@ -22,8 +22,18 @@ import pyarrow as pa
 import pyarrow.flight as fl
 
 from ..chunks import split_batch
-from ..errors import FlightqError, ProtocolError
-from ..protocol import ACTIONS, ActionSpec, Message, PutAck, PutCommand, Ticket, from_flight_error
+from ..errors import FlightqError, FlightqTimeoutError, ProtocolError
+from ..protocol import (
+    ACTIONS,
+    ActionSpec,
+    Message,
+    PutAck,
+    PutCommand,
+    SessionCommand,
+    SessionReply,
+    Ticket,
+    from_flight_error,
+)
 
 __all__ = ["Transport", "action_spec"]
 
@@ -208,6 +218,48 @@ class Transport:
                     return
         except _FOREIGN as e:
             raise from_flight_error(e, what) from e
+
+    def session(
+        self, timeout: float | None = None
+    ) -> tuple[fl.FlightStreamWriter, fl.FlightStreamReader, str]:
+        """Open a consumer session: a DoExchange stream without a deadline, held open
+        until closed; returns its writer, its reader and the server's session id (read
+        within ``timeout``).
+
+        Raises
+        ------
+        FlightqError
+            The server's error, the transport's, or no session id.
+        """
+        what = f"open a session on {self.location}"
+        desc = fl.FlightDescriptor.for_command(SessionCommand().to_wire())
+        try:
+            # No deadline: the stream lives as long as the client.
+            writer, reader = self._main.do_exchange(desc, options=fl.FlightCallOptions())
+            first: list[Any] = []
+
+            def read() -> None:
+                try:
+                    first.append(reader.read_chunk())
+                except BaseException as e:  # handed to the caller's thread
+                    first.append(e)
+
+            got = threading.Thread(target=read, name="flightq-session-open", daemon=True)
+            got.start()
+            got.join(self.timeout if timeout is None else timeout)
+            if first and isinstance(first[0], BaseException):
+                raise first[0]
+        except _FOREIGN as e:
+            raise from_flight_error(e, what) from e
+        answered = bool(first)
+        if not answered or first[0].app_metadata is None:
+            with contextlib.suppress(Exception):
+                reader.cancel()  # never wait on a server that does not answer
+                writer.close()
+            if not answered:
+                raise FlightqTimeoutError(f"{what}: timed out waiting for the session id")
+            raise FlightqError(f"{what}: the server sent no session id")
+        return writer, reader, SessionReply.parse(first[0].app_metadata).session
 
     def list_flights(self, timeout: float | None = None) -> list[str]:
         """The names of the partitions the server lists (ListFlights)."""

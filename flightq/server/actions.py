@@ -32,10 +32,14 @@ from ..protocol import (
     PROTOCOL_VERSION,
     AbortPut,
     AbortPutReply,
+    Ack,
+    AckReply,
     CheckSchemas,
     CheckSchemasReply,
     Clear,
     ClearReply,
+    DeadLetters,
+    DeadLettersReply,
     Declaration,
     Declare,
     DeclareReply,
@@ -46,6 +50,8 @@ from ..protocol import (
     HealthReply,
     Inspect,
     Message,
+    Nack,
+    NackReply,
     PartitionStats,
     RegisterSchema,
     Reset,
@@ -58,6 +64,7 @@ from ..protocol import (
 )
 from ..registry import SchemaRegistry
 from ..schema import Schema, diff_schemas
+from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES
 from .staging import Staging
 from .store import Store
 
@@ -131,7 +138,13 @@ def _register_schema(ctx: ActionContext, req: RegisterSchema) -> SchemaRef:
 def _declare(ctx: ActionContext, req: Declare) -> DeclareReply:
     schema = resolve_schema(ctx.registry, req.schema)
     created = ctx.store.declare(
-        req.partition, schema, req.tasks or [], req.group_size, req.max_rows
+        req.partition,
+        schema,
+        req.tasks or [],
+        req.group_size,
+        req.max_rows,
+        DEFAULT_LEASE if req.lease is None else req.lease,
+        DEFAULT_MAX_FAILURES if req.max_failures is None else req.max_failures,
     )
     declaration = ctx.store.partition(req.partition).declaration()
     return DeclareReply.parse({"created": created, **declaration})
@@ -147,6 +160,21 @@ def _clear(ctx: ActionContext, req: Clear) -> ClearReply:
 
 def _reset(ctx: ActionContext, req: Reset) -> ResetReply:
     return ResetReply(reset=ctx.store.reset(req.partition, req.task, req.keys))
+
+
+def _ack(ctx: ActionContext, req: Ack) -> AckReply:
+    acked, lost = ctx.store.ack(req.partition, req.claim, req.keys)
+    return AckReply(acked=acked, lost=lost)
+
+
+def _nack(ctx: ActionContext, req: Nack) -> NackReply:
+    released, dead = ctx.store.nack(req.partition, req.claim, req.keys, req.failed)
+    return NackReply(released=released, dead=dead)
+
+
+def _dead_letters(ctx: ActionContext, req: DeadLetters) -> DeadLettersReply:
+    keys, why, deliveries, total = ctx.store.dead_letters(req.partition, req.task, req.limit)
+    return DeadLettersReply(keys=keys, why=why, deliveries=deliveries, total=total)
 
 
 def _drop(ctx: ActionContext, req: Drop) -> DropReply:
@@ -194,6 +222,9 @@ HANDLERS: dict[str, Handler] = {
     "describe": _describe,
     "clear": _clear,
     "reset": _reset,
+    "ack": _ack,
+    "nack": _nack,
+    "dead_letters": _dead_letters,
     "drop": _drop,
     "abort_put": _abort_put,
     "stats": _stats,

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -32,11 +33,15 @@ from ..layout import DEFAULT_BATCH_BYTES
 from ..memory import keep_freed_memory
 from ..protocol import (
     ACTIONS,
+    CLAIM_METADATA,
+    ClaimGrant,
     ClaimTicket,
     GetTicket,
     PutAck,
     PutCommand,
     ScanTicket,
+    SessionCommand,
+    SessionReply,
     Ticket,
     parse_ticket,
     to_flight_error,
@@ -47,6 +52,7 @@ from ..schema import diff_schemas
 from ..validation import validate
 from .actions import HANDLERS, ActionContext
 from .assemble import assemble
+from .leases import Lease
 from .partition import Partition, Row, make_piece
 from .staging import Staging
 from .store import Store
@@ -66,6 +72,8 @@ __all__ = [
 DEFAULT_MAX_BATCH_BYTES = DEFAULT_BATCH_BYTES
 #: Largest record batch a put may send (Arrow buffer bytes); the client cuts at 16 MiB.
 DEFAULT_MAX_PUT_BATCH_BYTES = 2**30
+#: Seconds between checks that a consumer session's client is still there.
+_SESSION_POLL = 0.05
 
 
 class Server(fl.FlightServerBase):
@@ -339,17 +347,33 @@ class Server(fl.FlightServerBase):
     ) -> fl.FlightDataStream:
         name, task = t.partition, t.task
         cancelled = context.is_cancelled if context is not None else None
-        part, rows, names = self.store.claim(
-            name, task, t.batch_size, t.fields, t.timeout, t.wait_for, cancelled
+        part, rows, names, lease = self.store.claim(
+            name,
+            task,
+            t.batch_size,
+            t.fields,
+            t.timeout,
+            t.wait_for,
+            cancelled,
+            t.lease,
+            t.session,
         )
-        schema, batches = self._assemble(t, part, rows, names)
-        keys = [r.key for r in rows]
         try:
+            schema, batches = self._assemble(t, part, rows, names)
             schema, batches = self._shm_reply(t, schema, batches, context)
+            st = part.progress.tasks[task]
+            grant = ClaimGrant(
+                claim=lease.id,
+                lease=lease.seconds,
+                deliveries=[st.deliveries.get(k, 1) for k in lease.keys],
+            )
+            schema = schema.with_metadata(
+                {**(schema.metadata or {}), CLAIM_METADATA: grant.to_wire()}
+            )
         except BaseException:
-            self.store.unclaim(name, task, keys)
+            self.store.unclaim(name, lease)
             raise
-        return _stream(schema, self._claimed(name, task, keys, batches))
+        return _stream(schema, self._claimed(name, lease, batches))
 
     def _assemble(
         self, t: Ticket, part: Partition, rows: list[Row], names: list[str]
@@ -363,7 +387,7 @@ class Server(fl.FlightServerBase):
         return assemble(part, rows, names, max(self.max_batch_bytes, BATCH_BYTES))
 
     def _claimed(
-        self, name: str, task: str, keys: list[str], batches: Iterator[pa.RecordBatch]
+        self, name: str, lease: Lease, batches: Iterator[pa.RecordBatch]
     ) -> Iterator[pa.RecordBatch]:
         """Yield a claim's batches; if the stream dies before the end, the rows go back."""
         done = False
@@ -372,7 +396,41 @@ class Server(fl.FlightServerBase):
             done = True
         finally:
             if not done:
-                self.store.unclaim(name, task, keys)
+                self.store.unclaim(name, lease)
+
+    # ------------------------------------------------------------------ DoExchange
+
+    def do_exchange(
+        self,
+        context: fl.ServerCallContext,
+        descriptor: fl.FlightDescriptor,
+        reader: fl.MetadataRecordBatchReader,
+        writer: fl.MetadataRecordBatchWriter,
+    ) -> None:
+        self._guard(self._do_exchange, context, descriptor, reader, writer)
+
+    def _do_exchange(
+        self,
+        context: fl.ServerCallContext,
+        descriptor: fl.FlightDescriptor,
+        reader: fl.MetadataRecordBatchReader,
+        writer: fl.MetadataRecordBatchWriter,
+    ) -> None:
+        """A consumer session: held open by the client while it lives. The leases of
+        claims made under it end the moment it ends (the client closed, crashed or lost
+        its connection), or when the server shuts down."""
+        if descriptor.descriptor_type != fl.DescriptorType.CMD:
+            raise ProtocolError("DoExchange: expected a command descriptor")
+        SessionCommand.parse(descriptor.command)
+        sid = self.store.open_session()
+        try:
+            writer.write_metadata(pa.py_buffer(SessionReply(session=sid).to_wire()))
+            # The client sends nothing: it cancels the call to end the session, or its
+            # process or connection goes away, which cancels it too.
+            while not context.is_cancelled() and not self.store.closing:
+                time.sleep(_SESSION_POLL)
+        finally:
+            self.store.end_session(sid)
 
     # ------------------------------------------------------------------ shared memory
 

@@ -23,6 +23,7 @@ from ..errors import ConflictError, EncodeError, MissingFieldError, ShapeError
 from ..layout import MEDIA_TYPE, SHAPE_SUFFIX, TAGS, binary_offsets, media_row_bytes
 from ..schema import Schema
 from ..validation import Checked
+from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Progress
 
 __all__ = ["Piece", "Row", "Partition", "PutPlan", "make_piece", "put_keys"]
 
@@ -84,13 +85,22 @@ class Partition:
     tasks: tuple[str, ...]
     group_size: int | None
     rows: dict[str, Row] = field(default_factory=dict)
-    delivered: dict[str, set[str]] = field(default_factory=dict)
+    #: Per task, where each row stands (ready, leased, done, dead), and the leases.
+    progress: Progress = None  # type: ignore[assignment]  # made from ``tasks``
     next_group: int = 0
     nbytes: int = 0
     #: Acknowledgements of recent puts by put id (oldest first), for idempotent retries.
     recent_puts: dict[str, int] = field(default_factory=dict)
     #: Most rows the partition holds at once; a put that would pass it waits for clears.
     max_rows: int | None = None
+    #: Seconds a claim's rows stay leased without an ack (a claim may say otherwise).
+    lease: float = DEFAULT_LEASE
+    #: Failed deliveries after which a row goes to the dead letters.
+    max_failures: int = DEFAULT_MAX_FAILURES
+
+    def __post_init__(self) -> None:
+        if self.progress is None:
+            self.progress = Progress(self.tasks, self.max_failures)
 
     def declaration(self) -> dict[str, Any]:
         """The declaration as sent by ``declare``."""
@@ -102,6 +112,8 @@ class Partition:
             "tasks": list(self.tasks),
             "group_size": self.group_size,
             "max_rows": self.max_rows,
+            "lease": self.lease,
+            "max_failures": self.max_failures,
         }
 
     def plan_put(self, pieces: list[Piece], overwrite: bool, put_id: str | None) -> PutPlan:
@@ -223,6 +235,7 @@ class Partition:
                 row.nbytes += nbytes[i]
                 self.nbytes += nbytes[i]
         self.next_group += (n_new // g) if g else n_new
+        self.progress.added(plan.new)
         if plan.put_id is not None:
             self.recent_puts[plan.put_id] = len(plan.keys)
             while len(self.recent_puts) > RECENT_PUTS:

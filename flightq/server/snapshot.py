@@ -46,6 +46,7 @@ from ..errors import (
 from ..schema import Schema
 from ..validation import validate
 from .assemble import assemble
+from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES
 from .partition import Partition, Row, make_piece
 from .store import Store
 
@@ -112,8 +113,13 @@ def _state_table(p: Partition) -> pa.Table:
         "group": pa.array([r.group for r in rows], type=pa.int64()),
     }
     for t in p.tasks:
-        d = p.delivered[t]
-        cols[f"delivered:{t}"] = pa.array([r.key in d for r in rows], type=pa.bool_())
+        st = p.progress.tasks[t]
+        cols[f"delivered:{t}"] = pa.array([r.key in st.done for r in rows], type=pa.bool_())
+        cols[f"dead:{t}"] = pa.array([st.dead.get(r.key) for r in rows], type=pa.utf8())
+        cols[f"deliveries:{t}"] = pa.array(
+            [st.deliveries.get(r.key, 0) for r in rows], type=pa.int32()
+        )
+        cols[f"failures:{t}"] = pa.array([st.failures.get(r.key, 0) for r in rows], pa.int32())
     return pa.table(cols)
 
 
@@ -166,7 +172,9 @@ def write_snapshot(
                     "next_group": p.next_group,
                     "rows": len(rows),
                     "bytes": p.nbytes,
-                    "delivered": {t: len(d) for t, d in p.delivered.items()},
+                    "delivered": {t: len(st.done) for t, st in p.progress.tasks.items()},
+                    "lease": p.lease,
+                    "max_failures": p.max_failures,
                     # Oldest first: a retry after a restore is acknowledged, not stored twice.
                     "recent_puts": [[k, n] for k, n in p.recent_puts.items()],
                     "files": {"rows": rows_file, "state": state_file},
@@ -262,17 +270,30 @@ def _restore_partition(root: Path, e: dict[str, Any]) -> Partition:
         schema,
         tasks,
         e["group_size"],
-        delivered={t: set() for t in tasks},
         next_group=int(e["next_group"]),
         max_rows=e.get("max_rows"),
+        lease=float(e.get("lease", DEFAULT_LEASE)),
+        max_failures=int(e.get("max_failures", DEFAULT_MAX_FAILURES)),
         recent_puts={str(k): int(n) for k, n in e.get("recent_puts", [])},
     )
     state = _read_ipc(root / files["state"])
     keys = state.column("key").to_pylist()
     group = dict(zip(keys, state.column("group").to_pylist(), strict=True))
+    names = set(state.column_names)
     for t in tasks:
+        st = part.progress.tasks[t]
         flags = state.column(f"delivered:{t}").to_pylist()
-        part.delivered[t] = {k for k, f in zip(keys, flags, strict=True) if f}
+        st.done = {k for k, f in zip(keys, flags, strict=True) if f}
+        # Snapshots written before claims were leases lack the columns below.
+        if f"dead:{t}" in names:
+            dead = state.column(f"dead:{t}").to_pylist()
+            st.dead = {k: w for k, w in zip(keys, dead, strict=True) if w is not None}
+        for col, into in (("deliveries", st.deliveries), ("failures", st.failures)):
+            if f"{col}:{t}" in names:
+                counts = state.column(f"{col}:{t}").to_pylist()
+                into.update((k, n) for k, n in zip(keys, counts, strict=True) if n)
+        # Rows leased when the snapshot was taken are ready again.
+        st.ready = {k: None for k in keys if k not in st.done and k not in st.dead}
     for batch in _read_ipc(root / files["rows"]).to_batches():
         piece = make_piece(batch, validate(batch, schema))
         ck = piece.checked

@@ -18,6 +18,7 @@ import difflib
 import itertools
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ from ..errors import (
     UnavailableError,
 )
 from ..schema import Schema
+from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskState
 from .partition import Partition, Piece, Row, put_keys
 
 __all__ = ["Store"]
@@ -52,6 +54,8 @@ class Store:
         self._waiting: dict[str, dict[str, int]] = {}
         #: Puts waiting for room (memory budget, row limit) right now: partition -> count.
         self._waiting_puts: dict[str, int] = {}
+        #: Consumer sessions open right now (:meth:`open_session`).
+        self._sessions: set[str] = set()
         self._closing = False
 
     def close(self) -> None:
@@ -59,6 +63,11 @@ class Store:
         with self._changed:
             self._closing = True
             self._changed.notify_all()
+
+    @property
+    def closing(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closing
 
     def _check_open(self, what: str) -> None:
         if self._closing:
@@ -73,13 +82,20 @@ class Store:
         tasks: Sequence[str],
         group_size: int | None,
         max_rows: int | None = None,
+        lease: float = DEFAULT_LEASE,
+        max_failures: int = DEFAULT_MAX_FAILURES,
     ) -> bool:
         """Declare a partition; idempotent for identical arguments. Returns whether new.
+
+        ``lease`` is the seconds a claim's rows stay leased without an ack, ``max_failures``
+        the failed deliveries after which a row goes to the dead letters
+        (:mod:`flightq.server.leases`).
 
         Raises
         ------
         ConflictError
-            If the partition exists with another schema, tasks, group size or row limit.
+            If the partition exists with another schema, tasks, group size, row limit,
+            lease or failure limit.
         """
         if max_rows is not None and max_rows < 1:
             raise ProtocolError(
@@ -92,6 +108,14 @@ class Store:
         if group_size is not None and group_size < 1:
             raise ProtocolError(
                 f"group_size must be >= 1, got {group_size}", actual=group_size, partition=name
+            )
+        if not lease > 0:
+            raise ProtocolError(f"lease must be > 0 seconds, got {lease}", partition=name)
+        if max_failures < 1:
+            raise ProtocolError(
+                f"max_failures must be >= 1, got {max_failures}",
+                actual=max_failures,
+                partition=name,
             )
         if len(set(tasks)) != len(tasks):
             raise ProtocolError(
@@ -107,6 +131,8 @@ class Store:
                     or p.tasks != tuple(tasks)
                     or p.group_size != group_size
                     or p.max_rows != max_rows
+                    or p.lease != lease
+                    or p.max_failures != max_failures
                 ):
                     raise ConflictError(
                         f"partition {name!r} is declared with schema {p.schema.ref} "
@@ -117,6 +143,12 @@ class Store:
                             f"; max_rows {p.max_rows}, got {max_rows}"
                             if p.max_rows != max_rows
                             else ""
+                        )
+                        + (
+                            f"; lease {p.lease:g}s and max_failures {p.max_failures}, got "
+                            f"{lease:g}s and {max_failures}"
+                            if (p.lease, p.max_failures) != (lease, max_failures)
+                            else ""
                         ),
                         partition=name,
                     )
@@ -126,8 +158,9 @@ class Store:
                 schema,
                 tuple(tasks),
                 group_size,
-                delivered={t: set() for t in tasks},
                 max_rows=max_rows,
+                lease=lease,
+                max_failures=max_failures,
             )
             return True
 
@@ -158,7 +191,7 @@ class Store:
     def capture(self, names: Sequence[str] | None = None) -> list[Partition]:
         """Consistent copies of partitions (all when ``names`` is None), for a snapshot.
 
-        Rows, cells, tags and delivered sets are copied under the lock; the stored record
+        Rows, cells, tags and each task's progress are copied under the lock; the stored record
         batches they point to are immutable and shared.
         """
         with self._lock:
@@ -173,11 +206,13 @@ class Store:
                         k: Row(r.key, r.group, dict(r.cells), dict(r.tags), r.seq_len, r.nbytes)
                         for k, r in p.rows.items()
                     },
-                    delivered={t: set(d) for t, d in p.delivered.items()},
+                    progress=_copy_progress(p),
                     next_group=p.next_group,
                     nbytes=p.nbytes,
                     max_rows=p.max_rows,
                     recent_puts=dict(p.recent_puts),
+                    lease=p.lease,
+                    max_failures=p.max_failures,
                 )
                 for p in parts
             ]
@@ -335,7 +370,8 @@ class Store:
             return n
 
     def clear(self, name: str, keys: Sequence[str] | None) -> int:
-        """Remove rows (all when ``keys`` is None). Returns how many were removed.
+        """Remove rows (all when ``keys`` is None). Returns how many were removed. A
+        cleared row counts as acknowledged: the leases holding it end for it.
 
         Raises
         ------
@@ -348,8 +384,7 @@ class Store:
                 n = len(p.rows)
                 p.rows.clear()
                 p.nbytes = 0
-                for d in p.delivered.values():
-                    d.clear()
+                p.progress.removed_all()
             else:
                 _known(p, keys)
                 n = 0
@@ -359,24 +394,116 @@ class Store:
                         continue
                     n += 1
                     p.nbytes -= row.nbytes
-                    for d in p.delivered.values():
-                        d.discard(k)
+                p.progress.removed(keys)
+                for lease in list(p.progress.leases.values()):
+                    p.progress.settle(lease)
             self._changed.notify_all()
             return n
 
     def reset(self, name: str, task: str, keys: Sequence[str] | None) -> int:
-        """Make rows claimable again for ``task``. Returns how many were reset."""
+        """Make rows (all when None) claimable again for ``task``, whatever their state
+        (leased, acknowledged, dead), their deliveries forgotten. Returns how many were
+        not ready before."""
         with self._changed:
             p = self._get(name)
-            d = _task(p, task)
-            if keys is None:
-                n = len(d)
-                d.clear()
-            else:
+            _task(p, task)
+            if keys is not None:
                 _known(p, keys)
-                n = len(d.intersection(keys))
-                d.difference_update(keys)
+            n = p.progress.reset(task, keys, p.rows)
             self._changed.notify_all()
+            return n
+
+    # ------------------------------------------------------------------ leases
+
+    def _expire(self, p: Partition) -> None:
+        # With the lock held: end the partition's leases past their time.
+        if p.progress.expire(time.monotonic()):
+            self._changed.notify_all()
+
+    def _lease(self, p: Partition, claim: str) -> Lease:
+        lease = p.progress.find(claim)
+        if lease is None:
+            raise NotFoundError(
+                f"partition {p.name!r} knows no claim {claim[:64]!r} (a claim's id is "
+                "remembered until a few thousand later ones have ended, and not over a "
+                "restart)",
+                key=claim[:64],
+                partition=p.name,
+            )
+        return lease
+
+    def ack(self, name: str, claim: str, keys: Sequence[str] | None) -> tuple[int, list[str]]:
+        """Mark rows of a claim (all when ``keys`` is None) done for its task. Returns the
+        rows acknowledged and those the claim had lost to another (its lease expired and
+        another claim took them, or they went to the dead letters).
+
+        Raises
+        ------
+        NotFoundError
+            If the partition has no such claim holding rows, or a key is not the claim's.
+        """
+        with self._changed:
+            p = self._get(name)
+            self._expire(p)
+            lease = self._lease(p, claim)
+            _of_lease(p, lease, keys)
+            out = p.progress.ack(lease, keys)
+            self._changed.notify_all()
+            return out
+
+    def nack(
+        self, name: str, claim: str, keys: Sequence[str] | None, failed: bool
+    ) -> tuple[int, int]:
+        """Release rows of a claim (all it holds when ``keys`` is None): ready again, or,
+        with ``failed`` counting a failed delivery, dead once they reach the partition's
+        ``max_failures``. Returns (rows made ready, rows gone dead).
+
+        Raises
+        ------
+        NotFoundError
+            If a key is not the claim's.
+        """
+        with self._changed:
+            p = self._get(name)
+            self._expire(p)
+            lease = self._lease(p, claim)
+            _of_lease(p, lease, keys)
+            held = p.progress.held(lease, keys)
+            out = p.progress.release(lease, keys, failed=held if failed else (), why="failed")
+            self._changed.notify_all()
+            return out
+
+    def dead_letters(
+        self, name: str, task: str, limit: int
+    ) -> tuple[list[str], list[str], list[int], int]:
+        """The first ``limit`` dead rows of ``task``: keys, why, deliveries, and how many
+        there are in all."""
+        with self._lock:
+            p = self._get(name)
+            st = _task(p, task)
+            keys = list(itertools.islice(st.dead, limit))
+            return (
+                keys,
+                [st.dead[k] for k in keys],
+                [st.deliveries.get(k, 0) for k in keys],
+                len(st.dead),
+            )
+
+    def open_session(self) -> str:
+        """A new consumer session; its leases end when :meth:`end_session` is called."""
+        sid = uuid.uuid4().hex
+        with self._lock:
+            self._sessions.add(sid)
+        return sid
+
+    def end_session(self, sid: str) -> int:
+        """The consumer's connection is gone: its leases end, each row's failures
+        counted. Returns the rows released."""
+        with self._changed:
+            self._sessions.discard(sid)
+            n = sum(p.progress.session_ended(sid) for p in self._parts.values())
+            if n:
+                self._changed.notify_all()
             return n
 
     # ------------------------------------------------------------------ reads
@@ -408,15 +535,19 @@ class Store:
         timeout: float,
         wait_for: Sequence[str] = (),
         cancelled: Callable[[], bool] | None = None,
-    ) -> tuple[Partition, list[Row], list[str]]:
-        """Wait for ``batch_size`` ready rows, mark them delivered to ``task``, return them.
+        lease: float | None = None,
+        session: str | None = None,
+    ) -> tuple[Partition, list[Row], list[str], Lease]:
+        """Wait for ``batch_size`` ready rows, lease them to ``task``, return them.
 
-        A row is ready when not yet delivered to the task and it has every field named in
-        ``fields`` (the schema's required fields when ``fields`` is None) and in
-        ``wait_for``. In a partition with a group size, only whole ready groups are taken,
-        in creation order. The rows are returned with ``fields`` (every column they have
-        when None). ``cancelled`` (e.g. ``ServerCallContext.is_cancelled``) is polled while
-        waiting: a claim its caller abandoned stops waiting and takes no rows.
+        A row is ready when no claim of the task holds it, it is neither acknowledged nor
+        dead, and it has every field named in ``fields`` (the schema's required fields
+        when ``fields`` is None) and in ``wait_for``. In a partition with a group size,
+        only whole ready groups are taken, in creation order. The rows are returned with
+        ``fields`` (every column they have when None), under a lease of ``lease`` seconds
+        (the partition's when None) that also ends when ``session`` ends. ``cancelled``
+        (e.g. ``ServerCallContext.is_cancelled``) is polled while waiting: a claim its
+        caller abandoned stops waiting and takes no rows.
 
         Raises
         ------
@@ -439,11 +570,27 @@ class Store:
                     actual=batch_size,
                     partition=name,
                 )
+            if p.max_rows is not None and batch_size > p.max_rows:
+                raise ProtocolError(
+                    f"claim from {name!r}: batch_size {batch_size} is more than the "
+                    f"partition's limit of {p.max_rows} rows; no claim could be served",
+                    expected=p.max_rows,
+                    actual=batch_size,
+                    partition=name,
+                )
             need = tuple(fields) if fields is not None else p.schema.required
             need = tuple(dict.fromkeys((*need, *wait_for)))
             for f in need:
                 p.schema[f]  # raises on an undeclared field
+            if session is not None and session not in self._sessions:
+                raise NotFoundError(
+                    f"claim from {name!r}: session {session[:64]!r} is not open (the "
+                    "connection that opened it is gone); open a new one",
+                    key=session[:64],
+                    partition=name,
+                )
             waiting = False
+            seen = -1  # the partition's progress version last looked at
             try:
                 while True:
                     self._check_open(f"claim from {name!r}")
@@ -454,11 +601,18 @@ class Store:
                             partition=name,
                         )
                     p = self._get(name)  # the partition may have been dropped meanwhile
-                    picked = _ready(p, task, need, batch_size)
-                    if picked is not None:
-                        p.delivered[task].update(r.key for r in picked)
-                        return p, picked, _fields_for(p, picked, fields)
-                    left = deadline - time.monotonic()
+                    self._expire(p)
+                    if p.progress.version != seen:
+                        seen = p.progress.version
+                        picked = _ready(p, task, need, batch_size)
+                        if picked is not None:
+                            now = time.monotonic()
+                            secs = p.lease if lease is None else lease
+                            keys = [r.key for r in picked]
+                            taken = p.progress.take(task, keys, secs, now, session)
+                            return p, picked, _fields_for(p, picked, fields), taken
+                    now = time.monotonic()
+                    left = deadline - now
                     if left <= 0:
                         ready = len(_ready(p, task, need, None) or [])
                         raise ClaimTimeoutError(
@@ -473,8 +627,10 @@ class Store:
                         waiting = True
                         tasks = self._waiting.setdefault(name, {})
                         tasks[task] = tasks.get(task, 0) + 1
-                    # inf or huge: wait in chunks; poll a caller that may go away more often.
-                    self._changed.wait(min(left, 3600.0 if cancelled is None else _POLL))
+                    # Until a change, the next lease expiry or the deadline (in chunks when
+                    # inf or huge); a caller that may go away is polled more often.
+                    wake = min(left, p.progress.next_expiry - now + 0.001)
+                    self._changed.wait(min(wake, 3600.0 if cancelled is None else _POLL))
             finally:
                 if waiting:
                     self._stop_waiting(name, task)
@@ -487,12 +643,13 @@ class Store:
             if not tasks:
                 del self._waiting[name]
 
-    def unclaim(self, name: str, task: str, keys: Sequence[str]) -> None:
-        """Undo a claim whose rows never reached the consumer."""
+    def unclaim(self, name: str, lease: Lease) -> None:
+        """Undo a claim whose rows never reached the consumer: they are ready again, no
+        failure counted."""
         with self._changed:
             p = self._parts.get(name)
-            if p is not None and task in p.delivered:
-                p.delivered[task].difference_update(keys)
+            if p is not None and p.progress.leases.get(lease.id) is lease:
+                p.progress.release(lease, None)
                 self._changed.notify_all()
 
     def scan(self, name: str) -> tuple[Partition, list[Row], list[str]]:
@@ -509,6 +666,8 @@ class Store:
         right now (per partition and task, and in all) and the puts waiting for room right
         now (per partition)."""
         with self._lock:
+            for p in self._parts.values():
+                self._expire(p)
             return {
                 "partitions": {n: self._partition_stats(n, detail=False) for n in self._parts},
                 "rows": sum(len(p.rows) for p in self._parts.values()),
@@ -520,6 +679,7 @@ class Store:
         """One partition in detail: fields present, per task delivered and ready rows and
         waiting claims, and its puts waiting for room."""
         with self._lock:
+            self._expire(self._get(name))
             return self._partition_stats(name, detail=True)
 
     def _partition_stats(self, name: str, detail: bool) -> dict[str, Any]:
@@ -553,9 +713,9 @@ def _known(p: Partition, keys: Sequence[str]) -> None:
         )
 
 
-def _task(p: Partition, task: str) -> set[str]:
-    d = p.delivered.get(task)
-    if d is None:
+def _task(p: Partition, task: str) -> TaskState:
+    st = p.progress.tasks.get(task)
+    if st is None:
         declared = (
             f"; declared: {list(p.tasks)}" if len(p.tasks) <= _LISTED else _close(task, p.tasks)
         )
@@ -565,7 +725,36 @@ def _task(p: Partition, task: str) -> set[str]:
             actual=task,
             partition=p.name,
         )
-    return d
+    return st
+
+
+def _of_lease(p: Partition, lease: Lease, keys: Sequence[str] | None) -> None:
+    """Refuse keys that are not the lease's (nothing is acknowledged or released then)."""
+    if keys is None:
+        return
+    mine = set(lease.keys)
+    other = [k for k in keys if k not in mine]
+    if other:
+        raise NotFoundError(
+            f"claim {lease.id!r} of partition {p.name!r} did not take row key "
+            f"{other[0]!r}" + (f" and {len(other) - 1} more" if len(other) > 1 else ""),
+            key=other[0],
+            partition=p.name,
+        )
+
+
+def _copy_progress(p: Partition) -> Progress:
+    """A copy of a partition's progress, for a snapshot: leased rows are not done, so
+    after a restore they are ready again."""
+    out = Progress(p.tasks, p.max_failures)
+    for t, st in p.progress.tasks.items():
+        c = out.tasks[t]
+        c.done = set(st.done)
+        c.dead = dict(st.dead)
+        c.deliveries = dict(st.deliveries)
+        c.failures = dict(st.failures)
+        c.ready = {k: None for k in p.rows if k not in c.done and k not in c.dead}
+    return out
 
 
 def _fields_for(p: Partition, rows: list[Row], fields: Sequence[str] | None) -> list[str]:
@@ -590,23 +779,30 @@ def _fields_for(p: Partition, rows: list[Row], fields: Sequence[str] | None) -> 
 
 
 def _ready(p: Partition, task: str, need: Sequence[str], limit: int | None) -> list[Row] | None:
-    """The first ready rows (whole groups if grouped), or None if fewer than ``limit``."""
-    done = p.delivered[task]
+    """The first ready rows (whole groups if grouped), or None if fewer than ``limit``.
+
+    It walks the task's ready index only, and not at all when the index holds fewer rows
+    than ``limit``."""
+    ready = p.progress.tasks[task].ready
+    if limit is not None and len(ready) < limit:
+        return None
+    rows = p.rows
     out: list[Row] = []
     if not p.group_size:
-        for r in p.rows.values():
-            if r.key not in done and all(f in r.cells for f in need):
+        for k in ready:
+            r = rows[k]
+            if all(f in r.cells for f in need):
                 out.append(r)
                 if limit is not None and len(out) == limit:
                     return out
         return out if limit is None else None
+    g = p.group_size
     groups: dict[int, list[Row]] = {}
-    for r in p.rows.values():
-        groups.setdefault(r.group, []).append(r)
-    for members in groups.values():
-        if len(members) != p.group_size:
-            continue  # part of the group was cleared
-        if all(r.key not in done and all(f in r.cells for f in need) for r in members):
+    for k in ready:
+        r = rows[k]
+        members = groups.setdefault(r.group, [])
+        members.append(r)
+        if len(members) == g and all(all(f in m.cells for f in need) for m in members):
             out.extend(members)
             if limit is not None and len(out) == limit:
                 return out
@@ -623,7 +819,11 @@ def _describe(
         "group_size": p.group_size,
         "rows": len(p.rows),
         "bytes": p.nbytes,
-        "delivered": {t: len(s) for t, s in p.delivered.items()},
+        "delivered": {t: len(st.done) + len(st.leased) for t, st in p.progress.tasks.items()},
+        "acked": {t: len(st.done) for t, st in p.progress.tasks.items()},
+        "leased": {t: len(st.leased) for t, st in p.progress.tasks.items()},
+        "dead": {t: len(st.dead) for t, st in p.progress.tasks.items()},
+        "claims": len(p.progress.leases),
         "waiting": {t: waiting.get(t, 0) for t in p.tasks},
         "waiting_puts": waiting_puts,
     }

@@ -25,24 +25,28 @@ True
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from ..batch import Batch, Received, decode
+from ..batch import Batch, Claim, Received, check_as, decode
 from ..chunks import encode_chunks
 from ..client.client import DEFAULT_MAX_BATCH_BYTES, DEFAULT_TIMEOUT, resolve_schemas
 from ..client.interface import PutReceipt
+from ..client.reads import claim_grant
 from ..cuda import decode_to_device, resolve_device
 from ..errors import (
     ClaimTimeoutError,
     FlightqError,
+    LeaseExpiredError,
+    NotFoundError,
     ProtocolError,
     UnavailableError,
 )
-from ..protocol import ClaimTicket, GetTicket
+from ..protocol import ClaimGrant, ClaimTicket, GetTicket, Nack
 from ..registry import SchemaRegistry
 from ..schema import Schema
 from .fanout import DEFAULT_POLL, Fanout, at_shard
@@ -342,6 +346,7 @@ class ShardedClient(Fanout):
         copy: bool = False,
         device: Any = None,
         sync: bool = True,
+        lease: float | None = None,
     ) -> Batch:
         """Take ``batch_size`` ready rows for ``task``, whole groups, from one or more shards.
 
@@ -366,6 +371,8 @@ class ShardedClient(Fanout):
             If ``device`` cannot be used here; nothing is claimed.
         """
         dev = resolve_device(device, as_)
+        if dev is None:
+            check_as(as_)
         wait = self.timeout if timeout is None else timeout
         _, g = self._decl(partition)
         unit = g or 1
@@ -377,6 +384,7 @@ class ShardedClient(Fanout):
         n = len(self._clients)
         start = next(self._turn) % n
         got: list[tuple[int, list[pa.RecordBatch]]] = []
+        grants: list[tuple[int, ClaimGrant, list[str]]] = []
         f, w = None if fields is None else list(fields), list(wait_for)
         what = f"claim from {partition!r}"
         started = time.perf_counter()
@@ -386,11 +394,27 @@ class ShardedClient(Fanout):
         def take(s: int, size: int, secs: float) -> int:
             if s in down:
                 return 0
-            t = ClaimTicket(
-                partition=partition, task=task, batch_size=size, timeout=secs, fields=f, wait_for=w
-            )
             try:
-                bs = list(self.transports[s].get(t, what, timeout=secs + 5.0))
+                t = ClaimTicket(
+                    partition=partition,
+                    task=task,
+                    batch_size=size,
+                    timeout=secs,
+                    fields=f,
+                    wait_for=w,
+                    lease=lease,
+                    session=self._clients[s].session.id(),
+                )
+                try:
+                    bs = list(self.transports[s].get(t, what, timeout=secs + 5.0))
+                except NotFoundError as e:
+                    if e.key is None or e.key != t.session:
+                        raise
+                    # The shard no longer knows the session (it restarted): open another.
+                    fresh = self._clients[s].session.reopen(e.key)
+                    t = dataclasses.replace(t, session=fresh)
+                    bs = list(self.transports[s].get(t, what, timeout=secs + 5.0))
+                grants.append((s, claim_grant(bs[0], what), keys_of(bs)))
             except ClaimTimeoutError:
                 return 0
             except UnavailableError as e:
@@ -419,13 +443,125 @@ class ShardedClient(Fanout):
                     f"{partition!r} over {n} shards timed out after {wait:g}s: "
                     f"{batch_size - missing} rows were ready (given back)"
                 )
+            merged = merge(batch_size, sequential(got))
+            batch = self._decoded(merged, started, as_, copy, dev, sync)
         except BaseException:
-            for s, bs in got:
-                with contextlib.suppress(FlightqError):  # a shard that is gone keeps them
-                    self._clients[s].reset(partition, task, keys_of(bs))
+            for s, grant, _ in grants:
+                with contextlib.suppress(FlightqError):  # a shard that is gone ends it too
+                    self._clients[s].transport.action(Nack(partition=partition, claim=grant.claim))
             raise
-        merged = merge(batch_size, sequential(got))
-        return self._decoded(merged, started, as_, copy, dev, sync)
+        now = time.monotonic()
+        parts = tuple(
+            Claim(
+                partition,
+                task,
+                gr.claim,
+                tuple(ks),
+                tuple(gr.deliveries),
+                gr.lease,
+                now + gr.lease,
+                shard=s,
+            )
+            for s, gr, ks in grants
+        )
+        per_key = {k: d for c in parts for k, d in zip(c.keys, c.deliveries, strict=True)}
+        claim = Claim(
+            partition,
+            task,
+            "+".join(c.id for c in parts),
+            tuple(batch.keys),
+            tuple(per_key[k] for k in batch.keys),
+            min(c.lease for c in parts),
+            min(c.expires for c in parts),
+            parts=parts,
+        )
+        batch.claim = claim
+        batch._settle = lambda exc: self._settle(claim, exc)
+        return batch
+
+    def _parts(self, claim: Claim | Batch, keys: Sequence[str] | None) -> list[tuple[Claim, Any]]:
+        """Per shard part of a claim, the keys of ``keys`` (None: all) it took."""
+        c = claim.claim if isinstance(claim, Batch) else claim
+        if c is None:
+            raise ProtocolError(
+                "ack/nack: this batch was not claimed (a get's answer has no lease)"
+            )
+        parts = c.parts or (c,)
+        want = None if keys is None else set(keys)
+        if want is not None:
+            mine = {k for p in parts for k in p.keys}
+            other = sorted(want - mine)
+            if other:
+                raise NotFoundError(
+                    f"claim {c.id} of {c.partition!r} did not take row key {other[0]!r}",
+                    key=other[0],
+                    partition=c.partition,
+                )
+        out = []
+        for p in parts:
+            ks = None if want is None else [k for k in p.keys if k in want]
+            if ks is None or ks:
+                out.append((p, ks))
+        return out
+
+    def ack(self, claim: Claim | Batch, keys: Sequence[str] | None = None) -> int:
+        """Acknowledge rows of a claim on each shard that gave some; see
+        :meth:`flightq.Client.ack`. Every shard's part is acked before an error is raised.
+
+        Raises
+        ------
+        LeaseExpiredError
+            From the first shard whose part had lost rows, naming the shard.
+        """
+        n, late = 0, None
+        for p, ks in self._parts(claim, keys):
+            try:
+                n += self._clients[self._shard(p)].ack(p, ks)
+            except LeaseExpiredError as e:
+                late = late or at_shard(self.locations[self._shard(p)], e)
+        if late is not None:
+            raise late
+        return n
+
+    def nack(
+        self, claim: Claim | Batch, keys: Sequence[str] | None = None, *, failed: bool = False
+    ) -> int:
+        """Give rows of a claim back on each shard that gave some; see
+        :meth:`flightq.Client.nack`."""
+        return sum(
+            self._clients[self._shard(p)].nack(p, ks, failed=failed)
+            for p, ks in self._parts(claim, keys)
+        )
+
+    def dead_letters(self, partition: str, task: str, limit: int = 1000) -> dict[str, Any]:
+        """The dead letters of every shard, up to ``limit`` in all (see
+        :meth:`flightq.Client.dead_letters`); ``"shards"`` has each shard's answer."""
+        res = self._all(lambda c: c.dead_letters(partition, task, limit))
+        out: dict[str, Any] = {"keys": [], "why": [], "deliveries": [], "total": 0}
+        for r in res:
+            room = limit - len(out["keys"])
+            for k in ("keys", "why", "deliveries"):
+                out[k].extend(r[k][:room])
+            out["total"] += r["total"]
+        out["shards"] = dict(zip(self.locations, res, strict=True))
+        return out
+
+    @staticmethod
+    def _shard(part: Claim) -> int:
+        assert part.shard is not None, "a claim part names its shard"
+        return part.shard
+
+    def _settle(self, claim: Claim, error: BaseException | None) -> None:
+        if error is None:
+            self.ack(claim)
+            return
+        key = getattr(error, "key", None)
+        for p, _ in self._parts(claim, None):
+            client = self._clients[self._shard(p)]
+            with contextlib.suppress(FlightqError):
+                if isinstance(error, FlightqError) and key in p.keys:
+                    client.nack(p, [key], failed=True)
+                client.nack(p)
 
 
 def _rows(v: Any, lo: int, hi: int) -> Any:

@@ -168,15 +168,27 @@ class Fanout:
         group_size: int | None = None,
         *,
         max_rows: int | None = None,
+        lease: float | None = None,
+        max_failures: int | None = None,
         registry: SchemaRegistry | None = None,
     ) -> bool:
         """Declare the partition on every shard (idempotent); True if any shard created it.
 
-        ``max_rows`` caps the rows each shard holds at once (see
-        :meth:`flightq.Client.create_partition`).
+        ``max_rows`` caps the rows each shard holds at once; ``lease`` and
+        ``max_failures`` apply on each shard (see :meth:`flightq.Client.create_partition`).
         """
         s = resolve_schemas([schema], registry)[0]
-        res = self._all(lambda c: c.create_partition(name, s, tasks, group_size, max_rows=max_rows))
+        res = self._all(
+            lambda c: c.create_partition(
+                name,
+                s,
+                tasks,
+                group_size,
+                max_rows=max_rows,
+                lease=lease,
+                max_failures=max_failures,
+            )
+        )
         self._decls[name] = (s, group_size)
         return any(res)
 

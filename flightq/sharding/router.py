@@ -354,10 +354,10 @@ def gather(
 def sum_description(ds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One partition's description summed over shards (rows, bytes, per-task counts)."""
     out = dict(ds[0])
-    for k in ("rows", "bytes", "waiting_puts", "staged_parts"):
+    for k in ("rows", "bytes", "waiting_puts", "staged_parts", "claims"):
         if k in out:
             out[k] = sum(int(d.get(k, 0)) for d in ds)
-    for k in ("delivered", "waiting", "fields", "ready"):
+    for k in ("delivered", "acked", "leased", "dead", "waiting", "fields", "ready"):
         if k in out:
             acc: dict[str, int] = {}
             for d in ds:

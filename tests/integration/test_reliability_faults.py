@@ -23,6 +23,7 @@ import pyarrow.flight as fl
 import pytest
 from fixtures_dataplane import TEXT, TIMEOUT, VLM, cli_server, raw, text_columns
 from helpers_reliability import plain_put, put_command, text_batch
+from helpers_waiting import stat_until
 
 import flightq
 from flightq import workloads
@@ -209,6 +210,7 @@ def test_graceful_shutdown_finishes_in_flight_puts_and_releases_waiting_claims()
         claimer = threading.Thread(target=waiting_claim, daemon=True)
         claimer.start()
         claim_started.wait(TIMEOUT)
+        stat_until(c, "p", "waiting", {"train": 1})  # the claim waits on the server
         whole = text_batch(["n0", "n1", "n2", "n3"])
         plain = fl.connect(srv.location)
         writer, reader = plain.do_put(put_command("p", rows=4), whole.schema)
@@ -263,6 +265,7 @@ def test_snapshot_then_sigkill_then_restore_keeps_every_acknowledged_row_and_cla
             assert c.put("vlm", step.keys, step.columns, step.tags) == 8
             assert c.put("vlm", step.keys[:4], {"prev_logprobs": lp[:4]}) == 4
             first = c.claim("vlm", "prev_lp", 4, ["input_ids"], timeout=TIMEOUT)
+            assert c.ack(first) == 4  # acknowledged: done for good, snapshot included
             c.clear("vlm", [step.keys[7]])
             before = _rows_by_key(c.get("vlm", step.keys[:7], as_="numpy"))
             inspected = c.inspect("vlm")

@@ -313,6 +313,10 @@ _P = PartitionStats(
     rows=8,
     bytes=1024,
     delivered={"train": 4, "ref": 0},
+    acked={"train": 2, "ref": 0},
+    leased={"train": 2, "ref": 0},
+    dead={"train": 1, "ref": 0},
+    claims=1,
     waiting={"train": 1},
 )
 _DECLARATION = {
@@ -323,6 +327,8 @@ _DECLARATION = {
     "tasks": ["train"],
     "group_size": None,
     "max_rows": 100,
+    "lease": 600.0,
+    "max_failures": 3,
 }
 
 #: One example or more of every message, with values other than the defaults.
@@ -331,6 +337,19 @@ EXAMPLES: list[Message] = [
     GetTicket(partition="p", keys=[]),
     ClaimTicket(partition="p", task="train", batch_size=16, timeout=float("inf"), wait_for=["x"]),
     ClaimTicket(partition="p", task="t", batch_size=1, timeout=0.5, fields=[], shm=True),
+    ClaimTicket(
+        partition="p", task="t", batch_size=2, timeout=1.0, lease=float("inf"), session="s1"
+    ),
+    protocol.ClaimGrant(claim="c1", lease=30.0, deliveries=[1, 2]),
+    protocol.SessionCommand(),
+    protocol.SessionReply(session="s1"),
+    protocol.Ack(partition="p", claim="c1", keys=["k0"]),
+    protocol.Ack(partition="p", claim="c1"),
+    protocol.AckReply(acked=2, lost=["k1"]),
+    protocol.Nack(partition="p", claim="c1", keys=["k0"], failed=True),
+    protocol.NackReply(released=1, dead=1),
+    protocol.DeadLetters(partition="p", task="train", limit=10),
+    protocol.DeadLettersReply(keys=["k0"], why=["failed"], deliveries=[3], total=1),
     ScanTicket(partition="p"),
     ScanTicket(partition="p", shm=True),
     _REF,
@@ -354,7 +373,15 @@ EXAMPLES: list[Message] = [
     protocol.SchemaRef(ref="s@1", fingerprint="0123456789abcdef"),
     protocol.CheckSchemasReply(schemas=[protocol.SchemaRef(ref="s@1", fingerprint="ab")]),
     protocol.RegisterSchema(schema='{"name":"s"}'),
-    protocol.Declare(partition="p", schema="{}", tasks=["a", "b"], group_size=4, max_rows=8),
+    protocol.Declare(
+        partition="p",
+        schema="{}",
+        tasks=["a", "b"],
+        group_size=4,
+        max_rows=8,
+        lease=30.0,
+        max_failures=5,
+    ),
     protocol.Declare(partition="p", schema="{}"),
     protocol.DeclareReply(created=True, **_DECLARATION),
     protocol.Describe(partition="p"),

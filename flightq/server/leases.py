@@ -1,0 +1,258 @@
+"""Claims as leases: per task, which rows are ready, leased, acknowledged or dead.
+
+A claim takes ready rows under a :class:`Lease`. The rows stay the lease's until one of
+these ends it:
+
+- ``ack``: they are done for the task (clearing a row also ends it);
+- ``nack``: they are ready again;
+- the lease expires, or the consumer's session (its connection) ends: ready again, each
+  row's failures counted;
+- a ``nack`` with ``failed``: ready again, the named rows' failures counted.
+
+A row whose failures reach the partition's ``max_failures`` goes to the dead letters of
+the task instead of back to ready: it no longer blocks or poisons claims, stays stored
+(``get`` reads it, :meth:`TaskState.dead` names it) and ``reset`` makes it ready again.
+Rows released go to the back of the task's ready order, behind rows ready already.
+
+Nothing here locks or waits: :class:`flightq.server.store.Store` holds its lock around
+every call.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["TaskState", "Lease", "Progress", "DEFAULT_LEASE", "DEFAULT_MAX_FAILURES"]
+
+#: Seconds a claim's rows stay leased without an ack, unless the partition or the claim
+#: says otherwise.
+DEFAULT_LEASE = 600.0
+#: Failed deliveries (an expired lease, a consumer gone, a ``nack`` with ``failed``) after
+#: which a row goes to the dead letters.
+DEFAULT_MAX_FAILURES = 3
+#: Leases that ended, remembered per partition so that a late or repeated ``ack`` of one
+#: still acknowledges its rows that no other claim took meanwhile.
+ENDED_KEPT = 4096
+
+
+@dataclass
+class TaskState:
+    """Where each row stands for one task."""
+
+    #: Rows that can be claimed, in claim order.
+    ready: dict[str, None] = field(default_factory=dict)
+    #: Rows under a lease, to the lease's id.
+    leased: dict[str, str] = field(default_factory=dict)
+    #: Rows acknowledged.
+    done: set[str] = field(default_factory=set)
+    #: Rows given up on, to why (``"expired"``, ``"gone"``, ``"failed"``).
+    dead: dict[str, str] = field(default_factory=dict)
+    #: Times each row was delivered (claimed), for rows delivered at least once.
+    deliveries: dict[str, int] = field(default_factory=dict)
+    #: Failed deliveries of each row that has had one.
+    failures: dict[str, int] = field(default_factory=dict)
+
+    def forget(self, key: str) -> None:
+        """Drop every trace of a row (it was cleared)."""
+        self.ready.pop(key, None)
+        self.leased.pop(key, None)
+        self.done.discard(key)
+        self.dead.pop(key, None)
+        self.deliveries.pop(key, None)
+        self.failures.pop(key, None)
+
+    def clear(self) -> None:
+        for d in (self.ready, self.leased, self.dead, self.deliveries, self.failures):
+            d.clear()
+        self.done.clear()
+
+
+@dataclass
+class Lease:
+    """Rows one claim took for one task, until ``expires`` (``time.monotonic()``)."""
+
+    id: str
+    task: str
+    keys: list[str]
+    seconds: float
+    expires: float
+    #: The consumer's session: when it ends, so does the lease. None: expiry only.
+    session: str | None = None
+
+
+class Progress:
+    """Every task's :class:`TaskState` of one partition, and its leases."""
+
+    def __init__(self, tasks: Iterable[str], max_failures: int = DEFAULT_MAX_FAILURES) -> None:
+        self.tasks: dict[str, TaskState] = {t: TaskState() for t in tasks}
+        self.leases: dict[str, Lease] = {}
+        #: Leases that hold no row any more, oldest first (at most :data:`ENDED_KEPT`).
+        self.ended: dict[str, Lease] = {}
+        self.max_failures = max_failures
+        #: Bumped on every change that can make rows ready: a waiting claim looks again
+        #: only after it moved.
+        self.version = 0
+        self._next_expiry = math.inf
+
+    # ------------------------------------------------------------------ rows come and go
+
+    def added(self, keys: Iterable[str]) -> None:
+        """New rows: ready for every task."""
+        keys = list(keys)
+        for st in self.tasks.values():
+            st.ready.update(dict.fromkeys(keys))
+        self.version += 1
+
+    def removed(self, keys: Iterable[str]) -> None:
+        """Rows cleared: forgotten by every task (their leases end for them)."""
+        for k in keys:
+            for st in self.tasks.values():
+                st.forget(k)
+        self.version += 1
+
+    def removed_all(self) -> None:
+        for st in self.tasks.values():
+            st.clear()
+        self.leases.clear()
+        self.ended.clear()
+        self._next_expiry = math.inf
+        self.version += 1
+
+    # ------------------------------------------------------------------ leases
+
+    def take(
+        self, task: str, keys: Sequence[str], seconds: float, now: float, session: str | None
+    ) -> Lease:
+        """Lease ready ``keys`` of ``task`` for ``seconds``; returns the lease."""
+        st = self.tasks[task]
+        lease = Lease(uuid.uuid4().hex, task, list(keys), seconds, now + seconds, session)
+        for k in keys:
+            del st.ready[k]
+            st.leased[k] = lease.id
+            st.deliveries[k] = st.deliveries.get(k, 0) + 1
+        self.leases[lease.id] = lease
+        self._next_expiry = min(self._next_expiry, lease.expires)
+        return lease
+
+    def held(self, lease: Lease, keys: Sequence[str] | None) -> list[str]:
+        """Which of ``keys`` (all of the lease's when None) the lease still holds."""
+        st = self.tasks[lease.task]
+        ks = lease.keys if keys is None else keys
+        return [k for k in ks if st.leased.get(k) == lease.id]
+
+    def ack(self, lease: Lease, keys: Sequence[str] | None) -> tuple[int, list[str]]:
+        """Mark rows of ``lease`` done. A row the lease lost (expired) counts as acked too
+        while it waits ready; one taken by another claim, acked or dead since, is returned
+        as lost. Returns (rows acked, rows lost)."""
+        st = self.tasks[lease.task]
+        acked, lost = 0, []
+        for k in lease.keys if keys is None else keys:
+            owner = st.leased.get(k)
+            if owner == lease.id or (owner is None and k in st.ready):
+                st.ready.pop(k, None)
+                st.leased.pop(k, None)
+                st.failures.pop(k, None)
+                st.done.add(k)
+                acked += 1
+            elif k in st.deliveries and k not in st.done:
+                lost.append(k)  # another claim has it now, or it is dead
+        self.settle(lease)
+        return acked, lost
+
+    def release(
+        self, lease: Lease, keys: Sequence[str] | None, failed: Sequence[str] = (), why: str = ""
+    ) -> tuple[int, int]:
+        """End the lease for ``keys`` (all it holds when None): back to ready, or to the
+        dead letters for a row whose failures (``failed`` ones counted now) reach the
+        limit. Returns (rows made ready, rows gone dead)."""
+        st = self.tasks[lease.task]
+        bad = set(failed)
+        ready = dead = 0
+        for k in self.held(lease, keys):
+            del st.leased[k]
+            if k in bad:
+                st.failures[k] = st.failures.get(k, 0) + 1
+            if st.failures.get(k, 0) >= self.max_failures:
+                st.dead[k] = why or "failed"
+                dead += 1
+            else:
+                st.ready[k] = None
+                ready += 1
+        self.settle(lease)
+        self.version += 1
+        return ready, dead
+
+    def find(self, claim: str) -> Lease | None:
+        """A lease by its claim's id: holding rows, or ended recently."""
+        return self.leases.get(claim) or self.ended.get(claim)
+
+    def settle(self, lease: Lease) -> None:
+        """Move ``lease`` to the ended ones once it holds no row."""
+        if lease.id in self.leases and not self.held(lease, None):
+            del self.leases[lease.id]
+            self.ended[lease.id] = lease
+            while len(self.ended) > ENDED_KEPT:
+                del self.ended[next(iter(self.ended))]
+
+    def expire(self, now: float) -> int:
+        """End every lease past its time, each of its rows' failures counted. Returns the
+        rows released."""
+        if now < self._next_expiry:
+            return 0
+        n = 0
+        for lease in [x for x in self.leases.values() if x.expires <= now]:
+            held = self.held(lease, None)
+            r, d = self.release(lease, None, failed=held, why="expired")
+            n += r + d
+        self._next_expiry = min((x.expires for x in self.leases.values()), default=math.inf)
+        return n
+
+    def session_ended(self, session: str) -> int:
+        """End the leases of a consumer whose session ended (each row's failures counted).
+        Returns the rows released."""
+        n = 0
+        for lease in [x for x in self.leases.values() if x.session == session]:
+            r, d = self.release(lease, None, failed=self.held(lease, None), why="gone")
+            n += r + d
+        return n
+
+    @property
+    def next_expiry(self) -> float:
+        """``time.monotonic()`` when the next lease expires (inf: none)."""
+        return self._next_expiry
+
+    # ------------------------------------------------------------------ reset
+
+    def reset(self, task: str, keys: Sequence[str] | None, order: Iterable[str]) -> int:
+        """Make rows (all when None) ready again for ``task``, whatever their state, and
+        forget their deliveries. ``order`` is the partition's row order. Returns how many
+        were not ready before."""
+        st = self.tasks[task]
+        want = None if keys is None else set(keys)
+        n = 0
+        for k in order:
+            if want is not None and k not in want:
+                continue
+            if k not in st.ready:
+                n += 1
+            st.leased.pop(k, None)
+            st.done.discard(k)
+            st.dead.pop(k, None)
+            st.deliveries.pop(k, None)
+            st.failures.pop(k, None)
+        # Rebuild ready in the partition's order, every reset row included.
+        rest = st.ready
+        st.ready = {
+            k: None
+            for k in order
+            if k in rest
+            or ((want is None or k in want) and k not in st.leased and k not in st.done)
+        }
+        for lease in list(self.leases.values()):
+            if lease.task == task:
+                self.settle(lease)
+        self.version += 1
+        return n
