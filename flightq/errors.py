@@ -184,7 +184,8 @@ class UnavailableError(FlightqError, ConnectionError):
 
 
 class ResourceExhaustedError(FlightqError, RuntimeError):
-    """The server is full (memory budget or row limit) and no space freed in time.
+    """The server is full (memory budget or row limit) and no space freed in time, or a
+    request passes one of its size limits (:mod:`flightq.server.budget`).
 
     Not a ``MemoryError``: this process has memory; the server refused to hold more.
     """

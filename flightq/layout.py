@@ -158,7 +158,14 @@ def schema_of(arrow: pa.Schema) -> Schema:
             expected=WIRE_VERSION,
             actual=wire,
         )
-    return _parse_schema(meta[META_SCHEMA], meta.get(META_FINGERPRINT, b""))
+    text, fingerprint = meta[META_SCHEMA], meta.get(META_FINGERPRINT, b"")
+    if len(text) > _MAX_CACHED_SCHEMA:
+        return _parse_schema.__wrapped__(text, fingerprint)
+    return _parse_schema(text, fingerprint)
+
+
+#: Longest schema text whose parse is remembered: 64 of them stay a few MB.
+_MAX_CACHED_SCHEMA = 32 * 1024
 
 
 @functools.lru_cache(maxsize=64)

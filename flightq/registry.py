@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
-from .errors import EvolutionError, SchemaError, UnknownSchemaError
+from .errors import EvolutionError, ResourceExhaustedError, SchemaError, UnknownSchemaError
 from .schema import Schema, parse_ref
 
 __all__ = ["SchemaRegistry", "check_evolution", "shipped_schema_dir"]
@@ -142,11 +142,14 @@ class SchemaRegistry:
                 schemas.append(s)
         return cls(schemas)
 
-    def register(self, schema: Schema) -> Schema:
-        """Add a schema; idempotent for an identical one.
+    def register(self, schema: Schema, max_schemas: int | None = None) -> Schema:
+        """Add a schema; idempotent for an identical one. With ``max_schemas``, a new one
+        is refused once the registry holds that many.
 
         Raises
         ------
+        ResourceExhaustedError
+            If the registry holds ``max_schemas`` already and ``schema`` is new.
         SchemaError
             If another schema with the same name and version is already registered.
         EvolutionError
@@ -165,6 +168,14 @@ class SchemaRegistry:
                         actual=schema.fingerprint,
                     )
                 return have
+            if max_schemas is not None and sum(map(len, self._by_name.values())) >= max_schemas:
+                if not versions:
+                    del self._by_name[schema.name]
+                raise ResourceExhaustedError(
+                    f"cannot register {schema.ref}: the server holds {max_schemas} schemas, "
+                    "its limit",
+                    expected=max_schemas,
+                )
             older = [v for v in versions if v < schema.version]
             newer = [v for v in versions if v > schema.version]
             if older:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,8 +52,10 @@ from .schema import Field, Schema, diff_schemas
 __all__ = ["Checked", "validate", "shape_products"]
 
 _LIMIT = float(MAX_PAYLOAD_BYTES)
-#: Bound on the remembered layouts (cleared when reached).
+#: Bounds on the remembered layouts: how many, and the bytes of metadata their Arrow
+#: schemas carry (the least recently used go first).
 _MAX_PLANS = 256
+_MAX_PLAN_BYTES = 2 * 2**20
 
 
 @dataclass(frozen=True)
@@ -276,19 +279,36 @@ class _Plan:
 #: subsets). Every batch of a stream, and every put of a partition, carries the same one.
 #: A bounded memo of a pure function: it changes no result, only how often one is computed.
 _PLANS: dict[bytes, list[_Plan]] = {}
+_PLANS_LOCK = threading.Lock()
+
+
+def _meta_bytes(arrow: pa.Schema) -> int:
+    total = sum(len(k) + len(v) for k, v in (arrow.metadata or {}).items())
+    return total + sum(len(k) + len(v) for f in arrow for k, v in (f.metadata or {}).items())
 
 
 def _plan(arrow: pa.Schema) -> _Plan:
     """The checked layout of ``arrow`` (cached; Arrow schemas compare in C++, metadata too)."""
     meta = arrow.metadata or {}
     fp = meta.get(META_FINGERPRINT, b"")
-    for p in _PLANS.get(fp, ()):
-        if p.arrow.equals(arrow, check_metadata=True):
-            return p
+    with _PLANS_LOCK:
+        bucket = _PLANS.pop(fp, None)
+        if bucket is not None:
+            _PLANS[fp] = bucket  # the most recently used last
+            for p in bucket:
+                if p.arrow.equals(arrow, check_metadata=True):
+                    return p
     p = _make_plan(arrow)
-    if sum(len(v) for v in _PLANS.values()) >= _MAX_PLANS:
-        _PLANS.clear()
-    _PLANS.setdefault(fp, []).append(p)
+    with _PLANS_LOCK:
+        _PLANS.setdefault(fp, []).append(p)
+        plans = [q for b in _PLANS.values() for q in b]
+        count, size = len(plans), sum(_meta_bytes(q.arrow) for q in plans)
+        while count > _MAX_PLANS or size > _MAX_PLAN_BYTES:
+            oldest = next(iter(_PLANS))
+            gone = _PLANS[oldest].pop(0)
+            if not _PLANS[oldest]:
+                del _PLANS[oldest]
+            count, size = count - 1, size - _meta_bytes(gone.arrow)
     return p
 
 

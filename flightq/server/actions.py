@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ProtocolError, SchemaError, SchemaMismatchError
+from ..errors import ProtocolError, ResourceExhaustedError, SchemaError, SchemaMismatchError
 from ..protocol import (
     PROTOCOL_VERSION,
     AbortPut,
@@ -64,6 +64,7 @@ from ..protocol import (
 )
 from ..registry import SchemaRegistry
 from ..schema import Schema, diff_schemas
+from .budget import MAX_SCHEMA_BYTES, MAX_SCHEMAS
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES
 from .staging import Staging
 from .store import Store
@@ -127,9 +128,17 @@ def _check_schemas(ctx: ActionContext, req: CheckSchemas) -> CheckSchemasReply:
 
 
 def _register_schema(ctx: ActionContext, req: RegisterSchema) -> SchemaRef:
+    size = len(req.schema.encode("utf-8", "surrogatepass"))
+    if size > MAX_SCHEMA_BYTES:
+        raise ResourceExhaustedError(
+            f"register_schema: a schema of {size} bytes of JSON is longer than the server's "
+            f"limit of {MAX_SCHEMA_BYTES} bytes",
+            expected=MAX_SCHEMA_BYTES,
+            actual=size,
+        )
     s = Schema.from_json(req.schema)
     try:
-        ctx.registry.register(s)
+        ctx.registry.register(s, max_schemas=MAX_SCHEMAS)
     except SchemaError as e:
         raise SchemaMismatchError(str(e)) from e
     return SchemaRef(ref=s.ref, fingerprint=s.fingerprint)

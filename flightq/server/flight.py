@@ -52,6 +52,7 @@ from ..schema import diff_schemas
 from ..validation import validate
 from .actions import HANDLERS, ActionContext
 from .assemble import assemble
+from .budget import DictionaryUse, check_batch
 from .leases import Lease
 from .partition import Partition, Row, make_piece
 from .staging import Staging
@@ -271,20 +272,24 @@ class Server(fl.FlightServerBase):
             self._staging.refuse(raw, e)  # a refused part fails the put it belongs to
             raise
         name = cmd.partition
+        pieces: list[Any] = []
         try:
-            pieces = self._put_pieces(cmd, reader, context)
-        except BaseException as e:
-            if staged is not None:  # the other parts fail with it
-                self._staging.fail(name, staged[0], staged[2], e)
-            raise
+            try:
+                self._put_pieces(cmd, reader, context, pieces)
+            except BaseException as e:
+                if staged is not None:  # the other parts fail with it
+                    self._staging.fail(name, staged[0], staged[2], e)
+                raise
 
-        def store(every: list[Any]) -> int:
-            return self.store.put(name, every, cmd.overwrite, cmd.timeout, cmd.put_id)
+            def store(every: list[Any]) -> int:
+                return self.store.put(name, every, cmd.overwrite, cmd.timeout, cmd.put_id)
 
-        if staged is None:
-            n = store(pieces)
-        else:
-            n = self._staging.join(name, *staged, pieces, store, cmd.timeout)
+            if staged is None:
+                n = store(pieces)
+            else:
+                n = self._staging.join(name, *staged, pieces, store, cmd.timeout)
+        finally:
+            self.store.release(pieces)  # what was not stored counts no more
         writer.write(pa.py_buffer(PutAck(rows=n).to_wire()))
 
     def _put_pieces(
@@ -292,14 +297,19 @@ class Server(fl.FlightServerBase):
         cmd: PutCommand,
         reader: fl.MetadataRecordBatchReader,
         context: fl.ServerCallContext | None,
-    ) -> list[Any]:
-        """One put stream's record batches, each checked against the partition's schema."""
+        pieces: list[Any],
+    ) -> None:
+        """One put stream's record batches, each checked against the partition's schema
+        and its caps (:mod:`flightq.server.budget`), appended to ``pieces`` as they come
+        and counted against the memory budget from then on (reserved in the store)."""
         name, rows = cmd.partition, cmd.rows
+        what = f"put to {name!r}"
         part = self.store.partition(name)
-        pieces = []
-        got = 0
+        budget = self.store.memory_budget
+        media = DictionaryUse(what)
+        got = reserved = 0
         try:
-            for data in self._put_source(cmd, reader, context, f"put to {name!r}"):
+            for data in self._put_source(cmd, reader, context, what):
                 size = data.nbytes
                 if size > self.max_put_batch_bytes:
                     raise ProtocolError(
@@ -307,8 +317,14 @@ class Server(fl.FlightServerBase):
                         f"server's limit of {self.max_put_batch_bytes} bytes per batch; "
                         "send smaller batches (Client(max_batch_bytes=...))"
                     )
+                check_batch(data, what)
                 got += data.num_rows
-                pieces.append(make_piece(data, validate(data, part.schema)))
+                piece = make_piece(data, validate(data, part.schema), budget)
+                media.add(data)
+                self.store.reserve(name, piece, reserved, cmd.timeout)
+                reserved += piece.reserved
+                pieces.append(piece)
+            media.finish()
         except pa.ArrowException as e:
             raise ProtocolError(
                 f"put to {name!r}: the stream broke off or is malformed: {e}"
@@ -321,7 +337,6 @@ class Server(fl.FlightServerBase):
                 f"put to {name!r}: the stream ended after {got} of the {rows} rows announced; "
                 "nothing was stored"
             )
-        return pieces
 
     # ------------------------------------------------------------------ DoGet
 

@@ -19,10 +19,17 @@ import msgpack
 import numpy as np
 import pyarrow as pa
 
-from ..errors import ConflictError, EncodeError, MissingFieldError, ShapeError
+from ..errors import (
+    ConflictError,
+    EncodeError,
+    MissingFieldError,
+    ResourceExhaustedError,
+    ShapeError,
+)
 from ..layout import MEDIA_TYPE, SHAPE_SUFFIX, TAGS, binary_offsets, media_row_bytes
 from ..schema import Schema
 from ..validation import Checked
+from .budget import row_costs, tags_size
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Progress
 
 __all__ = ["Piece", "Row", "Partition", "PutPlan", "make_piece", "put_keys"]
@@ -39,6 +46,11 @@ class Piece:
     batch: pa.RecordBatch
     checked: Checked
     tags: list[dict[str, Any] | None]
+    #: Per row, the bytes the memory budget counts while the row is stored
+    #: (:func:`flightq.server.budget.row_costs`).
+    held: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    #: Bytes of this piece the store counts as pending (read, not yet stored or let go).
+    reserved: int = 0
     _valid: dict[str, list[bool] | None] = field(default_factory=dict, repr=False)
     _nbytes: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
@@ -74,6 +86,8 @@ class Row:
     tags: dict[str, Any] = field(default_factory=dict)
     seq_len: int = -1
     nbytes: int = 0
+    #: Bytes the memory budget counts for the row (payload and what holding it costs).
+    held: int = 0
 
 
 @dataclass
@@ -89,6 +103,8 @@ class Partition:
     progress: Progress = None  # type: ignore[assignment]  # made from ``tasks``
     next_group: int = 0
     nbytes: int = 0
+    #: Bytes the memory budget counts for the partition's rows (:attr:`Row.held`).
+    held: int = 0
     #: Acknowledgements of recent puts by put id (oldest first), for idempotent retries.
     recent_puts: dict[str, int] = field(default_factory=dict)
     #: Most rows the partition holds at once; a put that would pass it waits for clears.
@@ -211,6 +227,7 @@ class Partition:
             dense = [f for f in ck.fields if pc.valid(f) is None]
             sparse = [(f, v) for f in ck.fields if (v := pc.valid(f)) is not None]
             seq_lens, nbytes = ck.seq_lens.tolist(), ck.nbytes.tolist()
+            held = pc.held.tolist() if len(pc.held) else nbytes
             for i, k in enumerate(ck.keys):
                 cell = (pc, i)
                 if k in new_set:
@@ -227,6 +244,8 @@ class Partition:
                     gone = plan.replaced.get((k, f), 0)  # overwrite: the old cell's bytes
                     row.nbytes -= gone
                     self.nbytes -= gone
+                    row.held -= gone
+                    self.held -= gone
                     row.cells[f] = cell
                 if pc.tags[i]:
                     row.tags.update(pc.tags[i])  # type: ignore[arg-type]
@@ -234,6 +253,8 @@ class Partition:
                     row.seq_len = seq_lens[i]
                 row.nbytes += nbytes[i]
                 self.nbytes += nbytes[i]
+                row.held += held[i]
+                self.held += held[i]
         self.next_group += (n_new // g) if g else n_new
         self.progress.added(plan.new)
         if plan.put_id is not None:
@@ -260,8 +281,16 @@ class PutPlan:
 
     @property
     def nbytes(self) -> int:
-        """Payload bytes the put carries (what the memory budget must have room for)."""
+        """Payload bytes the put carries."""
         return sum(int(pc.checked.nbytes.sum()) for pc in self.pieces)
+
+    @property
+    def held(self) -> int:
+        """Bytes the memory budget counts for the put (what it must have room for)."""
+        return sum(
+            int(pc.held.sum()) if len(pc.held) else int(pc.checked.nbytes.sum())
+            for pc in self.pieces
+        )
 
 
 def put_keys(pieces: list[Piece]) -> list[str]:
@@ -326,8 +355,11 @@ def _check_required_not_null(
             )
 
 
-def _decode_tags(piece_batch: pa.RecordBatch, keys: list[str]) -> list[dict[str, Any] | None]:
+def _decode_tags(
+    piece_batch: pa.RecordBatch, keys: list[str], limit: int | None
+) -> list[dict[str, Any] | None]:
     out: list[dict[str, Any] | None] = []
+    size = 0
     for k, b in zip(keys, piece_batch.column(TAGS).to_pylist(), strict=True):
         if b is None:
             out.append(None)
@@ -345,10 +377,22 @@ def _decode_tags(piece_batch: pa.RecordBatch, keys: list[str]) -> list[dict[str,
                 key=k,
                 actual=type(t).__name__,
             )
+        if limit is not None:
+            size += tags_size(t)
+            if size > limit:
+                raise ResourceExhaustedError(
+                    f"the tags of a record batch take more than {limit} bytes as Python "
+                    f"objects (at row {k!r}), more than the server's whole memory budget",
+                    field=TAGS,
+                    key=k,
+                    expected=limit,
+                )
         out.append(t)
     return out
 
 
-def make_piece(batch: pa.RecordBatch, checked: Checked) -> Piece:
-    """Wrap a validated batch, parsing its tags (refusing invalid msgpack)."""
-    return Piece(batch, checked, _decode_tags(batch, checked.keys))
+def make_piece(batch: pa.RecordBatch, checked: Checked, limit: int | None = None) -> Piece:
+    """Wrap a validated batch, parsing its tags (refusing invalid msgpack, and tags whose
+    Python objects would take more than ``limit`` bytes), and count what it holds."""
+    tags = _decode_tags(batch, checked.keys, limit)
+    return Piece(batch, checked, tags, row_costs(batch, checked.keys, tags, checked.nbytes))

@@ -304,11 +304,18 @@ def _restore_partition(root: Path, e: dict[str, Any]) -> Partition:
         for i, k in enumerate(ck.keys):
             if k not in group:
                 raise DecodeError(f"snapshot row {k!r} of {part.name!r} has no state")
-            row = Row(k, int(group[k]), seq_len=int(ck.seq_lens[i]), nbytes=int(ck.nbytes[i]))
+            row = Row(
+                k,
+                int(group[k]),
+                seq_len=int(ck.seq_lens[i]),
+                nbytes=int(ck.nbytes[i]),
+                held=int(piece.held[i]),
+            )
             row.cells = {f: (piece, i) for f in ck.fields if valid[f][i]}
             row.tags = dict(piece.tags[i] or {})
             part.rows[k] = row
             part.nbytes += row.nbytes
+            part.held += row.held
     if len(part.rows) != int(e["rows"]):
         raise DecodeError(
             f"snapshot of {part.name!r} holds {len(part.rows)} rows, its manifest says {e['rows']}"

@@ -56,6 +56,8 @@ class Store:
         self._waiting_puts: dict[str, int] = {}
         #: Consumer sessions open right now (:meth:`open_session`).
         self._sessions: set[str] = set()
+        #: Bytes of put pieces read but not yet stored or let go (:meth:`reserve`).
+        self._pending = 0
         self._closing = False
 
     def close(self) -> None:
@@ -203,12 +205,15 @@ class Store:
                     p.tasks,
                     p.group_size,
                     rows={
-                        k: Row(r.key, r.group, dict(r.cells), dict(r.tags), r.seq_len, r.nbytes)
+                        k: Row(
+                            r.key, r.group, dict(r.cells), dict(r.tags), r.seq_len, r.nbytes, r.held
+                        )
                         for k, r in p.rows.items()
                     },
                     progress=_copy_progress(p),
                     next_group=p.next_group,
                     nbytes=p.nbytes,
+                    held=p.held,
                     max_rows=p.max_rows,
                     recent_puts=dict(p.recent_puts),
                     lease=p.lease,
@@ -245,9 +250,41 @@ class Store:
     # ------------------------------------------------------------------ writes
 
     def held(self) -> int:
-        """Payload bytes held across partitions."""
+        """Bytes the memory budget counts now: stored rows and pieces of puts on their way
+        in (:mod:`flightq.server.budget`)."""
         with self._lock:
-            return sum(p.nbytes for p in self._parts.values())
+            return self._held()
+
+    def _held(self) -> int:
+        # With the lock held.
+        return sum(p.held for p in self._parts.values()) + self._pending
+
+    def reserve(self, name: str, piece: Piece, so_far: int, timeout: float) -> None:
+        """Count a piece of a put to ``name`` as held from now on, waiting up to
+        ``timeout`` seconds for room under the memory budget; ``so_far`` is what the put's
+        earlier pieces reserved. Whoever lets go of the piece without storing it calls
+        :meth:`release`; :meth:`put` takes the reservation over.
+
+        Raises
+        ------
+        ResourceExhaustedError
+            If the put passes the whole budget, or no room is made within ``timeout``.
+        """
+        n = int(piece.held.sum())
+        with self._changed:
+            self._wait_for_space(name, n, timeout, whole=so_far + n)
+            self._pending += n
+            piece.reserved = n
+
+    def release(self, pieces: Iterable[Piece]) -> None:
+        """Stop counting pieces that were reserved and will not be stored."""
+        with self._changed:
+            freed = 0
+            for pc in pieces:
+                freed, pc.reserved = freed + pc.reserved, 0
+            if freed:
+                self._pending -= freed
+                self._changed.notify_all()
 
     def _wait_for_rows(self, name: str, keys: list[str], timeout: float) -> bool:
         """Wait until the partition's row limit has room for the put's new rows; returns
@@ -284,25 +321,29 @@ class Store:
             self._wait_for_room(name, left)
             waited = True
 
-    def _wait_for_space(self, name: str, need: int, timeout: float) -> bool:
-        """Wait until the memory budget has room for ``need`` more bytes; returns whether
-        it waited (let go of the lock)."""
+    def _wait_for_space(
+        self, name: str, need: int, timeout: float, whole: int | None = None, mine: int = 0
+    ) -> bool:
+        """Wait until the memory budget has room for ``need`` more bytes (of a put of
+        ``whole`` bytes, ``need`` when None; ``mine`` of what is held is the put's own
+        reservation); returns whether it waited (let go of the lock)."""
         budget = self.memory_budget
         if budget is None:
             return False
-        if need > budget:
+        whole = need if whole is None else whole
+        if whole > budget:
             raise ResourceExhaustedError(
-                f"put to {name!r} carries {need} bytes, more than the server's whole memory "
+                f"put to {name!r} carries {whole} bytes, more than the server's whole memory "
                 f"budget of {budget} bytes; split it",
                 expected=budget,
-                actual=need,
+                actual=whole,
                 partition=name,
             )
         deadline = time.monotonic() + timeout
         waited = False
         while True:
             self._check_open(f"put to {name!r}")
-            held = sum(p.nbytes for p in self._parts.values())
+            held = self._held() - mine
             if held + need <= budget:
                 return waited
             left = deadline - time.monotonic()
@@ -360,12 +401,16 @@ class Store:
             plan = self._get(name).plan_put(pieces, overwrite, put_id)
             if plan.replay is not None:
                 return plan.replay
-            waited = self._wait_for_space(name, plan.nbytes, timeout)
+            mine = sum(pc.reserved for pc in pieces)  # counted already, as pending
+            waited = self._wait_for_space(name, plan.held, timeout, mine=mine)
             waited = self._wait_for_rows(name, keys, timeout) or waited
             p = self._get(name)
             if waited:  # the lock was let go meanwhile: plan again on what is there now
                 plan = p.plan_put(pieces, overwrite, put_id)
             n = p.apply(plan)
+            for pc in pieces:  # stored: counted by the rows from now on
+                self._pending -= pc.reserved
+                pc.reserved = 0
             self._changed.notify_all()
             return n
 
@@ -384,6 +429,7 @@ class Store:
                 n = len(p.rows)
                 p.rows.clear()
                 p.nbytes = 0
+                p.held = 0
                 p.progress.removed_all()
             else:
                 _known(p, keys)
@@ -394,6 +440,7 @@ class Store:
                         continue
                     n += 1
                     p.nbytes -= row.nbytes
+                    p.held -= row.held
                 p.progress.removed(keys)
                 for lease in list(p.progress.leases.values()):
                     p.progress.settle(lease)

@@ -1,0 +1,212 @@
+"""What a put costs the server to hold, and the caps on what one may carry.
+
+The memory budget (``Server(memory_budget=...)``) counts every byte a stored row keeps
+alive, not only its payload: per row, its payload bytes, its share of the rest of its
+record batch's Arrow buffers (shapes, offsets, keys, the tags' msgpack bytes, validity)
+and of the batch's schema metadata, the row key as a Python string, its tags as the Python
+objects they decode to, and a measured constant for the row's Python objects
+(:data:`ROW_OVERHEAD`). A put's pieces count from the moment each record batch is read,
+while it waits for the put's other parts, until it is stored or refused.
+
+What is no row's business is refused before it is held: a media dictionary entry that no
+row of the put uses, a row key longer than :data:`MAX_KEY_BYTES`, tags longer than
+per row :data:`MAX_TAGS_BYTES`, an Arrow schema whose metadata passes
+:data:`MAX_METADATA_BYTES`, and a registered schema past :data:`MAX_SCHEMA_BYTES` or
+beyond :data:`MAX_SCHEMAS` in the registry. Each refusal is a
+:class:`~flightq.errors.ResourceExhaustedError` naming the cap, what arrived and where.
+See ``docs/reliability.md``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import ResourceExhaustedError
+from ..layout import KEY, MEDIA_TYPE, TAGS, binary_offsets
+
+__all__ = [
+    "MAX_KEY_BYTES",
+    "MAX_TAGS_BYTES",
+    "MAX_METADATA_BYTES",
+    "MAX_SCHEMA_BYTES",
+    "MAX_SCHEMAS",
+    "ROW_OVERHEAD",
+    "check_batch",
+    "DictionaryUse",
+    "metadata_bytes",
+    "row_costs",
+    "tags_size",
+]
+
+#: Longest row key, in UTF-8 bytes.
+MAX_KEY_BYTES = 1024
+#: Longest tags of one row, in msgpack bytes.
+MAX_TAGS_BYTES = 64 * 1024
+#: Most bytes of metadata (keys and values, schema-level and on every field) a put's Arrow
+#: schema may carry; a flightq schema's JSON is a few KiB.
+MAX_METADATA_BYTES = 64 * 1024
+#: Longest schema JSON ``register_schema`` accepts.
+MAX_SCHEMA_BYTES = 32 * 1024
+#: Most schemas a server's registry holds (shipped and loaded ones included).
+MAX_SCHEMAS = 64
+#: Bytes a stored row's Python objects take beyond its key and tags, measured with
+#: tracemalloc over 100 000 one-token rows (the :class:`~flightq.server.partition.Row`,
+#: its cells map, the partition's and its validation's entries for it): 660 bytes,
+#: counted with room for per-row state to come.
+ROW_OVERHEAD = 1024
+
+
+def metadata_bytes(schema: pa.Schema) -> int:
+    """Bytes of metadata an Arrow schema carries: keys and values, its own and its fields'."""
+    total = sum(len(k) + len(v) for k, v in (schema.metadata or {}).items())
+    for f in schema:
+        total += sum(len(k) + len(v) for k, v in (f.metadata or {}).items())
+    return total
+
+
+def check_batch(batch: pa.RecordBatch, what: str) -> None:
+    """Refuse a put's record batch whose schema metadata, keys or tags pass their caps,
+    from Arrow offsets alone (before any key or tag becomes a Python object).
+
+    Raises
+    ------
+    ResourceExhaustedError
+        Naming the cap, the size that arrived and the row (by index) at fault.
+    """
+    meta = metadata_bytes(batch.schema)
+    if meta > MAX_METADATA_BYTES:
+        raise ResourceExhaustedError(
+            f"{what}: the record batch's schema carries {meta} bytes of metadata, more than "
+            f"the server's limit of {MAX_METADATA_BYTES}",
+            expected=MAX_METADATA_BYTES,
+            actual=meta,
+        )
+    names = batch.schema.names
+    for name, cap, label in ((KEY, MAX_KEY_BYTES, "row key"), (TAGS, MAX_TAGS_BYTES, "tags")):
+        if name not in names:
+            continue  # validation names the missing column
+        col = batch.column(name)
+        if col.type not in (pa.utf8(), pa.binary()) or not len(col):
+            continue
+        buf = col.buffers()[1]
+        if buf is None:
+            continue
+        sizes = np.diff(np.frombuffer(buf, np.int32, len(col) + 1, col.offset * 4))
+        i = int(np.argmax(sizes))
+        if sizes[i] > cap:
+            raise ResourceExhaustedError(
+                f"{what}: a {label} of {int(sizes[i])} bytes (row {i} of the batch) is longer "
+                f"than the server's limit of {cap} bytes",
+                field=name,
+                expected=cap,
+                actual=int(sizes[i]),
+            )
+
+
+class DictionaryUse:
+    """Which entries of a put's media dictionaries its rows use, batch by batch.
+
+    Batches of one stream share a dictionary until the writer replaces it (slices of one
+    encoded batch travel with it once), so an entry counts as used when a row of any batch
+    sharing its dictionary uses it. A dictionary is judged once replaced, and at the end.
+    """
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        #: Per media column, its current dictionary's identity, entries and use flags.
+        self._current: dict[str, tuple[tuple[int, int], pa.Array, np.ndarray]] = {}
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        """Note the entries the rows of ``batch`` use.
+
+        Raises
+        ------
+        ResourceExhaustedError
+            If a dictionary it replaces has an entry no row used.
+        """
+        for name, col in zip(batch.schema.names, batch.columns, strict=True):
+            if col.type != MEDIA_TYPE:
+                continue
+            entries = col.values.dictionary
+            offsets = entries.buffers()[1]
+            ident = (offsets.address if offsets is not None else 0, len(entries))
+            cur = self._current.get(name)
+            if cur is None or cur[0] != ident:
+                if cur is not None:
+                    self._judge(name, cur[1], cur[2])
+                cur = self._current[name] = (ident, entries, np.zeros(len(entries), dtype=bool))
+            outer = col.offsets.to_numpy(zero_copy_only=False)
+            lo, hi = int(outer[0]), int(outer[-1])
+            idx = col.values.indices.slice(lo, hi - lo).to_numpy(zero_copy_only=False)
+            cur[2][idx[(idx >= 0) & (idx < len(entries))]] = True  # validation refuses others
+
+    def finish(self) -> None:
+        """Judge the dictionaries still current at the end of the put.
+
+        Raises
+        ------
+        ResourceExhaustedError
+            Naming the column, the unused entries and their bytes.
+        """
+        for name, (_, entries, used) in self._current.items():
+            self._judge(name, entries, used)
+
+    def _judge(self, name: str, entries: pa.Array, used: np.ndarray) -> None:
+        if used.all():
+            return
+        sizes = np.diff(binary_offsets(entries))
+        n, nbytes = int((~used).sum()), int(sizes[~used].sum())
+        raise ResourceExhaustedError(
+            f"{self._what}: column {name!r}: {n} media dictionary entries ({nbytes} bytes) "
+            "are used by no row of the put; the server holds only what rows use",
+            field=name,
+            actual=nbytes,
+        )
+
+
+def tags_size(tags: Any) -> int:
+    """Bytes the Python objects of one row's decoded tags take (``sys.getsizeof``, walked)."""
+    total = 0
+    stack = [tags]
+    while stack:
+        x = stack.pop()
+        total += sys.getsizeof(x)
+        if isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return total
+
+
+def row_costs(
+    batch: pa.RecordBatch,
+    keys: Sequence[str],
+    tags: Sequence[Any],
+    payload: np.ndarray,
+) -> np.ndarray:
+    """Per row of a validated batch, the bytes the budget counts while it is stored:
+    ``payload`` (per row, from validation) plus the row's share of the batch's other Arrow
+    buffers and schema metadata, its key, its tags twice (the put's decoded map and the
+    row's), and :data:`ROW_OVERHEAD`."""
+    n = batch.num_rows
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    rest = batch.get_total_buffer_size() - int(payload.sum()) + metadata_bytes(batch.schema)
+    for col in batch.columns:
+        if col.type == MEDIA_TYPE:
+            # Batches of a stream may share one dictionary: its entries count in the payload
+            # of the rows using them (first use per batch), not once per batch sharing it.
+            rest -= col.values.dictionary.get_total_buffer_size()
+    share = -(-max(rest, 0) // n)
+    out = payload.astype(np.int64) + (share + ROW_OVERHEAD)
+    out += np.fromiter((sys.getsizeof(k) for k in keys), dtype=np.int64, count=n)
+    for i, t in enumerate(tags):
+        if t:
+            out[i] += 2 * tags_size(t)
+    return out

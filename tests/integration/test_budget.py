@@ -1,0 +1,234 @@
+"""Every byte the server holds is counted against its memory budget or capped.
+
+Each hostile put is crafted with plain ``pyarrow.flight``; each refusal is a
+``ResourceExhaustedError`` naming the cap and what arrived, nothing of the put is stored,
+and the server keeps serving. The servers run in this process so that the tests can read
+what the store counts (``Server.store.held()``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pyarrow.flight as fl
+import pytest
+from helpers_budget import VLM, action, empty_maps, media_batch, with_keys, with_tags
+from helpers_reliability import partition_state, plain_error, plain_put, put_command, text_batch
+
+import flightq
+from flightq.server import budget
+
+TEXT = "rollout_text@1"
+
+
+def _declare(location: str, ref: str = TEXT, **options: object) -> None:
+    schema = flightq.SchemaRegistry.default().get(ref)
+    body = {"partition": "p", "schema": schema.canonical_json, "tasks": ["train"]}
+    action(location, "declare", body, **options)
+
+
+def _refused(location: str, batches: list, match: str, **cmd: object) -> str:
+    """The put is refused as ResourceExhaustedError; returns the message."""
+    with pytest.raises(fl.FlightError) as info:
+        plain_put(location, put_command("p", **cmd), batches)
+    kind, message = plain_error(info.value)
+    assert kind == "ResourceExhaustedError", (kind, message)
+    assert match in message, message
+    return message
+
+
+def _unchanged(location: str, before: tuple) -> None:
+    assert partition_state(location, "p") == before
+    assert action(location, "health", {})["ok"]
+
+
+def test_media_entries_no_row_uses_are_refused_and_nothing_is_stored():
+    with flightq.Server(memory_budget=64 * 2**20) as srv:
+        _declare(srv.location, VLM)
+        before = partition_state(srv.location, "p")
+        msg = _refused(srv.location, [media_batch(["a", "b"], unused=2**20)], "used by no row")
+        assert "'pixel_values'" in msg and "1048576 bytes" in msg
+        _unchanged(srv.location, before)
+        assert srv.store.held() == 0
+        # Slices of one batch share its dictionary, each using part of it: accepted.
+        rb = media_batch(["a", "b"])
+        assert plain_put(srv.location, put_command("p"), [rb.slice(0, 1), rb.slice(1, 1)]) == {
+            "rows": 2
+        }
+
+
+def test_a_key_over_the_cap_is_refused_and_one_at_the_cap_is_stored():
+    with flightq.Server() as srv:
+        _declare(srv.location)
+        before = partition_state(srv.location, "p")
+        long = "k" * (budget.MAX_KEY_BYTES + 1)
+        _refused(srv.location, [with_keys(text_batch(["x"]), [long])], "row key of 1025 bytes")
+        _refused(srv.location, [with_keys(text_batch(["x"]), ["é" * 513])], "limit of 1024")
+        _unchanged(srv.location, before)
+        at_cap = "k" * budget.MAX_KEY_BYTES
+        assert plain_put(srv.location, put_command("p"), [with_keys(text_batch(["x"]), [at_cap])])
+
+
+def test_tags_over_the_cap_are_refused_and_tags_count_as_their_python_objects():
+    with flightq.Server(memory_budget=64 * 2**20) as srv:
+        _declare(srv.location)
+        before = partition_state(srv.location, "p")
+        big = empty_maps(budget.MAX_TAGS_BYTES + 100)
+        _refused(srv.location, [with_tags(text_batch(["a"]), [big])], "tags of")
+        _unchanged(srv.location, before)
+        # Under the cap, 16 KiB of empty maps are about 1.1 MB of Python objects, held twice.
+        tags = empty_maps(16 * 1024)
+        plain_put(srv.location, put_command("p"), [with_tags(text_batch(["a"]), [tags])])
+        assert srv.store.held() > 2 * 70 * 16 * 1024
+        # The budget fills with rows of such tags long before their wire bytes would fill it.
+        n = 0
+        with pytest.raises(fl.FlightError) as info:
+            for n in range(100):
+                rb = with_tags(text_batch([f"b{n}"]), [tags])
+                plain_put(srv.location, put_command("p"), [rb])
+        assert plain_error(info.value)[0] == "ResourceExhaustedError"
+        assert n < 40  # 64 MiB of budget, about 2.3 MB counted per row
+        assert srv.store.held() <= 64 * 2**20
+
+
+def test_schema_metadata_over_the_cap_is_refused():
+    with flightq.Server() as srv:
+        _declare(srv.location)
+        before = partition_state(srv.location, "p")
+        rb = text_batch(["a"])
+        md = {**rb.schema.metadata, b"junk": b"x" * budget.MAX_METADATA_BYTES}
+        _refused(srv.location, [rb.replace_schema_metadata(md)], "bytes of metadata")
+        _unchanged(srv.location, before)
+
+
+def test_each_row_counts_a_fixed_overhead_so_tiny_rows_fill_the_budget():
+    with flightq.Server(memory_budget=4 * 2**20) as srv:
+        _declare(srv.location)
+        rb = text_batch([f"k{i}" for i in range(1000)])
+        plain_put(srv.location, put_command("p"), [rb])
+        held = srv.store.held()
+        payload = srv.store.partition("p").nbytes
+        assert payload < 50_000 and held >= 1000 * budget.ROW_OVERHEAD
+        # 4 MiB of budget: about 4000 such rows, though their payload is under 200 KB.
+        with pytest.raises(fl.FlightError) as info:
+            for j in range(1, 10):
+                rb = text_batch([f"k{j}_{i}" for i in range(1000)])
+                plain_put(srv.location, put_command("p"), [rb])
+        assert plain_error(info.value)[0] == "ResourceExhaustedError"
+        assert 3 <= j <= 4, j
+        assert srv.store.held() <= 4 * 2**20
+
+
+def _start_part(location: str, stage: str, rb, timeout: float) -> tuple:
+    """Send part 0 of a put in 2 parts and leave it waiting for part 1."""
+    c = fl.connect(location)
+    cmd = put_command("p", stage=stage, part=0, parts=2, timeout=timeout)
+    writer, reader = c.do_put(cmd, rb.schema)
+    writer.write_batch(rb)
+    writer.done_writing()
+    return c, writer, reader
+
+
+def test_staged_parts_count_while_they_wait_and_a_part_that_does_not_fit_is_refused():
+    mib = 2**20
+    with flightq.Server(memory_budget=8 * mib) as srv:
+        _declare(srv.location)
+        ids = [np.zeros(5 * mib // 8 // 4, np.int64) for _ in range(4)]  # 5 MiB in all
+        schema = flightq.SchemaRegistry.default().get(TEXT)
+        big = flightq.encode(schema, {"input_ids": ids}, [f"a{i}" for i in range(4)])
+        waiting = _start_part(srv.location, "s1", big, timeout=30)
+        deadline = time.monotonic() + 10
+        while srv.store.held() < 5 * mib and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.store.held() >= 5 * mib, "a staged part counts while it waits"
+        other = flightq.encode(schema, {"input_ids": ids}, [f"b{i}" for i in range(4)])
+        t0 = time.monotonic()
+        with pytest.raises(fl.FlightError) as info:
+            plain_put(
+                srv.location, put_command("p", stage="s2", part=0, parts=2, timeout=0.3), [other]
+            )
+        kind, msg = plain_error(info.value)
+        assert kind == "ResourceExhaustedError" and "memory budget" in msg, msg
+        assert time.monotonic() - t0 < 5
+        action(srv.location, "abort_put", {"partition": "p", "stage": "s1", "parts": 2})
+        with pytest.raises(fl.FlightError, match="gave up a part"):
+            waiting[2].read()
+            waiting[1].close()
+        waiting[0].close()
+        deadline = time.monotonic() + 10
+        while srv.store.held() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.store.held() == 0, "an aborted put counts no more"
+        assert plain_put(srv.location, put_command("p"), [other]) == {"rows": 4}
+
+
+def _schema_json(name: str, fields: int = 1) -> str:
+    fs = [{"name": "input_ids", "dtype": "int64", "role": "token", "shape": [None]}]
+    fs += [
+        {
+            "name": f"f{i:05d}",
+            "dtype": "float32",
+            "role": "tensor",
+            "shape": [None],
+            "required": False,
+        }
+        for i in range(fields - 1)
+    ]
+    return json.dumps({"name": name, "version": 1, "fields": fs})
+
+
+def test_registered_schemas_are_capped_in_size_and_count():
+    with flightq.Server() as srv:
+        loc = srv.location
+        text = _schema_json("huge", fields=400)
+        assert len(text) > budget.MAX_SCHEMA_BYTES
+        with pytest.raises(fl.FlightError) as info:
+            action(loc, "register_schema", {"schema": text})
+        assert plain_error(info.value)[0] == "ResourceExhaustedError"
+        room = budget.MAX_SCHEMAS - len(srv.registry)
+        for i in range(room):
+            action(loc, "register_schema", {"schema": _schema_json(f"s{i}")})
+        with pytest.raises(fl.FlightError) as info:
+            action(loc, "register_schema", {"schema": _schema_json("one_more")})
+        kind, msg = plain_error(info.value)
+        assert kind == "ResourceExhaustedError" and "its limit" in msg, msg
+        assert "one_more" not in srv.registry.names()
+        action(loc, "register_schema", {"schema": _schema_json("s0")})  # identical: accepted
+        assert action(loc, "health", {})["ok"]
+
+
+def test_with_tokens_registering_a_schema_needs_a_token():
+    with flightq.Server(tokens=["s3cret"]) as srv:
+        with pytest.raises(fl.FlightUnauthenticatedError):
+            action(srv.location, "register_schema", {"schema": _schema_json("mine")})
+        assert "mine" not in srv.registry.names()
+        header = [(b"authorization", b"Bearer s3cret")]
+        with fl.connect(srv.location) as c:
+            body = msgpack.packb({"schema": _schema_json("mine")})
+            opts = fl.FlightCallOptions(headers=header)
+            list(c.do_action(fl.Action("register_schema", body), options=opts))
+        assert "mine" in srv.registry.names()
+
+
+def test_concurrent_refusals_leave_nothing_counted():
+    with flightq.Server(memory_budget=2**20) as srv:
+        _declare(srv.location, VLM)
+        errors: list = []
+
+        def hostile(i: int) -> None:
+            try:
+                plain_put(srv.location, put_command("p"), [media_batch([f"m{i}"], unused=2**19)])
+            except fl.FlightError as e:
+                errors.append(plain_error(e)[0])
+
+        threads = [threading.Thread(target=hostile, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert errors and set(errors) == {"ResourceExhaustedError"}
+        assert srv.store.held() == 0

@@ -1,0 +1,220 @@
+"""The RSS promise: under every hostile load, a ``flightq serve --memory-budget B`` process
+stays under its start-up RSS plus ``FACTOR * B``, refuses typed, and keeps serving.
+
+The server is a real process (its allocator tuned as ``flightq serve`` tunes it, so it
+keeps its high-water mark: what is read after a load is that load's peak); each load is
+crafted with plain ``pyarrow.flight`` and driven until refused, bounded. The factor is
+stated in docs/reliability.md with the peaks measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as fl
+import pytest
+from fixtures_dataplane import cli_server
+from helpers_budget import VLM, action, empty_maps, media_batch, with_keys, with_tags
+from helpers_reliability import plain_error, plain_put, put_command, text_batch
+
+import flightq
+from flightq.server import budget
+
+TEXT = "rollout_text@1"
+BUDGET = 64 * 2**20
+#: The promise (docs/reliability.md): RSS <= start-up RSS + FACTOR * budget.
+FACTOR = 3
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _refused(fn: Callable[[], object]) -> str:
+    """Run one call that must be refused; returns the flightq class it carried."""
+    try:
+        fn()
+    except fl.FlightError as e:
+        return plain_error(e)[0]
+    raise AssertionError("not refused")
+
+
+def _until_refused(puts: Callable[[int], object], most: int) -> tuple[int, str]:
+    """Call ``puts(i)`` until one is refused (at most ``most``); (calls accepted, class)."""
+    for i in range(most):
+        try:
+            puts(i)
+        except fl.FlightError as e:
+            return i, plain_error(e)[0]
+    raise AssertionError(f"{most} calls and none refused")
+
+
+def _put(loc: str, partition: str, batches: list[pa.RecordBatch], **cmd: object) -> object:
+    return plain_put(loc, put_command(partition, timeout=0, **cmd), batches)
+
+
+def _declare(loc: str, name: str, ref: str) -> None:
+    text = flightq.SchemaRegistry.default().get(ref).canonical_json
+    action(loc, "declare", {"partition": name, "schema": text, "tasks": ["train"]})
+
+
+def _unused_dictionary_entries(loc: str) -> str:
+    kinds = {
+        _refused(lambda i=i: _put(loc, "v", [media_batch([f"u{i}"], 50 * 2**20)]))
+        for i in range(11)
+    }
+    return kinds.pop() if len(kinds) == 1 else str(kinds)
+
+
+def _huge_tags(loc: str) -> str:
+    assert (
+        _refused(lambda: _put(loc, "t", [with_tags(text_batch(["h"]), [empty_maps(2**20)])]))
+        == "ResourceExhaustedError"
+    )
+    tags = empty_maps(budget.MAX_TAGS_BYTES - 64)
+    _, kind = _until_refused(
+        lambda i: _put(
+            loc, "t", [with_tags(text_batch([f"g{i}_{j}" for j in range(2)]), [tags] * 2)]
+        ),
+        100,
+    )
+    return kind
+
+
+def _tiny_rows(loc: str) -> str:
+    _, kind = _until_refused(
+        lambda i: _put(loc, "t", [text_batch([f"r{i}_{j}" for j in range(10_000)], seed=i)]), 40
+    )
+    return kind
+
+
+def _big_keys(loc: str) -> str:
+    kinds = {
+        _refused(lambda i=i: _put(loc, "t", [with_keys(text_batch(["k"]), [f"{i}" * 10 * 2**20])]))
+        for i in range(5)
+    }
+    return kinds.pop()
+
+
+def _big_metadata(loc: str) -> str:
+    rb = text_batch(["m"])
+    kinds = set()
+    for i in range(5):
+        md = {**rb.schema.metadata, b"junk": str(i).encode() * 8 * 2**20}
+        kinds.add(_refused(lambda md=md: _put(loc, "t", [rb.replace_schema_metadata(md)])))
+    return kinds.pop()
+
+
+def _staged_parts(loc: str) -> str:
+    schema = flightq.SchemaRegistry.default().get(TEXT)
+    ids = [np.full(2**20, i, np.int64) for i in range(2)]  # 16 MiB a part
+
+    def stats() -> dict:
+        return action(loc, "stats", {})["partitions"]["t"]
+
+    open_parts = []
+    try:
+        for i in range(20):  # first parts of puts in 2 parts, never finished
+            rb = flightq.encode(schema, {"input_ids": ids}, [f"s{i}_0", f"s{i}_1"])
+            c = fl.connect(loc)
+            writer, _ = c.do_put(
+                put_command("t", stage=f"st{i}", part=0, parts=2, timeout=60), rb.schema
+            )
+            writer.write_batch(rb)
+            writer.done_writing()
+            open_parts.append((c, writer, i))
+            deadline = time.monotonic() + 5
+            while (s := stats())["staged_parts"] <= i and not s["waiting_puts"]:
+                assert time.monotonic() < deadline, s
+                time.sleep(0.05)
+            if s["waiting_puts"]:  # this one waits for room: the budget is full
+                break
+        else:
+            raise AssertionError("20 staged parts of 16 MiB and none waits for room")
+        probe = put_command("t", stage="probe", part=0, parts=2, timeout=0.5)
+        return _refused(lambda: plain_put(loc, probe, [rb]))
+    finally:
+        for _, _, i in open_parts:
+            action(loc, "abort_put", {"partition": "t", "stage": f"st{i}", "parts": 2})
+        for c, writer, _ in open_parts:
+            with contextlib.suppress(fl.FlightError):
+                writer.close()
+            c.close()
+
+
+def _many_schemas(loc: str) -> str:
+    def register(i: int) -> object:
+        fs = [{"name": "input_ids", "dtype": "int64", "role": "token", "shape": [None]}]
+        fs += [
+            {
+                "name": f"f{j:04d}_{'x' * 40}",
+                "dtype": "float32",
+                "role": "tensor",
+                "shape": [None],
+                "required": False,
+            }
+            for j in range(220)
+        ]
+        text = json.dumps({"name": f"many{i}", "version": 1, "fields": fs})
+        assert len(text) <= budget.MAX_SCHEMA_BYTES
+        return action(loc, "register_schema", {"schema": text})
+
+    _, kind = _until_refused(register, 200)
+    return kind
+
+
+def _cached_plans(loc: str) -> str:
+    rb = text_batch(["c"])
+    kinds = set()
+    for i in range(300):  # each a new Arrow schema, checked and remembered, then refused
+        md = {**rb.schema.metadata, b"junk": f"{i:08d}".encode() * 7_000}
+        kinds.add(_refused(lambda md=md: _put(loc, "v", [rb.replace_schema_metadata(md)])))
+    return kinds.pop()
+
+
+LOADS = [
+    ("unused dictionary entries", _unused_dictionary_entries, "ResourceExhaustedError"),
+    ("huge tags", _huge_tags, "ResourceExhaustedError"),
+    ("tiny rows", _tiny_rows, "ResourceExhaustedError"),
+    ("big keys", _big_keys, "ResourceExhaustedError"),
+    ("big metadata", _big_metadata, "ResourceExhaustedError"),
+    ("staged parts", _staged_parts, "ResourceExhaustedError"),
+    ("many schemas", _many_schemas, "ResourceExhaustedError"),
+    ("cached plans", _cached_plans, "SchemaMismatchError"),
+]
+
+
+@pytest.mark.timeout(300)
+def test_every_hostile_load_keeps_the_server_under_start_rss_plus_factor_times_budget():
+    with cli_server("--memory-budget", str(BUDGET)) as (loc, proc):
+        _declare(loc, "t", TEXT)
+        _declare(loc, "v", VLM)
+        # Warm the code paths a put, a get and a clear use, then take the start-up RSS.
+        _put(loc, "v", [media_batch(["w0", "w1"])])
+        _put(loc, "t", [text_batch(["w0", "w1"])])
+        action(loc, "clear", {"partition": "v"})
+        action(loc, "clear", {"partition": "t"})
+        start = _rss(proc.pid)
+        grown = {}
+        for name, load, want in LOADS:
+            assert load(loc) == want, name
+            rss = _rss(proc.pid)
+            grown[name] = (rss - start) / BUDGET
+            print(f"{name}: RSS {rss / 2**20:.0f} MiB, start + {grown[name]:.2f} x budget")
+            assert rss <= start + FACTOR * BUDGET, (name, grown)
+            assert action(loc, "health", {})["ok"], name
+            action(loc, "clear", {"partition": "t"})
+            action(loc, "clear", {"partition": "v"})
+        assert proc.poll() is None
+        # Still serving: a valid put and a read.
+        assert _put(loc, "t", [text_batch(["end"])]) == {"rows": 1}
+        print(f"start-up RSS {start / 2**20:.0f} MiB; grown by budget x {grown}")
