@@ -312,9 +312,9 @@ class Testbed:
         self.set_rate(self.link, add=True)
 
     def _tbf(self, rate_bps: int) -> list[str]:
-        # The bucket holds 2 ms at the rate (at least 1 MiB: a few GSO segments), and the
+        # The bucket holds 1 ms at the rate (at least 128 KiB: two GSO segments), and the
         # queue 50 ms: enough for TCP to fill the link, short enough to stay a link.
-        burst = max(2**20, rate_bps // 8 // 500)
+        burst = max(2**17, rate_bps // 8 // 1000)
         return ["tbf", "rate", str(rate_bps), "burst", str(burst), "latency", "50ms"]
 
     def set_rate(self, link: str, add: bool = False) -> None:
