@@ -249,13 +249,15 @@ def _until_eof(stop: threading.Event) -> None:
 
 
 def main() -> int:
-    """Serve until SIGTERM or standard input closes."""
-    server = BareServer()
+    """Serve until SIGTERM or standard input closes (``--host ADDR``: bind that address,
+    a testbed host's, instead of loopback)."""
+    host = sys.argv[sys.argv.index("--host") + 1] if "--host" in sys.argv else "127.0.0.1"
+    server = BareServer(f"grpc://{host}:0")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     threading.Thread(target=_until_eof, args=(stop,), daemon=True).start()
     threading.Thread(target=server.serve, daemon=True).start()
-    print(json.dumps({"listening": f"grpc://127.0.0.1:{server.port}"}), flush=True)
+    print(json.dumps({"listening": f"grpc://{host}:{server.port}"}), flush=True)
     stop.wait()
     server.shutdown()
     return 0

@@ -6,7 +6,10 @@ Examples
 ``flightq bench --workloads W2,W4 --systems raw-tcp,flightq,transferqueue``,
 ``flightq bench --device cuda --workloads W1,W1-bf16 --systems flightq`` (puts from and
 gets into CUDA tensors against the CPU path of the same run, and the pinned
-host-to-device copy as the limit).
+host-to-device copy as the limit), ``flightq bench --hosts 2 --link 1gbit,10gbit --quick``
+(as root: across a rate-limited link between network namespaces, see
+:mod:`flightq_bench.link`), ``flightq bench --shards 2,4 --hosts 8 --link 10gbit``
+(shards on hosts of their own).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .procs import LoopbackError
 
@@ -55,6 +59,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--workers", type=int, default=4, help="worker processes for --shards (default 4)"
+    )
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="as root: run across network namespaces (flightq_bench.hosts) instead of "
+        "loopback: 2 for the workloads (clients on one host, servers on the other); with "
+        "--shards, hosts for the shards and the workers (at least the largest count + 1)",
+    )
+    p.add_argument(
+        "--link",
+        default="10gbit",
+        help="with --hosts: the rate of every link, each direction; comma-separated rates "
+        "are measured one after the other (default 10gbit)",
     )
     p.add_argument(
         "--device",
@@ -95,6 +113,13 @@ def _shards(args: argparse.Namespace, reps: int, argv: list[str]) -> int:
         print("flightq bench: --shards counts and --workers must be at least 1", file=sys.stderr)
         return 2
     command = shlex.join(["flightq", "bench", *argv])
+    if args.hosts and args.hosts < max(counts) + 1:
+        print(
+            f"flightq bench: --shards {args.shards} on hosts needs --hosts of at least "
+            f"{max(counts) + 1} (a host per shard and one for the workers)",
+            file=sys.stderr,
+        )
+        return 2
     rows = run_shards(
         counts,
         workers=args.workers,
@@ -102,12 +127,33 @@ def _shards(args: argparse.Namespace, reps: int, argv: list[str]) -> int:
         reps=reps,
         seed=args.seed,
         progress=lambda line: print(line, flush=True),
+        hosts=args.hosts,
+        links=_split(args.link) if args.hosts else [],
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "shards.json").write_text(json.dumps({"command": command, "rows": rows}, indent=2))
     (out / "shards.md").write_text(markdown(rows, command))
     print(f"wrote {out / 'shards.json'}, {out / 'shards.md'}")
+    return 0
+
+
+def _link(opts: Any, links: list[str], out: Path, t: float) -> int:
+    from .hosts import TestbedError, parse_rate
+    from .link import markdown, run_link
+
+    try:
+        for link in links:
+            parse_rate(link)
+        doc = run_link(links, opts, opts.progress)
+    except (TestbedError, ValueError, LoopbackError) as e:
+        print(f"flightq bench: {e}", file=sys.stderr)
+        return 2
+    doc["command"], doc["wall_s"] = opts.command, round(time.monotonic() - t, 1)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "link.json").write_text(json.dumps(doc, indent=2, default=str))
+    (out / "link.md").write_text(markdown(doc, opts.command))
+    print(f"done in {doc['wall_s']:.0f}s: {out / 'link.json'}, {out / 'link.md'}")
     return 0
 
 
@@ -138,20 +184,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problem:
             print(f"flightq bench: --device cuda: {problem}", file=sys.stderr)
             return 2
+    if args.hosts and args.hosts != 2:
+        print(
+            "flightq bench: the workloads run on --hosts 2 (with --shards: more)", file=sys.stderr
+        )
+        return 2
+    systems = _split(args.systems) or None
+    if args.hosts and systems is None:
+        from .link import DEFAULT_SYSTEMS
+
+        systems = list(DEFAULT_SYSTEMS)
     opts = Options(
         workloads=workloads,
-        systems=_split(args.systems) or None,
+        systems=systems,
         quick=args.quick,
         reps=reps,
         pings=pings,
         seed=args.seed,
-        budget_s=20.0 if args.quick else 240.0,
+        # Across a slow link a repetition of W2 takes seconds: a wider budget.
+        budget_s=(60.0 if args.hosts else 20.0) if args.quick else 240.0,
         command=shlex.join(["flightq", "bench", *argv]),
         progress=lambda line: print(line, flush=True),
         call_timeout=120.0 if args.quick else 300.0,
         device=args.device,
     )
     t = time.monotonic()
+    if args.hosts:
+        return _link(opts, _split(args.link), Path(args.out), t)
     try:
         doc = run(opts)
     except LoopbackError as e:

@@ -83,10 +83,11 @@ class _Listener(Consumer):
 
     def setup(self) -> dict[str, Any]:
         self._srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._srv.bind(("127.0.0.1", 0))
+        host = str(self.info.get("bind", "127.0.0.1"))  # a testbed host's address
+        self._srv.bind((host, 0))
         self._srv.listen(1)
         self._srv.settimeout(_TIMEOUT)
-        return {"port": self._srv.getsockname()[1]}
+        return {"port": self._srv.getsockname()[1], "host": host}
 
     def ready(self) -> None:
         self.sock, _ = self._srv.accept()
@@ -102,7 +103,8 @@ class _Listener(Consumer):
 
 class _Sender(Producer):
     def setup(self) -> dict[str, Any]:
-        self.sock = socket.create_connection(("127.0.0.1", int(self.info["port"])), _TIMEOUT)
+        where = (str(self.info.get("host", "127.0.0.1")), int(self.info["port"]))
+        self.sock = socket.create_connection(where, _TIMEOUT)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return {}
 

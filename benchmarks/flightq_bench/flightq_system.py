@@ -42,9 +42,9 @@ __all__ = [
 DEVICE = "cuda:0"
 
 
-def server_argv() -> list[str]:
-    """Command line of the flightq server process (loopback, free port)."""
-    return [sys.executable, "-m", "flightq.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
+def server_argv(host: str = "127.0.0.1") -> list[str]:
+    """Command line of the flightq server process (loopback unless ``host``, free port)."""
+    return [sys.executable, "-m", "flightq.cli", "serve", "--host", host, "--port", "0"]
 
 
 def _partition(info: dict[str, Any], workload: str) -> str:
@@ -93,6 +93,49 @@ class FlightqProducer(Producer):
         with contextlib.suppress(Exception):
             self.client.drop(self.partition)
         self.client.close()
+
+
+def zstd_schema(name: str, roles: tuple[str, ...], level: int = 3) -> Any:
+    """Schema ``name`` (``NAME@V``) with its fields of ``roles`` compressed by zstd at
+    ``level``, registered as ``<NAME>_z<roles' initials>`` (``rollout_vlm_ztm@1``)."""
+    import dataclasses
+
+    from flightq.codecs import Zstd
+    from flightq.registry import SchemaRegistry
+    from flightq.schema import Schema
+
+    base = SchemaRegistry.default().get(name)
+    fields = [
+        dataclasses.replace(f, codec=Zstd(level)) if f.role in roles else f for f in base.fields
+    ]
+    tag = "".join(r[0] for r in roles)
+    return Schema(f"{base.name}_z{tag}", base.version, fields, base.doc)
+
+
+class FlightqZstdTokensProducer(FlightqProducer):
+    """A put of the step into a partition whose token fields are zstd-compressed."""
+
+    suffix = "-ztokens"
+    roles: tuple[str, ...] = ("token",)
+
+    def setup(self) -> dict[str, Any]:
+        import flightq
+
+        schema = zstd_schema(self.step.schema, self.roles)
+        self.client = flightq.connect(self.info["location"], schemas=[self.step.schema])
+        self.client.register_schema(schema)
+        self.partition = _partition(self.info, self.step.name) + self.suffix
+        self.client.create_partition(
+            self.partition, schema=schema, tasks=["train"], group_size=self.step.group_size
+        )
+        return {}
+
+
+class FlightqZstdProducer(FlightqZstdTokensProducer):
+    """The same with token, tensor and media fields (pixel values) compressed."""
+
+    suffix = "-zstd"
+    roles = ("token", "tensor", "media")
 
 
 class FlightqConsumer(Consumer):
@@ -167,6 +210,18 @@ class FlightqShmProducer(FlightqProducer):
 
     shm = True
     suffix = "-shm"
+
+
+class FlightqZstdTokensConsumer(FlightqConsumer):
+    """``get`` of the step from the token-compressed partition (decoded as it arrives)."""
+
+    suffix = "-ztokens"
+
+
+class FlightqZstdConsumer(FlightqConsumer):
+    """``get`` of the step from the fully compressed partition."""
+
+    suffix = "-zstd"
 
 
 class FlightqShmConsumer(FlightqConsumer):

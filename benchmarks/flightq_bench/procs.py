@@ -147,10 +147,14 @@ class Listener:
     @property
     def loopback(self) -> bool:
         """Whether the address is in 127.0.0.0/8 or ::1 (IPv4-mapped included)."""
-        ip = ipaddress.ip_address(self.address)
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
-        return ip.is_loopback
+        return _ip(self.address).is_loopback
+
+
+def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    ip = ipaddress.ip_address(address)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
 
 
 def _parse_addr(hex_addr: str) -> tuple[str, int]:
@@ -162,12 +166,13 @@ def _parse_addr(hex_addr: str) -> tuple[str, int]:
     return str(ipaddress.IPv6Address(words)), int(port, 16)
 
 
-def _socket_table() -> dict[int, tuple[str, str, int]]:
-    """Inode to (proto, address, port) for listening TCP and bound UDP sockets."""
+def _socket_table(pid: int | str = "self") -> dict[int, tuple[str, str, int]]:
+    """Inode to (proto, address, port) for listening TCP and bound UDP sockets of the
+    network namespace that process ``pid`` is in."""
     table: dict[int, tuple[str, str, int]] = {}
     for proto, state in (("tcp", "0A"), ("tcp6", "0A"), ("udp", "07"), ("udp6", "07")):
         try:
-            with open(f"/proc/net/{proto}") as fh:
+            with open(f"/proc/{pid}/net/{proto}") as fh:
                 lines = fh.readlines()[1:]
         except OSError:
             continue
@@ -181,10 +186,18 @@ def _socket_table() -> dict[int, tuple[str, str, int]]:
 
 
 def listeners(pids: Iterable[int]) -> list[Listener]:
-    """Listening TCP and bound UDP sockets held by the given processes."""
-    table = _socket_table()
+    """Listening TCP and bound UDP sockets held by the given processes (each read in its
+    own network namespace)."""
+    tables: dict[str, dict[int, tuple[str, str, int]]] = {}
     out = []
     for pid in pids:
+        try:
+            netns = os.readlink(f"/proc/{pid}/ns/net")
+        except OSError:
+            continue
+        if netns not in tables:
+            tables[netns] = _socket_table(pid)
+        table = tables[netns]
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
@@ -201,8 +214,9 @@ def listeners(pids: Iterable[int]) -> list[Listener]:
     return out
 
 
-def check_loopback(pids: Iterable[int]) -> list[Listener]:
-    """Return the processes' listeners; raise if any is bound beyond loopback.
+def check_loopback(pids: Iterable[int], allowed: str | None = None) -> list[Listener]:
+    """Return the processes' listeners; raise if any is bound beyond loopback (or beyond
+    the network ``allowed``, e.g. a testbed's ``198.18.0.0/24``, besides loopback).
 
     Raises
     ------
@@ -210,7 +224,8 @@ def check_loopback(pids: Iterable[int]) -> list[Listener]:
         Naming each offending process, address and port.
     """
     found = listeners(sorted(set(pids)))
-    bad = [x for x in found if not x.loopback]
+    net = ipaddress.ip_network(allowed) if allowed else None
+    bad = [x for x in found if not x.loopback and not (net and _ip(x.address) in net)]
     if bad:
         lines = [f"pid {x.pid} ({cmdline(x.pid)[:60]}) {x.proto} {x.address}:{x.port}" for x in bad]
         raise LoopbackError(

@@ -62,6 +62,23 @@ class Options:
     progress: Callable[[str], None] = print
     call_timeout: float = 300.0
     device: str = "cpu"
+    #: Where the processes run when not all on loopback: a :class:`Placement`.
+    place: Placement | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Processes on two hosts of a :class:`flightq_bench.hosts.Testbed`: the producer
+    and consumer workers on ``client``, the servers (and the receiving end of the direct
+    systems) on ``server``. ``meter(host)`` returns that host's (received, sent) bytes so
+    far; ``rate_bps`` is the link's rate."""
+
+    client_ns: str
+    server_ns: str
+    server_address: str
+    network: str
+    rate_bps: int
+    meter: Callable[[], tuple[int, int]]
 
 
 @dataclass
@@ -116,7 +133,10 @@ def run(opts: Options) -> dict[str, Any]:
         for key in dict.fromkeys(a.system.server for a in active if a.system.server):
             t = time.monotonic()
             try:
-                servers[key] = stack.enter_context(server_for(key, want_tq))
+                where = {}
+                if opts.place:
+                    where = {"host": opts.place.server_address, "netns": opts.place.server_ns}
+                servers[key] = stack.enter_context(server_for(key, want_tq, **where))
                 say(f"server {key:10} up in {time.monotonic() - t:.1f}s: {servers[key].info}")
             except Exception as e:
                 for a in active:
@@ -130,12 +150,22 @@ def run(opts: Options) -> dict[str, Any]:
                 a.info = {"run": run_id, **srv.info, "location": loc}
             else:
                 a.info = {"run": run_id}
+            if opts.place:
+                a.info["bind"] = opts.place.server_address
             if a.error:
                 doc["systems"][a.system.name]["status"] = f"failed: {a.error}"
         runnable = [a for a in active if not a.error]
-        producer = stack.enter_context(Worker("producer", opts.call_timeout))
-        consumer = stack.enter_context(Worker("consumer", opts.call_timeout))
-        ctx = _Ctx(opts, producer, consumer, servers)
+        place = opts.place
+        on = {"netns": place.client_ns} if place else {}
+        producer = stack.enter_context(Worker("producer", opts.call_timeout, **on))
+        consumer = stack.enter_context(Worker("consumer", opts.call_timeout, **on))
+        # Across hosts, the direct systems' receiving end sits on the server's host.
+        receiver = None
+        if place:
+            receiver = stack.enter_context(
+                Worker("receiver", opts.call_timeout, netns=place.server_ns)
+            )
+        ctx = _Ctx(opts, producer, consumer, servers, receiver)
         for name in opts.workloads:
             doc["workloads"][name] = ctx.workload(name, runnable)
         doc["listeners"] = ctx.listeners
@@ -151,10 +181,12 @@ class _Ctx:
         producer: Worker,
         consumer: Worker,
         servers: dict[str, procs.ServerProcess],
+        receiver: Worker | None = None,
     ) -> None:
         self.opts = opts
         self.p = producer
         self.c = consumer
+        self.rx = receiver
         self.servers = servers
         self.listeners: list[dict[str, Any]] = []
 
@@ -166,7 +198,8 @@ class _Ctx:
         return sorted(out)
 
     def _check_loopback(self) -> None:
-        found = procs.check_loopback(self._pids())
+        place = self.opts.place
+        found = procs.check_loopback(self._pids(), place.network if place else None)
         self.listeners = [
             {"pid": x.pid, "proto": x.proto, "address": x.address, "port": x.port} for x in found
         ]
@@ -174,10 +207,11 @@ class _Ctx:
     def workload(self, name: str, runnable: list[_Active]) -> dict[str, Any]:
         opts, say = self.opts, self.opts.progress
         t = time.monotonic()
-        self.p.send("load", workload=name, seed=opts.seed, quick=opts.quick)
-        self.c.send("load", workload=name, seed=opts.seed, quick=opts.quick)
+        for w in self._workers():
+            w.send("load", workload=name, seed=opts.seed, quick=opts.quick)
         loaded = self.p.recv()
-        self.c.recv()
+        for w in self._workers()[1:]:
+            w.recv()
         nbytes = int(loaded["nbytes"])
         note = payload.describe_sizes(opts.quick).get(name, "full size")
         say(
@@ -205,7 +239,7 @@ class _Ctx:
             samples = self._repeat(name, live, errors)
         finally:
             for a in runnable:
-                for w in (self.c, self.p):
+                for w in self._workers()[::-1]:
                     with contextlib.suppress(Exception):
                         w.call("teardown", system=a.system.name, timeout=60)
         out["results"] = summarize.results(name, nbytes, runnable, samples, errors)
@@ -216,13 +250,20 @@ class _Ctx:
             say(summarize.cuda_line(name, out["ratios"]["cuda"], out["results"]))
         return out
 
+    def _workers(self) -> list[Worker]:
+        return [self.p, self.c] + ([self.rx] if self.rx else [])
+
+    def _consumer(self, s: System) -> Worker:
+        return self.rx if self.rx is not None and s.kind == "direct" else self.c
+
     def _setup(self, a: _Active) -> None:
         s = a.system
         info = dict(a.info)
-        info.update(self.c.call("setup", system=s.name, path=s.consumer, info=info) or {})
+        c = self._consumer(s)
+        info.update(c.call("setup", system=s.name, path=s.consumer, info=info) or {})
         if s.producer:
             self.p.call("setup", system=s.name, path=s.producer, info=info)
-        self.c.call("call", system=s.name, method="ready")
+        c.call("call", system=s.name, method="ready")
         if s.producer:
             self.p.call("call", system=s.name, method="ready")
         if s.server:
@@ -253,8 +294,10 @@ class _Ctx:
         return samples
 
     def _cycle(self, a: _Active, verify: bool, rep: int = -1) -> dict[str, Any]:
-        s, p, c = a.system, self.p, self.c
+        s, p, c = a.system, self.p, self._consumer(a.system)
         name = s.name
+        meter = self.opts.place.meter if self.opts.place else None
+        m0 = meter() if meter else (0, 0)
         if s.kind == "local":
             g = c.call("call", system=name, method="get")
             dt = (g["t1"] - g["t0"]) / 1e9
@@ -273,6 +316,9 @@ class _Ctx:
             g = c.recv()
             dt = (g["t1"] - put["t0"]) / 1e9
             res = {"put_s": dt, "get_s": dt, "step_s": dt}
+            if meter:  # the one transfer arrives at the server's host
+                m1 = meter()
+                res["wire_put"] = res["wire_get"] = m1[0] - m0[0]
             res.update(_peaks(put, g))
             # One transfer: its cost is both ends'.
             res["cpu_put"] = res["cpu_get"] = put["cpu_s"] + g["cpu_s"]
@@ -282,10 +328,13 @@ class _Ctx:
                 procs.reset_peak(pid)
             srv0 = sum(procs.rss(pid)[0] for pid in a.server_pids)
             cpu0 = _cpu(a.server_pids)
+            m0 = meter() if meter else m0
             put = p.call("call", system=name, method="put")
             cpu1 = _cpu(a.server_pids)
+            m1 = meter() if meter else m0
             g = c.call("call", system=name, method="get")
             cpu2 = _cpu(a.server_pids)
+            m2 = meter() if meter else m0
             put_s, get_s = (put["t1"] - put["t0"]) / 1e9, (g["t1"] - g["t0"]) / 1e9
             res = {"put_s": put_s, "get_s": get_s, "step_s": put_s + get_s}
             res.update(_peaks(put, g))
@@ -296,6 +345,10 @@ class _Ctx:
             res["cpu_get"] = g["cpu_s"] + cpu2 - cpu1
             res["peak_server"] = sum(procs.rss(pid)[1] for pid in a.server_pids)
             res["rss0_server"] = srv0
+            if meter:  # a put arrives at the server's host, a get leaves it
+                res["wire_put"], res["wire_get"] = m1[0] - m0[0], m2[1] - m1[1]
+        if meter:
+            res["link_Bps"] = self.opts.place.rate_bps / 8  # type: ignore[union-attr]
         if verify:
             c.call("call", system=name, method="verify")
             res["verified"] = True

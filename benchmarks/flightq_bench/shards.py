@@ -9,6 +9,13 @@ starts it to the barrier that ends it, so the figure is aggregate wall-clock thr
 the bytes that travel (a group's image once). Workers check every row they read against a
 checksum of the seeded step after the timed phase. Timing decides nothing: it is reported,
 with the ratio to the first shard count of the same run.
+
+With ``hosts`` (``flightq bench --shards 2,4 --hosts 6 --link 10gbit``, as root) the
+servers run on hosts of a :class:`~flightq_bench.hosts.Testbed`, one shard per host
+(``h0``, ``h1``, ...), and the workers on the hosts after the largest shard count, dealt
+round-robin: every byte crosses a worker host's link and a shard's link, each limited to
+the rate. The figure then adds the aggregate as a fraction of what the links allow:
+``min(worker hosts, shards) x rate``.
 """
 
 from __future__ import annotations
@@ -30,8 +37,17 @@ _TIMEOUT = 300.0
 
 
 @contextlib.contextmanager
-def shard_processes(n: int, timeout: float = 60.0) -> Iterator[list[str]]:
-    """``n`` ``flightq serve --port 0`` processes on loopback; yields their locations."""
+def shard_processes(n: int, timeout: float = 60.0, testbed: Any = None) -> Iterator[list[str]]:
+    """``n`` ``flightq serve --port 0`` processes on loopback (or one on each of hosts
+    ``0..n-1`` of ``testbed``); yields their locations."""
+    if testbed is not None:
+        servers = [testbed.serve(i, timeout=timeout) for i in range(n)]
+        try:
+            yield [srv.location for srv in servers]
+        finally:
+            for srv in servers:
+                srv.stop()
+        return
     procs: list[subprocess.Popen[str]] = []
     try:
         locations = []
@@ -76,8 +92,19 @@ def _checksum(ids: Any, px: Any) -> int:
 
 
 def _worker(
-    j: int, locations: list[str], groups: int, reps: int, seed: int, barrier: Any, out: Any
+    j: int,
+    locations: list[str],
+    groups: int,
+    reps: int,
+    seed: int,
+    barrier: Any,
+    out: Any,
+    netns: str | None = None,
 ) -> None:
+    if netns:
+        from .hosts import enter
+
+        enter(netns)  # before any thread of this process starts
     import flightq
     from flightq import workloads
 
@@ -113,7 +140,14 @@ def _worker(
 
 
 def measure_shards(
-    shards: int, *, workers: int = 4, groups: int = 8, reps: int = 3, seed: int = 0
+    shards: int,
+    *,
+    workers: int = 4,
+    groups: int = 8,
+    reps: int = 3,
+    seed: int = 0,
+    testbed: Any = None,
+    first_worker_host: int = 0,
 ) -> dict[str, Any]:
     """Median aggregate put and get throughput over ``shards`` server processes.
 
@@ -132,9 +166,17 @@ def measure_shards(
     out = ctx.Queue()
     put_s: list[float] = []
     get_s: list[float] = []
-    with shard_processes(shards) as locations:
+    netns: list[str | None] = [None] * workers
+    worker_hosts = 0
+    if testbed is not None:
+        free = testbed.hosts[first_worker_host:]
+        netns = [free[j % len(free)].ns for j in range(workers)]
+        worker_hosts = min(workers, len(free))
+    with shard_processes(shards, testbed=testbed) as locations:
         procs = [
-            ctx.Process(target=_worker, args=(j, locations, groups, reps, seed, barrier, out))
+            ctx.Process(
+                target=_worker, args=(j, locations, groups, reps, seed, barrier, out, netns[j])
+            )
             for j in range(workers)
         ]
         for p in procs:
@@ -167,7 +209,19 @@ def measure_shards(
             raise RuntimeError(f"shard benchmark with {shards} shards failed: {bad}")
     put_bps = [nbytes / s for s in put_s]
     get_bps = [nbytes / s for s in get_s]
+    extra: dict[str, Any] = {}
+    if testbed is not None:
+        # What the links allow: each byte leaves one host and enters another.
+        limit = min(worker_hosts, shards) * testbed.rate_bps / 8
+        extra = {
+            "link": testbed.link,
+            "worker_hosts": worker_hosts,
+            "links_Bps": limit,
+            "put_util": statistics.median(put_bps) / limit,
+            "get_util": statistics.median(get_bps) / limit,
+        }
     return {
+        **extra,
         "shards": shards,
         "workers": workers,
         "bytes": nbytes,
@@ -188,40 +242,81 @@ def run_shards(
     reps: int = 3,
     seed: int = 0,
     progress: Callable[[str], None] = print,
+    hosts: int = 0,
+    links: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
-    """:func:`measure_shards` for each count, with the ratio to the first count."""
+    """:func:`measure_shards` for each count, with the ratio to the first count (of the
+    same link rate); with ``hosts``, on a testbed of that many hosts, once per rate in
+    ``links``."""
+    if not hosts:
+        return _curve(counts, progress, workers=workers, groups=groups, reps=reps, seed=seed)
+    from .hosts import Testbed
+
+    rows: list[dict[str, Any]] = []
+    with Testbed(hosts, links[0]) as tb:
+        for link in links:
+            tb.set_rate(link)
+            rows += _curve(
+                counts,
+                progress,
+                workers=workers,
+                groups=groups,
+                reps=reps,
+                seed=seed,
+                testbed=tb,
+                first_worker_host=max(counts),
+            )
+    return rows
+
+
+def _curve(
+    counts: Sequence[int], progress: Callable[[str], None], **kw: Any
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for n in counts:
-        r = measure_shards(n, workers=workers, groups=groups, reps=reps, seed=seed)
+        r = measure_shards(n, **kw)
         base = rows[0] if rows else r
         r["put_x"] = r["put_Bps"] / base["put_Bps"]
         r["get_x"] = r["get_Bps"] / base["get_Bps"]
         rows.append(r)
+        where = ""
+        if "link" in r:
+            where = (
+                f" over {r['link']} links ({r['worker_hosts']} worker hosts; of what the links "
+                f"allow: put {100 * r['put_util']:.0f}%, get {100 * r['get_util']:.0f}%)"
+            )
         progress(
             f"shards {n}: put {r['put_Bps'] / 1e9:.2f} GB/s ({r['put_x']:.2f}x)  "
             f"get {r['get_Bps'] / 1e9:.2f} GB/s ({r['get_x']:.2f}x)  "
-            f"[{workers} worker processes, {r['bytes'] / 1e6:.0f} MB per round]"
+            f"[{r['workers']} worker processes, {r['bytes'] / 1e6:.0f} MB per round]{where}"
         )
     return rows
 
 
 def markdown(rows: list[dict[str, Any]], command: str) -> str:
     """The shard curve as a markdown table."""
+    on_hosts = "link" in rows[0]
     lines = [
         "# flightq bench --shards",
         "",
         f"- command: `{command}`",
         f"- {rows[0]['workers']} worker processes; W1 steps; bytes that travel per round: "
         f"{rows[0]['bytes'] / 1e6:.0f} MB; GB/s median [min-max]; x = ratio to "
-        f"{rows[0]['shards']} shard(s) in the same run",
+        f"{rows[0]['shards']} shard(s) in the same run"
+        + (" and link; links: the aggregate over what the links allow" if on_hosts else ""),
         "",
-        "| shards | put GB/s | x | get GB/s | x |",
-        "|---|---|---|---|---|",
+        "| link | shards | put GB/s | x | get GB/s | x | links put / get |"
+        if on_hosts
+        else "| shards | put GB/s | x | get GB/s | x |",
+        "|---|---|---|---|---|---|---|" if on_hosts else "|---|---|---|---|---|",
     ]
     for r in rows:
+        head = f"| {r['link']} " if on_hosts else ""
+        tail = f" {100 * r['put_util']:.0f}% / {100 * r['get_util']:.0f}% |" if on_hosts else ""
         lines.append(
-            f"| {r['shards']} | {r['put_Bps'] / 1e9:.2f} [{r['put_Bps_min'] / 1e9:.2f}-"
+            f"{head}| {r['shards']} | {r['put_Bps'] / 1e9:.2f} [{r['put_Bps_min'] / 1e9:.2f}-"
             f"{r['put_Bps_max'] / 1e9:.2f}] | {r['put_x']:.2f} | {r['get_Bps'] / 1e9:.2f} "
             f"[{r['get_Bps_min'] / 1e9:.2f}-{r['get_Bps_max'] / 1e9:.2f}] | {r['get_x']:.2f} |"
+            + tail
         )
     return "\n".join(lines) + "\n"

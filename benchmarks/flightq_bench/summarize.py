@@ -71,6 +71,28 @@ def _cpu(samples: list[dict[str, Any]], nbytes: int) -> dict[str, float]:
     return out
 
 
+def _link(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Across a testbed's link: the bytes each put and get put on the wire (headers
+    included, per repetition's median) and the link's utilisation, those bytes per second
+    as a fraction of its rate."""
+    measured = [s for s in samples if "wire_put" in s]
+    if not measured:
+        return {}
+    got = [
+        {
+            "rep": s["rep"],
+            "put_bytes": s["wire_put"],
+            "get_bytes": s["wire_get"],
+            "put_util": s["wire_put"] / s["put_s"] / s["link_Bps"],
+            "get_util": s["wire_get"] / s["get_s"] / s["link_Bps"],
+        }
+        for s in measured
+    ]
+    out = {k: summary(list(per_rep(got, k).values())) for k in got[0] if k != "rep"}
+    out["rate_Bps"] = measured[0]["link_Bps"]
+    return out
+
+
 def _decode(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """A reader's decode time (flightq: ``Batch.received``), per repetition's median: in
     milliseconds, as a share of the get (%), and the share left once the last record
@@ -134,6 +156,8 @@ def results(
             r["get_ms"] = percentiles([s["get_s"] * 1e3 for s in got])
             r["pings"] = len(got)
         r["cpu"] = _cpu(got, nbytes)
+        if link := _link(got):
+            r["link"] = link
         if dec := _decode(got):
             r["decode"] = dec
         r["peak_rss_mib"] = {k: _peak_mib(got, k) for k in ("producer", "server", "consumer")}
@@ -172,6 +196,8 @@ def ratios(workload: str, samples: dict[str, list[dict[str, Any]]], nbytes: int)
     for mine in ("flightq", "flightq-shm"):
         if mine in per:
             out[f"{mine}_vs"] = {p: pair(mine, p) for p in (*PEERS, "memcpy") if p in per}
+    if "flightq" in per:  # compressed against raw, over the same server and link
+        out["vs_flightq"] = {n: pair(n, "flightq") for n in per if n.startswith("flightq-zstd")}
     if "flightq-cuda" in per:
         # GPU against CPU of the same run, and against the pinned host-to-device limit.
         out["cuda"] = {

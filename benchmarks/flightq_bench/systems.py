@@ -60,6 +60,8 @@ class System:
     server_procs: tuple[str, ...] = ()
     note: str = ""
     device: str = "cpu"
+    #: Measured when no systems are named (the compressed ones only when asked for).
+    default: bool = True
 
 
 _M = "flightq_bench."
@@ -143,6 +145,28 @@ SYSTEMS: dict[str, System] = {
             server="flightq",
             requires=("flightq.client.client", "flightq.server.flight"),
             note="Client.put / Client.get by key, torch views of every field",
+        ),
+        System(
+            "flightq-zstd-tokens",
+            "server",
+            _M + "flightq_system:FlightqZstdTokensProducer",
+            _M + "flightq_system:FlightqZstdTokensConsumer",
+            server="flightq",
+            requires=("flightq.client.client", "flightq.server.flight"),
+            note="the same with the schema's token fields zstd-compressed (level 3): "
+            "encoded in the put, decoded in the get",
+            default=False,
+        ),
+        System(
+            "flightq-zstd",
+            "server",
+            _M + "flightq_system:FlightqZstdProducer",
+            _M + "flightq_system:FlightqZstdConsumer",
+            server="flightq",
+            requires=("flightq.client.client", "flightq.server.flight"),
+            note="the same with token, tensor and media fields (pixel values) "
+            "zstd-compressed (level 3)",
+            default=False,
         ),
         System(
             "flightq-groups",
@@ -229,7 +253,7 @@ def resolve(names: list[str] | None, device: str = "cpu") -> list[System]:
     if device not in ("cpu", "cuda"):
         raise ValueError(f"unknown device {device!r}; expected cpu or cuda")
     if not names:
-        names = [s.name for s in SYSTEMS.values() if s.device == "cpu"]
+        names = [s.name for s in SYSTEMS.values() if s.device == "cpu" and s.default]
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
         raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
@@ -238,13 +262,20 @@ def resolve(names: list[str] | None, device: str = "cpu") -> list[System]:
     return [s for s in SYSTEMS.values() if s.name in names]
 
 
-def server_for(key: str, want_tq: bool) -> procs.ServerProcess:
-    """The (not yet started) server process of a server group."""
+def server_for(
+    key: str, want_tq: bool, host: str = "127.0.0.1", netns: str | None = None
+) -> procs.ServerProcess:
+    """The (not yet started) server process of a server group; with ``netns``, started
+    inside that network namespace (a testbed host) and bound to its address ``host``."""
     py = sys.executable
+    wrap = ["ip", "netns", "exec", netns] if netns else []
     if key == "flightq":
-        return procs.ServerProcess(flightq_system.server_argv(), "flightq")
+        return procs.ServerProcess([*wrap, *flightq_system.server_argv(host)], "flightq")
     if key == "flight":
-        return procs.ServerProcess([py, "-m", _M + "arrowflight"], "bare Flight")
+        argv = [*wrap, py, "-m", _M + "arrowflight", "--host", host]
+        return procs.ServerProcess(argv, "bare Flight")
+    if netns:
+        raise ValueError(f"server {key!r} does not run on a testbed host")
     if key == "peers":
         argv = [py, "-m", _M + "peer_head"] + (["--tq"] if want_tq else [])
         return procs.ServerProcess(argv, "Ray/TransferQueue", ready_timeout=120, env=peers.RAY_ENV)

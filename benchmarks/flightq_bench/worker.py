@@ -36,8 +36,15 @@ def _load(path: str) -> Any:
     return getattr(importlib.import_module(mod), cls)
 
 
-def serve(conn: Connection, role: str) -> None:
-    """The worker's loop: ``(command, args)`` in, ``("ok", result)`` or ``("err", text)`` out."""
+def serve(conn: Connection, role: str, netns: str | None = None) -> None:
+    """The worker's loop: ``(command, args)`` in, ``("ok", result)`` or ``("err", text)`` out.
+
+    With ``netns`` the process first moves into that network namespace (a testbed host),
+    before any thread of its own starts."""
+    if netns:
+        from .hosts import enter
+
+        enter(netns)
     with contextlib.suppress(ValueError):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner decides when to stop
     keep_freed_memory()
@@ -97,12 +104,14 @@ class WorkerError(RuntimeError):
 class Worker:
     """A spawned producer or consumer process and its pipe. Use as a context manager."""
 
-    def __init__(self, role: str, timeout: float = 300.0) -> None:
+    def __init__(self, role: str, timeout: float = 300.0, netns: str | None = None) -> None:
         self.role = role
         self.timeout = timeout
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(child, role), name=f"bench-{role}", daemon=True)
+        self.proc = ctx.Process(
+            target=serve, args=(child, role, netns), name=f"bench-{role}", daemon=True
+        )
         self.proc.start()
         child.close()
         self.pid = int(self.proc.pid or 0)
