@@ -252,6 +252,23 @@ class Batch:
         return f"Batch({len(self)} rows of {self.schema.ref}, fields={self.fields})"
 
     @property
+    def as_(self) -> str:
+        """What the tensors are: ``"torch"`` or ``"numpy"``."""
+        return self._as
+
+    def to_tensordict(self) -> Any:
+        """The rows as a ``tensordict.TensorDict`` (see :func:`flightq.tensordicts.to_tensordict`).
+
+        Raises
+        ------
+        DecodeError, MissingFieldError
+            As :func:`flightq.tensordicts.to_tensordict`.
+        """
+        from .tensordicts import to_tensordict
+
+        return to_tensordict(self)
+
+    @property
     def parts(self) -> tuple[Batch, ...]:
         """The answer as it arrived: one :class:`Batch` per record batch, in order
         (``(self,)`` for an answer of one record batch). Read-only."""

@@ -53,8 +53,10 @@ from ..protocol import (
     Stats,
 )
 from ..registry import SchemaRegistry
+from ..rows import columns_of
 from ..schema import Schema
 from ..sink import DeferredFills, Sink
+from ..tensordicts import tensordict_reads
 from .interface import PutReceipt
 from .reads import Reader
 from .streams import (
@@ -456,6 +458,7 @@ class Client:
         :mod:`flightq.cuda`); the bytes sent are the same as for CPU tensors.
         """
         schema = self._partition_schema(partition)
+        columns = columns_of(columns, schema, keys)  # a TensorDict, nested tensors: per row
         # Through shared memory, payloads are copied once: from the tensors into the segment.
         # Over the socket, every check runs before anything is sent; then each batch's copy
         # is made while the previous batch is on the wire, and a payload alone in its column
@@ -552,6 +555,7 @@ class Client:
             return False
         return sum(b.get_total_buffer_size() for b in batches) < self.shm_min_bytes
 
+    @tensordict_reads
     def get(
         self,
         partition: str,
@@ -589,6 +593,7 @@ class Client:
             return get_to_device(self._reader, dev, t, what, timeout, copy=copy, sync=sync)
         return read_keys(self._reader, t, what, timeout, as_, copy)
 
+    @tensordict_reads
     def claim(
         self,
         partition: str,

@@ -44,7 +44,9 @@ from ..errors import (
 )
 from ..protocol import ClaimTicket, GetTicket
 from ..registry import SchemaRegistry
+from ..rows import columns_of
 from ..schema import Schema
+from ..tensordicts import tensordict_reads
 from .fanout import DEFAULT_POLL, Fanout, at_shard
 from .router import (
     created_rows,
@@ -162,6 +164,7 @@ class ShardedClient(Fanout):
         """
         schema, g = self._decl(partition)
         ks = list(keys)
+        columns = columns_of(columns, schema, ks)  # a TensorDict, nested tensors: per row
         self.router.check_groups(ks, g, f"put to {partition!r}")
         tg = None if tags is None else list(tags)
         # Each shard's rows are encoded on their own, so a part carries only its own media.
@@ -269,6 +272,7 @@ class ShardedClient(Fanout):
                 )
         return "; ".join(lines)
 
+    @tensordict_reads
     def get(
         self,
         partition: str,
@@ -329,6 +333,7 @@ class ShardedClient(Fanout):
         batch.received = Received(len(merged), now, now - started, route)
         return batch
 
+    @tensordict_reads
     def claim(
         self,
         partition: str,
