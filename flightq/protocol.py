@@ -84,6 +84,8 @@ __all__ = [
     "StatsReply",
     "PartitionStats",
     "Inspect",
+    "ListKeys",
+    "KeysReply",
     "Snapshot",
     "SnapshotReply",
     "ActionSpec",
@@ -659,6 +661,45 @@ class Inspect(Message):
     partition: str = _field(_str())
 
 
+def _rows_fields(v: Any, key: str, what: str) -> list[list[int]]:
+    """Per row, the indices of the fields it has (into the reply's ``fields``)."""
+    if not isinstance(v, list):
+        raise _type_error(v, key, what)
+    for i, row in enumerate(v):
+        if not isinstance(row, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in row
+        ):
+            raise ProtocolError(f"{what}: {key}[{i}] must be a list of field indices")
+    return v
+
+
+def _tag_maps(v: Any, key: str, what: str) -> list[dict[str, Any]]:
+    if not isinstance(v, list):
+        raise _type_error(v, key, what)
+    return [_map(x, f"{key}[{i}]", what) for i, x in enumerate(v)]
+
+
+@dataclasses.dataclass(**_FROZEN)
+class ListKeys(Message):
+    """Rows' keys, tags and the fields each has, without their data."""
+
+    WHAT: ClassVar[str] = "list_keys"
+    partition: str = _field(_str())
+    #: None: every row, in insertion order.
+    keys: list[str] | None = _field(_optional(_strs), None)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class KeysReply(Message):
+    WHAT: ClassVar[str] = "list_keys result"
+    keys: list[str] = _field(_strs)
+    tags: list[dict[str, Any]] = _field(_tag_maps)
+    #: The fields any of the rows has, in schema order.
+    fields: list[str] = _field(_strs)
+    #: Per row, the indices into ``fields`` of the fields it has.
+    present: list[list[int]] = _field(_rows_fields)
+
+
 @dataclasses.dataclass(**_FROZEN)
 class Snapshot(Message):
     WHAT: ClassVar[str] = "snapshot"
@@ -700,6 +741,7 @@ ACTIONS: dict[str, ActionSpec] = {
     "abort_put": ActionSpec("fail a put sent in parts, none stored", AbortPut, AbortPutReply),
     "stats": ActionSpec("rows, bytes and per-task progress of every partition", Stats, StatsReply),
     "inspect": ActionSpec("one partition in detail", Inspect, PartitionStats),
+    "list_keys": ActionSpec("rows' keys, tags and fields, without data", ListKeys, KeysReply),
     "health": ActionSpec("liveness and protocol version", Health, HealthReply),
     "snapshot": ActionSpec("write partitions to the snapshot directory", Snapshot, SnapshotReply),
 }

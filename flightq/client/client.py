@@ -46,6 +46,7 @@ from ..protocol import (
     GetTicket,
     Health,
     Inspect,
+    ListKeys,
     PutCommand,
     RegisterSchema,
     Reset,
@@ -73,7 +74,13 @@ from .transport import Transport
 if TYPE_CHECKING:
     from ..shm import SegmentPool
 
-__all__ = ["Client", "connect", "resolve_schemas", "DEFAULT_TIMEOUT", "SHM_MIN_BYTES"]
+__all__ = [
+    "Client",
+    "connect",
+    "resolve_schemas",
+    "DEFAULT_TIMEOUT",
+    "SHM_MIN_BYTES",
+]
 
 #: Seconds a call may take unless told otherwise.
 DEFAULT_TIMEOUT = 60.0
@@ -423,6 +430,22 @@ class Client:
         """One partition: fields present, delivered and ready rows per task."""
         return self._transport.action(Inspect(partition=partition)).to_dict()
 
+    def list_keys(
+        self, partition: str, keys: Sequence[str] | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """Rows without their data: ``{key: {"tags": {...}, "fields": [...]}}``.
+
+        Every row in insertion order when ``keys`` is None, else the rows asked for, in
+        that order; ``fields`` are the fields each row has, in schema order.
+
+        Raises
+        ------
+        NotFoundError
+            Naming unknown keys (or the partition).
+        """
+        r = self._transport.action(ListKeys(partition=partition, keys=_keys(keys)))
+        return _rows_listed(r)
+
     # ------------------------------------------------------------------ data
 
     def put(
@@ -676,6 +699,18 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _keys(keys: Sequence[str] | None) -> list[str] | None:
+    return None if keys is None else list(keys)
+
+
+def _rows_listed(r: Any) -> dict[str, dict[str, Any]]:
+    """A ``list_keys`` reply as ``{key: {"tags": ..., "fields": [...]}}``."""
+    return {
+        k: {"tags": t, "fields": [r.fields[i] for i in present]}
+        for k, t, present in zip(r.keys, r.tags, r.present, strict=True)
+    }
 
 
 def _put_sink(shm_dir: str | None) -> contextlib.AbstractContextManager[Sink]:

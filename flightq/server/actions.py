@@ -45,6 +45,8 @@ from ..protocol import (
     Health,
     HealthReply,
     Inspect,
+    KeysReply,
+    ListKeys,
     Message,
     PartitionStats,
     RegisterSchema,
@@ -175,6 +177,10 @@ def _inspect(ctx: ActionContext, req: Inspect) -> PartitionStats:
     return PartitionStats.parse(d)
 
 
+def _list_keys(ctx: ActionContext, req: ListKeys) -> KeysReply:
+    return KeysReply.parse(ctx.store.list_keys(req.partition, req.keys))
+
+
 def _snapshot(ctx: ActionContext, req: Snapshot) -> SnapshotReply:
     from .snapshot import snapshot_path, write_snapshot
 
@@ -198,6 +204,7 @@ HANDLERS: dict[str, Handler] = {
     "abort_put": _abort_put,
     "stats": _stats,
     "inspect": _inspect,
+    "list_keys": _list_keys,
     "health": _health,
     "snapshot": _snapshot,
 }

@@ -373,6 +373,11 @@ EXAMPLES: list[Message] = [
     _P,
     dataclasses.replace(_P, fields={"input_ids": 8}, ready={"train": 4}),
     protocol.Inspect(partition="p"),
+    protocol.ListKeys(partition="p"),
+    protocol.ListKeys(partition="p", keys=["k0"]),
+    protocol.KeysReply(
+        keys=["k0", "k1"], tags=[{"v": 1}, {}], fields=["input_ids"], present=[[0], []]
+    ),
     protocol.Snapshot(name="step-7", partition="p"),
     protocol.Snapshot(name="step-7"),
     protocol.SnapshotReply(path="/snap/step-7", partitions={"p": 8}),
