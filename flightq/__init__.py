@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from .batch import Batch, MediaColumn, Received, ScalarColumn, TensorColumn, decode
 from .client.interface import DataPlane, PutReceipt
 from .codecs import Raw, Zstd
+from .draft import draft_schema
 from .encode import encode
 from .errors import (
     ClaimTimeoutError,
@@ -59,7 +60,9 @@ _LAZY = {
 
 
 #: Public submodules reachable as attributes after ``import flightq`` (loaded on first use).
-_SUBMODULES = frozenset({"aio", "ray", "cuda", "shm", "sharding", "server", "client"})
+_SUBMODULES = frozenset(
+    {"aio", "ray", "cuda", "shm", "sharding", "server", "client", "compat", "tensordicts", "media"}
+)
 
 
 def __getattr__(name: str) -> object:
@@ -113,6 +116,7 @@ __all__ = [
     "UnknownSchemaError",
     "Zstd",
     "decode",
+    "draft_schema",
     "encode",
     "keep_freed_memory",
 ]
