@@ -96,9 +96,11 @@ def resolve_schema(registry: SchemaRegistry, text: str) -> Schema:
     theirs = Schema.from_json(text)
     mine = registry.get(theirs.ref)
     if mine.fingerprint != theirs.fingerprint:
+        # Read from the caller's side: the caller's schema is "yours".
+        diff = diff_schemas(theirs, mine, labels=("yours", "the server's"))
         raise SchemaMismatchError(
-            f"schema {theirs.ref} differs from the server's ({mine.fingerprint} here, "
-            f"{theirs.fingerprint} given): " + "; ".join(diff_schemas(mine, theirs))
+            f"your schema {theirs.ref} (fingerprint {theirs.fingerprint}) differs from the "
+            f"server's ({mine.fingerprint}): " + "; ".join(diff)
         )
     return mine
 
