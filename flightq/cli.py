@@ -219,6 +219,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="accepted bearer tokens from $FLIGHTQ_TOKENS, one per line",
     )
+    sv.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="warning",
+        help="what the server logs to stderr: info adds start, stop and every refused call "
+        "(class, partition, key); debug adds every request (default warning)",
+    )
     sv.set_defaults(func=_cmd_serve)
 
     st = sub.add_parser("stats", help="what a running server holds")

@@ -82,6 +82,7 @@ __all__ = [
     "AbortPutReply",
     "Stats",
     "StatsReply",
+    "ServerCounters",
     "PartitionStats",
     "Inspect",
     "ListKeys",
@@ -646,6 +647,24 @@ class PartitionStats(Message):
 
 
 @dataclasses.dataclass(**_FROZEN)
+class ServerCounters(Message):
+    """What a server has done since it started (``stats``; flightq.server.metrics)."""
+
+    WHAT: ClassVar[str] = "server counters"
+    puts: int = _field(_int(0))
+    rows_put: int = _field(_int(0))
+    bytes_received: int = _field(_int(0))
+    gets: int = _field(_int(0))
+    claims: int = _field(_int(0))
+    scans: int = _field(_int(0))
+    rows_sent: int = _field(_int(0))
+    bytes_sent: int = _field(_int(0))
+    actions: int = _field(_int(0))
+    #: Per error class, the calls refused with it.
+    refusals: dict[str, int] = _field(_counts)
+
+
+@dataclasses.dataclass(**_FROZEN)
 class StatsReply(Message):
     WHAT: ClassVar[str] = "stats result"
     partitions: dict[str, PartitionStats] = _field(_map_of(PartitionStats))
@@ -653,6 +672,8 @@ class StatsReply(Message):
     bytes: int = _field(_int(0))
     #: Claims waiting for rows right now, over every partition.
     waiting_claims: int = _field(_int(0), 0)
+    #: The server's counters; null from a server that keeps none.
+    counters: ServerCounters | None = _field(_optional(_message(ServerCounters)), None, omit=None)
 
 
 @dataclasses.dataclass(**_FROZEN)

@@ -60,6 +60,7 @@ from ..protocol import (
 )
 from ..registry import SchemaRegistry
 from ..schema import Schema, diff_schemas
+from .metrics import Counters
 from .staging import Staging
 from .store import Store
 
@@ -77,6 +78,8 @@ class ActionContext:
     shm_dir: str | None = None
     #: Where ``snapshot`` writes; None: snapshots are refused.
     snapshot_dir: str | os.PathLike[str] | None = None
+    #: The server's counters, reported by ``stats``; None: not reported.
+    counters: Counters | None = None
 
 
 #: A handler takes the context and the parsed request and returns the reply.
@@ -170,6 +173,8 @@ def _stats(ctx: ActionContext, req: Stats) -> StatsReply:
     staged = ctx.staging.staged()
     for name, p in stats["partitions"].items():
         p["staged_parts"] = staged.get(name, 0)
+    if ctx.counters is not None:
+        stats["counters"] = ctx.counters.snapshot()
     return StatsReply.parse(stats)
 
 
