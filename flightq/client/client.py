@@ -598,6 +598,9 @@ class Client:
         copied from pinned buffers while later record batches arrive; ``sync=False``
         returns once the copies are queued (the device's current stream waits for them;
         other streams wait on ``batch.event``). ``None`` or ``"cpu"``: CPU tensors.
+        ``as_="tensordict"`` returns a ``tensordict.TensorDict`` instead (token fields as
+        jagged nested tensors over the received buffers, the keys in ``"__key__"``; see
+        :mod:`flightq.tensordicts`); :meth:`claim` takes it too.
 
         Raises
         ------
