@@ -20,7 +20,7 @@ def test_stats_counts_puts_gets_claims_bytes_and_refusals_by_class() -> None:
     with flightq.Server() as srv, flightq.connect(srv.location, [TEXT], timeout=TIMEOUT) as c:
         c.create_partition("r", TEXT, tasks=["train"])
         c.put("r", ["a", "b"], {"input_ids": [np.arange(4), np.arange(2)]})
-        c.get("r", ["a"])
+        c.get("r", ["a"], as_="numpy")
         c.claim("r", "train", 2, as_="numpy")
         with pytest.raises(flightq.NotFoundError):
             c.get("r", ["nope"])
