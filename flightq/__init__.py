@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .batch import Batch, MediaColumn, Received, ScalarColumn, TensorColumn, decode
+from .batch import Batch, MediaColumn, Packed, Received, ScalarColumn, TensorColumn, decode
 from .client.interface import DataPlane, PutReceipt
 from .codecs import Raw, Zstd
 from .draft import draft_schema
@@ -100,6 +100,7 @@ __all__ = [
     "MediaColumn",
     "MissingFieldError",
     "NotFoundError",
+    "Packed",
     "ProtocolError",
     "Raw",
     "ResourceExhaustedError",

@@ -17,7 +17,7 @@ import msgpack
 import pyarrow as pa
 
 from .chunks import encode_chunks, row_nbytes, split_batch
-from .columns import ChunkedColumn, Column, MediaColumn, ScalarColumn, TensorColumn
+from .columns import ChunkedColumn, Column, MediaColumn, Packed, ScalarColumn, TensorColumn
 from .encode import encode
 from .errors import DecodeError, MissingFieldError
 from .layout import TAGS
@@ -37,6 +37,7 @@ __all__ = [
     "MediaColumn",
     "ScalarColumn",
     "ChunkedColumn",
+    "Packed",
     "split_batch",
     "encode_chunks",
     "row_nbytes",
