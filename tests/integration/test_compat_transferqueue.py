@@ -268,3 +268,56 @@ def test_a_multimodal_step_round_trips_with_write_back(
     assert all(torch.equal(r[0], img) for r in pixels)
     tq.kv_clear(keys=keys, partition_id="rl")
     assert tq.kv_list(partition_id="rl") == {"rl": {}}
+
+
+GENERATOR = """
+import torch
+from tensordict import NonTensorStack, TensorDict
+
+import flightq.compat.transferqueue as tq
+
+tq.init({"flightq": {"schema": "rollout_vlm@1"}})  # the location comes from FLIGHTQ_LOCATION
+keys = [f"u0_g{i}" for i in range(4)]
+ids = torch.nested.nested_tensor([torch.arange(n) for n in (3, 5, 2, 4)], layout=torch.jagged)
+img = torch.full((6, 1176), 0.5)
+step = TensorDict(
+    {"input_ids": ids, "pixel_values": NonTensorStack(*[[img]] * 4)}, batch_size=[4]
+)
+meta = tq.kv_batch_put(keys=keys, partition_id="rl", fields=step, tags=[{"weight_version": 1}] * 4)
+assert meta.fields == ["input_ids", "pixel_values"], meta.fields
+tq.close()
+print("put", len(meta))
+"""
+
+
+def test_processes_share_a_server_through_flightq_location(torch: Any, TensorDict: Any) -> None:
+    """A generator process that imports only the compat module puts a multimodal step; this
+    process reads it, writes logprobs back and reads every field, as a trainer would."""
+    import os
+    import subprocess
+    import sys
+
+    import flightq.compat.transferqueue as tq
+
+    with flightq.Server() as srv:
+        env = {**os.environ, "FLIGHTQ_LOCATION": srv.location}
+        out = subprocess.run(
+            [sys.executable, "-c", GENERATOR], env=env, capture_output=True, text=True, timeout=90
+        )
+        assert out.returncode == 0 and out.stdout.strip() == "put 4", out.stderr
+        q = tq.TransferQueue({"flightq": {"location": srv.location, "schema": "rollout_vlm@1"}})
+        try:
+            keys = list(q.kv_list("rl")["rl"])
+            got = q.kv_batch_get(keys, "rl", select_fields="input_ids")
+            lp = torch.nested.nested_tensor_from_jagged(
+                -torch.ones(got["input_ids"].values().shape[0]), got["input_ids"].offsets()
+            )
+            meta = q.kv_batch_put(
+                keys, "rl", fields=TensorDict({"prev_logprobs": lp}, batch_size=[len(keys)])
+            )
+            every = q.kv_batch_get_by_meta(meta)
+        finally:
+            q.close()
+    assert meta.fields == ["input_ids", "prev_logprobs", "pixel_values"]
+    assert [len(r) for r in every["prev_logprobs"].unbind()] == [3, 5, 2, 4]
+    assert all(float(r[0].mean()) == 0.5 for r in every.get("pixel_values").tolist())
