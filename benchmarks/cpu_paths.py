@@ -49,8 +49,9 @@ try:
     from flightq.server.store import Store
 except ImportError:  # a tree from before the server moved into flightq/server/
     from flightq.assemble import assemble  # type: ignore[no-redef]
-    from flightq.rows import make_piece  # type: ignore[no-redef]
     from flightq.store import Store  # type: ignore[no-redef]
+
+    from flightq.rows import make_piece  # type: ignore[no-redef]
 
 __all__ = ["measure", "main"]
 

@@ -10,9 +10,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .batch import Batch, Claim, MediaColumn, Received, ScalarColumn, TensorColumn, decode
+from .batch import (
+    Batch,
+    Claim,
+    MediaColumn,
+    Packed,
+    Received,
+    ScalarColumn,
+    TensorColumn,
+    decode,
+)
 from .client.interface import DataPlane, PutReceipt
 from .codecs import Raw, Zstd
+from .draft import draft_schema
 from .encode import encode
 from .errors import (
     ClaimTimeoutError,
@@ -60,7 +70,9 @@ _LAZY = {
 
 
 #: Public submodules reachable as attributes after ``import flightq`` (loaded on first use).
-_SUBMODULES = frozenset({"aio", "ray", "cuda", "shm", "sharding", "server", "client"})
+_SUBMODULES = frozenset(
+    {"aio", "ray", "cuda", "shm", "sharding", "server", "client", "compat", "tensordicts", "media"}
+)
 
 
 def __getattr__(name: str) -> object:
@@ -100,6 +112,7 @@ __all__ = [
     "MediaColumn",
     "MissingFieldError",
     "NotFoundError",
+    "Packed",
     "ProtocolError",
     "Raw",
     "ResourceExhaustedError",
@@ -116,6 +129,7 @@ __all__ = [
     "UnknownSchemaError",
     "Zstd",
     "decode",
+    "draft_schema",
     "encode",
     "keep_freed_memory",
 ]

@@ -17,7 +17,7 @@ import msgpack
 import pyarrow as pa
 
 from .chunks import encode_chunks, row_nbytes, split_batch
-from .columns import ChunkedColumn, Column, MediaColumn, ScalarColumn, TensorColumn
+from .columns import ChunkedColumn, Column, MediaColumn, Packed, ScalarColumn, TensorColumn
 from .encode import encode
 from .errors import DecodeError, MissingFieldError
 from .layout import TAGS
@@ -39,6 +39,7 @@ __all__ = [
     "MediaColumn",
     "ScalarColumn",
     "ChunkedColumn",
+    "Packed",
     "split_batch",
     "encode_chunks",
     "row_nbytes",
@@ -321,6 +322,23 @@ class Batch:
 
     def __repr__(self) -> str:
         return f"Batch({len(self)} rows of {self.schema.ref}, fields={self.fields})"
+
+    @property
+    def as_(self) -> str:
+        """What the tensors are: ``"torch"`` or ``"numpy"``."""
+        return self._as
+
+    def to_tensordict(self) -> Any:
+        """The rows as a ``tensordict.TensorDict`` (see :func:`flightq.tensordicts.to_tensordict`).
+
+        Raises
+        ------
+        DecodeError, MissingFieldError
+            As :func:`flightq.tensordicts.to_tensordict`.
+        """
+        from .tensordicts import to_tensordict
+
+        return to_tensordict(self)
 
     @property
     def parts(self) -> tuple[Batch, ...]:

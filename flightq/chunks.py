@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from .encode import encode
 from .layout import MEDIA_TYPE, binary_offsets, media_row_bytes
+from .rows import columns_of
 from .schema import Schema
 from .sink import COPY, DeferredFills, Sink
 from .tensor import MemoryIndex, is_torch
@@ -83,6 +84,7 @@ def encode_chunks(
     """
     keys = list(keys)
     n = len(keys)
+    columns = columns_of(columns, schema, keys)
     if fills is not None:
         if sink is not COPY:
             raise ValueError("encode_chunks: pass fills or sink, not both")

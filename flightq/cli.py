@@ -1,6 +1,6 @@
 """The ``flightq`` command line.
 
-``flightq schema list | show NAME@V | diff A B | check DIR``, ``flightq serve``,
+``flightq schema list | show NAME@V | diff A B | check DIR | draft SAMPLE``, ``flightq serve``,
 ``flightq stats LOCATION``, ``flightq inspect LOCATION PARTITION``, ``flightq demo`` and
 ``flightq bench``. Heavy modules are imported inside each command, so ``flightq --help``
 stays fast and works without torch.
@@ -19,6 +19,12 @@ from .registry import SchemaRegistry
 from .schema import Schema, diff_schemas
 
 __all__ = ["main"]
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
 
 
 def _registry(args: argparse.Namespace) -> SchemaRegistry:
@@ -66,11 +72,53 @@ def _cmd_schema(args: argparse.Namespace) -> int:
         return 1
     if args.action == "check":
         reg = SchemaRegistry.from_dir(args.dir)
+        if not len(reg):
+            print(
+                f"flightq: no schemas under {args.dir!r}: a schema folder holds "
+                "<name>/v<N>.json files (see schemas/README.md)",
+                file=sys.stderr,
+            )
+            return 1
         for s in reg:
             print(f"ok  {s.ref:28} {s.fingerprint}")
         print(f"{len(reg)} schema versions follow the evolution rules")
         return 0
+    if args.action == "draft":
+        return _draft(args)
     raise AssertionError(args.action)
+
+
+def _draft(args: argparse.Namespace) -> int:
+    """``schema draft``: a schema JSON from a sample saved with ``torch.save``."""
+    from .draft import draft_schema
+
+    try:
+        import torch
+    except ImportError:
+        print("flightq: schema draft loads its sample with torch: install torch", file=sys.stderr)
+        return 2
+    try:
+        sample = torch.load(args.sample, weights_only=not args.trust_pickle)
+    except Exception as e:  # torch.load raises many kinds; name the file and the way out
+        print(
+            f"flightq: cannot load {args.sample!r} as a dict of tensors ({type(e).__name__}: "
+            f"{e}); a saved TensorDict or nested tensors need --trust-pickle (only for files "
+            "you made: unpickling runs code)",
+            file=sys.stderr,
+        )
+        return 2
+    s = draft_schema(sample, args.name, args.version)
+    if args.out is None:
+        print(s.to_json(), end="")
+        return 0
+    dest = Path(args.out) / s.name / f"v{s.version}.json"
+    if dest.exists():
+        print(f"flightq: {dest} exists; schema versions are immutable", file=sys.stderr)
+        return 1
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(s.to_json())
+    print(f"wrote {dest} ({len(s)} fields): review roles, shapes and required, then commit")
+    return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -99,6 +147,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flightq", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"flightq {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     sp = sub.add_parser("schema", help="list, show, diff and check schemas")
@@ -113,6 +162,23 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("b")
     check = ssub.add_parser("check", help="load a folder and check the evolution rules")
     check.add_argument("dir")
+    dr = ssub.add_parser(
+        "draft",
+        help="write a schema from a sample batch, for review",
+        description="Write a schema JSON declaring every entry of a sample batch (a dict "
+        "of batched tensors or a TensorDict, saved with torch.save): nested tensors and "
+        "dense tensors of rank >= 2 as token fields, 1-D tensors as scalars, lists of "
+        "tensor lists as media. Review the roles, shapes and required flags, then commit.",
+    )
+    dr.add_argument("sample", help="a file written by torch.save")
+    dr.add_argument("--name", required=True, help="the schema's name")
+    dr.add_argument("--version", type=int, default=1)
+    dr.add_argument("--out", help="a schema folder: writes OUT/NAME/vVERSION.json (else stdout)")
+    dr.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="load with full unpickling (TensorDicts, nested tensors): only files you made",
+    )
     sp.set_defaults(func=_cmd_schema)
 
     sv = sub.add_parser(
@@ -152,6 +218,13 @@ def _parser() -> argparse.ArgumentParser:
         "--tokens-from-env",
         action="store_true",
         help="accepted bearer tokens from $FLIGHTQ_TOKENS, one per line",
+    )
+    sv.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="warning",
+        help="what the server logs to stderr: info adds start, stop and every refused call "
+        "(class, partition, key); debug adds every request (default warning)",
     )
     sv.set_defaults(func=_cmd_serve)
 

@@ -5,6 +5,10 @@ Arrow field metadata, so a receiver decodes with no out-of-band knowledge. Codec
 per tensor (per row, or per media segment). zstd frames carry their content size, so a
 server checks a compressed payload's header against its shape before decompressing
 it, then decompresses it once, bounded by that size, to check it decodes to exactly that.
+
+zstd needs the ``zstandard`` package, an optional extra (``pip install 'flightq[zstd]'``)
+imported on first use: schemas that declare zstd fields load without it, and the first
+payload encoded or decoded with it says what to install.
 """
 
 from __future__ import annotations
@@ -12,9 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import zstandard
-
-from .errors import DecodeError, SchemaError
+from .errors import DecodeError, EncodeError, SchemaError
 
 __all__ = ["Codec", "Raw", "Zstd", "codec_from_dict", "RAW"]
 
@@ -22,6 +24,25 @@ __all__ = ["Codec", "Raw", "Zstd", "codec_from_dict", "RAW"]
 #: most this size); larger ones stream through a buffer of this size, so checking a frame
 #: never holds more than this, whatever it declares.
 _ONE_SHOT = 1 << 20
+
+
+def _zstd(error: type[EncodeError] | type[DecodeError] = DecodeError) -> Any:
+    """The ``zstandard`` module, imported on first use.
+
+    Raises
+    ------
+    EncodeError, DecodeError
+        (``error``) If it is not installed, naming the extra that brings it.
+    """
+    try:
+        import zstandard
+    except ImportError as e:
+        raise error(
+            "a zstd field needs the zstandard package: pip install 'flightq[zstd]' (or "
+            "declare the field raw)",
+            expected="zstandard",
+        ) from e
+    return zstandard
 
 
 @dataclass(frozen=True)
@@ -104,7 +125,7 @@ class Zstd(Codec):
         return {"id": "zstd", "level": self.level}
 
     def encode(self, data: Any) -> Any:
-        cctx = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
+        cctx = _zstd(EncodeError).ZstdCompressor(level=self.level, write_content_size=True)
         return cctx.compress(data)
 
     def decode(self, data: Any, nbytes: int) -> Any:
@@ -125,7 +146,7 @@ class Zstd(Codec):
 
     def context(self) -> Any:
         """A decompression context, reused across one batch's frames (not thread-safe)."""
-        return zstandard.ZstdDecompressor()
+        return _zstd().ZstdDecompressor()
 
     def check(self, data: Any, nbytes: int, ctx: Any = None) -> None:
         """Check a frame as :meth:`decode` does, through a bounded buffer, keeping nothing."""
@@ -153,6 +174,7 @@ class Zstd(Codec):
                 expected=nbytes,
                 actual=size,
             )
+        zstandard = _zstd()
         dctx = dctx if dctx is not None else zstandard.ZstdDecompressor()
         raw = None
         try:
@@ -180,6 +202,7 @@ class Zstd(Codec):
         return raw if keep else None
 
     def decoded_size(self, data: Any) -> int | None:
+        zstandard = _zstd()
         try:
             size = zstandard.frame_content_size(data)
         except zstandard.ZstdError:

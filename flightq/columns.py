@@ -23,7 +23,66 @@ from .layout import KEY, SHAPE_SUFFIX, binary_offsets
 from .schema import Field
 from .tensor import column_base, nbytes_for, row_view
 
-__all__ = ["Column", "TensorColumn", "MediaColumn", "ScalarColumn", "ChunkedColumn"]
+__all__ = ["Column", "TensorColumn", "MediaColumn", "ScalarColumn", "ChunkedColumn", "Packed"]
+
+
+class Packed(tuple):
+    """A column's rows end to end, and where each row starts: ``(values, offsets)``.
+
+    Unpacks as a pair: ``flat, cu_seqlens = batch.column("input_ids").packed()``.
+
+    Attributes
+    ----------
+    values:
+        Every row's elements (a token field's tokens, a media field's segments) along
+        dim 0, in row order.
+    offsets:
+        ``N + 1`` offsets into ``values`` along dim 0: row ``i`` is
+        ``values[offsets[i]:offsets[i + 1]]``. From :meth:`TensorColumn.packed`, int32
+        (``cu_seqlens`` as flash-attention's varlen kernels take them); from
+        :meth:`MediaColumn.cat`, int64.
+    max_len:
+        The longest row along dim 0 (flash-attention's ``max_seqlen``).
+    copied:
+        Whether ``values`` had to be copied (rows from several record batches, shared
+        media segments repeated per row, a compressed payload decoded); ``False`` means
+        ``values`` is a view of the received buffers.
+    """
+
+    values: Any
+    offsets: Any
+    max_len: int
+    copied: bool
+
+    def __new__(cls, values: Any, offsets: Any, max_len: int, copied: bool) -> Packed:
+        self = super().__new__(cls, (values, offsets))
+        self.values = values
+        self.offsets = offsets
+        self.max_len = max_len
+        self.copied = copied
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.values, self.offsets, self.max_len, self.copied))
+
+
+def _offsets_of(lengths: np.ndarray, as_: str, device: Any = None) -> Any:
+    """Row offsets (N + 1, int32) from per-row lengths, as numpy or torch."""
+    offs = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offs[1:])
+    if offs[-1] > np.iinfo(np.int32).max:
+        raise ShapeError(
+            f"{int(offs[-1])} rows' elements overflow int32 offsets (cu_seqlens); "
+            "pack fewer rows at a time",
+            actual=int(offs[-1]),
+        )
+    out = offs.astype(np.int32)
+    if as_ == "numpy":
+        return out
+    import torch
+
+    t = torch.from_numpy(out)
+    return t if device is None else t.to(device)
 
 
 class Column:
@@ -170,6 +229,72 @@ class TensorColumn(Column):
             return None
         return row_view(self._base, int(self._elem[i]), shape, self.copy)
 
+    def _check_packable(self) -> None:
+        f = self.field
+        if f.role != "token" and (f.shape is None or len(f.shape) < 1):
+            raise ShapeError(
+                f"column {f.name!r}: a {f.role} field of shape {f.shape} has no row dim to "
+                "pack along; packing is for token fields (and tensors of rank >= 1)",
+                field=f.name,
+            )
+        if not self.complete:
+            raise MissingFieldError(
+                f"column {f.name!r}: {int((~self.valid).sum())} rows lack the field, so it "
+                "cannot be packed; select rows that have it (claim with wait_for)",
+                field=f.name,
+                key=self._first_lacking(),
+            )
+        shapes: list[tuple[int, ...]] = self.shapes  # type: ignore[assignment]
+        tails = {s[1:] for s in shapes}
+        if len(tails) > 1:
+            raise ShapeError(
+                f"column {f.name!r}: rows of trailing shapes {sorted(tails)} cannot be packed "
+                "along dim 0",
+                field=f.name,
+            )
+
+    def lengths(self) -> np.ndarray:
+        """Each row's length along dim 0 (int64)."""
+        shapes = self.shapes
+        return np.array([0 if s is None else s[0] for s in shapes], dtype=np.int64)
+
+    def packed(self) -> Packed:
+        """Every row end to end, and the rows' int32 offsets: ``(flat, cu_seqlens)``.
+
+        What flash-attention's varlen kernels take (``cu_seqlens_q``; ``.max_len`` is
+        ``max_seqlen``). ``flat`` is a view of the received buffers (``copied`` False),
+        except with ``copy=True`` or a compressed field (decoded once, then viewed).
+
+        Raises
+        ------
+        MissingFieldError
+            If some rows lack the field.
+        ShapeError
+            If the rows differ in their trailing dims, or the field has no row dim.
+        """
+        self._check_packable()
+        lengths = self.lengths()
+        shapes: list[tuple[int, ...]] = self.shapes  # type: ignore[assignment]
+        tail = shapes[0][1:] if shapes else tuple(d or 0 for d in (self.field.shape or ())[1:])
+        total = int(lengths.sum())
+        flat = row_view(self._base, 0, (total, *tail), self.copy)
+        device = getattr(flat, "device", None) if self.as_ == "torch" else None
+        offsets = _offsets_of(lengths, self.as_, device)
+        top = int(lengths.max()) if len(lengths) else 0
+        return Packed(flat, offsets, top, self.copy or self.field.codec is not RAW)
+
+    def jagged(self) -> Any:
+        """The rows as one jagged nested tensor (``torch.nested``, ``layout=torch.jagged``)
+        over the received buffers, no copy: its ``values()`` are :meth:`packed`'s ``flat``.
+
+        Raises
+        ------
+        MissingFieldError, ShapeError
+            As :meth:`packed`.
+        """
+        p = self.packed()
+        return _jagged(p)
+
     def rows(self) -> list[Any]:
         if self.copy or not self.complete or not len(self):
             return [self[i] for i in range(len(self))]
@@ -262,12 +387,16 @@ class MediaColumn(Column):
             for i, ok in enumerate(self.valid.tolist())
         ]
 
-    def cat(self) -> tuple[Any, np.ndarray]:
+    def cat(self) -> Packed:
         """All segments concatenated along dim 0, and each row's range along that dim.
 
-        Returns ``(values, row_offsets)``: row ``i``'s segments are
-        ``values[row_offsets[i]:row_offsets[i + 1]]``. A view when the field is raw and no
-        segment is shared between rows; otherwise one copy (shared segments repeat).
+        Returns ``(values, row_offsets)`` (a :class:`Packed`): row ``i``'s segments are
+        ``values[row_offsets[i]:row_offsets[i + 1]]``. A view of the received buffers when
+        the segments lie end to end there, in row order (the field is raw and no segment
+        is shared between rows); otherwise one copy, in which a segment shared by a prompt
+        group's rows repeats once per row. ``.copied`` says which happened: a trainer that
+        needs each image once iterates ``batch[name]`` (views, shared images shared)
+        instead.
 
         Raises
         ------
@@ -283,6 +412,7 @@ class MediaColumn(Column):
                 field=self.field.name,
             )
         tail = next(iter(trail)) if trail else ()
+        copied = False
         dim0 = np.array([s[0] for s in shapes], dtype=np.int64)
         seg_start = np.zeros(len(shapes) + 1, dtype=np.int64)
         np.cumsum(dim0, out=seg_start[1:])
@@ -293,6 +423,7 @@ class MediaColumn(Column):
         elif np.array_equal(self.entry, np.arange(self.entry[0], self.entry[0] + len(shapes))):
             values = row_view(self._base, int(self._elem[self.entry[0]]), (total, *tail), self.copy)
         else:
+            copied = True
             parts = [self.segment(j) for j in range(len(shapes))]
             if self.as_ == "numpy":
                 values = np.concatenate(parts)
@@ -300,7 +431,8 @@ class MediaColumn(Column):
                 import torch
 
                 values = torch.cat(parts)
-        return values, row_offsets
+        top = int(np.diff(row_offsets).max()) if len(row_offsets) > 1 else 0
+        return Packed(values, row_offsets, top, copied or self.copy or self.field.codec is not RAW)
 
 
 class ScalarColumn(Column):
@@ -408,8 +540,9 @@ class ChunkedColumn(Column):
         """Segments per row (media)."""
         return np.concatenate([p.counts for p in self.parts])  # type: ignore[attr-defined]
 
-    def cat(self) -> tuple[Any, np.ndarray]:
-        """Media segments of every chunk along dim 0, and row offsets (one copy)."""
+    def cat(self) -> Packed:
+        """Media segments of every chunk along dim 0, and row offsets (one copy: the
+        chunks lie in separate buffers; ``.copied`` is True)."""
         vals, offs = [], [np.zeros(1, dtype=np.int64)]
         base = 0
         for p in self.parts:
@@ -417,4 +550,37 @@ class ChunkedColumn(Column):
             vals.append(v)
             offs.append(o[1:] + base)
             base += int(o[-1])
-        return self._join(vals), np.concatenate(offs)
+        row_offsets = np.concatenate(offs)
+        top = int(np.diff(row_offsets).max()) if len(row_offsets) > 1 else 0
+        return Packed(self._join(vals), row_offsets, top, True)
+
+    def packed(self) -> Packed:
+        """Token rows of every chunk end to end, and int32 offsets (see
+        :meth:`TensorColumn.packed`): one copy to join the chunks (``.copied`` True), a
+        view when the answer came in one chunk."""
+        parts = [p.packed() for p in self.parts]  # type: ignore[attr-defined]
+        lengths = np.concatenate([np.diff(np.asarray(p.offsets, dtype=np.int64)) for p in parts])
+        device = getattr(parts[0].values, "device", None) if self.as_ == "torch" else None
+        offsets = _offsets_of(lengths, self.as_, device)
+        top = max(p.max_len for p in parts)
+        if len(parts) == 1:
+            return Packed(parts[0].values, offsets, top, parts[0].copied)
+        return Packed(self._join([p.values for p in parts]), offsets, top, True)
+
+    def jagged(self) -> Any:
+        """The rows as one jagged nested tensor (see :meth:`TensorColumn.jagged`)."""
+        return _jagged(self.packed())
+
+    def lengths(self) -> np.ndarray:
+        """Each row's length along dim 0 (int64)."""
+        return np.concatenate([p.lengths() for p in self.parts])  # type: ignore[attr-defined]
+
+
+def _jagged(p: Packed) -> Any:
+    """A jagged nested tensor over a packed column's values (no copy of the values)."""
+    import torch
+
+    if not isinstance(p.values, torch.Tensor):
+        raise DecodeError("a jagged nested tensor needs torch tensors: decode with as_='torch'")
+    offsets = p.offsets.to(torch.int64)  # torch's jagged layout takes int64 offsets
+    return torch.nested.nested_tensor_from_jagged(p.values, offsets)

@@ -21,6 +21,7 @@ import pyarrow as pa
 from .codecs import RAW
 from .errors import DTypeError, EncodeError, ShapeError, UndeclaredFieldError
 from .layout import TAGS, arrow_schema
+from .rows import columns_of
 from .schema import Field, Schema
 from .sink import COPY, Sink
 from .tensor import Bulk, Encoded, MemoryIndex, bulk_to_bytes, is_torch, nbytes_for, to_bytes
@@ -50,9 +51,12 @@ def encode(
         The schema every column is checked against.
     columns:
         Field name to per-row data. token/tensor: a sequence of N tensors (``None`` for a
-        row without the field). media: a sequence of N lists of tensors (an empty list is
-        "no media", ``None`` is "field absent"). scalar: a 1-D tensor/array of N values or
-        a sequence of N Python values (``None`` allowed). Tensors are torch or numpy.
+        row without the field), a tensor whose first dim is the rows, or a nested tensor
+        (jagged). media: a sequence of N lists of tensors (an empty list is "no media",
+        ``None`` is "field absent"), or a tensor / nested tensor of one segment per row.
+        scalar: a 1-D tensor/array of N values or a sequence of N Python values (``None``
+        allowed). Tensors are torch or numpy. A ``tensordict.TensorDict`` whose batch
+        dim is the rows is taken entry by entry (:mod:`flightq.rows`).
     keys:
         N distinct row keys.
     tags:
@@ -84,6 +88,7 @@ def encode(
     """
     keys = list(keys)
     n = len(keys)
+    columns = columns_of(columns, schema, keys)
     for k in keys:
         if not isinstance(k, str):
             raise EncodeError(
@@ -114,12 +119,33 @@ def encode(
         if f.role == "scalar":
             arrays.append(_encode_scalar(f, data, keys))
         elif f.role == "media":
-            arrays.extend(_encode_media(f, data, keys, zero_copy, sink))
+            try:
+                arrays.extend(_encode_media(f, data, keys, zero_copy, sink))
+            except ShapeError as e:
+                raise _with_grid_hint(e, f, columns, keys) from e
         else:
             arrays.extend(_encode_tensor(f, data, keys, zero_copy, seq, sink))
     batch = pa.RecordBatch.from_arrays(arrays, schema=arrow_schema(schema, names))
     sink.end_batch()
     return batch
+
+
+def _with_grid_hint(
+    e: ShapeError, f: Field, columns: Mapping[str, Any], keys: list[str]
+) -> ShapeError:
+    """``e``, saying so when a media column looks like an image processor's output: all
+    images of the batch concatenated, their geometry in a ``*_grid_thw`` column."""
+    grids = [g for g in columns if g.endswith("grid_thw") and g != f.name]
+    if e.actual is None or e.expected != len(keys) or not grids:
+        return e
+    grid = grids[0]
+    msg = (
+        f"{e}: {f.name!r} looks like an image processor's output (all images of the batch "
+        f"concatenated, {e.actual} patches) with their grids in {grid!r}; split it per row "
+        f"with flightq.media.split_by_grid({f.name}, {grid}, images_per_row) and put the "
+        "rows it returns"
+    )
+    return ShapeError(msg, field=f.name, expected=e.expected, actual=e.actual)
 
 
 def _rows(f: Field, data: Any, keys: list[str]) -> list[Any]:

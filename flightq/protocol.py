@@ -93,8 +93,11 @@ __all__ = [
     "AbortPutReply",
     "Stats",
     "StatsReply",
+    "ServerCounters",
     "PartitionStats",
     "Inspect",
+    "ListKeys",
+    "KeysReply",
     "Snapshot",
     "SnapshotReply",
     "ActionSpec",
@@ -777,6 +780,24 @@ class PartitionStats(Message):
 
 
 @dataclasses.dataclass(**_FROZEN)
+class ServerCounters(Message):
+    """What a server has done since it started (``stats``; flightq.server.metrics)."""
+
+    WHAT: ClassVar[str] = "server counters"
+    puts: int = _field(_int(0))
+    rows_put: int = _field(_int(0))
+    bytes_received: int = _field(_int(0))
+    gets: int = _field(_int(0))
+    claims: int = _field(_int(0))
+    scans: int = _field(_int(0))
+    rows_sent: int = _field(_int(0))
+    bytes_sent: int = _field(_int(0))
+    actions: int = _field(_int(0))
+    #: Per error class, the calls refused with it.
+    refusals: dict[str, int] = _field(_counts)
+
+
+@dataclasses.dataclass(**_FROZEN)
 class StatsReply(Message):
     WHAT: ClassVar[str] = "stats result"
     partitions: dict[str, PartitionStats] = _field(_map_of(PartitionStats))
@@ -784,12 +805,53 @@ class StatsReply(Message):
     bytes: int = _field(_int(0))
     #: Claims waiting for rows right now, over every partition.
     waiting_claims: int = _field(_int(0), 0)
+    #: The server's counters; null from a server that keeps none.
+    counters: ServerCounters | None = _field(_optional(_message(ServerCounters)), None, omit=None)
 
 
 @dataclasses.dataclass(**_FROZEN)
 class Inspect(Message):
     WHAT: ClassVar[str] = "inspect"
     partition: str = _field(_str())
+
+
+def _rows_fields(v: Any, key: str, what: str) -> list[list[int]]:
+    """Per row, the indices of the fields it has (into the reply's ``fields``)."""
+    if not isinstance(v, list):
+        raise _type_error(v, key, what)
+    for i, row in enumerate(v):
+        if not isinstance(row, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in row
+        ):
+            raise ProtocolError(f"{what}: {key}[{i}] must be a list of field indices")
+    return v
+
+
+def _tag_maps(v: Any, key: str, what: str) -> list[dict[str, Any]]:
+    if not isinstance(v, list):
+        raise _type_error(v, key, what)
+    return [_map(x, f"{key}[{i}]", what) for i, x in enumerate(v)]
+
+
+@dataclasses.dataclass(**_FROZEN)
+class ListKeys(Message):
+    """Rows' keys, tags and the fields each has, without their data."""
+
+    WHAT: ClassVar[str] = "list_keys"
+    partition: str = _field(_str())
+    #: None: every row, in insertion order.
+    keys: list[str] | None = _field(_optional(_strs), None)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class KeysReply(Message):
+    WHAT: ClassVar[str] = "list_keys result"
+    keys: list[str] = _field(_strs)
+    tags: list[dict[str, Any]] = _field(_tag_maps)
+    #: The fields any of the rows has, in schema order.
+    fields: list[str] = _field(_strs)
+    #: Per row, the indices into ``fields`` of the fields it has.
+    present: list[list[int]] = _field(_rows_fields)
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -836,6 +898,7 @@ ACTIONS: dict[str, ActionSpec] = {
     "abort_put": ActionSpec("fail a put sent in parts, none stored", AbortPut, AbortPutReply),
     "stats": ActionSpec("rows, bytes and per-task progress of every partition", Stats, StatsReply),
     "inspect": ActionSpec("one partition in detail", Inspect, PartitionStats),
+    "list_keys": ActionSpec("rows' keys, tags and fields, without data", ListKeys, KeysReply),
     "health": ActionSpec("liveness and protocol version", Health, HealthReply),
     "snapshot": ActionSpec("write partitions to the snapshot directory", Snapshot, SnapshotReply),
 }

@@ -347,34 +347,39 @@ def parse_ref(ref: str, version: int | None = None) -> tuple[str, int | None]:
     return ref, version
 
 
-def diff_schemas(expected: Schema, actual: Schema) -> list[str]:
+def diff_schemas(
+    expected: Schema, actual: Schema, labels: tuple[str, str] = ("expected", "actual")
+) -> list[str]:
     """Readable differences between two schemas: one line per field (field, expected, actual).
 
-    Returns an empty list when the two have the same fingerprint.
+    ``labels`` name the two sides in the lines (``("yours", "the server's")`` where a
+    client's schema meets a server's). Returns an empty list when the two have the same
+    fingerprint.
     """
     if expected.fingerprint == actual.fingerprint:
         return []
+    le, la = labels
     lines: list[str] = []
     if expected.ref != actual.ref:
-        lines.append(f"schema: expected {expected.ref}, actual {actual.ref}")
+        lines.append(f"schema: {le} {expected.ref}, {la} {actual.ref}")
     exp = {f.name: f.to_dict(with_doc=False) for f in expected.fields}
     act = {f.name: f.to_dict(with_doc=False) for f in actual.fields}
     for name in list(exp) + [n for n in act if n not in exp]:
         e, a = exp.get(name), act.get(name)
         if e is None:
-            lines.append(f"field {name!r}: expected (absent), actual {_describe(a)}")
+            lines.append(f"field {name!r}: {le} (absent), {la} {_describe(a)}")
         elif a is None:
-            lines.append(f"field {name!r}: expected {_describe(e)}, actual (absent)")
+            lines.append(f"field {name!r}: {le} {_describe(e)}, {la} (absent)")
         elif e != a:
             keys = [
                 k for k in ("dtype", "role", "shape", "required", "codec") if e.get(k) != a.get(k)
             ]
             for k in keys:
-                lines.append(f"field {name!r}: {k} expected {e.get(k)!r}, actual {a.get(k)!r}")
+                lines.append(f"field {name!r}: {k} {le} {e.get(k)!r}, {la} {a.get(k)!r}")
     order_e = [n for n in exp if n in act]
     order_a = [n for n in act if n in exp]
     if order_e != order_a:
-        lines.append(f"field order: expected {order_e}, actual {order_a}")
+        lines.append(f"field order: {le} {order_e}, {la} {order_a}")
     return lines
 
 

@@ -152,6 +152,12 @@ class AsyncClient:
         """See :meth:`flightq.Client.inspect`."""
         return await self._call(self.client.inspect, partition)
 
+    async def list_keys(
+        self, partition: str, keys: Sequence[str] | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """See :meth:`flightq.Client.list_keys`."""
+        return await self._call(self.client.list_keys, partition, keys)
+
     async def put(
         self,
         partition: str,

@@ -54,6 +54,7 @@ from ..protocol import (
     GetTicket,
     Health,
     Inspect,
+    ListKeys,
     Nack,
     PutCommand,
     RegisterSchema,
@@ -62,8 +63,10 @@ from ..protocol import (
     Stats,
 )
 from ..registry import SchemaRegistry
+from ..rows import columns_of
 from ..schema import Schema
 from ..sink import DeferredFills, Sink
+from ..tensordicts import tensordict_reads
 from .interface import PutReceipt
 from .reads import Reader
 from .session import Session
@@ -81,7 +84,13 @@ from .transport import Transport
 if TYPE_CHECKING:
     from ..shm import SegmentPool
 
-__all__ = ["Client", "connect", "resolve_schemas", "DEFAULT_TIMEOUT", "SHM_MIN_BYTES"]
+__all__ = [
+    "Client",
+    "connect",
+    "resolve_schemas",
+    "DEFAULT_TIMEOUT",
+    "SHM_MIN_BYTES",
+]
 
 #: Seconds a call may take unless told otherwise.
 DEFAULT_TIMEOUT = 60.0
@@ -448,6 +457,22 @@ class Client:
         """One partition: fields present, delivered and ready rows per task."""
         return self._transport.action(Inspect(partition=partition)).to_dict()
 
+    def list_keys(
+        self, partition: str, keys: Sequence[str] | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """Rows without their data: ``{key: {"tags": {...}, "fields": [...]}}``.
+
+        Every row in insertion order when ``keys`` is None, else the rows asked for, in
+        that order; ``fields`` are the fields each row has, in schema order.
+
+        Raises
+        ------
+        NotFoundError
+            Naming unknown keys (or the partition).
+        """
+        r = self._transport.action(ListKeys(partition=partition, keys=_keys(keys)))
+        return _rows_listed(r)
+
     # ------------------------------------------------------------------ data
 
     def put(
@@ -483,6 +508,7 @@ class Client:
         :mod:`flightq.cuda`); the bytes sent are the same as for CPU tensors.
         """
         schema = self._partition_schema(partition)
+        columns = columns_of(columns, schema, keys)  # a TensorDict, nested tensors: per row
         # Through shared memory, payloads are copied once: from the tensors into the segment.
         # Over the socket, every check runs before anything is sent; then each batch's copy
         # is made while the previous batch is on the wire, and a payload alone in its column
@@ -579,6 +605,7 @@ class Client:
             return False
         return sum(b.get_total_buffer_size() for b in batches) < self.shm_min_bytes
 
+    @tensordict_reads
     def get(
         self,
         partition: str,
@@ -598,6 +625,9 @@ class Client:
         copied from pinned buffers while later record batches arrive; ``sync=False``
         returns once the copies are queued (the device's current stream waits for them;
         other streams wait on ``batch.event``). ``None`` or ``"cpu"``: CPU tensors.
+        ``as_="tensordict"`` returns a ``tensordict.TensorDict`` instead (token fields as
+        jagged nested tensors over the received buffers, the keys in ``"__key__"``; see
+        :mod:`flightq.tensordicts`); :meth:`claim` takes it too.
 
         Raises
         ------
@@ -616,6 +646,7 @@ class Client:
             return get_to_device(self._reader, dev, t, what, timeout, copy=copy, sync=sync)
         return read_keys(self._reader, t, what, timeout, as_, copy)
 
+    @tensordict_reads
     def claim(
         self,
         partition: str,
@@ -832,6 +863,18 @@ class Client:
         self.close()
 
 
+def _keys(keys: Sequence[str] | None) -> list[str] | None:
+    return None if keys is None else list(keys)
+
+
+def _rows_listed(r: Any) -> dict[str, dict[str, Any]]:
+    """A ``list_keys`` reply as ``{key: {"tags": ..., "fields": [...]}}``."""
+    return {
+        k: {"tags": t, "fields": [r.fields[i] for i in present]}
+        for k, t, present in zip(r.keys, r.tags, r.present, strict=True)
+    }
+
+
 def _put_sink(shm_dir: str | None) -> contextlib.AbstractContextManager[Sink]:
     """Where a put's payloads go: gathered into a segment through shared memory; over the
     socket, each batch's copy left to be made while the previous batch is on the wire."""
@@ -850,7 +893,12 @@ def _claim_of(claim: Claim | Batch) -> Claim:
     ProtocolError
         If the batch is not a claim's (a get's answer).
     """
-    c = claim.claim if isinstance(claim, Batch) else claim
+    if isinstance(claim, Batch):
+        c = claim.claim
+    elif isinstance(claim, Claim):
+        c = claim
+    else:  # a claim's TensorDict (as_="tensordict")
+        c = getattr(claim, "_flightq_claim", None)
     if c is None:
         raise ProtocolError("ack/nack: this batch was not claimed (a get's answer has no lease)")
     return c

@@ -109,6 +109,10 @@ class DataPlane(Protocol):
 
     def inspect(self, partition: str) -> dict[str, Any]: ...
 
+    def list_keys(
+        self, partition: str, keys: Sequence[str] | None = None
+    ) -> dict[str, dict[str, Any]]: ...
+
     def put(
         self,
         partition: str,

@@ -49,6 +49,8 @@ from ..protocol import (
     Health,
     HealthReply,
     Inspect,
+    KeysReply,
+    ListKeys,
     Message,
     Nack,
     NackReply,
@@ -66,6 +68,7 @@ from ..registry import SchemaRegistry
 from ..schema import Schema, diff_schemas
 from .budget import MAX_SCHEMA_BYTES, MAX_SCHEMAS
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES
+from .metrics import Counters
 from .staging import Staging
 from .store import Store
 
@@ -83,6 +86,8 @@ class ActionContext:
     shm_dir: str | None = None
     #: Where ``snapshot`` writes; None: snapshots are refused.
     snapshot_dir: str | os.PathLike[str] | None = None
+    #: The server's counters, reported by ``stats``; None: not reported.
+    counters: Counters | None = None
 
 
 #: A handler takes the context and the parsed request and returns the reply.
@@ -102,9 +107,11 @@ def resolve_schema(registry: SchemaRegistry, text: str) -> Schema:
     theirs = Schema.from_json(text)
     mine = registry.get(theirs.ref)
     if mine.fingerprint != theirs.fingerprint:
+        # Read from the caller's side: the caller's schema is "yours".
+        diff = diff_schemas(theirs, mine, labels=("yours", "the server's"))
         raise SchemaMismatchError(
-            f"schema {theirs.ref} differs from the server's ({mine.fingerprint} here, "
-            f"{theirs.fingerprint} given): " + "; ".join(diff_schemas(mine, theirs))
+            f"your schema {theirs.ref} (fingerprint {theirs.fingerprint}) differs from the "
+            f"server's ({mine.fingerprint}): " + "; ".join(diff)
         )
     return mine
 
@@ -203,6 +210,8 @@ def _stats(ctx: ActionContext, req: Stats) -> StatsReply:
     staged = ctx.staging.staged()
     for name, p in stats["partitions"].items():
         p["staged_parts"] = staged.get(name, 0)
+    if ctx.counters is not None:
+        stats["counters"] = ctx.counters.snapshot()
     return StatsReply.parse(stats)
 
 
@@ -210,6 +219,10 @@ def _inspect(ctx: ActionContext, req: Inspect) -> PartitionStats:
     d = ctx.store.inspect(req.partition)
     d["staged_parts"] = ctx.staging.staged().get(req.partition, 0)
     return PartitionStats.parse(d)
+
+
+def _list_keys(ctx: ActionContext, req: ListKeys) -> KeysReply:
+    return KeysReply.parse(ctx.store.list_keys(req.partition, req.keys))
 
 
 def _snapshot(ctx: ActionContext, req: Snapshot) -> SnapshotReply:
@@ -238,6 +251,7 @@ HANDLERS: dict[str, Handler] = {
     "abort_put": _abort_put,
     "stats": _stats,
     "inspect": _inspect,
+    "list_keys": _list_keys,
     "health": _health,
     "snapshot": _snapshot,
 }

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -28,7 +29,13 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from ..errors import FlightqError, ProtocolError, SchemaMismatchError, UnknownSchemaError
+from ..errors import (
+    FlightqError,
+    ProtocolError,
+    SchemaMismatchError,
+    UnavailableError,
+    UnknownSchemaError,
+)
 from ..layout import DEFAULT_BATCH_BYTES
 from ..memory import keep_freed_memory
 from ..protocol import (
@@ -54,6 +61,7 @@ from .actions import HANDLERS, ActionContext
 from .assemble import assemble
 from .budget import DictionaryUse, check_batch
 from .leases import Lease
+from .metrics import Counters
 from .partition import Partition, Row, make_piece
 from .staging import Staging
 from .store import Store
@@ -68,6 +76,11 @@ __all__ = [
     "DEFAULT_MAX_BATCH_BYTES",
     "DEFAULT_MAX_PUT_BATCH_BYTES",
 ]
+
+#: The server's log: start and stop at INFO, refused calls at INFO (a client's mistake,
+#: named by class, partition and key), each request at DEBUG. flightq installs no handler:
+#: the application configures logging (``flightq serve`` logs to stderr).
+log = logging.getLogger("flightq.server")
 
 #: Payload bytes per record batch served (batches are cut there; well below gRPC's 2 GiB).
 DEFAULT_MAX_BATCH_BYTES = DEFAULT_BATCH_BYTES
@@ -143,7 +156,11 @@ class Server(fl.FlightServerBase):
         self.store = Store(memory_budget)
         if restore is not None:
             self._restore(restore)
-        super().__init__(location, **kwargs)
+        try:
+            super().__init__(location, **kwargs)
+        except pa.ArrowException as e:
+            raise _listen_error(location, e) from e
+        self.counters = Counters()
         self.max_batch_bytes = max_batch_bytes
         self.max_put_batch_bytes = max_put_batch_bytes
         self.snapshot_dir = snapshot_dir
@@ -183,6 +200,7 @@ class Server(fl.FlightServerBase):
     def start(self) -> Server:
         """Serve in a background thread (the server already listens once constructed)."""
         if self._thread is None:
+            log.info("flightq server listening on %s", self.location)
             self._thread = threading.Thread(target=self.serve, name="flightq-server", daemon=True)
             self._thread.start()
         return self
@@ -196,6 +214,7 @@ class Server(fl.FlightServerBase):
         """
         self.store.close()
         if self._stopper is None:
+            log.info("flightq server on %s stopping", self.location)
             self._stopper = threading.Thread(
                 target=self.shutdown, name="flightq-shutdown", daemon=True
             )
@@ -244,6 +263,14 @@ class Server(fl.FlightServerBase):
         try:
             return fn(*args)
         except FlightqError as e:
+            self.counters.refused(type(e).__name__)
+            log.info(
+                "refused %s (partition %s, key %s): %s",
+                type(e).__name__,
+                getattr(e, "partition", None),
+                getattr(e, "key", None),
+                e,
+            )
             raise to_flight_error(e) from None
 
     # ------------------------------------------------------------------ DoPut
@@ -256,6 +283,7 @@ class Server(fl.FlightServerBase):
         writer: fl.FlightMetadataWriter,
     ) -> None:
         self._guard(self._do_put, descriptor, reader, writer, context)
+        self.counters.add("puts")
 
     def _do_put(
         self,
@@ -290,6 +318,8 @@ class Server(fl.FlightServerBase):
                 n = self._staging.join(name, *staged, pieces, store, cmd.timeout)
         finally:
             self.store.release(pieces)  # what was not stored counts no more
+        self.counters.add("rows_put", n)
+        log.debug("put of %d rows to %r", n, name)
         writer.write(pa.py_buffer(PutAck(rows=n).to_wire()))
 
     def _put_pieces(
@@ -319,6 +349,7 @@ class Server(fl.FlightServerBase):
                     )
                 check_batch(data, what)
                 got += data.num_rows
+                self.counters.add("bytes_received", size)
                 piece = make_piece(data, validate(data, part.schema), budget)
                 media.add(data)
                 self.store.reserve(name, piece, reserved, cmd.timeout)
@@ -395,11 +426,22 @@ class Server(fl.FlightServerBase):
     ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
         """A read's answer: batches bounded for the socket (small slices copied together),
         large and as stored over shm, where the consumer maps them."""
+        self.counters.add({"get": "gets", "claim": "claims"}.get(t.op, "scans"))
+        self.counters.add("rows_sent", len(rows))
+        log.debug("%s of %d rows from %r", t.op, len(rows), t.partition)
         if not t.shm:
-            return assemble(part, rows, names, self.max_batch_bytes, coalesce=True)
-        from ..shm import BATCH_BYTES
+            schema, batches = assemble(part, rows, names, self.max_batch_bytes, coalesce=True)
+        else:
+            from ..shm import BATCH_BYTES
 
-        return assemble(part, rows, names, max(self.max_batch_bytes, BATCH_BYTES))
+            schema, batches = assemble(part, rows, names, max(self.max_batch_bytes, BATCH_BYTES))
+        return schema, self._sent(batches)
+
+    def _sent(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        """``batches``, counting their bytes as they go out."""
+        for b in batches:
+            self.counters.add("bytes_sent", b.nbytes)
+            yield b
 
     def _claimed(
         self, name: str, lease: Lease, batches: Iterator[pa.RecordBatch]
@@ -510,8 +552,14 @@ class Server(fl.FlightServerBase):
         if spec is None:
             raise ProtocolError(f"unknown action {action.type!r}")
         request = spec.request.parse(action.body if action.body.size else {})
+        self.counters.add("actions")
         context = ActionContext(
-            self.store, self.registry, self._staging, self.shm_dir, self.snapshot_dir
+            self.store,
+            self.registry,
+            self._staging,
+            self.shm_dir,
+            self.snapshot_dir,
+            counters=self.counters,
         )
         return HANDLERS[action.type](context, request).to_wire()
 
@@ -577,6 +625,28 @@ def _command(descriptor: fl.FlightDescriptor, what: str) -> bytes:
     return bytes(descriptor.command)
 
 
+def _listen_error(location: str, e: Exception) -> FlightqError:
+    """Why a server could not listen on ``location``: a port in use named as such."""
+    import socket
+
+    host, _, port = location.split("://", 1)[-1].rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    busy = False
+    if port.isdigit() and int(port):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, int(port)))
+            except OSError:
+                busy = True
+    if busy:
+        return UnavailableError(
+            f"cannot listen on {host}:{port}: the port is in use (another flightq serve?); "
+            "stop that process, or pick another port (--port N, or --port 0 for a free one)"
+        )
+    return UnavailableError(f"cannot listen on {location}: {e}")
+
+
 def _malloc_report(kept: bool) -> dict[str, Any]:
     """What this process's allocator runs with, as ``flightq serve`` announces it.
 
@@ -595,6 +665,10 @@ def serve_forever(args: argparse.Namespace) -> int:
     startup line: ``"malloc": {"arena_max": ..., "keep_freed_memory": ...}``.
     """
     malloc = _malloc_report(keep_freed_memory())
+    level = str(getattr(args, "log_level", None) or "warning").upper()
+    logging.basicConfig(
+        level=getattr(logging, level), stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
+    )
     registry = SchemaRegistry.from_dir(args.schemas) if args.schemas else None
     host = args.host
     if ":" in host and not host.startswith("["):

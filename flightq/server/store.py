@@ -729,6 +729,31 @@ class Store:
             self._expire(self._get(name))
             return self._partition_stats(name, detail=True)
 
+    def list_keys(self, name: str, keys: Sequence[str] | None) -> dict[str, Any]:
+        """Rows' keys (all, in insertion order, when ``keys`` is None), their tags and the
+        fields each has, as the ``list_keys`` reply.
+
+        Raises
+        ------
+        NotFoundError
+            Naming every unknown key.
+        """
+        with self._lock:
+            p = self._get(name)
+            if keys is None:
+                rows = list(p.rows.values())
+            else:
+                _known(p, keys)
+                rows = [p.rows[k] for k in keys]
+            names = [f.name for f in p.schema.fields if any(f.name in r.cells for r in rows)]
+            index = {n: i for i, n in enumerate(names)}
+            return {
+                "keys": [r.key for r in rows],
+                "tags": [dict(r.tags) for r in rows],
+                "fields": names,
+                "present": [sorted(index[f] for f in r.cells) for r in rows],
+            }
+
     def _partition_stats(self, name: str, detail: bool) -> dict[str, Any]:
         # With the lock held: one partition and what waits on it right now.
         p = self._get(name)

@@ -48,7 +48,9 @@ from ..errors import (
 )
 from ..protocol import ClaimGrant, ClaimTicket, GetTicket, Nack
 from ..registry import SchemaRegistry
+from ..rows import columns_of
 from ..schema import Schema
+from ..tensordicts import tensordict_reads
 from .fanout import DEFAULT_POLL, Fanout, at_shard
 from .router import (
     created_rows,
@@ -166,6 +168,7 @@ class ShardedClient(Fanout):
         """
         schema, g = self._decl(partition)
         ks = list(keys)
+        columns = columns_of(columns, schema, ks)  # a TensorDict, nested tensors: per row
         self.router.check_groups(ks, g, f"put to {partition!r}")
         tg = None if tags is None else list(tags)
         # Each shard's rows are encoded on their own, so a part carries only its own media.
@@ -273,6 +276,7 @@ class ShardedClient(Fanout):
                 )
         return "; ".join(lines)
 
+    @tensordict_reads
     def get(
         self,
         partition: str,
@@ -333,6 +337,7 @@ class ShardedClient(Fanout):
         batch.received = Received(len(merged), now, now - started, route)
         return batch
 
+    @tensordict_reads
     def claim(
         self,
         partition: str,
@@ -481,7 +486,12 @@ class ShardedClient(Fanout):
 
     def _parts(self, claim: Claim | Batch, keys: Sequence[str] | None) -> list[tuple[Claim, Any]]:
         """Per shard part of a claim, the keys of ``keys`` (None: all) it took."""
-        c = claim.claim if isinstance(claim, Batch) else claim
+        if isinstance(claim, Batch):
+            c = claim.claim
+        elif isinstance(claim, Claim):
+            c = claim
+        else:  # a claim's TensorDict (as_="tensordict")
+            c = getattr(claim, "_flightq_claim", None)
         if c is None:
             raise ProtocolError(
                 "ack/nack: this batch was not claimed (a get's answer has no lease)"

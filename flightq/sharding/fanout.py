@@ -229,6 +229,21 @@ class Fanout:
         out["shards"] = dict(zip(self.locations, res, strict=True))
         return out
 
+    def list_keys(
+        self, partition: str, keys: Sequence[str] | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """Rows without their data, from their shards (see :meth:`flightq.Client.list_keys`):
+        every shard's rows, shard after shard, when ``keys`` is None, else in the order asked."""
+        if keys is None:
+            out: dict[str, dict[str, Any]] = {}
+            for part in self._all(lambda c: c.list_keys(partition, None)):
+                out.update(part)
+            return out
+        found: dict[str, dict[str, Any]] = {}
+        for part in self._by_shard(keys, lambda c, ks: c.list_keys(partition, ks)).values():
+            found.update(part)
+        return {k: found[k] for k in keys}
+
     def snapshot(
         self, name: str, partition: str | None = None, timeout: float | None = None
     ) -> dict[str, Any]:

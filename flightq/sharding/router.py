@@ -379,4 +379,23 @@ def sum_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "rows": sum(int(st.get("rows", 0)) for st in stats),
         "bytes": sum(int(st.get("bytes", 0)) for st in stats),
         "waiting_claims": sum(int(st.get("waiting_claims", 0)) for st in stats),
+        "counters": _sum_counters([st.get("counters") for st in stats]),
     }
+
+
+def _sum_counters(each: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+    """Several shards' counters summed (refusals per class too); None if none has any."""
+    have = [c for c in each if c]
+    if not have:
+        return None
+    out: dict[str, Any] = {k: 0 for k in have[0] if k != "refusals"}
+    refusals: dict[str, int] = {}
+    for c in have:
+        for k, v in c.items():
+            if k == "refusals":
+                for cls, n in v.items():
+                    refusals[cls] = refusals.get(cls, 0) + n
+            else:
+                out[k] = out.get(k, 0) + v
+    out["refusals"] = dict(sorted(refusals.items()))
+    return out

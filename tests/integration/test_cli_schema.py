@@ -182,3 +182,35 @@ def test_list_of_a_users_folder_shows_its_schemas_only(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr
     fingerprint = Schema.from_dict(doc).fingerprint
     assert run.stdout.split() == ["demo@1", fingerprint, "2", "fields", "(required:", "ids)"]
+
+
+def test_check_of_a_folder_without_schemas_fails(tmp_path: Path) -> None:
+    run = _flightq("schema", "check", str(tmp_path))
+    assert run.returncode == 1 and "no schemas under" in run.stderr
+
+
+def test_version_prints_the_package_version() -> None:
+    import flightq
+
+    run = _flightq("--version")
+    assert run.returncode == 0 and run.stdout.strip() == f"flightq {flightq.__version__}"
+
+
+@pytest.mark.torch
+def test_draft_writes_a_schema_from_a_saved_sample(tmp_path: Path, torch) -> None:
+    sample = {
+        "input_ids": torch.zeros(2, 7, dtype=torch.int64),
+        "total_reward": torch.zeros(2),
+    }
+    torch.save(sample, tmp_path / "sample.pt")
+    run = _flightq("schema", "draft", "sample.pt", "--name", "mine", "--out", "s", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    s = Schema.from_json((tmp_path / "s" / "mine" / "v1.json").read_text())
+    assert [(f.name, f.dtype, f.role, f.shape) for f in s.fields] == [
+        ("input_ids", "int64", "token", (None,)),
+        ("total_reward", "float32", "scalar", ()),
+    ]
+    check = _flightq("schema", "check", "s", cwd=tmp_path)
+    assert check.returncode == 0, check.stderr
+    again = _flightq("schema", "draft", "sample.pt", "--name", "mine", "--out", "s", cwd=tmp_path)
+    assert again.returncode == 1 and "immutable" in again.stderr

@@ -102,7 +102,8 @@ def test_async_connect_fails_on_a_schema_drift(server):
         [dataclasses.replace(f, dtype="int64") if f.name == "imgs_sizes" else f for f in v.fields],
     )
     with pytest.raises(
-        flightq.SchemaMismatchError, match=r"'imgs_sizes': dtype expected 'int32', actual 'int64'"
+        flightq.SchemaMismatchError,
+        match=r"'imgs_sizes': dtype yours 'int64', the server's 'int32'",
     ):
         run(flightq.aio.connect(server.location, [drift], timeout=TIMEOUT))
 

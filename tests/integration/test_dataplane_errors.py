@@ -35,9 +35,9 @@ def test_connect_fails_on_an_int64_versus_int32_drift_naming_field_and_dtypes(se
     assert drift.ref == VLM
     with pytest.raises(
         flightq.SchemaMismatchError,
-        match=r"startup schema check against grpc://127\.0\.0\.1:\d+ failed: schema "
-        r"rollout_vlm@1 differs from the server's .*"
-        r"field 'imgs_sizes': dtype expected 'int32', actual 'int64'",
+        match=r"startup schema check against grpc://127\.0\.0\.1:\d+ failed: your schema "
+        r"rollout_vlm@1 \(fingerprint \w+\) differs from the server's \(\w+\): "
+        r"field 'imgs_sizes': dtype yours 'int64', the server's 'int32'",
     ) as exc:
         flightq.connect(server.location, [drift], timeout=TIMEOUT)
     assert isinstance(exc.value, ValueError)

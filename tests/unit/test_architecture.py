@@ -25,13 +25,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("tensor", "codecs"),
     ("schema",),
     ("registry", "layout"),
-    ("sink", "encode", "chunks", "validation"),
-    ("columns", "batch", "workloads"),
+    ("rows", "draft", "sink", "encode", "chunks", "validation"),
+    ("columns", "batch", "tensordicts", "media", "workloads"),
     ("protocol",),
     ("shm", "cuda", "auth", "memory"),
     ("server", "client"),
     ("sharding",),
-    ("cli", "tools", "demo", "ray", "aio", ""),
+    ("cli", "tools", "demo", "ray", "aio", "compat", ""),
 ]
 #: The data model: never a socket, a server or a client, not even lazily.
 DATA_MODEL = {m for layer in LAYERS[:7] for m in layer} - {"workloads"}

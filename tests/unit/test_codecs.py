@@ -175,3 +175,25 @@ def test_codec_metadata_that_disagrees_with_the_carried_schema_is_refused(
         r"\{'id': 'zstd', 'level': 3\}",
     ):
         flightq.decode(rb)
+
+
+def test_without_zstandard_a_zstd_field_names_the_extra() -> None:
+    """zstandard is optional: schemas with zstd fields load, the first payload says what
+    to install (run where the import fails: a child process that blocks it)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+sys.modules["zstandard"] = None  # import zstandard fails from here on
+import numpy as np
+import flightq
+s = flightq.Schema("z", 1, [flightq.Field("x", "uint8", "token", [None], codec=flightq.Zstd())])
+try:
+    flightq.encode(s, {"x": [np.zeros(8, dtype=np.uint8)]}, ["k"])
+except flightq.EncodeError as e:
+    assert "pip install 'flightq[zstd]'" in str(e), e
+    print("refused")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "refused", out.stderr

@@ -1,0 +1,511 @@
+"""TransferQueue 0.1.11's key/value interface, over a flightq server.
+
+A verl or NeMo RL process that talks to TransferQueue through its KV calls switches with
+one import::
+
+    import flightq.compat.transferqueue as tq
+
+    tq.init({"flightq": {"location": "grpc://head:8815", "schema": "rollout_vlm@1"}})
+    meta = tq.kv_batch_put(keys=keys, partition_id="train", fields=td, tags=tags)
+    td = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["input_ids"])
+
+The calls take the same argument names and shapes as TransferQueue 0.1.11 (``init``,
+``close``, ``kv_put``, ``kv_batch_put``, ``kv_batch_get``, ``kv_batch_get_by_meta``,
+``kv_list``, ``kv_clear`` and their ``async_`` twins) and return the same kinds of
+results (:class:`KVBatchMeta`, TensorDicts, the ``kv_list`` map). Where flightq is
+stricter its rule stays, with its typed error: partitions have a declared schema (from
+``init``'s configuration, never inferred from the first put), an undeclared field or a
+dtype drift is refused, rewriting a field a row has needs ``overwrite`` in the
+configuration, clearing or reading a key that is not there is a ``NotFoundError``, and
+token fields always come back as jagged nested tensors, whatever their lengths.
+docs/migrating-from-transferqueue.md maps every call.
+
+The configuration is ``init``'s ``conf["flightq"]`` (a dict, or anything with
+``.get``, such as an OmegaConf ``DictConfig``):
+
+``location``
+    the server, ``grpc://host:port``; else the ``FLIGHTQ_LOCATION`` environment
+    variable; else ``init`` starts a server in this process (``close`` stops it).
+``schema``
+    the ``"name@V"`` of every partition not named in ``partitions``.
+``partitions``
+    per partition id, its ``"name@V"`` or ``{"schema": ..., "tasks": [...],
+    "group_size": n}``. A partition is declared on its first put (declaring is
+    idempotent: every process may do it).
+``schemas_dir``
+    a folder of schemas (``schemas/<name>/v<N>.json``) to use instead of the shipped ones.
+``overwrite``
+    let puts rewrite fields rows already have (default false: a ``ConflictError``).
+
+Like TransferQueue's, the interface is module-level: :func:`init` sets up one
+:class:`TransferQueue` for the process and every call goes to it. Code that wants more
+than one builds :class:`TransferQueue` objects itself; they have the same methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ..errors import EncodeError, MissingFieldError, NotFoundError, ProtocolError, ShapeError
+from ..layout import KEY, TAGS
+from ..registry import SchemaRegistry
+from ..rows import is_tensordict
+from ..tensordicts import require_tensordict
+
+__all__ = [
+    "KVBatchMeta",
+    "TransferQueue",
+    "init",
+    "close",
+    "kv_put",
+    "kv_batch_put",
+    "kv_batch_get",
+    "kv_batch_get_by_meta",
+    "kv_list",
+    "kv_clear",
+    "async_kv_put",
+    "async_kv_batch_put",
+    "async_kv_batch_get",
+    "async_kv_batch_get_by_meta",
+    "async_kv_list",
+    "async_kv_clear",
+]
+
+
+@dataclasses.dataclass
+class KVBatchMeta:
+    """What a put returns and a get by meta takes: keys, their tags, partition, fields.
+
+    Attributes
+    ----------
+    keys:
+        The rows' keys.
+    tags:
+        One tag dict per key, as the server holds them after the call.
+    partition_id:
+        The partition.
+    fields:
+        The fields every one of these rows has, in schema order.
+    extra_info:
+        Batch-level information (flightq puts none; kept for code that reads it).
+
+    Raises
+    ------
+    ValueError
+        If keys and tags differ in length, or keys or fields repeat.
+    """
+
+    keys: list[str] = dataclasses.field(default_factory=list)
+    tags: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    partition_id: str | None = None
+    fields: list[str] | None = None
+    extra_info: dict[str, Any] | None = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.tags):
+            raise ValueError(
+                f"keys and tags must have the same length, got {len(self.keys)} and "
+                f"{len(self.tags)}"
+            )
+        if len(set(self.keys)) != len(self.keys):
+            raise ValueError("KVBatchMeta: duplicate keys")
+        if self.fields is not None and len(set(self.fields)) != len(self.fields):
+            raise ValueError("KVBatchMeta: duplicate fields")
+        self.tags = copy.deepcopy(self.tags)
+        self.extra_info = copy.deepcopy(self.extra_info)
+
+    @property
+    def size(self) -> int:
+        """How many rows."""
+        return len(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def select_keys(self, keys_to_select: Sequence[str]) -> KVBatchMeta:
+        """The rows of ``keys_to_select`` only (tags follow their keys).
+
+        Raises
+        ------
+        ValueError
+            If ``keys_to_select`` repeats a key or names one this batch lacks.
+        """
+        want = list(keys_to_select)
+        if len(set(want)) != len(want):
+            raise ValueError("select_keys: duplicate keys")
+        index = {k: i for i, k in enumerate(self.keys)}
+        missing = [k for k in want if k not in index]
+        if missing:
+            raise ValueError(f"select_keys: keys not in this batch: {missing[:3]}")
+        return KVBatchMeta(
+            keys=want,
+            tags=[self.tags[index[k]] for k in want],
+            partition_id=self.partition_id,
+            fields=self.fields,
+            extra_info=self.extra_info,
+        )
+
+
+def _section(conf: Any) -> dict[str, Any]:
+    """``conf["flightq"]`` as a plain dict (conf may be an OmegaConf DictConfig)."""
+    if conf is None:
+        return {}
+    try:
+        from omegaconf import OmegaConf  # verl's configurations
+
+        if OmegaConf.is_config(conf):
+            conf = OmegaConf.to_container(conf, resolve=True)
+    except ImportError:
+        pass
+    if not isinstance(conf, Mapping):
+        raise ProtocolError(
+            f"init(conf): conf is a mapping with a 'flightq' section, got {type(conf).__name__}"
+        )
+    section = conf.get("flightq", {})
+    if not isinstance(section, Mapping):
+        raise ProtocolError("init(conf): conf['flightq'] must be a mapping")
+    return dict(section)
+
+
+def _names(x: list[str] | str | None) -> list[str] | None:
+    return [x] if isinstance(x, str) else (None if x is None else list(x))
+
+
+class TransferQueue:
+    """The KV interface over one flightq connection (see the module docstring).
+
+    Parameters
+    ----------
+    conf:
+        The configuration; its ``"flightq"`` section is read.
+    """
+
+    def __init__(self, conf: Any = None) -> None:
+        import flightq
+
+        self.conf = _section(conf)
+        registry = None
+        if self.conf.get("schemas_dir"):
+            registry = SchemaRegistry.from_dir(self.conf["schemas_dir"])
+        self.registry = registry or SchemaRegistry.default()
+        self.overwrite = bool(self.conf.get("overwrite", False))
+        location = self.conf.get("location") or os.environ.get("FLIGHTQ_LOCATION")
+        self.server: Any = None
+        if not location:
+            self.server = flightq.Server(registry=self.registry).start()
+            location = self.server.location
+        self.location = str(location)
+        try:
+            self.client = flightq.connect(self.location, registry=self.registry)
+        except BaseException:
+            if self.server is not None:
+                self.server.stop()
+            raise
+        self._declared: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ partitions
+
+    def _declaration(self, partition_id: str) -> dict[str, Any]:
+        parts = self.conf.get("partitions") or {}
+        spec = parts.get(partition_id, self.conf.get("schema"))
+        if spec is None:
+            raise NotFoundError(
+                f"partition {partition_id!r} has no schema: declare it in init's "
+                f"conf['flightq']['partitions'][{partition_id!r}] (or a default "
+                "conf['flightq']['schema']); flightq never infers a schema from the first "
+                "put (`flightq schema draft` writes one from a sample)",
+                partition=partition_id,
+            )
+        return {"schema": spec} if isinstance(spec, str) else dict(spec)
+
+    def _ensure(self, partition_id: str) -> None:
+        if partition_id in self._declared:
+            return
+        d = self._declaration(partition_id)
+        self.client.create_partition(
+            partition_id,
+            d["schema"],
+            tasks=list(d.get("tasks", ())),
+            group_size=d.get("group_size"),
+            registry=self.registry,
+        )
+        with self._lock:
+            self._declared.add(partition_id)
+
+    # ------------------------------------------------------------------ puts
+
+    def kv_put(
+        self,
+        key: str,
+        partition_id: str,
+        fields: Any = None,
+        tag: dict[str, Any] | None = None,
+        data_parser: Callable[[Any], Any] | None = None,
+    ) -> KVBatchMeta:
+        """One row: ``fields`` a dict of the row's values (or a TensorDict of batch size
+        1), ``tag`` its tags; either may be None, not both."""
+        if fields is None and tag is None:
+            raise EncodeError("kv_put: give fields or tag (or both)")
+        columns: Any = None
+        if fields is not None:
+            if is_tensordict(fields):
+                columns = fields
+            elif isinstance(fields, Mapping):
+                for name, v in fields.items():
+                    if getattr(v, "is_nested", False):
+                        raise ShapeError(
+                            f"kv_put: field {name!r} is a nested tensor (several rows); use "
+                            "kv_batch_put",
+                            field=name,
+                        )
+                columns = {name: [v] for name, v in fields.items()}
+            else:
+                raise EncodeError(
+                    f"kv_put: fields is a dict or a TensorDict, got {type(fields).__name__}",
+                    actual=type(fields).__name__,
+                )
+        return self.kv_batch_put(
+            [key], partition_id, columns, None if tag is None else [tag], data_parser
+        )
+
+    def kv_batch_put(
+        self,
+        keys: list[str],
+        partition_id: str,
+        fields: Any = None,
+        tags: list[dict[str, Any]] | None = None,
+        data_parser: Callable[[Any], Any] | None = None,
+    ) -> KVBatchMeta:
+        """Rows by key, all or nothing, in one put: ``fields`` a TensorDict whose batch
+        dim is the rows (or a dict of per-row columns), ``tags`` one dict per key. Returns
+        the rows' :class:`KVBatchMeta` (their tags and every field they all have)."""
+        if data_parser is not None:
+            raise ProtocolError(
+                "data_parser is not supported by flightq: parse references into tensors "
+                "before the put"
+            )
+        if fields is None and tags is None:
+            raise EncodeError("kv_batch_put: give fields or tags (or both)")
+        keys = list(keys)
+        if is_tensordict(fields) and (
+            len(fields.batch_size) < 1 or fields.batch_size[0] != len(keys)
+        ):
+            raise ShapeError(
+                f"kv_batch_put: {len(keys)} keys for a TensorDict of batch_size "
+                f"{list(fields.batch_size)}",
+                expected=len(keys),
+                actual=list(fields.batch_size),
+            )
+        if tags is not None and len(tags) != len(keys):
+            raise ShapeError(
+                f"kv_batch_put: {len(tags)} tags for {len(keys)} keys",
+                expected=len(keys),
+                actual=len(tags),
+            )
+        self._ensure(partition_id)
+        cols = {} if fields is None else fields
+        self.client.put(partition_id, keys, cols, tags, overwrite=self.overwrite)
+        return self._meta(partition_id, keys)
+
+    def _meta(self, partition_id: str, keys: list[str]) -> KVBatchMeta:
+        listed = self.client.list_keys(partition_id, keys)
+        rows = [listed[k] for k in keys]
+        every = (
+            [f for f in rows[0]["fields"] if all(f in r["fields"] for r in rows)] if rows else []
+        )
+        return KVBatchMeta(
+            keys=keys,
+            tags=[r["tags"] for r in rows],
+            partition_id=partition_id,
+            fields=every,
+        )
+
+    # ------------------------------------------------------------------ gets
+
+    def kv_batch_get(
+        self,
+        keys: list[str] | str,
+        partition_id: str,
+        select_fields: list[str] | str | None = None,
+    ) -> Any:
+        """Rows by key as a TensorDict (batch dim = rows), with ``select_fields`` or every
+        field the rows have."""
+        require_tensordict()
+        ks = _names(keys) or []
+        td: Any = self.client.get(partition_id, ks, _names(select_fields), as_="tensordict")
+        return td.exclude(KEY, TAGS)
+
+    def kv_batch_get_by_meta(
+        self, meta: KVBatchMeta, select_fields: list[str] | str | None = None
+    ) -> Any:
+        """The rows of ``meta`` (a put's result) with ``select_fields`` (which must be in
+        ``meta.fields``), or with ``meta.fields``."""
+        if meta.partition_id is None:
+            raise ProtocolError("kv_batch_get_by_meta: the KVBatchMeta has no partition_id")
+        want = _names(select_fields)
+        if want is not None:
+            lacking = [f for f in want if meta.fields is None or f not in meta.fields]
+            if lacking:
+                raise MissingFieldError(
+                    f"select_fields {lacking} not found in the KVBatchMeta's fields {meta.fields}",
+                    field=lacking[0],
+                    partition=meta.partition_id,
+                )
+        else:
+            want = meta.fields
+        return self.kv_batch_get(list(meta.keys), meta.partition_id, want)
+
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
+        """``{partition_id: {key: tags}}`` for one partition, or every one when None."""
+        names = self.client.partitions() if partition_id is None else [partition_id]
+        return {p: {k: row["tags"] for k, row in self.client.list_keys(p).items()} for p in names}
+
+    def kv_clear(self, keys: list[str] | str, partition_id: str) -> None:
+        """Remove rows by key (an unknown key is a ``NotFoundError``; nothing changes)."""
+        self.client.clear(partition_id, _names(keys) or [])
+
+    def close(self) -> None:
+        """Close the connection, and stop the server ``init`` started, if any."""
+        self.client.close()
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+# --------------------------------------------------------------------------- module level
+
+#: The process's TransferQueue, as TransferQueue keeps one client per process.
+_TQ: TransferQueue | None = None
+_TQ_LOCK = threading.Lock()
+
+
+def _tq() -> TransferQueue:
+    if _TQ is None:
+        raise ProtocolError(
+            "flightq.compat.transferqueue is not initialised: call init(conf) first"
+        )
+    return _TQ
+
+
+def init(conf: Any = None) -> dict[str, Any]:
+    """Connect this process (starting a server when no location is configured).
+
+    A second call while initialised keeps the first connection, as TransferQueue's does.
+    Returns the ``flightq`` section in use, with the ``location`` filled in.
+
+    Raises
+    ------
+    SchemaError, UnavailableError
+        If ``schemas_dir`` is invalid or the server cannot be reached.
+    """
+    global _TQ
+    with _TQ_LOCK:
+        if _TQ is None:
+            _TQ = TransferQueue(conf)
+        return {**_TQ.conf, "location": _TQ.location}
+
+
+def close() -> None:
+    """Close this process's connection (and the server ``init`` started); idempotent."""
+    global _TQ
+    with _TQ_LOCK:
+        tq, _TQ = _TQ, None
+    if tq is not None:
+        tq.close()
+
+
+def kv_put(
+    key: str,
+    partition_id: str,
+    fields: Any = None,
+    tag: dict[str, Any] | None = None,
+    data_parser: Callable[[Any], Any] | None = None,
+) -> KVBatchMeta:
+    """One row (see :meth:`TransferQueue.kv_put`)."""
+    return _tq().kv_put(key, partition_id, fields, tag, data_parser)
+
+
+def kv_batch_put(
+    keys: list[str],
+    partition_id: str,
+    fields: Any = None,
+    tags: list[dict[str, Any]] | None = None,
+    data_parser: Callable[[Any], Any] | None = None,
+) -> KVBatchMeta:
+    """Rows by key, all or nothing (see :meth:`TransferQueue.kv_batch_put`)."""
+    return _tq().kv_batch_put(keys, partition_id, fields, tags, data_parser)
+
+
+def kv_batch_get(
+    keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None
+) -> Any:
+    """Rows by key as a TensorDict (see :meth:`TransferQueue.kv_batch_get`)."""
+    return _tq().kv_batch_get(keys, partition_id, select_fields)
+
+
+def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | None = None) -> Any:
+    """The rows of a put's result (see :meth:`TransferQueue.kv_batch_get_by_meta`)."""
+    return _tq().kv_batch_get_by_meta(meta, select_fields)
+
+
+def kv_list(partition_id: str | None = None) -> dict[str, dict[str, Any]]:
+    """Keys and tags per partition (see :meth:`TransferQueue.kv_list`)."""
+    return _tq().kv_list(partition_id)
+
+
+def kv_clear(keys: list[str] | str, partition_id: str) -> None:
+    """Remove rows by key (see :meth:`TransferQueue.kv_clear`)."""
+    _tq().kv_clear(keys, partition_id)
+
+
+async def async_kv_put(
+    key: str,
+    partition_id: str,
+    fields: Any = None,
+    tag: dict[str, Any] | None = None,
+    data_parser: Callable[[Any], Any] | None = None,
+) -> KVBatchMeta:
+    """:func:`kv_put` without blocking the event loop."""
+    return await asyncio.to_thread(kv_put, key, partition_id, fields, tag, data_parser)
+
+
+async def async_kv_batch_put(
+    keys: list[str],
+    partition_id: str,
+    fields: Any = None,
+    tags: list[dict[str, Any]] | None = None,
+    data_parser: Callable[[Any], Any] | None = None,
+) -> KVBatchMeta:
+    """:func:`kv_batch_put` without blocking the event loop."""
+    return await asyncio.to_thread(kv_batch_put, keys, partition_id, fields, tags, data_parser)
+
+
+async def async_kv_batch_get(
+    keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None
+) -> Any:
+    """:func:`kv_batch_get` without blocking the event loop."""
+    return await asyncio.to_thread(kv_batch_get, keys, partition_id, select_fields)
+
+
+async def async_kv_batch_get_by_meta(
+    meta: KVBatchMeta, select_fields: list[str] | str | None = None
+) -> Any:
+    """:func:`kv_batch_get_by_meta` without blocking the event loop."""
+    return await asyncio.to_thread(kv_batch_get_by_meta, meta, select_fields)
+
+
+async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, Any]]:
+    """:func:`kv_list` without blocking the event loop."""
+    return await asyncio.to_thread(kv_list, partition_id)
+
+
+async def async_kv_clear(keys: list[str] | str, partition_id: str) -> None:
+    """:func:`kv_clear` without blocking the event loop."""
+    await asyncio.to_thread(kv_clear, keys, partition_id)

@@ -1,0 +1,323 @@
+"""TransferQueue's public KV scenarios, played through flightq.compat.transferqueue against
+a real flightq server: single and batch puts, new fields onto existing keys,
+select_fields, tags in kv_list, kv_clear, get by meta, and every call's async twin.
+
+The partitions' schema is drafted from a sample (``flightq.draft_schema``) into a schema
+folder, as a user would before switching; flightq's stricter rules (declared schemas,
+dtype drift, unknown keys) keep their typed errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import flightq
+
+pytestmark = [pytest.mark.torch, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(name="TensorDict")
+def tensordict_fixture() -> Any:
+    return pytest.importorskip("tensordict", reason="tensordict is not installed").TensorDict
+
+
+def _sample(torch: Any, TensorDict: Any) -> Any:
+    """One row of every field the scenarios write: what a user drafts the schema from."""
+    nested = torch.nested.nested_tensor([torch.zeros(2, dtype=torch.int64)], layout=torch.jagged)
+    return TensorDict(
+        {
+            "input_ids": torch.zeros(1, 3, dtype=torch.int64),
+            "attention_mask": torch.zeros(1, 3, dtype=torch.int64),
+            "response": torch.zeros(1, 2, dtype=torch.int64),
+            "data": nested,
+            "score": torch.zeros(1),
+            "pixel_values": flightq_media_sample(torch),
+        },
+        batch_size=[1],
+    )
+
+
+def flightq_media_sample(torch: Any) -> Any:
+    from tensordict import NonTensorStack
+
+    return NonTensorStack([torch.zeros(4, 6)])
+
+
+@pytest.fixture(name="tq")
+def tq_fixture(tmp_path: Path, torch: Any, TensorDict: Any) -> Iterator[Any]:
+    import flightq.compat.transferqueue as tq
+
+    draft = flightq.draft_schema(_sample(torch, TensorDict), "kv_test")
+    # The review step: a row's token fields share its sequence length; "response" has its
+    # own, so it is a tensor of one variable dim.
+    fields = [
+        flightq.Field(f.name, f.dtype, "tensor", [None]) if f.name == "response" else f
+        for f in draft.fields
+    ]
+    schema = flightq.Schema(draft.name, draft.version, fields)
+    (tmp_path / "kv_test").mkdir()
+    (tmp_path / "kv_test" / "v1.json").write_text(schema.to_json())
+    conf = tq.init({"flightq": {"schema": "kv_test@1", "schemas_dir": str(tmp_path)}})
+    assert conf["location"].startswith("grpc://127.0.0.1:")
+    try:
+        yield tq
+    finally:
+        tq.close()
+
+
+@pytest.fixture(name="api", params=["sync", "async"])
+def api_fixture(request: Any, tq: Any) -> Any:
+    """The KV calls, straight or through their async_ twins (asyncio.run each)."""
+
+    class Api:
+        def __getattr__(self, name: str) -> Any:
+            if request.param == "sync":
+                return getattr(tq, name)
+            twin = getattr(tq, f"async_{name}")
+            return lambda *a, **kw: asyncio.run(twin(*a, **kw))
+
+    return Api()
+
+
+def _rows(x: Any) -> list[list[int]]:
+    return [r.tolist() for r in (x.unbind() if x.is_nested else x)]
+
+
+def test_kv_put_with_a_dict_and_a_tag(api: Any, torch: Any) -> None:
+    meta = api.kv_put(
+        key="s0", partition_id="p", fields={"input_ids": torch.tensor([1, 2, 3])}, tag={"v": 1}
+    )
+    assert meta.keys == ["s0"] and meta.tags == [{"v": 1}] and meta.fields == ["input_ids"]
+    got = api.kv_batch_get(keys="s0", partition_id="p")
+    assert got.batch_size == torch.Size([1]) and _rows(got["input_ids"]) == [[1, 2, 3]]
+    assert set(got.keys()) == {"input_ids"}
+
+
+def test_kv_put_of_a_tag_only_updates_the_tags(api: Any, torch: Any, TensorDict: Any) -> None:
+    one = TensorDict({"input_ids": torch.tensor([[10, 11]])}, batch_size=[1])
+    api.kv_put(key="s1", partition_id="p", fields=one, tag={"version": 1})
+    meta = api.kv_put(key="s1", partition_id="p", fields=None, tag={"version": 2, "st": "ok"})
+    assert meta.tags == [{"version": 2, "st": "ok"}] and meta.fields == ["input_ids"]
+    assert api.kv_list(partition_id="p")["p"]["s1"] == {"version": 2, "st": "ok"}
+
+
+def test_kv_batch_put_then_get_every_row(api: Any, torch: Any, TensorDict: Any) -> None:
+    keys = [f"b{i}" for i in range(4)]
+    ids = torch.arange(12).view(4, 3)
+    fields = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, batch_size=4)
+    meta = api.kv_batch_put(
+        keys=keys, partition_id="p", fields=fields, tags=[{"idx": i} for i in range(4)]
+    )
+    assert meta.fields == ["input_ids", "attention_mask"] and len(meta) == 4
+    got = api.kv_batch_get(keys=keys, partition_id="p")
+    assert _rows(got["input_ids"]) == ids.tolist()
+    assert _rows(got["attention_mask"]) == [[1, 1, 1]] * 4
+
+
+def test_ragged_rows_travel_as_jagged_tensors(api: Any, torch: Any, TensorDict: Any) -> None:
+    keys = ["n0", "n1", "n2"]
+    data = torch.nested.nested_tensor(
+        [torch.tensor([10, 11, 12]), torch.tensor([20]), torch.tensor([30, 31])],
+        layout=torch.jagged,
+    )
+    api.kv_batch_put(keys=keys, partition_id="p", fields=TensorDict({"data": data}, batch_size=3))
+    got = api.kv_batch_get(keys=["n0", "n2"], partition_id="p")
+    assert got["data"].layout == torch.jagged and _rows(got["data"]) == [[10, 11, 12], [30, 31]]
+
+
+def test_a_later_put_adds_fields_to_existing_keys(api: Any, torch: Any, TensorDict: Any) -> None:
+    keys = ["c0", "c1"]
+    first = TensorDict({"input_ids": torch.tensor([[1, 2], [3, 4]])}, batch_size=2)
+    assert api.kv_batch_put(keys=keys, partition_id="p", fields=first).fields == ["input_ids"]
+    second = TensorDict({"response": torch.tensor([[5, 6]])}, batch_size=1)
+    meta = api.kv_batch_put(keys=["c1"], partition_id="p", fields=second, tags=[{"v": 2}])
+    assert meta.fields == ["input_ids", "response"] and meta.tags == [{"v": 2}]
+    # Fields every row has: c0 has no response yet.
+    both = api.kv_batch_put(keys=keys, partition_id="p", tags=[{"v": 3}, {"v": 3}])
+    assert both.fields == ["input_ids"]
+    got = api.kv_batch_get(keys="c1", partition_id="p")
+    assert _rows(got["response"]) == [[5, 6]]
+    with pytest.raises(flightq.MissingFieldError, match="'response' is missing in 1 of 2"):
+        api.kv_batch_get(keys=keys, partition_id="p")
+
+
+def test_select_fields_takes_a_name_or_a_list(api: Any, torch: Any, TensorDict: Any) -> None:
+    fields = TensorDict(
+        {
+            "input_ids": torch.tensor([[1, 2, 3]]),
+            "attention_mask": torch.ones(1, 3, dtype=torch.int64),
+            "response": torch.tensor([[10, 20]]),
+        },
+        batch_size=1,
+    )
+    api.kv_put(key="f0", partition_id="p", fields=fields, tag=None)
+    one = api.kv_batch_get(keys="f0", partition_id="p", select_fields="input_ids")
+    assert set(one.keys()) == {"input_ids"}
+    two = api.kv_batch_get(keys="f0", partition_id="p", select_fields=["input_ids", "response"])
+    assert set(two.keys()) == {"input_ids", "response"} and _rows(two["response"]) == [[10, 20]]
+
+
+def test_get_by_meta_with_and_without_select_fields(api: Any, torch: Any, TensorDict: Any) -> None:
+    keys = ["m0", "m1", "m2"]
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    fields = TensorDict({"input_ids": ids, "response": ids[:, :2]}, batch_size=3)
+    meta = api.kv_batch_put(keys=keys, partition_id="p", fields=fields, tags=[{}] * 3)
+    assert set(api.kv_batch_get_by_meta(meta).keys()) == {"input_ids", "response"}
+    got = api.kv_batch_get_by_meta(meta, select_fields="response")
+    assert set(got.keys()) == {"response"} and _rows(got["response"]) == ids[:, :2].tolist()
+    with pytest.raises(ValueError, match=r"select_fields.*not found"):
+        api.kv_batch_get_by_meta(meta, select_fields=["input_ids", "nope"])
+
+
+def test_kv_list_shows_keys_and_tags_per_partition(api: Any, torch: Any, TensorDict: Any) -> None:
+    for p, n in (("p0", 2), ("p1", 3)):
+        keys = [f"{p}_{i}" for i in range(n)]
+        fields = TensorDict({"input_ids": torch.zeros(n, 2, dtype=torch.int64)}, batch_size=n)
+        api.kv_batch_put(
+            keys=keys, partition_id=p, fields=fields, tags=[{"id": i} for i in range(n)]
+        )
+    one = api.kv_list(partition_id="p1")
+    assert list(one) == ["p1"] and one["p1"] == {f"p1_{i}": {"id": i} for i in range(3)}
+    every = api.kv_list()
+    assert set(every) == {"p0", "p1"} and len(every["p0"]) == 2
+
+
+def test_kv_clear_removes_only_the_keys_named(api: Any, torch: Any, TensorDict: Any) -> None:
+    keys = [f"x{i}" for i in range(4)]
+    fields = TensorDict({"input_ids": torch.zeros(4, 2, dtype=torch.int64)}, batch_size=4)
+    api.kv_batch_put(keys=keys, partition_id="p", fields=fields)
+    api.kv_clear(keys=keys[:2], partition_id="p")
+    assert list(api.kv_list(partition_id="p")["p"]) == keys[2:]
+    api.kv_clear(keys="x2", partition_id="p")
+    assert list(api.kv_list(partition_id="p")["p"]) == ["x3"]
+    # flightq is stricter than TransferQueue: clearing a key that is not there is an error.
+    with pytest.raises(flightq.NotFoundError, match="x0"):
+        api.kv_clear(keys="x0", partition_id="p")
+
+
+def test_an_unknown_key_is_not_found(api: Any, torch: Any) -> None:
+    api.kv_put(key="k", partition_id="p", fields={"input_ids": torch.tensor([1])})
+    with pytest.raises(flightq.NotFoundError, match="nonexistent"):
+        api.kv_batch_get(keys="nonexistent", partition_id="p")
+
+
+def test_flightq_rules_keep_their_typed_errors(tq: Any, torch: Any, TensorDict: Any) -> None:
+    with pytest.raises(flightq.UndeclaredFieldError, match="'extra' is not declared"):
+        tq.kv_put(key="e", partition_id="p", fields={"extra": torch.tensor([1])})
+    with pytest.raises(flightq.DTypeError, match="int64"):
+        tq.kv_put(
+            key="e", partition_id="p", fields={"input_ids": torch.tensor([1], dtype=torch.int32)}
+        )
+    tq.kv_put(key="e", partition_id="p", fields={"input_ids": torch.tensor([1])})
+    with pytest.raises(flightq.ConflictError):
+        tq.kv_put(key="e", partition_id="p", fields={"input_ids": torch.tensor([2])})
+    with pytest.raises(flightq.ShapeError, match="3 keys for a TensorDict of batch_size"):
+        fields = TensorDict({"input_ids": torch.zeros(2, 1, dtype=torch.int64)}, batch_size=2)
+        tq.kv_batch_put(keys=["a", "b", "c"], partition_id="p", fields=fields)
+
+
+def test_a_partition_without_a_declared_schema_is_refused(tmp_path: Path, torch: Any) -> None:
+    tq = pytest.importorskip("flightq.compat.transferqueue")
+    pytest.importorskip("tensordict")
+    q = tq.TransferQueue({"flightq": {"partitions": {"train": "rollout_text@1"}}})
+    try:
+        q.kv_put(key="a", partition_id="train", fields={"input_ids": torch.tensor([1, 2])})
+        with pytest.raises(flightq.NotFoundError, match="partition 'other' has no schema"):
+            q.kv_put(key="a", partition_id="other", fields={"input_ids": torch.tensor([1])})
+    finally:
+        q.close()
+
+
+def test_a_multimodal_step_round_trips_with_write_back(
+    tq: Any, torch: Any, TensorDict: Any
+) -> None:
+    """A verl / NeMo RL-style step through the compat calls only: a generator puts a
+    prompt group (token ids, one shared image), a logprob worker reads input_ids and
+    writes logprobs back, the trainer reads every field by meta, then the rows are
+    cleared."""
+    from tensordict import NonTensorStack
+
+    g = 4
+    keys = [f"u0_g{i}" for i in range(g)]
+    img = torch.rand(6, 6)
+    ids = torch.nested.nested_tensor([torch.arange(n) for n in (3, 5, 2, 4)], layout=torch.jagged)
+    step = TensorDict(
+        {
+            "data": ids,
+            "pixel_values": NonTensorStack(*[[img] for _ in range(g)]),
+            "score": torch.rand(g),
+        },
+        batch_size=[g],
+    )
+    tq.kv_batch_put(keys=keys, partition_id="rl", fields=step, tags=[{"weight_version": 3}] * g)
+    got = tq.kv_batch_get(keys=keys, partition_id="rl", select_fields=["data"])
+    lp = torch.nested.nested_tensor_from_jagged(got["data"].values() * 0 - 1, got["data"].offsets())
+    meta = tq.kv_batch_put(
+        keys=keys, partition_id="rl", fields=TensorDict({"input_ids": lp}, batch_size=[g])
+    )
+    assert meta.fields == ["input_ids", "data", "score", "pixel_values"]
+    assert meta.tags == [{"weight_version": 3}] * g
+    every = tq.kv_batch_get_by_meta(meta)
+    assert _rows(every["input_ids"]) == [[-1] * n for n in (3, 5, 2, 4)]
+    pixels = every.get("pixel_values").tolist()
+    assert all(torch.equal(r[0], img) for r in pixels)
+    tq.kv_clear(keys=keys, partition_id="rl")
+    assert tq.kv_list(partition_id="rl") == {"rl": {}}
+
+
+GENERATOR = """
+import torch
+from tensordict import NonTensorStack, TensorDict
+
+import flightq.compat.transferqueue as tq
+
+tq.init({"flightq": {"schema": "rollout_vlm@1"}})  # the location comes from FLIGHTQ_LOCATION
+keys = [f"u0_g{i}" for i in range(4)]
+ids = torch.nested.nested_tensor([torch.arange(n) for n in (3, 5, 2, 4)], layout=torch.jagged)
+img = torch.full((6, 1176), 0.5)
+step = TensorDict(
+    {"input_ids": ids, "pixel_values": NonTensorStack(*[[img]] * 4)}, batch_size=[4]
+)
+meta = tq.kv_batch_put(keys=keys, partition_id="rl", fields=step, tags=[{"weight_version": 1}] * 4)
+assert meta.fields == ["input_ids", "pixel_values"], meta.fields
+tq.close()
+print("put", len(meta))
+"""
+
+
+def test_processes_share_a_server_through_flightq_location(torch: Any, TensorDict: Any) -> None:
+    """A generator process that imports only the compat module puts a multimodal step; this
+    process reads it, writes logprobs back and reads every field, as a trainer would."""
+    import os
+    import subprocess
+    import sys
+
+    import flightq.compat.transferqueue as tq
+
+    with flightq.Server() as srv:
+        env = {**os.environ, "FLIGHTQ_LOCATION": srv.location}
+        out = subprocess.run(
+            [sys.executable, "-c", GENERATOR], env=env, capture_output=True, text=True, timeout=90
+        )
+        assert out.returncode == 0 and out.stdout.strip() == "put 4", out.stderr
+        q = tq.TransferQueue({"flightq": {"location": srv.location, "schema": "rollout_vlm@1"}})
+        try:
+            keys = list(q.kv_list("rl")["rl"])
+            got = q.kv_batch_get(keys, "rl", select_fields="input_ids")
+            lp = torch.nested.nested_tensor_from_jagged(
+                -torch.ones(got["input_ids"].values().shape[0]), got["input_ids"].offsets()
+            )
+            meta = q.kv_batch_put(
+                keys, "rl", fields=TensorDict({"prev_logprobs": lp}, batch_size=[len(keys)])
+            )
+            every = q.kv_batch_get_by_meta(meta)
+        finally:
+            q.close()
+    assert meta.fields == ["input_ids", "prev_logprobs", "pixel_values"]
+    assert [len(r) for r in every["prev_logprobs"].unbind()] == [3, 5, 2, 4]
+    assert all(float(r[0].mean()) == 0.5 for r in every.get("pixel_values").tolist())
