@@ -38,7 +38,7 @@ def served():
         with flightq.connect(location, [TEXT], timeout=TIMEOUT) as c:
             c.create_partition("rollouts", TEXT, tasks=["prev_lp", "train"], group_size=2)
             c.put("rollouts", keys, text_columns(keys))
-            c.claim("rollouts", "train", 2, timeout=TIMEOUT)
+            c.ack(c.claim("rollouts", "train", 2, timeout=TIMEOUT))
             nbytes = c.stats()["bytes"]
         yield location, proc, nbytes
 

@@ -124,6 +124,7 @@ def test_writers_write_backs_and_consumers_lose_and_repeat_nothing():
                     # A claim is whole groups of one writer's put.
                     for s in range(0, len(b.keys), G):
                         assert len({k.rsplit("_", 1)[0] for k in b.keys[s : s + G]}) == 1
+                    assert c.ack(b) == len(b.keys)  # done: never delivered to the task again
                     with lock:
                         claimed[task].extend(b.keys)
                         verified[0] += n
@@ -148,6 +149,7 @@ def test_writers_write_backs_and_consumers_lose_and_repeat_nothing():
             info = c.inspect("stress")
             assert info["rows"] == TOTAL
             assert info["delivered"] == {"score": TOTAL, "train": TOTAL}
+            assert info["acked"] == {"score": TOTAL, "train": TOTAL}
             assert info["fields"] == {"input_ids": TOTAL, "prev_logprobs": TOTAL}
             assert c.health()["ok"] is True
         assert verified[0] > 0
