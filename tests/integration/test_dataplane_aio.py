@@ -85,7 +85,7 @@ def test_async_errors_are_the_same_typed_errors(server):
             with pytest.raises(flightq.NotFoundError, match=r"has no row key 'k9'"):
                 await c.get("p", ["k9"])
             with pytest.raises(flightq.ClaimTimeoutError, match=r"timed out after 0.2s") as exc:
-                await c.claim("p", "train", 1, timeout=0.2)
+                await c.claim("p", "train", 1, as_="numpy", timeout=0.2)
             assert isinstance(exc.value, TimeoutError)
             await c.put("p", ["k0"], text_columns(["k0"]))
             with pytest.raises(flightq.ConflictError, match=r"already has column 'input_ids'"):

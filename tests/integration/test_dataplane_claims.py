@@ -148,9 +148,9 @@ def test_grouped_claim_batch_size_must_be_a_multiple_of_the_group_size(client, g
     with pytest.raises(
         flightq.ProtocolError, match=r"batch_size 6 must be >= 1 and a multiple of the group size 4"
     ):
-        client.claim("grouped", "train", 6, timeout=TIMEOUT)
+        client.claim("grouped", "train", 6, as_="numpy", timeout=TIMEOUT)
     with pytest.raises(flightq.ProtocolError, match=r"'batch_size' in \[1, 1048576\], got 0"):
-        client.claim("grouped", "train", 0, timeout=TIMEOUT)
+        client.claim("grouped", "train", 0, as_="numpy", timeout=TIMEOUT)
     assert client.inspect("grouped")["delivered"]["train"] == 0
 
 
@@ -190,9 +190,9 @@ def test_claim_for_an_undeclared_task_names_the_declared_ones(client, flat):
         flightq.NotFoundError,
         match=r"partition 'flat' declares no task 'zzz'; declared: \['a', 'b'\]",
     ):
-        client.claim("flat", "zzz", 1, timeout=TIMEOUT)
+        client.claim("flat", "zzz", 1, as_="numpy", timeout=TIMEOUT)
 
 
 def test_claim_of_an_undeclared_field_names_it(client, flat):
     with pytest.raises(flightq.UnknownSchemaError, match=r"declares no field 'pixel_values'"):
-        client.claim("flat", "a", 1, ["pixel_values"], timeout=TIMEOUT)
+        client.claim("flat", "a", 1, ["pixel_values"], as_="numpy", timeout=TIMEOUT)

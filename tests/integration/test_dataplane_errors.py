@@ -108,7 +108,7 @@ def _server_message(fn, *args) -> str:
     ("call", "cls"),
     [
         (lambda c: c.get("nope", ["k"]), flightq.NotFoundError),
-        (lambda c: c.claim("nope", "train", 1, timeout=1), flightq.NotFoundError),
+        (lambda c: c.claim("nope", "train", 1, as_="numpy", timeout=1), flightq.NotFoundError),
         (lambda c: c.inspect("nope"), flightq.NotFoundError),
         (lambda c: c.clear("nope"), flightq.NotFoundError),
         (lambda c: c.drop("nope"), flightq.NotFoundError),

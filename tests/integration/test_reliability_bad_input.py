@@ -363,7 +363,7 @@ def test_a_bad_put_is_refused_typed_through_both_clients_and_nothing_changes(
             r"unknown partition 'nope'$",
         ),
         (
-            lambda c: c.claim("p", "frob", 1, timeout=1),
+            lambda c: c.claim("p", "frob", 1, as_="numpy", timeout=1),
             flightq.NotFoundError,
             r"partition 'p' declares no task 'frob'; declared: \['train'\]",
         ),

@@ -72,7 +72,7 @@ def test_every_call_to_a_stalled_then_dead_server_fails_typed_within_its_timeout
                 "clear": lambda: c.clear("p", ["zz"]),
                 "reset": lambda: c.reset("p", "train"),
                 "partitions": lambda: c.partitions(),
-                "claim": lambda: c.claim("p", "train", 1, timeout=0.1),
+                "claim": lambda: c.claim("p", "train", 1, as_="numpy", timeout=0.1),
                 "connect": lambda: flightq.connect(location, [TEXT], timeout=SHORT),
             }
             with stopped(proc):
@@ -171,7 +171,7 @@ def test_retrying_a_put_with_identical_content_is_acknowledged_and_stores_nothin
         got = c.claim("p", "train", 6, timeout=TIMEOUT, as_="numpy")
         assert sorted(got.keys) == sorted([*keys, "b0", "b1"])
         with pytest.raises(flightq.ClaimTimeoutError, match=r"0 rows ready"):
-            c.claim("p", "train", 2, timeout=0.2)
+            c.claim("p", "train", 2, as_="numpy", timeout=0.2)
 
 
 @pytest.mark.torch
@@ -203,7 +203,7 @@ def test_graceful_shutdown_finishes_in_flight_puts_and_releases_waiting_claims()
         def waiting_claim() -> None:
             claim_started.set()
             try:
-                outcome.append(c.claim("p", "train", 99, timeout=float("inf")))
+                outcome.append(c.claim("p", "train", 99, as_="numpy", timeout=float("inf")))
             except flightq.FlightqError as e:
                 outcome.append(e)
 

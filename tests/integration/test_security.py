@@ -137,7 +137,7 @@ def test_a_request_without_a_valid_token_is_refused_before_it_touches_data(secur
             lambda: c.health(),
             lambda: c.put("p", ["evil"], text_columns(["evil"])),
             lambda: c.get("p", ["k0"]),
-            lambda: c.claim("p", "train", 1, timeout=0.1),
+            lambda: c.claim("p", "train", 1, as_="numpy", timeout=0.1),
             lambda: c.clear("p"),
             lambda: c.drop("p"),
             lambda: c.partitions(),

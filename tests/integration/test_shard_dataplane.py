@@ -97,9 +97,9 @@ def test_claims_gather_whole_groups_from_several_shards_each_row_once(
         seen += b.keys
     assert sorted(seen) == sorted(put["keys"])
     with pytest.raises(flightq.ClaimTimeoutError, match=r"over 3 shards timed out"):
-        sharded.claim("rows", "train", 4, timeout=0.2)
+        sharded.claim("rows", "train", 4, as_="numpy", timeout=0.2)
     with pytest.raises(flightq.ProtocolError, match="multiple of the group size 4"):
-        sharded.claim("rows", "train", 6, timeout=0.2)
+        sharded.claim("rows", "train", 6, as_="numpy", timeout=0.2)
 
 
 @pytest.mark.torch

@@ -61,7 +61,7 @@ def test_calls_touching_the_dead_shard_raise_unavailable_naming_it(
     with pytest.raises(flightq.UnavailableError, match=match):
         c.get("rows", [alive[0], gone[0]])
     with pytest.raises(flightq.UnavailableError, match=match):  # more than the others hold
-        c.claim("rows", "train", 24, timeout=FAST)
+        c.claim("rows", "train", 24, as_="numpy", timeout=FAST)
     with pytest.raises(flightq.UnavailableError, match=match):
         c.stats()
     with pytest.raises(flightq.UnavailableError, match=match):
@@ -87,7 +87,7 @@ def test_a_claim_that_needs_the_dead_shard_gives_back_what_it_took(
     where = killed["locations"][killed["dead"]]
     for _ in range(3):  # the start shard rotates: some claims take rows before failing
         with pytest.raises(flightq.UnavailableError, match=f"shard {where}: .*given back"):
-            c.claim("rows", "train", 24, timeout=FAST)
+            c.claim("rows", "train", 24, as_="numpy", timeout=FAST)
     assert all(
         st["partitions"]["rows"]["delivered"] == {"train": 0}
         for st in _alive_stats(c, killed["dead"])

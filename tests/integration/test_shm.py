@@ -162,7 +162,7 @@ def test_a_claim_whose_answer_cannot_be_written_gives_its_rows_back(server, clie
         plain.put("c", keys, cols)
     server.shm_dir = str(tmp_path / "gone")  # the server can no longer create segments
     with pytest.raises(flightq.ResourceExhaustedError, match=r"no room for .* shared memory"):
-        client.claim("c", "train", 8, timeout=TIMEOUT)
+        client.claim("c", "train", 8, as_="numpy", timeout=TIMEOUT)
     server.shm_dir = SHM
     got = client.claim("c", "train", 8, timeout=TIMEOUT, as_="numpy")
     assert got.keys == keys
