@@ -198,10 +198,15 @@ class Server(fl.FlightServerBase):
         return self._shm_pool
 
     def start(self) -> Server:
-        """Serve in a background thread (the server already listens once constructed)."""
+        """Serve in a background thread (the server already listens once constructed).
+
+        Signals stay the application's: Arrow's ``serve()`` would take SIGINT and SIGTERM
+        and shut gRPC down first, which waits forever on an open consumer session (it
+        ends only with :meth:`stop`).
+        """
         if self._thread is None:
             log.info("flightq server listening on %s", self.location)
-            self._thread = threading.Thread(target=self.serve, name="flightq-server", daemon=True)
+            self._thread = threading.Thread(target=self.wait, name="flightq-server", daemon=True)
             self._thread.start()
         return self
 
@@ -722,8 +727,7 @@ def serve_forever(args: argparse.Namespace) -> int:
         ),
         flush=True,
     )
-    # Arrow's serve() re-raises SIGINT/SIGTERM on its own thread; waking often lets this
-    # thread run the handler, else it would wait forever.
+    # Waking often lets this thread run the handler, else it would wait forever.
     while not stop.wait(0.2):
         pass
     server.stop()
