@@ -766,7 +766,8 @@ class Client:
     def ack(self, claim: Claim | Batch, keys: Sequence[str] | None = None) -> int:
         """Acknowledge rows of a claim (all of them when ``keys`` is None): they are done
         for the claim's task and are never delivered to it again. Acking again is
-        harmless. Returns the rows acknowledged now.
+        harmless; rows given back with :meth:`nack`, or cleared since, are not the
+        claim's any more and are left alone. Returns the rows acknowledged now.
 
         Raises
         ------

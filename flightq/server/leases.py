@@ -4,7 +4,8 @@ A claim takes ready rows under a :class:`Lease`. The rows stay the lease's until
 these ends it:
 
 - ``ack``: they are done for the task (clearing a row also ends it);
-- ``nack``: they are ready again;
+- ``nack``: they are ready again, and no longer the lease's (a later ``ack`` of it
+  leaves them alone);
 - the lease expires, or the consumer's session (its connection) ends: ready again, each
   row's failures counted;
 - a ``nack`` with ``failed``: ready again, the named rows' failures counted.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["TaskState", "Lease", "Progress", "DEFAULT_LEASE", "DEFAULT_MAX_FAILURES"]
@@ -81,6 +82,12 @@ class Lease:
     expires: float
     #: The consumer's session: when it ends, so does the lease. None: expiry only.
     session: str | None = None
+    #: Per key, which row it named when taken (the row's number in its partition, never
+    #: reused): a row cleared and put again under the key is another row, not the lease's.
+    born: tuple[int, ...] = ()
+    #: Rows the consumer gave back (``nack``): no longer its own, whatever ``ack`` says
+    #: later (a blanket ack of the claim must not swallow a row it handed on).
+    returned: set[str] = field(default_factory=set)
 
 
 class Progress:
@@ -114,21 +121,31 @@ class Progress:
         self.version += 1
 
     def removed_all(self) -> None:
+        """Every row cleared: the leases end (a later ``ack`` of one is harmless)."""
         for st in self.tasks.values():
             st.clear()
-        self.leases.clear()
-        self.ended.clear()
+        for lease in list(self.leases.values()):
+            self.settle(lease)
         self._next_expiry = math.inf
         self.version += 1
 
     # ------------------------------------------------------------------ leases
 
     def take(
-        self, task: str, keys: Sequence[str], seconds: float, now: float, session: str | None
+        self,
+        task: str,
+        keys: Sequence[str],
+        seconds: float,
+        now: float,
+        session: str | None,
+        born: Sequence[int],
     ) -> Lease:
-        """Lease ready ``keys`` of ``task`` for ``seconds``; returns the lease."""
+        """Lease ready ``keys`` of ``task`` for ``seconds``; ``born`` names the row each
+        key holds now (see :attr:`Lease.born`). Returns the lease."""
         st = self.tasks[task]
-        lease = Lease(uuid.uuid4().hex, task, list(keys), seconds, now + seconds, session)
+        lease = Lease(
+            uuid.uuid4().hex, task, list(keys), seconds, now + seconds, session, tuple(born)
+        )
         for k in keys:
             del st.ready[k]
             st.leased[k] = lease.id
@@ -143,13 +160,20 @@ class Progress:
         ks = lease.keys if keys is None else keys
         return [k for k in ks if st.leased.get(k) == lease.id]
 
-    def ack(self, lease: Lease, keys: Sequence[str] | None) -> tuple[int, list[str]]:
+    def ack(
+        self, lease: Lease, keys: Sequence[str] | None, born: Mapping[str, int]
+    ) -> tuple[int, list[str]]:
         """Mark rows of ``lease`` done. A row the lease lost (expired) counts as acked too
         while it waits ready; one taken by another claim, acked or dead since, is returned
-        as lost. Returns (rows acked, rows lost)."""
+        as lost. A row the consumer gave back (:meth:`nack`), or cleared since (``born``
+        names the row each key holds now), is left alone. Returns (rows acked, rows
+        lost)."""
         st = self.tasks[lease.task]
+        mine = dict(zip(lease.keys, lease.born, strict=True))
         acked, lost = 0, []
         for k in lease.keys if keys is None else keys:
+            if k in lease.returned or born.get(k) != mine[k]:
+                continue
             owner = st.leased.get(k)
             if owner == lease.id or (owner is None and k in st.ready):
                 st.ready.pop(k, None)
@@ -161,6 +185,14 @@ class Progress:
                 lost.append(k)  # another claim has it now, or it is dead
         self.settle(lease)
         return acked, lost
+
+    def nack(self, lease: Lease, keys: Sequence[str] | None, failed: bool) -> tuple[int, int]:
+        """The consumer gives rows of ``lease`` back (all it holds when None), each
+        counting a failed delivery when ``failed``: :meth:`release`, and a later ``ack``
+        of the lease leaves them alone. Returns (rows made ready, rows gone dead)."""
+        held = self.held(lease, keys)
+        lease.returned.update(held)
+        return self.release(lease, held, failed=held if failed else (), why="failed")
 
     def release(
         self, lease: Lease, keys: Sequence[str] | None, failed: Sequence[str] = (), why: str = ""

@@ -494,7 +494,9 @@ class Store:
             self._expire(p)
             lease = self._lease(p, claim)
             _of_lease(p, lease, keys)
-            out = p.progress.ack(lease, keys)
+            rows = p.rows
+            born = {k: r.group for k in lease.keys if (r := rows.get(k)) is not None}
+            out = p.progress.ack(lease, keys, born)
             self._changed.notify_all()
             return out
 
@@ -515,8 +517,7 @@ class Store:
             self._expire(p)
             lease = self._lease(p, claim)
             _of_lease(p, lease, keys)
-            held = p.progress.held(lease, keys)
-            out = p.progress.release(lease, keys, failed=held if failed else (), why="failed")
+            out = p.progress.nack(lease, keys, failed)
             self._changed.notify_all()
             return out
 
@@ -656,7 +657,8 @@ class Store:
                             now = time.monotonic()
                             secs = p.lease if lease is None else lease
                             keys = [r.key for r in picked]
-                            taken = p.progress.take(task, keys, secs, now, session)
+                            born = [r.group for r in picked]
+                            taken = p.progress.take(task, keys, secs, now, session, born)
                             return p, picked, _fields_for(p, picked, fields), taken
                     now = time.monotonic()
                     left = deadline - now
