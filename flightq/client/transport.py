@@ -61,8 +61,7 @@ def keepalive_options(timeout: float) -> list[tuple[str, int]]:
     Pings go out only while a call is open (a claimer's session is one), and at most 2
     between two messages the client sends: gRPC servers, flightq's among them, answer a
     client that pings more often than every 5 minutes without data with a GOAWAY
-    ("too_many_pings"), which would end the session and its leases. A slow server is
-    not a dead one: gRPC answers pings however busy the server's own code is.
+    ("too_many_pings"), which would end the session and its leases.
 
     Parameters
     ----------

@@ -151,7 +151,8 @@ class ShardedClient(Fanout):
         The count is a :class:`~flightq.PutReceipt` naming the shards written to
         (``shards``) and the route the parts took. ``put_id`` names each shard's part (the
         same id on every shard): a retry of the put is acknowledged again by the shards
-        that stored their part, and stored by the others.
+        that stored their part, and stored by the others (a shard that rolled its part
+        back, below, forgets the id).
 
         Each shard's part is one atomic DoPut. If a part fails, the rows this put created
         on the other shards are cleared again, so a put that creates rows (a generator's)
