@@ -630,6 +630,9 @@ class Clear(Message):
     partition: str = _field(_str())
     #: None: every row.
     keys: list[str] | None = _field(_optional(_strs), None)
+    #: A put id the partition forgets with the rows, so that a retry of that put is
+    #: stored again (a sharded put rolling back its part); None: none.
+    put_id: str | None = _field(_optional(_str(256)), None, omit=None)
 
 
 @dataclasses.dataclass(**_FROZEN)

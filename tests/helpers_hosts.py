@@ -44,20 +44,11 @@ def _crc(ids: Any, px: Any) -> int:
     return zlib.crc32(px.tobytes(), zlib.crc32(ids.tobytes()))
 
 
-def _connect(
-    st: dict[str, Any], locations: list[str], timeout: float, keepalive: float = 0.0
-) -> None:
-    """A sharded client; with ``keepalive`` (seconds), gRPC pings every connection that
-    far apart and drops it when a ping goes that long unanswered."""
+def _connect(st: dict[str, Any], locations: list[str], timeout: float) -> None:
+    """A sharded client with flightq's default keepalive (a quarter of ``timeout``)."""
     import flightq
 
-    kw: dict[str, Any] = {}
-    if keepalive:
-        ms = int(keepalive * 1000)
-        kw["generic_options"] = [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms)]
-    st["c"] = flightq.connect_sharded(
-        locations, ["rollout_vlm@1"], timeout=timeout, poll=0.05, **kw
-    )
+    st["c"] = flightq.connect_sharded(locations, ["rollout_vlm@1"], timeout=timeout, poll=0.05)
 
 
 def _create(st: dict[str, Any], partition: str, **kw: Any) -> None:
@@ -103,6 +94,12 @@ def _claim(st: dict[str, Any], partition: str, n: int, timeout: float, **kw: Any
     return list(b.keys)
 
 
+def _deliveries(st: dict[str, Any]) -> dict[str, int]:
+    """How many times each row of the last claim has been delivered (this time included)."""
+    c = st["last"].claim
+    return dict(zip(c.keys, c.deliveries, strict=True))
+
+
 def _ack(st: dict[str, Any]) -> int:
     return int(st["c"].ack(st["last"]))
 
@@ -123,6 +120,7 @@ OPS: dict[str, Callable[..., Any]] = {
     "put": _put,
     "get": _get,
     "claim": _claim,
+    "deliveries": _deliveries,
     "ack": _ack,
     "rows": _rows,
     "call": _call,

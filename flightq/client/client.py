@@ -175,6 +175,9 @@ def connect(
     **flight_kwargs:
         ``token="..."`` for a server that requires a bearer token; ``tls_root_certs``
         (PEM bytes) for a ``grpc+tls://`` server; anything else ``FlightClient`` takes.
+        Connections get gRPC keepalive scaled to ``timeout``, so that a put blocked on
+        a dead link fails (:func:`flightq.client.transport.keepalive_options`); a key of
+        your own ``generic_options`` wins over its default.
 
     Returns
     -------

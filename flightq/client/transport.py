@@ -35,7 +35,7 @@ from ..protocol import (
     from_flight_error,
 )
 
-__all__ = ["Transport", "action_spec"]
+__all__ = ["Transport", "action_spec", "generic_options", "keepalive_options"]
 
 R = TypeVar("R", bound=Message)
 
@@ -45,6 +45,51 @@ _BY_REQUEST: dict[type[Message], tuple[str, ActionSpec]] = {
 }
 #: Flight and Arrow errors: what the transport translates.
 _FOREIGN = (pa.ArrowException, fl.FlightError)
+
+
+def keepalive_options(timeout: float) -> list[tuple[str, int]]:
+    """The gRPC keepalive a connection gets by default, scaled to the client's timeout.
+
+    A put whose stream is blocked on a dead link (the far end stopped acknowledging, the
+    flow-control window is full) never returns by itself: pyarrow's ``write_batch``
+    ignores the call's deadline there. Keepalive drops such a connection, and so fails
+    the put: after ``time`` seconds without a byte from the server the client pings it,
+    and closes the connection when ``timeout`` more pass without an answer. Both are a
+    quarter of the client's timeout, between 1 and 20 seconds, so a dead link fails a
+    call within about half of it (within 40 s at most).
+
+    Pings go out only while a call is open (a claimer's session is one), and at most 2
+    between two messages the client sends: gRPC servers, flightq's among them, answer a
+    client that pings more often than every 5 minutes without data with a GOAWAY
+    ("too_many_pings"), which would end the session and its leases.
+
+    Parameters
+    ----------
+    timeout:
+        The client's default seconds per call.
+
+    Returns
+    -------
+    list of (str, int)
+        ``generic_options`` entries for ``pyarrow.flight.FlightClient``.
+    """
+    ms = int(1000 * min(20.0, max(1.0, timeout / 4)))
+    return [
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.http2.max_pings_without_data", 2),
+    ]
+
+
+def generic_options(
+    timeout: float, options: Iterable[tuple[str, Any]] | None = None
+) -> list[tuple[str, Any]]:
+    """A caller's ``generic_options``, then each of :func:`keepalive_options` whose key
+    they do not set: the caller's own value wins."""
+    mine = list(options or [])
+    given = {k for k, _ in mine}
+    return mine + [(k, v) for k, v in keepalive_options(timeout) if k not in given]
 
 
 def action_spec(request: Message) -> tuple[str, ActionSpec]:
@@ -77,6 +122,8 @@ class Transport:
         A bearer token for a server that requires one.
     **flight_kwargs:
         Anything ``pyarrow.flight.FlightClient`` takes (``tls_root_certs``, ``middleware``).
+        ``generic_options`` gets the keepalive of :func:`keepalive_options` for every
+        key it does not set itself.
 
     Raises
     ------
@@ -94,6 +141,9 @@ class Transport:
                 *(flight_kwargs.get("middleware") or []),
                 BearerTokenClientMiddlewareFactory(token),
             ]
+        flight_kwargs["generic_options"] = generic_options(
+            timeout, flight_kwargs.get("generic_options")
+        )
         self.location = location
         self.timeout = timeout
         self._kwargs = flight_kwargs

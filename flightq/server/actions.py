@@ -171,7 +171,7 @@ def _describe(ctx: ActionContext, req: Describe) -> Declaration:
 
 
 def _clear(ctx: ActionContext, req: Clear) -> ClearReply:
-    return ClearReply(cleared=ctx.store.clear(req.partition, req.keys))
+    return ClearReply(cleared=ctx.store.clear(req.partition, req.keys, req.put_id))
 
 
 def _reset(ctx: ActionContext, req: Reset) -> ResetReply:

@@ -414,9 +414,11 @@ class Store:
             self._changed.notify_all()
             return n
 
-    def clear(self, name: str, keys: Sequence[str] | None) -> int:
+    def clear(self, name: str, keys: Sequence[str] | None, put_id: str | None = None) -> int:
         """Remove rows (all when ``keys`` is None). Returns how many were removed. A
-        cleared row counts as acknowledged: the leases holding it end for it.
+        cleared row counts as acknowledged: the leases holding it end for it. With
+        ``put_id``, the partition also forgets that put id, in the same step: a retry of
+        the put is stored again, not acknowledged as a replay.
 
         Raises
         ------
@@ -444,6 +446,8 @@ class Store:
                 p.progress.removed(keys)
                 for lease in list(p.progress.leases.values()):
                     p.progress.settle(lease)
+            if put_id is not None:
+                p.recent_puts.pop(put_id, None)
             self._changed.notify_all()
             return n
 

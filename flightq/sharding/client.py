@@ -46,7 +46,7 @@ from ..errors import (
     ProtocolError,
     UnavailableError,
 )
-from ..protocol import ClaimGrant, ClaimTicket, GetTicket, Nack
+from ..protocol import ClaimGrant, ClaimTicket, Clear, GetTicket, Nack
 from ..registry import SchemaRegistry
 from ..rows import columns_of
 from ..schema import Schema
@@ -151,7 +151,8 @@ class ShardedClient(Fanout):
         The count is a :class:`~flightq.PutReceipt` naming the shards written to
         (``shards``) and the route the parts took. ``put_id`` names each shard's part (the
         same id on every shard): a retry of the put is acknowledged again by the shards
-        that stored their part, and stored by the others.
+        that stored their part, and stored by the others (a shard that rolled its part
+        back, below, forgets the id).
 
         Each shard's part is one atomic DoPut. If a part fails, the rows this put created
         on the other shards are cleared again, so a put that creates rows (a generator's)
@@ -236,7 +237,7 @@ class ShardedClient(Fanout):
             note = (
                 ""
                 if len(parts) == 1
-                else self._roll_back(partition, schema, parts, done, overwrite)
+                else self._roll_back(partition, schema, parts, done, overwrite, put_id)
             )
             raise self._error(failed, note) from failed[0][1]
         routes = sorted({r.route for r in done.values()})
@@ -250,8 +251,14 @@ class ShardedClient(Fanout):
         parts: Mapping[int, list[pa.RecordBatch]],
         done: Mapping[int, int],
         overwrite: bool,
+        put_id: str | None,
     ) -> str:
-        """Clear the rows a failed put created on the shards whose part succeeded."""
+        """Clear the rows a failed put created on the shards whose part succeeded.
+
+        Each such shard forgets ``put_id`` with the rows, in the same step: a retry of the
+        put by its ``put_id`` stores them again there instead of being acknowledged as a
+        replay of the part it no longer holds.
+        """
         if not done:
             return f"nothing of the put to {partition!r} was stored"
         lines = []
@@ -265,7 +272,7 @@ class ShardedClient(Fanout):
             where = f"shard {self.locations[s]}"
             if mine:
                 try:
-                    self._clients[s].clear(partition, mine)
+                    self.transports[s].action(Clear(partition=partition, keys=mine, put_id=put_id))
                     lines.append(f"rolled back {len(mine)} new rows on {where}")
                 except FlightqError as e:
                     lines.append(f"could not roll back {len(mine)} new rows on {where}: {e}")

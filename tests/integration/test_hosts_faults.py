@@ -26,6 +26,8 @@ import pytest
 from flightq_bench import hosts
 from helpers_hosts import Agent, AgentError
 
+from flightq.client.transport import keepalive_options
+
 pytestmark = [
     pytest.mark.timeout(90),
     pytest.mark.skipif(bool(hosts.problem()), reason=f"no testbed: {hosts.problem()}"),
@@ -33,11 +35,12 @@ pytestmark = [
 
 #: The client's timeout per call: a shard behind a dead link must fail within it.
 FAST = 3.0
-#: gRPC keepalive (seconds between pings, and to wait for the answer). Without it a put
-#: whose stream is blocked on a dead link's full window never returns: pyarrow's
+#: The keepalive flightq's client derives from that timeout (a quarter of it, at least
+#: 1 s: seconds between pings, and to wait for the answer). Without keepalive a put whose
+#: stream is blocked on a dead link's full window never returns: pyarrow's
 #: ``write_batch`` ignores the call's deadline there (measured: still blocked after 100 s
 #: with a 3 s timeout, bare pyarrow Flight too); the keepalive drops the connection.
-KEEPALIVE = 1.0
+KEEPALIVE = dict(keepalive_options(FAST))["grpc.keepalive_time_ms"] / 1000
 #: Slow enough that a put or claim of two W1 groups (8 MB) is still on the wire 0.15 s in.
 LINK = "100mbit"
 G = 16
@@ -60,7 +63,7 @@ def shards_fixture(bed: hosts.Testbed) -> Iterator[list[hosts.Server]]:
 @pytest.fixture(name="agent")
 def agent_fixture(bed: hosts.Testbed, shards: list[hosts.Server]) -> Iterator[Agent]:
     with Agent(bed.hosts[0].ns) as a:
-        a("connect", [s.location for s in shards], FAST, KEEPALIVE)
+        a("connect", [s.location for s in shards], FAST)
         yield a
 
 
@@ -104,7 +107,7 @@ def test_a_link_down_in_a_put_fails_it_fast_naming_the_shard_and_the_other_shard
     a, p = agent, "put-fault"
     a("create", p)
     only, by = _two_each(a, "a")
-    a.send("put", p, "a", 12, only=only)
+    a.send("put", p, "a", 12, only=only, put_id="a1")
     time.sleep(0.15)
     bed.link_down(1)  # shard 0's host
     try:
@@ -116,9 +119,9 @@ def test_a_link_down_in_a_put_fails_it_fast_naming_the_shard_and_the_other_shard
         assert a("get", p, list(other)) == other
     finally:
         bed.link_up(1)
-    # The same client, once the link is back: the retried put lands, each row once. (Not
-    # with the first put's put_id: see test_shard_put_id_rollback.py.)
-    want = _until(lambda: a("put", p, "a", 12, only=only))
+    # The same client, once the link is back: the put retried by its put_id lands, each
+    # row once (the shard that rolled its part back forgot the id).
+    want = _until(lambda: a("put", p, "a", 12, only=only, put_id="a1"))
     assert a("get", p, list(want)) == want
     assert a("rows", p) == len(want) + len(other)
 
@@ -153,13 +156,12 @@ def _rows_of(put: dict[str, int], groups: list[int], prefix: str) -> list[str]:
     return [k for k in put if any(k.startswith(h) for h in heads)]
 
 
-@pytest.mark.skip(reason="needs claim leases")
 def test_rows_of_a_claim_broken_by_a_link_come_back_once_each_after_the_lease(
     bed: hosts.Testbed, shards: list[hosts.Server], agent: Agent
 ) -> None:
     a, p = agent, "lease-fault"
     a("create", p, lease=2.0)
-    only, _ = _two_each(a, "l")
+    only, by = _two_each(a, "l")
     put = a("put", p, "l", 12, only=only)
     a.send("claim", p, len(put), FAST)
     time.sleep(0.15)
@@ -168,13 +170,73 @@ def test_rows_of_a_claim_broken_by_a_link_come_back_once_each_after_the_lease(
         with pytest.raises(AgentError):
             a.result(timeout=30)
         first = a("claim", p, 2 * G, FAST)
+        assert sorted(first) == sorted(_rows_of(put, by[1][:2], "l"))
         assert a("ack") == len(first)
     finally:
         bed.link_up(1)
-    # The far shard's rows, leased to the broken claim, are ready again after the lease.
+    # The far shard's rows, leased to the broken claim, are ready again after the lease:
+    # delivered a second time, the broken claim's delivery counted.
     second = _until(lambda: a("claim", p, 2 * G, 5.0))
+    assert set(a("deliveries").values()) == {2}
     assert a("ack") == len(second)
     assert sorted(first + second) == sorted(put), "a row lost or delivered twice"
+    # Acked once each: nothing comes back, not even after another lease.
+    with pytest.raises(AgentError) as e:
+        a("claim", p, G, 3.0)
+    assert "ClaimTimeoutError" in e.value.kinds
+
+
+#: The lease of the rows a cut-off consumer holds, in the test below.
+LEASE = 4.0
+
+
+def test_held_rows_come_back_after_the_lease_when_a_link_fails_and_at_once_when_a_consumer_dies(
+    bed: hosts.Testbed, shards: list[hosts.Server], agent: Agent
+) -> None:
+    """Prints how long the rows took to come back (``pytest -s``): docs/deploy.md."""
+    a, locations = agent, [s.location for s in shards]
+    with Agent(bed.hosts[3].ns) as other:
+        other("connect", locations, FAST)
+        # A link that fails leaves the server's end of the connection open (it sends
+        # nothing on an idle session, and has no keepalive of its own), so the session
+        # does not end, not even once the link is back: the lease does, on the server,
+        # LEASE seconds after the claim, whatever the link.
+        a("create", "held-lease", lease=LEASE)
+        put = a("put", "held-lease", "h", 2)
+        a("claim", "held-lease", len(put), FAST)
+        claimed = time.monotonic()
+        bed.link_down(0)  # the consumer's host
+        try:
+            with pytest.raises(AgentError):
+                a("rows", "held-lease")  # the client gives its connections up
+            got = other("claim", "held-lease", len(put), 3 * LEASE)
+            by_lease = time.monotonic() - claimed
+            assert sorted(got) == sorted(put)
+            assert set(other("deliveries").values()) == {2}
+            assert other("ack") == len(put)
+        finally:
+            bed.link_up(0)
+        # The cut-off consumer's late ack acknowledges nothing: the other consumer did.
+        assert _until(lambda: a("ack")) == 0
+
+        # A consumer that dies on a live link: its kernel closes the connection, the
+        # session ends, and the rows are ready at once, long before the lease (600 s).
+        with Agent(bed.hosts[0].ns) as doomed:
+            doomed("connect", locations, FAST)
+            doomed("create", "held-session")
+            put = doomed("put", "held-session", "k", 2)
+            doomed("claim", "held-session", len(put), FAST)
+            doomed.proc.kill()  # SIGKILL
+            died = time.monotonic()
+            got = other("claim", "held-session", len(put), 30.0)
+            by_session = time.monotonic() - died
+        assert sorted(got) == sorted(put)
+        assert set(other("deliveries").values()) == {2}
+        assert other("ack") == len(put)
+    print(
+        f"\nredelivered: lease {LEASE:g}s, link down: {by_lease:.2f}s after the claim; "
+        f"consumer killed, link up: {by_session:.2f}s after the kill"
+    )
 
 
 def test_a_shard_killed_and_restarted_from_its_snapshot_serves_the_same_client_again(
@@ -188,7 +250,7 @@ def test_a_shard_killed_and_restarted_from_its_snapshot_serves_the_same_client_a
     killed = bed.serve(3, args=["--snapshot-dir", snaps])
     locations = [kept.location, killed.location]
     with Agent(bed.hosts[0].ns) as a:
-        a("connect", locations, FAST, KEEPALIVE)
+        a("connect", locations, FAST)
         p = "snap-fault"
         a("create", p)
         only, by = _two_each(a, "s")

@@ -11,11 +11,6 @@ import flightq
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: the shard that rolled back its part still remembers the put_id, so "
-    "the retry is acknowledged there and its rows are never stored",
-)
 def test_a_put_retried_by_its_put_id_after_a_rollback_stores_every_row() -> None:
     with inproc_shards(2) as servers:
         c = flightq.connect_sharded([s.location for s in servers], [TEXT], timeout=10)

@@ -264,9 +264,9 @@ def test_the_protocol_doc_and_the_protocol_types_agree():
         ('"wait_for": [str] = [], ', "", "claim ticket: ClaimTicket.wait_for is not documented"),
         ('| `inspect` | `{"partition": str}` | `P` |\n', "", "action 'inspect' is in only one"),
         (
-            '"keys": [str] \\| null = null}` | `{"cleared"',
-            '"keys": [str] \\| null}` | `{"cleared"',
-            "clear body: 'keys' has a default (None) the doc does not show",
+            '"put_id": str \\| null = null}` | `{"cleared"',
+            '"put_id": str \\| null}` | `{"cleared"',
+            "clear body: 'put_id' has a default (None) the doc does not show",
         ),
         (
             "| `waiting` | `{str: int} = {}` |",
