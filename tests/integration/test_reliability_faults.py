@@ -13,6 +13,7 @@ import queue
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,8 +38,13 @@ SHORT = 1.0
 
 @contextlib.contextmanager
 def stopped(proc: subprocess.Popen[str]) -> Iterator[None]:
-    """SIGSTOP the process for the block; SIGCONT it afterwards, even on failure."""
+    """SIGSTOP the process for the block (once the kernel shows it stopped); SIGCONT it
+    afterwards, even on failure."""
     proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + TIMEOUT
+    while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "the server did not stop"
+        time.sleep(0.01)
     try:
         yield
     finally:
