@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +34,9 @@ from .errors import DecodeError, SchemaError
 from .schema import Field, Schema
 
 __all__ = [
+    "SLICE",
+    "in_slices",
+    "pylist",
     "DEFAULT_BATCH_BYTES",
     "MAX_PAYLOAD_BYTES",
     "KEY",
@@ -220,3 +225,30 @@ def row_sums(per_segment: np.ndarray, outer: np.ndarray) -> np.ndarray:
     np.cumsum(per_segment, out=sums[1:])
     rel = outer - outer[0]
     return sums[rel[1:]] - sums[rel[:-1]]
+
+
+#: Items per slice of a bulk conversion (:func:`pylist`, :func:`in_slices`).
+SLICE = 1 << 15
+
+
+def pylist(array: pa.Array | np.ndarray) -> list[Any]:
+    """An Arrow or numpy array as a Python list, converted a slice at a time.
+
+    One conversion of a million items holds the GIL for a few hundred milliseconds, which
+    every other thread of a server waits out; between slices they run.
+    """
+    n = len(array)
+    if n <= SLICE:
+        return array.to_pylist() if isinstance(array, pa.Array) else array.tolist()
+    out: list[Any] = []
+    for i in range(0, n, SLICE):
+        part = array[i : i + SLICE]
+        out.extend(part.to_pylist() if isinstance(part, pa.Array) else part.tolist())
+    return out
+
+
+def in_slices(items: Sequence[Any]) -> Iterator[Sequence[Any]]:
+    """``items`` a slice at a time, for bulk set and dict updates that let other threads
+    run between slices (see :func:`pylist`)."""
+    for i in range(0, len(items), SLICE):
+        yield items[i : i + SLICE]

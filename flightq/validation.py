@@ -42,7 +42,9 @@ from .layout import (
     TAGS,
     binary_offsets,
     first_use_bytes,
+    in_slices,
     payload_type,
+    pylist,
     row_sums,
     schema_of,
     shape_type,
@@ -468,8 +470,11 @@ def validate(
     keycol = batch.column(0)
     if keycol.null_count:
         raise DecodeError(f"column {KEY!r} must be non-null utf8, got nulls", field=KEY)
-    keys: list[str] = keycol.to_pylist()
-    if len(set(keys)) != len(keys):
+    keys: list[str] = pylist(keycol)
+    unique: set[str] = set()
+    for part in in_slices(keys):
+        unique.update(part)
+    if len(unique) != len(keys):
         seen: set[str] = set()
         dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
         raise duplicate_error(f"duplicate row key {dup!r} within one batch", field=KEY, key=dup)

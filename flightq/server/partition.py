@@ -3,40 +3,43 @@
 A row holds, per field, a reference to the received record batch (a :class:`Piece`) and the
 row index that carries it: nothing is rebuilt or copied on the way in.
 
-A put is planned, then applied: :meth:`Partition.plan_put` runs every check and works out
-what the put does (the rows it creates, the cells it replaces, the bytes it brings, or that
-it is a retry of one that landed) without changing anything; :meth:`Partition.apply` then
-makes those changes. Locking, waiting for room and the memory budget are the store's
+A put is planned, then committed: :func:`flightq.server.putplan.plan_put` runs every check
+and builds the rows the put stores (or finds it is a retry of one that landed) without the
+store's lock and without changing anything; :meth:`Partition.commit` then stores them in a
+few dict updates, after :meth:`Partition.touched` says no write meanwhile touched the put's
+keys. Locking, waiting for room and the memory budget are the store's
 (:mod:`flightq.server.store`).
 """
 
 from __future__ import annotations
 
+import threading
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
 import pyarrow as pa
 
-from ..errors import (
-    ConflictError,
-    EncodeError,
-    MissingFieldError,
-    ResourceExhaustedError,
-    ShapeError,
-)
-from ..layout import MEDIA_TYPE, SHAPE_SUFFIX, TAGS, binary_offsets, media_row_bytes
+from ..errors import EncodeError, ResourceExhaustedError
+from ..layout import MEDIA_TYPE, TAGS, binary_offsets, in_slices, media_row_bytes, pylist
 from ..schema import Schema
 from ..validation import Checked
 from .budget import row_costs, tags_size
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Progress
 
-__all__ = ["Piece", "Row", "Partition", "PutPlan", "make_piece", "put_keys"]
+if TYPE_CHECKING:
+    from .putplan import PutPlan
+
+__all__ = ["Piece", "Row", "Partition", "make_piece", "put_keys"]
 
 #: Put ids remembered per partition (for idempotent retries).
 RECENT_PUTS = 4096
-_MISSING = object()
+#: Writes, and row keys in all, the journal of recent writes keeps (:meth:`Partition.touched`).
+JOURNAL_WRITES = 1024
+JOURNAL_KEYS = 65536
 
 
 @dataclass
@@ -51,6 +54,11 @@ class Piece:
     held: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     #: Bytes of this piece the store counts as pending (read, not yet stored or let go).
     reserved: int = 0
+    #: Whether a put stored it, and whether its partition no longer holds it whole (a
+    #: cell of it replaced, a row of it cleared, a tag of its rows rewritten); a stored
+    #: piece held whole is what a retry without ``put_id`` is compared with.
+    stored: bool = False
+    damaged: bool = False
     _valid: dict[str, list[bool] | None] = field(default_factory=dict, repr=False)
     _nbytes: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
@@ -58,7 +66,7 @@ class Piece:
         """Per row whether the batch carries field ``f``; None when every row does."""
         if f not in self._valid:
             col = self.batch.column(f)
-            self._valid[f] = None if col.null_count == 0 else col.is_valid().to_pylist()
+            self._valid[f] = None if col.null_count == 0 else pylist(col.is_valid())
         return self._valid[f]
 
     def cell_nbytes(self, f: str, i: int) -> int:
@@ -67,18 +75,19 @@ class Piece:
         if f not in self._nbytes:
             col = self.batch.column(f)
             if col.type == pa.large_binary():
-                sizes = np.diff(binary_offsets(col)).tolist()
+                sizes = pylist(np.diff(binary_offsets(col)))
             elif col.type == MEDIA_TYPE:
-                sizes = media_row_bytes(col).tolist()
+                sizes = pylist(media_row_bytes(col))
             else:
                 sizes = [0] * len(col)
             self._nbytes[f] = sizes
         return self._nbytes[f][i]
 
 
-@dataclass
+@dataclass(slots=True)
 class Row:
-    """A stored row: per field, the piece and index holding it."""
+    """A stored row: per field, the piece and index holding it. Never changed once
+    stored: a write replaces it by a new one (:mod:`flightq.server.putplan`)."""
 
     key: str
     group: int
@@ -113,6 +122,11 @@ class Partition:
     lease: float = DEFAULT_LEASE
     #: Failed deliveries after which a row goes to the dead letters.
     max_failures: int = DEFAULT_MAX_FAILURES
+    #: Writes of rows so far, and the recent ones' keys (:meth:`touched`).
+    writes: int = 0
+    journal: deque[tuple[int, Sequence[str] | None]] = field(default_factory=deque, repr=False)
+    _journaled: int = field(default=0, repr=False)
+    _groups: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         if self.progress is None:
@@ -132,169 +146,76 @@ class Partition:
             "max_failures": self.max_failures,
         }
 
-    def plan_put(self, pieces: list[Piece], overwrite: bool, put_id: str | None) -> PutPlan:
-        """What storing ``pieces`` would do, after every check; changes nothing.
+    def reserve_groups(self, n: int) -> int:
+        """Take ``n`` group numbers for a put's new rows; returns the first. A put that is
+        refused or planned again leaves a gap, which nothing minds: a group number only
+        tells which rows belong together."""
+        with self._groups:
+            first = self.next_group
+            self.next_group += n
+            return first
 
-        A retry is recognised first: a ``put_id`` seen recently, or (without
-        ``overwrite``) a put whose every cell and tag equals what its rows already hold,
-        is planned as a replay (:attr:`PutPlan.replay`), to acknowledge again.
+    def touched(self, seen: int, keys: set[str]) -> bool:
+        """Whether a write since write count ``seen`` may have touched one of ``keys`` (True
+        also when the journal no longer reaches back that far). With the store's lock."""
+        if self.writes == seen:
+            return False
+        journal = self.journal
+        if not journal or journal[0][0] > seen + 1:
+            return True
+        for n, written in reversed(journal):
+            if n <= seen:
+                break
+            if written is None or not keys.isdisjoint(written):
+                return True
+        return False
 
-        Raises
-        ------
-        MissingFieldError
-            If a new row lacks a required field, or has it null.
-        ConflictError
-            If a row has a column already and ``overwrite`` is false.
-        ShapeError
-            If a row's token length differs from the stored row's, or a grouped partition
-            would get part of a group.
-        """
-        keys = [k for pc in pieces for k in pc.checked.keys]
-        if put_id is not None and put_id in self.recent_puts:
-            return PutPlan(pieces, keys, put_id, replay=self.recent_puts[put_id])
-        if not overwrite and _is_replay(self, pieces):
-            return PutPlan(pieces, keys, put_id, replay=len(keys))
-        name = self.name
-        new: list[str] = []
-        # Bytes of the cells an overwrite replaces, counted before anything changes.
-        replaced: dict[tuple[str, str], int] = {}
-        for pc in pieces:
-            ck = pc.checked
-            missing = [f for f in self.schema.required if f not in ck.fields]
-            # Required fields with null rows in this piece (usually none).
-            holes = [f for f in self.schema.required if f in ck.fields and pc.valid(f)]
-            for i, k in enumerate(ck.keys):
-                row = self.rows.get(k)
-                if row is None:
-                    if missing:
-                        raise MissingFieldError(
-                            f"row key {k!r} is new in partition {name!r} and lacks "
-                            f"required field(s) {missing}",
-                            field=missing[0],
-                            key=k,
-                            partition=name,
-                        )
-                    if holes:
-                        _check_required_not_null(pc, i, holes, k, name)
-                    new.append(k)
-                    continue
-                for f in ck.fields:
-                    if not _valid_at(pc, f, i):
-                        continue
-                    old = row.cells.get(f)
-                    if old is None:
-                        continue
-                    if not overwrite:
-                        raise ConflictError(
-                            f"row key {k!r} already has column {f!r} in partition "
-                            f"{name!r}; pass overwrite=True to rewrite it",
-                            field=f,
-                            key=k,
-                            partition=name,
-                        )
-                    replaced[(k, f)] = old[0].cell_nbytes(f, old[1])
-                s = int(ck.seq_lens[i])
-                if s >= 0 and row.seq_len >= 0 and s != row.seq_len:
-                    raise ShapeError(
-                        f"row key {k!r}: token fields of this put have sequence length "
-                        f"{s}, the stored row has {row.seq_len}",
-                        key=k,
-                        expected=row.seq_len,
-                        actual=s,
-                        partition=name,
-                    )
-        g = self.group_size
-        if g and len(new) % g:
-            raise ShapeError(
-                f"partition {name!r} has group size {g}: a put creates whole groups, "
-                f"got {len(new)} new rows",
-                actual=len(new),
-                partition=name,
-            )
-        return PutPlan(pieces, keys, put_id, new=new, replaced=replaced)
+    def wrote(self, keys: Sequence[str] | None) -> None:
+        """Count a write of rows ``keys`` (None: possibly every row) in the journal that
+        :meth:`touched` reads. With the store's lock."""
+        self.writes += 1
+        if keys is not None and len(keys) > JOURNAL_KEYS // 4:
+            keys = None  # too many to keep: plans running now will plan again
+        self.journal.append((self.writes, keys))
+        self._journaled += len(keys) if keys is not None else 0
+        while len(self.journal) > JOURNAL_WRITES or self._journaled > JOURNAL_KEYS:
+            _, old = self.journal.popleft()
+            self._journaled -= len(old) if old is not None else 0
 
-    def apply(self, plan: PutPlan) -> int:
-        """Make the changes ``plan`` (from :meth:`plan_put` on this partition as it is now)
-        describes. Returns the rows written."""
+    def commit(self, plan: PutPlan) -> int:
+        """Store what ``plan`` (:func:`flightq.server.putplan.plan_put`, still valid:
+        :meth:`touched` is false for its keys) describes: dict updates only, each row
+        replaced whole. With the store's lock. Returns the rows written."""
         if plan.replay is not None:
             return plan.replay
-        g = self.group_size
-        new_set = set(plan.new)
-        n_new = 0
+        self.rows.update(plan.rows)
+        self.nbytes += plan.nbytes
+        self.held += plan.held
+        for pc in plan.damaged:
+            pc.damaged = True
         for pc in plan.pieces:
-            ck = pc.checked
-            # Fields every row of the piece carries, and the others with their rows.
-            dense = [f for f in ck.fields if pc.valid(f) is None]
-            sparse = [(f, v) for f in ck.fields if (v := pc.valid(f)) is not None]
-            seq_lens, nbytes = ck.seq_lens.tolist(), ck.nbytes.tolist()
-            held = pc.held.tolist() if len(pc.held) else nbytes
-            for i, k in enumerate(ck.keys):
-                cell = (pc, i)
-                if k in new_set:
-                    group = self.next_group + n_new // g if g else self.next_group + n_new
-                    n_new += 1
-                    row = Row(k, group)
-                    self.rows[k] = row
-                    row.cells = dict.fromkeys(dense, cell)
-                    fields = [f for f, v in sparse if v[i]]
-                else:
-                    row = self.rows[k]
-                    fields = dense + [f for f, v in sparse if v[i]]
-                for f in fields:
-                    gone = plan.replaced.get((k, f), 0)  # overwrite: the old cell's bytes
-                    row.nbytes -= gone
-                    self.nbytes -= gone
-                    row.held -= gone
-                    self.held -= gone
-                    row.cells[f] = cell
-                if pc.tags[i]:
-                    row.tags.update(pc.tags[i])  # type: ignore[arg-type]
-                if seq_lens[i] >= 0:
-                    row.seq_len = seq_lens[i]
-                row.nbytes += nbytes[i]
-                self.nbytes += nbytes[i]
-                row.held += held[i]
-                self.held += held[i]
-        self.next_group += (n_new // g) if g else n_new
-        self.progress.added(plan.new)
+            pc.stored = True
+        # Progress.added, with the ready entries built outside the lock by the plan.
+        for st in self.progress.tasks.values():
+            st.ready.update(plan.ready)
+        self.progress.version += 1
         if plan.put_id is not None:
             self.recent_puts[plan.put_id] = len(plan.keys)
             while len(self.recent_puts) > RECENT_PUTS:
                 del self.recent_puts[next(iter(self.recent_puts))]
+        self.wrote(plan.keys)
         return len(plan.keys)
 
-
-@dataclass(frozen=True)
-class PutPlan:
-    """What a put does to a partition, worked out by :meth:`Partition.plan_put`."""
-
-    pieces: list[Piece]
-    #: Every row key of the put, in order.
-    keys: list[str]
-    put_id: str | None
-    #: The rows to acknowledge again without storing anything (a retry), or None.
-    replay: int | None = None
-    #: Keys of the rows the put creates, in order.
-    new: list[str] = field(default_factory=list)
-    #: ``(key, field)`` of each cell an overwrite replaces, to the bytes it held.
-    replaced: dict[tuple[str, str], int] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        """Payload bytes the put carries."""
-        return sum(int(pc.checked.nbytes.sum()) for pc in self.pieces)
-
-    @property
-    def held(self) -> int:
-        """Bytes the memory budget counts for the put (what it must have room for)."""
-        return sum(
-            int(pc.held.sum()) if len(pc.held) else int(pc.checked.nbytes.sum())
-            for pc in self.pieces
-        )
+    def cleared(self, rows: Iterable[Row]) -> None:
+        """Rows removed: the pieces holding their cells no longer hold whole what they
+        stored (a retry of them is not a replay). With the store's lock."""
+        for r in rows:
+            for pc, _ in r.cells.values():
+                pc.damaged = True
 
 
-def put_keys(pieces: list[Piece]) -> list[str]:
-    """Every row key of a put, in order.
+def put_keys(pieces: list[Piece]) -> set[str]:
+    """Every row key of a put.
 
     Raises
     ------
@@ -302,57 +223,14 @@ def put_keys(pieces: list[Piece]) -> list[str]:
         If a key repeats within the put.
     """
     keys = [k for pc in pieces for k in pc.checked.keys]
-    if len(set(keys)) != len(keys):
+    unique: set[str] = set()
+    for part in in_slices(keys):
+        unique.update(part)
+    if len(unique) != len(keys):
         seen: set[str] = set()
         dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
         raise EncodeError(f"duplicate row key {dup!r} within one put", key=dup)
-    return keys
-
-
-def _is_replay(p: Partition, pieces: list[Piece]) -> bool:
-    """Whether every row of the put exists and already holds each of its cells and tags.
-
-    Such a put is a retry of one that landed (its acknowledgement was lost): answering it
-    again stores nothing, so a retry never duplicates or conflicts.
-    """
-    for pc in pieces:
-        for i, k in enumerate(pc.checked.keys):
-            row = p.rows.get(k)
-            if row is None:
-                return False
-            t = pc.tags[i]
-            if t and any(row.tags.get(a, _MISSING) != b for a, b in t.items()):
-                return False
-            for f in pc.checked.fields:
-                if not _valid_at(pc, f, i):
-                    continue
-                cell = row.cells.get(f)
-                if cell is None:
-                    return False
-                names = [f] if p.schema[f].role == "scalar" else [f, f + SHAPE_SUFFIX]
-                for c in names:
-                    mine = cell[0].batch.column(c).slice(cell[1], 1)
-                    if not pc.batch.column(c).slice(i, 1).equals(mine):
-                        return False
-    return True
-
-
-def _valid_at(pc: Piece, f: str, i: int) -> bool:
-    valid = pc.valid(f)
-    return valid is None or valid[i]
-
-
-def _check_required_not_null(
-    pc: Piece, i: int, fields: list[str], key: str, partition: str
-) -> None:
-    for f in fields:
-        if not _valid_at(pc, f, i):
-            raise MissingFieldError(
-                f"row key {key!r}: required field {f!r} is null",
-                field=f,
-                key=key,
-                partition=partition,
-            )
+    return unique
 
 
 def _decode_tags(
@@ -360,7 +238,7 @@ def _decode_tags(
 ) -> list[dict[str, Any] | None]:
     out: list[dict[str, Any] | None] = []
     size = 0
-    for k, b in zip(keys, piece_batch.column(TAGS).to_pylist(), strict=True):
+    for k, b in zip(keys, pylist(piece_batch.column(TAGS)), strict=True):
         if b is None:
             out.append(None)
             continue

@@ -25,6 +25,7 @@ from typing import Any
 from ..errors import (
     ClaimTimeoutError,
     ConflictError,
+    FlightqError,
     FlightqTimeoutError,
     MissingFieldError,
     NotFoundError,
@@ -35,11 +36,15 @@ from ..errors import (
 from ..schema import Schema
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskState
 from .partition import Partition, Piece, Row, put_keys
+from .putplan import plan_put
 
 __all__ = ["Store"]
 
 #: Seconds between checks that a waiting claim's caller is still there.
 _POLL = 0.2
+#: Times a put is planned outside the lock before it is planned under it (each time a
+#: write of its keys landed while it planned).
+_PLANS = 3
 
 
 class Store:
@@ -286,8 +291,8 @@ class Store:
                 self._pending -= freed
                 self._changed.notify_all()
 
-    def _wait_for_rows(self, name: str, keys: list[str], timeout: float) -> bool:
-        """Wait until the partition's row limit has room for the put's new rows; returns
+    def _wait_for_rows(self, name: str, new: int, timeout: float) -> bool:
+        """Wait until the partition's row limit has room for a put's ``new`` rows; returns
         whether it waited (let go of the lock)."""
         limit = self._get(name).max_rows
         if limit is None:
@@ -297,7 +302,6 @@ class Store:
         while True:
             self._check_open(f"put to {name!r}")
             p = self._get(name)
-            new = sum(1 for k in keys if k not in p.rows)
             if new > limit:
                 raise ResourceExhaustedError(
                     f"put to {name!r} creates {new} rows, more than the partition's limit of "
@@ -397,22 +401,50 @@ class Store:
             If the budget has no room for the put within ``timeout``.
         """
         keys = put_keys(pieces)
-        with self._changed:
-            plan = self._get(name).plan_put(pieces, overwrite, put_id)
-            if plan.replay is not None:
-                return plan.replay
-            mine = sum(pc.reserved for pc in pieces)  # counted already, as pending
-            waited = self._wait_for_space(name, plan.held, timeout, mine=mine)
-            waited = self._wait_for_rows(name, keys, timeout) or waited
-            p = self._get(name)
-            if waited:  # the lock was let go meanwhile: plan again on what is there now
-                plan = p.plan_put(pieces, overwrite, put_id)
-            n = p.apply(plan)
-            for pc in pieces:  # stored: counted by the rows from now on
-                self._pending -= pc.reserved
-                pc.reserved = 0
-            self._changed.notify_all()
-            return n
+        deadline = time.monotonic() + timeout
+        for attempt in itertools.count():
+            locked = attempt >= _PLANS  # lost to writes of its keys each time: plan here
+            if not locked:
+                p = self.partition(name)
+                seen = p.writes  # read before any row: later writes are in the journal
+                try:
+                    plan = plan_put(p, pieces, overwrite, put_id, seen)
+                except FlightqError:
+                    with self._lock:  # refused on what it read: is that still so?
+                        if not self._stale(name, p, seen, keys):
+                            raise
+                    continue
+            with self._changed:
+                if locked:
+                    p = self._get(name)
+                    plan = plan_put(p, pieces, overwrite, put_id, p.writes)
+                elif self._stale(name, p, plan.seen, keys):
+                    continue
+                if plan.replay is not None:
+                    return plan.replay
+                mine = sum(pc.reserved for pc in pieces)  # counted already, as pending
+                left = max(0.0, deadline - time.monotonic())
+                waited = self._wait_for_space(name, plan.need, left, mine=mine)
+                waited = self._wait_for_rows(name, len(plan.new), left) or waited
+                if waited and self._stale(name, p, plan.seen, keys):
+                    if not locked:
+                        continue  # the lock was let go meanwhile: plan again
+                    p = self._get(name)
+                    plan = plan_put(p, pieces, overwrite, put_id, p.writes)
+                    if plan.replay is not None:
+                        return plan.replay
+                n = p.commit(plan)
+                for pc in pieces:  # stored: counted by the rows from now on
+                    self._pending -= pc.reserved
+                    pc.reserved = 0
+                self._changed.notify_all()
+                return n
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _stale(self, name: str, p: Partition, seen: int, keys: set[str]) -> bool:
+        # With the lock held: whether a plan of ``p`` from write count ``seen`` may no
+        # longer hold (the partition was dropped or replaced, or a write touched ``keys``).
+        return self._parts.get(name) is not p or p.touched(seen, keys)
 
     def clear(self, name: str, keys: Sequence[str] | None, put_id: str | None = None) -> int:
         """Remove rows (all when ``keys`` is None). Returns how many were removed. A
@@ -429,20 +461,25 @@ class Store:
             p = self._get(name)
             if keys is None:
                 n = len(p.rows)
+                p.cleared(p.rows.values())
                 p.rows.clear()
                 p.nbytes = 0
                 p.held = 0
                 p.progress.removed_all()
+                p.wrote(None)
             else:
                 _known(p, keys)
-                n = 0
+                gone = []
                 for k in keys:
                     row = p.rows.pop(k, None)
                     if row is None:
                         continue
-                    n += 1
+                    gone.append(row)
                     p.nbytes -= row.nbytes
                     p.held -= row.held
+                n = len(gone)
+                p.cleared(gone)
+                p.wrote(keys)
                 p.progress.removed(keys)
                 for lease in list(p.progress.leases.values()):
                     p.progress.settle(lease)

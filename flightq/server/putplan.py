@@ -1,0 +1,268 @@
+"""A put's plan: every check, and the rows it stores, worked out without the store's lock.
+
+Planning a put is the per-row work (each key looked up, conflicts and shapes checked, a
+:class:`~flightq.server.partition.Row` built for every row it creates or changes); for a
+million rows that takes seconds, so the store plans outside its lock and holds the lock
+only to check that the plan still holds and to commit it
+(:meth:`~flightq.server.partition.Partition.commit`: a few dict updates).
+
+Planning reads the partition while other threads may write it. Each read is one dict
+lookup, atomic in CPython, and a stored row is never changed in place (a write replaces the
+row by a new one), so a plan sees every row whole, as it was at some moment. The plan
+records the partition's write count when it began; under the lock, the store asks the
+partition whether a write since then touched one of the put's keys
+(:meth:`~flightq.server.partition.Partition.touched`) and plans again if one did.
+
+A retry is recognised here too (:func:`replays`): by its ``put_id``, or, without one and
+without ``overwrite``, because each of its record batches equals a record batch the
+partition stored and still holds whole. One Arrow comparison per batch (memcmp speed),
+never a cell by cell walk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..errors import ConflictError, MissingFieldError, ShapeError
+from ..layout import in_slices, pylist
+
+if TYPE_CHECKING:
+    from .partition import Partition, Piece, Row
+
+__all__ = ["PutPlan", "plan_put", "replays"]
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class PutPlan:
+    """What a put does to a partition, worked out by :func:`plan_put`."""
+
+    pieces: list[Piece]
+    #: Every row key of the put, in order.
+    keys: list[str]
+    put_id: str | None
+    #: The partition's write count when planning began (:meth:`Partition.touched`).
+    seen: int = 0
+    #: The rows to acknowledge again without storing anything (a retry), or None.
+    replay: int | None = None
+    #: Keys of the rows the put creates, in order, and as the entries each task's ready
+    #: index gains.
+    new: list[str] = field(default_factory=list)
+    ready: dict[str, None] = field(default_factory=dict)
+    #: The rows to store, by key: new rows, and new versions of the rows it changes.
+    rows: dict[str, Row] = field(default_factory=dict)
+    #: Change in the partition's payload bytes and in what the budget counts for it.
+    nbytes: int = 0
+    held: int = 0
+    #: Bytes the budget must find room for (every piece's, before cells it replaces).
+    need: int = 0
+    #: Stored pieces whose rows this put changes (a cell replaced, a tag rewritten).
+    damaged: list[Piece] = field(default_factory=list)
+
+
+def plan_put(
+    p: Partition, pieces: list[Piece], overwrite: bool, put_id: str | None, seen: int
+) -> PutPlan:
+    """What storing ``pieces`` in ``p`` would do, after every check; changes nothing.
+
+    Safe without the store's lock (see the module's docstring): the plan holds if no write
+    since write count ``seen`` (``p.writes``, read before calling) touched its keys.
+
+    Raises
+    ------
+    MissingFieldError
+        If a new row lacks a required field, or has it null.
+    ConflictError
+        If a row has a column already and ``overwrite`` is false.
+    ShapeError
+        If a row's token length differs from the stored row's, or a grouped partition
+        would get part of a group.
+    """
+    from .partition import Row
+
+    keys = [k for pc in pieces for k in pc.checked.keys]
+    if put_id is not None and put_id in p.recent_puts:
+        return PutPlan(pieces, keys, put_id, seen, replay=p.recent_puts[put_id])
+    if not overwrite and replays(p, pieces):
+        return PutPlan(pieces, keys, put_id, seen, replay=len(keys))
+    name, required, rows = p.name, p.schema.required, p.rows
+    # Per piece, the stored row of each key (None: new), read once and used throughout.
+    olds: list[list[Row | None]] = []
+    n_new = 0
+    for pc in pieces:
+        ck = pc.checked
+        missing = [f for f in required if f not in ck.fields]
+        holes = [f for f in required if f in ck.fields and pc.valid(f)]
+        mine: list[Row | None] = []
+        for i, k in enumerate(ck.keys):
+            row = rows.get(k)
+            mine.append(row)
+            if row is None:
+                if missing:
+                    raise MissingFieldError(
+                        f"row key {k!r} is new in partition {name!r} and lacks "
+                        f"required field(s) {missing}",
+                        field=missing[0],
+                        key=k,
+                        partition=name,
+                    )
+                if holes:
+                    _check_required_not_null(pc, i, holes, k, name)
+                n_new += 1
+                continue
+            if not overwrite:
+                for f in ck.fields:
+                    if f in row.cells and _valid_at(pc, f, i):
+                        raise ConflictError(
+                            f"row key {k!r} already has column {f!r} in partition "
+                            f"{name!r}; pass overwrite=True to rewrite it",
+                            field=f,
+                            key=k,
+                            partition=name,
+                        )
+            s = int(ck.seq_lens[i])
+            if s >= 0 and row.seq_len >= 0 and s != row.seq_len:
+                raise ShapeError(
+                    f"row key {k!r}: token fields of this put have sequence length "
+                    f"{s}, the stored row has {row.seq_len}",
+                    key=k,
+                    expected=row.seq_len,
+                    actual=s,
+                    partition=name,
+                )
+        olds.append(mine)
+    g = p.group_size
+    if g and n_new % g:
+        raise ShapeError(
+            f"partition {name!r} has group size {g}: a put creates whole groups, "
+            f"got {n_new} new rows",
+            actual=n_new,
+            partition=name,
+        )
+    group = p.reserve_groups(n_new // g if g else n_new)
+    out: dict[str, Row] = {}
+    new: list[str] = []
+    damaged: dict[int, Piece] = {}
+    nbytes_in = held_in = gone = 0
+    for pc, mine in zip(pieces, olds, strict=True):
+        ck = pc.checked
+        dense = [f for f in ck.fields if pc.valid(f) is None]
+        sparse = [(f, v) for f in ck.fields if (v := pc.valid(f)) is not None]
+        seq_lens, nbytes = pylist(ck.seq_lens), pylist(ck.nbytes)
+        held = pylist(pc.held) if len(pc.held) else nbytes
+        nbytes_in += sum(nbytes)
+        held_in += sum(held)
+        for i, (k, old) in enumerate(zip(ck.keys, mine, strict=True)):
+            cell = (pc, i)
+            fields = dense + [f for f, v in sparse if v[i]] if sparse else dense
+            t = pc.tags[i]
+            if old is None:
+                n = len(new)
+                out[k] = Row(
+                    k,
+                    group + (n // g if g else n),
+                    dict.fromkeys(fields, cell),
+                    t or {},  # the piece's map, never changed in place
+                    seq_lens[i],
+                    nbytes[i],
+                    held[i],
+                )
+                new.append(k)
+                continue
+            cells = dict(old.cells)
+            freed = 0
+            for f in fields:
+                was = cells.get(f)
+                if was is not None:  # overwrite: the old cell's bytes go
+                    freed += was[0].cell_nbytes(f, was[1])
+                    damaged[id(was[0])] = was[0]
+                cells[f] = cell
+            tags = old.tags
+            if t:
+                if any(tags.get(a, _MISSING) != b for a, b in t.items()):
+                    for was in old.cells.values():  # their tags are no longer all there
+                        damaged[id(was[0])] = was[0]
+                tags = {**tags, **t}
+            gone += freed
+            out[k] = Row(
+                k,
+                old.group,
+                cells,
+                tags,
+                seq_lens[i] if seq_lens[i] >= 0 else old.seq_len,
+                old.nbytes - freed + nbytes[i],
+                old.held - freed + held[i],
+            )
+    ready: dict[str, None] = {}
+    for part in in_slices(new):
+        ready.update(dict.fromkeys(part))
+    return PutPlan(
+        pieces,
+        keys,
+        put_id,
+        seen,
+        new=new,
+        ready=ready,
+        rows=out,
+        nbytes=nbytes_in - gone,
+        held=held_in - gone,
+        need=held_in,
+        damaged=list(damaged.values()),
+    )
+
+
+def replays(p: Partition, pieces: Iterable[Piece]) -> bool:
+    """Whether each record batch of a put equals one the partition stored and still holds
+    whole: every row there, each cell of it the stored batch's, no tag of it rewritten.
+
+    Such a put is a retry of one that landed (its acknowledgement was lost): answering it
+    again stores nothing, so a retry never duplicates or conflicts. The stored batch is
+    found through the put's first row (its first cell must be that batch's first), then
+    compared whole in one Arrow call (which lets go of the GIL).
+    """
+    for pc in pieces:
+        twin = _twin(p, pc)
+        if twin is None or not pc.batch.equals(twin.batch, check_metadata=True):
+            return False
+    return True
+
+
+def _twin(p: Partition, pc: Piece) -> Piece | None:
+    """The stored piece a retry of ``pc`` would find whole, or None."""
+    keys = pc.checked.keys
+    if not keys:
+        return None
+    row = p.rows.get(keys[0])
+    if row is None:
+        return None
+    f = next((f for f in pc.checked.fields if _valid_at(pc, f, 0)), None)
+    cell = row.cells.get(f) if f is not None else None
+    if cell is None or cell[1] != 0:
+        return None
+    twin = cell[0]
+    if twin is pc or not twin.stored or twin.damaged:
+        return None
+    if twin.batch.num_rows != pc.batch.num_rows:
+        return None
+    return twin
+
+
+def _valid_at(pc: Piece, f: str, i: int) -> bool:
+    valid = pc.valid(f)
+    return valid is None or valid[i]
+
+
+def _check_required_not_null(
+    pc: Piece, i: int, fields: list[str], key: str, partition: str
+) -> None:
+    for f in fields:
+        if not _valid_at(pc, f, i):
+            raise MissingFieldError(
+                f"row key {key!r}: required field {f!r} is null",
+                field=f,
+                key=key,
+                partition=partition,
+            )
