@@ -209,6 +209,19 @@ def _parser() -> argparse.ArgumentParser:
         help="every shard's location, comma-separated, this one's included "
         "(GetFlightInfo lists one endpoint per peer; see docs/sharding.md)",
     )
+    sv.add_argument(
+        "--max-calls",
+        type=int,
+        default=None,
+        help="calls in flight at once (puts, reads, claims, actions; default 128): past it "
+        "a call is refused at once, ResourceExhaustedError 'server busy'",
+    )
+    sv.add_argument(
+        "--max-sessions",
+        type=int,
+        default=None,
+        help="consumer sessions open at once, counted apart from --max-calls (default 128)",
+    )
     sv.add_argument("--snapshot-dir", help="directory the snapshot action writes into")
     sv.add_argument("--restore", help="a snapshot directory to load before serving")
     sv.add_argument("--tls-cert", help="PEM certificate: serve grpc+tls:// (with --tls-key)")

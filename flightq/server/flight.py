@@ -37,7 +37,7 @@ from ..errors import (
     UnknownSchemaError,
 )
 from ..layout import DEFAULT_BATCH_BYTES
-from ..memory import keep_freed_memory
+from ..memory import collect_rarely, keep_freed_memory
 from ..protocol import (
     ACTIONS,
     CLAIM_METADATA,
@@ -61,6 +61,7 @@ from .actions import HANDLERS, ActionContext
 from .assemble import assemble
 from .budget import DictionaryUse, check_batch
 from .leases import Lease
+from .limits import DEFAULT_MAX_CALLS, DEFAULT_MAX_SESSIONS, CallLimits
 from .metrics import Counters
 from .partition import Partition, Row, make_piece
 from .staging import Staging
@@ -125,6 +126,13 @@ class Server(fl.FlightServerBase):
     shm:
         Serve same-host clients that ask for it through shared memory (:mod:`flightq.shm`)
         in this directory (True: ``/dev/shm``); False refuses such requests.
+    max_calls:
+        Calls (puts, reads, claims, actions) in flight at once; past it a call is refused
+        at once with ResourceExhaustedError ("server busy"). Each holds a thread while it
+        runs (:mod:`flightq.server.limits`).
+    max_sessions:
+        Consumer sessions (a client's DoExchange, held open for its lifetime) at once,
+        counted apart from ``max_calls``; past it a session is refused the same way.
     **kwargs:
         Passed to ``pyarrow.flight.FlightServerBase``, e.g. ``tls_certificates`` (see
         :func:`flightq.auth.tls_certificates`) with a ``grpc+tls://`` location.
@@ -143,8 +151,11 @@ class Server(fl.FlightServerBase):
         restore: str | os.PathLike[str] | None = None,
         peers: Iterable[str] | None = None,
         shm: bool | str = True,
+        max_calls: int = DEFAULT_MAX_CALLS,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
         **kwargs: Any,
     ) -> None:
+        self.limits = CallLimits(max_calls, max_sessions)
         if tokens is not None:
             from ..auth import BearerTokenServerMiddlewareFactory
 
@@ -152,6 +163,8 @@ class Server(fl.FlightServerBase):
                 **kwargs.get("middleware", {}),
                 "flightq.auth": BearerTokenServerMiddlewareFactory(tokens),
             }
+        # Last: a call refused by authentication never takes a slot.
+        kwargs["middleware"] = {**kwargs.get("middleware", {}), "flightq.limits": self.limits}
         self.registry = registry if registry is not None else SchemaRegistry.default()
         self.store = Store(memory_budget)
         if restore is not None:
@@ -667,9 +680,12 @@ def serve_forever(args: argparse.Namespace) -> int:
     """``flightq serve``: run a server in the foreground until SIGINT or SIGTERM.
 
     The process tunes its own allocator (:mod:`flightq.memory`) and says so on its JSON
-    startup line: ``"malloc": {"arena_max": ..., "keep_freed_memory": ...}``.
+    startup line: ``"malloc": {"arena_max": ..., "keep_freed_memory": ...}``, and runs the
+    cyclic garbage collector rarely (:func:`flightq.memory.collect_rarely`; ``"gc"``: its
+    thresholds).
     """
     malloc = _malloc_report(keep_freed_memory())
+    gc_thresholds = collect_rarely()
     level = str(getattr(args, "log_level", None) or "warning").upper()
     logging.basicConfig(
         level=getattr(logging, level), stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
@@ -707,6 +723,8 @@ def serve_forever(args: argparse.Namespace) -> int:
         snapshot_dir=getattr(args, "snapshot_dir", None),
         restore=getattr(args, "restore", None),
         peers=[p for p in (getattr(args, "peers", None) or "").split(",") if p],
+        max_calls=getattr(args, "max_calls", None) or DEFAULT_MAX_CALLS,
+        max_sessions=getattr(args, "max_sessions", None) or DEFAULT_MAX_SESSIONS,
         **extra,
     )
     stop = threading.Event()
@@ -723,6 +741,7 @@ def serve_forever(args: argparse.Namespace) -> int:
                 "listening": server.location,
                 "schemas": [s.ref for s in server.registry],
                 "malloc": malloc,
+                "gc": list(gc_thresholds),
             }
         ),
         flush=True,
