@@ -1,0 +1,197 @@
+"""No request slows another: replays found without a cell walk, large puts committed at
+once, calls and sessions bounded with a typed refusal (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pyarrow.flight as fl
+import pytest
+from helpers_reliability import plain_error, plain_put, put_command, text_batch
+
+import flightq
+from flightq.protocol import SessionCommand
+
+TEXT = "rollout_text@1"
+#: Seconds any wait in these tests may take before the test fails (never a speed check).
+TIMEOUT = 30.0
+
+
+def _health_until_ok(location: str) -> dict[str, object]:
+    """Health, retried while the server says it is busy; fails after TIMEOUT."""
+    deadline = time.monotonic() + TIMEOUT
+    with flightq.connect(location, timeout=TIMEOUT) as c:
+        while True:
+            try:
+                return c.health()
+            except flightq.ResourceExhaustedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+
+def test_an_identical_replay_is_acknowledged_and_differing_content_conflicts() -> None:
+    with flightq.Server() as srv, flightq.connect(srv.location, timeout=TIMEOUT) as c:
+        c.create_partition("p", TEXT, tasks=["t"])
+        batch = text_batch(["a0", "a1", "a2"])
+        assert plain_put(srv.location, put_command("p", rows=3), [batch]) == {"rows": 3}
+        before = c.inspect("p")
+        # The same record batch again, from a plain client: acknowledged, nothing stored.
+        assert plain_put(srv.location, put_command("p", rows=3), [batch]) == {"rows": 3}
+        assert c.inspect("p") == before
+        # A column written back meanwhile does not change that, and its retry is one too.
+        lp = [np.full(4 + i % 3, -0.5, np.float32) for i in range(3)]
+        assert c.put("p", ["a0", "a1", "a2"], {"prev_logprobs": lp}) == 3
+        assert c.put("p", ["a0", "a1", "a2"], {"prev_logprobs": lp}) == 3
+        assert plain_put(srv.location, put_command("p", rows=3), [batch]) == {"rows": 3}
+        # Same keys, other content: a conflict, nothing changed.
+        with pytest.raises(flightq.ConflictError, match=r"row key 'a0' already has column"):
+            c.put_batch("p", text_batch(["a0", "a1", "a2"], seed=7))
+        # Once a cell of the stored batch is rewritten, the old batch is no retry.
+        lengths = {"input_lengths": np.array([5], np.int32)}
+        assert c.put("p", ["a1"], lengths, overwrite=True) == 1
+        with pytest.raises(flightq.ConflictError, match=r"row key 'a0' already has column"):
+            c.put_batch("p", batch)
+        # A put id is acknowledged again even after its rows were cleared.
+        assert c.put_batch("p", text_batch(["b0"]), put_id="g1") == 1
+        assert c.clear("p", ["b0"]) == 1
+        assert c.put_batch("p", text_batch(["b0"]), put_id="g1") == 1
+        assert c.stats()["partitions"]["p"]["rows"] == 3
+        got = c.claim("p", "t", 3, timeout=TIMEOUT, as_="numpy")
+        assert sorted(got.keys) == ["a0", "a1", "a2"]
+
+
+def test_a_retry_of_a_cleared_row_is_no_replay_and_stores_again_whole() -> None:
+    with flightq.Server() as srv, flightq.connect(srv.location, timeout=TIMEOUT) as c:
+        c.create_partition("p", TEXT, tasks=["t"])
+        batch = text_batch(["a0", "a1"])
+        assert c.put_batch("p", batch) == 2
+        assert c.clear("p", ["a0", "a1"]) == 2
+        assert c.put_batch("p", batch) == 2  # new rows again, not a replay
+        assert c.stats()["partitions"]["p"]["rows"] == 2
+        assert c.claim("p", "t", 2, timeout=TIMEOUT, as_="numpy").keys == ["a0", "a1"]
+
+
+def test_a_large_put_appears_all_at_once_to_readers() -> None:
+    n = 100_000
+    with flightq.Server() as srv, flightq.connect(srv.location, timeout=TIMEOUT) as c:
+        c.create_partition("p", TEXT, tasks=["t"])
+        keys = [f"k{i}" for i in range(n)]
+        batch = text_batch(keys)
+        seen: set[int] = set()
+        done = threading.Event()
+
+        def read() -> None:
+            with flightq.connect(srv.location, timeout=TIMEOUT) as r:
+                while not done.is_set():
+                    seen.add(r.stats()["partitions"]["p"]["rows"])
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            assert c.put_batch("p", batch, timeout=TIMEOUT) == n
+        finally:
+            done.set()
+            reader.join(TIMEOUT)
+        assert seen <= {0, n}
+        assert c.stats()["partitions"]["p"]["rows"] == n
+        got = c.get("p", [keys[0], keys[-1]], as_="numpy")
+        assert got.keys == [keys[0], keys[-1]]
+
+
+def _stalled_puts(location: str, n: int) -> list[tuple[fl.FlightClient, object]]:
+    """``n`` DoPut streams that send their schema and then nothing."""
+    schema = text_batch(["x"]).schema
+    out = []
+    for _ in range(n):
+        client = fl.connect(location)
+        writer, _ = client.do_put(put_command("p", rows=1), schema)
+        out.append((client, writer))
+    return out
+
+
+def test_over_max_calls_a_call_is_refused_typed_and_the_server_serves_after() -> None:
+    with flightq.Server(max_calls=2) as srv:
+        with flightq.connect(srv.location, timeout=TIMEOUT) as c:
+            c.create_partition("p", TEXT, tasks=["t"])
+        stalled = _stalled_puts(srv.location, 2)
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while srv.limits.in_flight()[0] < 2:  # both streams reached the server
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            with pytest.raises(
+                flightq.ResourceExhaustedError, match=r"server busy: 2 calls in flight"
+            ):
+                flightq.connect(srv.location, timeout=TIMEOUT)  # its health call is refused
+            with fl.connect(srv.location) as plain, pytest.raises(fl.FlightError) as info:
+                list(plain.do_action(fl.Action("health", msgpack.packb({}))))
+            kind, message = plain_error(info.value)
+            assert kind == "ResourceExhaustedError" and "max_calls=2" in message
+        finally:
+            for client, writer in stalled:
+                with contextlib.suppress(fl.FlightError):  # refused: 0 of the rows announced
+                    writer.close()  # type: ignore[attr-defined]
+                client.close()
+        assert _health_until_ok(srv.location)["ok"] is True
+        with flightq.connect(srv.location, timeout=TIMEOUT) as c:
+            assert c.stats()["partitions"]["p"]["rows"] == 0  # the stalled puts stored nothing
+            assert c.put_batch("p", text_batch(["a0"])) == 1
+
+
+def _open_session(location: str) -> tuple[fl.FlightClient, object, object]:
+    client = fl.connect(location)
+    desc = fl.FlightDescriptor.for_command(SessionCommand().to_wire())
+    writer, reader = client.do_exchange(desc)
+    reader.read_chunk()  # the session id: the session is open
+    return client, writer, reader
+
+
+def test_sessions_are_capped_apart_from_calls() -> None:
+    with flightq.Server(max_sessions=1, max_calls=4) as srv:
+        first = _open_session(srv.location)
+        try:
+            with pytest.raises(fl.FlightError) as info:
+                _open_session(srv.location)
+            kind, message = plain_error(info.value)
+            assert kind == "ResourceExhaustedError"
+            assert "server busy: 1 sessions in flight" in message and "max_sessions=1" in message
+            # Data calls have their own slots: a session never starves them.
+            with flightq.connect(srv.location, timeout=TIMEOUT) as c:
+                assert c.health()["ok"] is True
+        finally:
+            first[2].cancel()  # type: ignore[attr-defined]
+            first[0].close()
+        deadline = time.monotonic() + TIMEOUT
+        while True:  # the first session's slot frees once its handler sees it end
+            try:
+                again = _open_session(srv.location)
+                break
+            except fl.FlightError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        again[2].cancel()  # type: ignore[attr-defined]
+        again[0].close()
+
+
+def test_call_limits_must_be_positive() -> None:
+    with pytest.raises(flightq.ProtocolError, match=r"max_calls must be an int >= 1"):
+        flightq.Server(max_calls=0)
+
+
+def test_each_call_gives_its_slot_back_when_it_ends() -> None:
+    with flightq.Server(max_calls=1) as srv:
+        with flightq.connect(srv.location, timeout=TIMEOUT) as c:
+            c.create_partition("p", TEXT, tasks=["t"])
+            for i in range(5):
+                assert c.put_batch("p", text_batch([f"a{i}"])) == 1
+                assert c.get("p", [f"a{i}"], as_="numpy").keys == [f"a{i}"]
+            assert len(c.claim("p", "t", 5, timeout=TIMEOUT, as_="numpy").keys) == 5
+        deadline = time.monotonic() + TIMEOUT
+        while srv.limits.in_flight() != (0, 0):  # a session ends once its handler sees it
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
