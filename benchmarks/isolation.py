@@ -137,7 +137,6 @@ def _stalled(location: str, seconds: float, started: Any) -> None:
     import msgpack
     import pyarrow.flight as fl
 
-
     schema = _batch(1).schema
     cmd = msgpack.packb({"op": "put", "partition": "stalled", "timeout": 1.0})
     clients = [fl.connect(location) for _ in range(10)]
