@@ -106,11 +106,12 @@ class Progress:
 
     # ------------------------------------------------------------------ rows come and go
 
-    def added(self, keys: Iterable[str]) -> None:
-        """New rows: ready for every task."""
-        keys = list(keys)
+    def added(self, keys: Iterable[str] | dict[str, None]) -> None:
+        """New rows: ready for every task. ``keys`` may be the ``dict.fromkeys`` of them,
+        built beforehand (a put builds it outside the store's lock)."""
+        ready = keys if isinstance(keys, dict) else dict.fromkeys(keys)
         for st in self.tasks.values():
-            st.ready.update(dict.fromkeys(keys))
+            st.ready.update(ready)
         self.version += 1
 
     def removed(self, keys: Iterable[str]) -> None:

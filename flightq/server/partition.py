@@ -195,10 +195,7 @@ class Partition:
             pc.damaged = True
         for pc in plan.pieces:
             pc.stored = True
-        # Progress.added, with the ready entries built outside the lock by the plan.
-        for st in self.progress.tasks.values():
-            st.ready.update(plan.ready)
-        self.progress.version += 1
+        self.progress.added(plan.ready)  # built outside the lock by the plan
         if plan.put_id is not None:
             self.recent_puts[plan.put_id] = len(plan.keys)
             while len(self.recent_puts) > RECENT_PUTS:
