@@ -71,7 +71,19 @@ _LAZY = {
 
 #: Public submodules reachable as attributes after ``import flightq`` (loaded on first use).
 _SUBMODULES = frozenset(
-    {"aio", "ray", "cuda", "shm", "sharding", "server", "client", "compat", "tensordicts", "media"}
+    {
+        "aio",
+        "ray",
+        "cuda",
+        "shm",
+        "sharding",
+        "server",
+        "client",
+        "compat",
+        "tensordicts",
+        "media",
+        "torch",
+    }
 )
 
 
