@@ -239,6 +239,19 @@ def _parser() -> argparse.ArgumentParser:
         help="what the server logs to stderr: info adds start, stop and every refused call "
         "(class, partition, key); debug adds every request (default warning)",
     )
+    sv.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:N/metrics (0: any free port; the "
+        "startup line's \"metrics\" says where); needs pip install 'flightq[metrics]'",
+    )
+    sv.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics endpoint binds (default loopback: metrics name "
+        "partitions and tasks)",
+    )
     sv.set_defaults(func=_cmd_serve)
 
     st = sub.add_parser("stats", help="what a running server holds")
