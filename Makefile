@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints-test.txt
 	@test -n "$(PYTHON)" && command -v $(PYTHON) >/dev/null 2>&1 || { echo "no Python 3.10+ found ($(PYTHON)); set PYTHON=python3.x"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints-test.txt -e '.[torch,tensordict,test,bench,ray,metrics]'
+	$(PIP) install --quiet -c constraints-test.txt -e '.[torch,tensordict,test,bench,ray,metrics,processors]'
 	@touch $(STAMP)
 
 $(NOTORCH_STAMP): pyproject.toml constraints-test.txt
@@ -47,7 +47,7 @@ test: lint $(NOTORCH_STAMP)
 PEERS := $(VENV)/.peers
 
 $(PEERS): $(STAMP)
-	$(PIP) install --quiet -c constraints-test.txt -e '.[torch,tensordict,test,bench,ray,metrics,peers]'
+	$(PIP) install --quiet -c constraints-test.txt -e '.[torch,tensordict,test,bench,ray,metrics,processors,peers]'
 	@touch $(PEERS)
 
 bench: $(PEERS)
