@@ -200,8 +200,7 @@ def split_tiles(
     per_row = [1] * len(counts) if images_per_row is None else [int(c) for c in images_per_row]
     if any(c < 0 for c in per_row) or sum(per_row) != len(counts):
         raise ShapeError(
-            f"images_per_row adds up to {sum(per_row)} images, {count_field!r} has "
-            f"{len(counts)}",
+            f"images_per_row adds up to {sum(per_row)} images, {count_field!r} has {len(counts)}",
             field=count_field,
             expected=len(counts),
             actual=sum(per_row),
