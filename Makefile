@@ -15,16 +15,18 @@ NOTORCH_STAMP := $(NOTORCH)/.installed
 
 $(STAMP): pyproject.toml constraints-test.txt
 	@test -n "$(PYTHON)" && command -v $(PYTHON) >/dev/null 2>&1 || { echo "no Python 3.10+ found ($(PYTHON)); set PYTHON=python3.x"; exit 1; }
+	@echo "flightq: creating $(VENV) with $(PYTHON), then installing flightq, torch and the test tools (minutes on a first run)"
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints-test.txt -e '.[torch,tensordict,test,bench,ray]'
+	$(PIP) install --progress-bar on -c constraints-test.txt -e '.[torch,tensordict,test,bench,ray,metrics,processors]'
 	@touch $(STAMP)
 
 $(NOTORCH_STAMP): pyproject.toml constraints-test.txt
 	@test -n "$(PYTHON)" && command -v $(PYTHON) >/dev/null 2>&1 || { echo "no Python 3.10+ found ($(PYTHON)); set PYTHON=python3.x"; exit 1; }
+	@echo "flightq: creating $(NOTORCH), a second environment without torch"
 	$(PYTHON) -m venv $(NOTORCH)
 	$(NOTORCH)/bin/python -m pip install --quiet --upgrade pip
-	$(NOTORCH)/bin/python -m pip install --quiet -c constraints-test.txt -e '.[test]'
+	$(NOTORCH)/bin/python -m pip install --progress-bar on -c constraints-test.txt -e '.[test,metrics]'
 	@touch $(NOTORCH_STAMP)
 
 venv: $(STAMP)
@@ -47,7 +49,8 @@ test: lint $(NOTORCH_STAMP)
 PEERS := $(VENV)/.peers
 
 $(PEERS): $(STAMP)
-	$(PIP) install --quiet -c constraints-test.txt -e '.[torch,tensordict,test,bench,ray,peers]'
+	@echo "flightq: installing the peers extra (TransferQueue, Ray) into $(VENV)"
+	$(PIP) install --progress-bar on -c constraints-test.txt -e '.[torch,tensordict,test,bench,ray,metrics,processors,peers]'
 	@touch $(PEERS)
 
 bench: $(PEERS)

@@ -46,6 +46,7 @@ from .errors import (
     UnavailableError,
     UndeclaredFieldError,
     UnknownSchemaError,
+    WriterFullError,
 )
 from .memory import keep_freed_memory
 from .registry import SchemaRegistry
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     from .client.client import Client, connect
     from .server.flight import Server
     from .sharding.client import ShardedClient, connect_sharded
+    from .writer import Writer
 
 __version__ = "0.1.0.dev0"
 
@@ -66,12 +68,25 @@ _LAZY = {
     "AsyncClient": "aio",
     "ShardedClient": "sharding",
     "connect_sharded": "sharding",
+    "Writer": "writer",
 }
 
 
 #: Public submodules reachable as attributes after ``import flightq`` (loaded on first use).
 _SUBMODULES = frozenset(
-    {"aio", "ray", "cuda", "shm", "sharding", "server", "client", "compat", "tensordicts", "media"}
+    {
+        "aio",
+        "ray",
+        "cuda",
+        "shm",
+        "sharding",
+        "server",
+        "client",
+        "compat",
+        "tensordicts",
+        "media",
+        "torch",
+    }
 )
 
 
@@ -127,6 +142,8 @@ __all__ = [
     "UnavailableError",
     "UndeclaredFieldError",
     "UnknownSchemaError",
+    "Writer",
+    "WriterFullError",
     "Zstd",
     "decode",
     "draft_schema",

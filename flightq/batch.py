@@ -314,6 +314,13 @@ class Batch:
             settle, self._settle = self._settle, None
             settle(exc)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A batch sent to another process (a DataLoader worker's) keeps its claim, which
+        # that process's client can ack; leaving ``with batch:`` there settles nothing.
+        state = dict(self.__dict__)
+        state["_settle"] = None
+        return state
+
     def __contains__(self, name: object) -> bool:
         return name in self.fields
 

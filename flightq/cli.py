@@ -152,18 +152,27 @@ def _parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("schema", help="list, show, diff and check schemas")
     sp.add_argument("--schemas", help="a schema folder instead of the shipped one")
+    # The same option after the action (``schema list --schemas DIR``); SUPPRESS keeps
+    # what came before the action when it is not repeated.
+    after = argparse.ArgumentParser(add_help=False)
+    after.add_argument("--schemas", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     ssub = sp.add_subparsers(dest="action", required=True)
-    ssub.add_parser("list", help="every schema version with its fingerprint")
-    show = ssub.add_parser("show", help="one schema's fields")
+    ssub.add_parser("list", help="every schema version with its fingerprint", parents=[after])
+    show = ssub.add_parser("show", help="one schema's fields", parents=[after])
     show.add_argument("ref", help="NAME@V, NAME (latest) or a .json file")
     show.add_argument("--json", action="store_true", help="print the JSON document")
-    diff = ssub.add_parser("diff", help="field-by-field differences (exit 1 if any)")
+    diff = ssub.add_parser(
+        "diff", help="field-by-field differences (exit 1 if any)", parents=[after]
+    )
     diff.add_argument("a")
     diff.add_argument("b")
-    check = ssub.add_parser("check", help="load a folder and check the evolution rules")
+    check = ssub.add_parser(
+        "check", help="load a folder and check the evolution rules", parents=[after]
+    )
     check.add_argument("dir")
     dr = ssub.add_parser(
         "draft",
+        parents=[after],
         help="write a schema from a sample batch, for review",
         description="Write a schema JSON declaring every entry of a sample batch (a dict "
         "of batched tensors or a TensorDict, saved with torch.save): nested tensors and "
@@ -239,6 +248,19 @@ def _parser() -> argparse.ArgumentParser:
         help="what the server logs to stderr: info adds start, stop and every refused call "
         "(class, partition, key); debug adds every request (default warning)",
     )
+    sv.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:N/metrics (0: any free port; the "
+        "startup line's \"metrics\" says where); needs pip install 'flightq[metrics]'",
+    )
+    sv.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics endpoint binds (default loopback: metrics name "
+        "partitions and tasks)",
+    )
     sv.set_defaults(func=_cmd_serve)
 
     st = sub.add_parser("stats", help="what a running server holds")
@@ -284,13 +306,39 @@ def _bench(argv: list[str]) -> int:
     return int(bench_main(argv))
 
 
+#: The commands, and the actions of ``flightq schema``.
+_COMMANDS = ("schema", "serve", "stats", "inspect", "demo", "bench")
+_SCHEMA_ACTIONS = ("list", "show", "diff", "check", "draft")
+
+
+def _options_after(argv: list[str], names: Sequence[str]) -> list[str]:
+    """``argv`` with the options before its first word in ``names`` moved after it:
+    argparse reads a command's options only after the command's name, and people type
+    ``flightq --json stats LOCATION`` too. A word after an option is taken as its value."""
+    for i, word in enumerate(argv):
+        if word in names:
+            return [word, *argv[:i], *argv[i + 1 :]]
+        if not word.startswith("-") and (i == 0 or not argv[i - 1].startswith("-")):
+            break  # a positional before any command: leave it to argparse
+    return argv
+
+
+def _reordered(argv: list[str]) -> list[str]:
+    """Options before or after the command, and before or after schema's action."""
+    argv = _options_after(argv, _COMMANDS)
+    if argv[:1] == ["schema"]:
+        argv = ["schema", *_options_after(argv[1:], _SCHEMA_ACTIONS)]
+    return argv
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
-    if argv is None and sys.argv[1:2] == ["serve"]:
+    own = argv is None
+    argv = _reordered(list(sys.argv[1:] if argv is None else argv))
+    if own and argv[:1] == ["serve"]:
         from .memory import exec_with_one_arena
 
-        exec_with_one_arena(sys.argv[1:])
-    argv = list(sys.argv[1:] if argv is None else argv)
+        exec_with_one_arena(argv)
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
     args = _parser().parse_args(argv)

@@ -41,6 +41,7 @@ __all__ = [
     "ConflictError",
     "LeaseExpiredError",
     "ClaimTimeoutError",
+    "WriterFullError",
     "FlightqTimeoutError",
     "UnavailableError",
     "ResourceExhaustedError",
@@ -177,6 +178,12 @@ class FlightqTimeoutError(FlightqError, TimeoutError):
 
 class ClaimTimeoutError(FlightqTimeoutError):
     """Not enough rows became ready for a claim before its timeout."""
+
+
+class WriterFullError(FlightqTimeoutError):
+    """A :class:`flightq.Writer`'s queue stayed full for the whole timeout of a ``put``:
+    the server takes puts more slowly than they come. Raised in the caller, never sent
+    over the wire; nothing of that put was queued."""
 
 
 class UnavailableError(FlightqError, ConnectionError):

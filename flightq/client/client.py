@@ -79,7 +79,7 @@ from .streams import (
     put_parts,
     read_keys,
 )
-from .transport import Transport
+from .transport import Transport, with_scheme
 
 if TYPE_CHECKING:
     from ..shm import SegmentPool
@@ -135,7 +135,7 @@ def connect(
     Parameters
     ----------
     location:
-        ``grpc://host:port``.
+        ``grpc://host:port`` (a bare ``host:port`` means that), ``grpc+tls://``, ``grpc+unix://``.
     schemas:
         Schemas this process reads or writes: ``"name@V"`` (resolved in ``registry``, or the
         shipped registry) or :class:`Schema` objects.
@@ -252,6 +252,7 @@ class Client:
             )
         if min_stream_bytes < 1:
             raise ValueError(f"min_stream_bytes must be at least 1, got {min_stream_bytes}")
+        location = with_scheme(location)  # a bare host:port means grpc://host:port
         self.shm_dir: str | None = None
         if shm:
             from ..shm import directory, is_local

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.flight as fl
 
 from ..chunks import split_batch
-from ..errors import FlightqError, FlightqTimeoutError, ProtocolError
+from ..errors import FlightqError, FlightqTimeoutError
 from ..protocol import (
     ACTIONS,
     ActionSpec,
@@ -35,7 +35,7 @@ from ..protocol import (
     from_flight_error,
 )
 
-__all__ = ["Transport", "action_spec", "generic_options", "keepalive_options"]
+__all__ = ["Transport", "action_spec", "generic_options", "keepalive_options", "with_scheme"]
 
 R = TypeVar("R", bound=Message)
 
@@ -115,7 +115,7 @@ class Transport:
     Parameters
     ----------
     location:
-        ``grpc://host:port`` (or ``grpc+tls://``, ``grpc+unix://``).
+        ``grpc://host:port`` (a bare ``host:port`` means that), ``grpc+tls://``, ``grpc+unix://``.
     timeout:
         Seconds a call may take when it is not told otherwise.
     token:
@@ -144,7 +144,7 @@ class Transport:
         flight_kwargs["generic_options"] = generic_options(
             timeout, flight_kwargs.get("generic_options")
         )
-        self.location = location
+        self.location = with_scheme(location)
         self.timeout = timeout
         self._kwargs = flight_kwargs
         self._lock = threading.Lock()
@@ -154,11 +154,6 @@ class Transport:
     # ------------------------------------------------------------------ connections
 
     def _open(self) -> fl.FlightClient:
-        if "://" not in self.location:
-            raise ProtocolError(
-                f"location {self.location!r} names no scheme; use grpc://{self.location} "
-                "(or grpc+tls://, grpc+unix://)"
-            )
         try:
             return fl.FlightClient(self.location, **self._kwargs)
         except _FOREIGN as e:
@@ -336,3 +331,8 @@ class Transport:
         for flight in flights:
             with contextlib.suppress(*_FOREIGN):
                 flight.close()
+
+
+def with_scheme(location: str) -> str:
+    """A location as Flight takes it: a bare ``host:port`` means ``grpc://host:port``."""
+    return location if "://" in location else f"grpc://{location}"

@@ -62,7 +62,7 @@ from .assemble import assemble
 from .budget import DictionaryUse, check_batch
 from .leases import Lease
 from .limits import DEFAULT_MAX_CALLS, DEFAULT_MAX_SESSIONS, CallLimits
-from .metrics import Counters
+from .metrics import Counters, call_kind
 from .partition import Partition, Row, make_piece
 from .staging import Staging
 from .store import Store
@@ -278,6 +278,7 @@ class Server(fl.FlightServerBase):
     # ------------------------------------------------------------------ helpers
 
     def _guard(self, fn: Any, *args: Any) -> Any:
+        started = time.perf_counter()  # a DoGet's until its answer starts
         try:
             return fn(*args)
         except FlightqError as e:
@@ -290,6 +291,8 @@ class Server(fl.FlightServerBase):
                 e,
             )
             raise to_flight_error(e) from None
+        finally:
+            self.counters.observe(call_kind(fn.__name__, args), time.perf_counter() - started)
 
     # ------------------------------------------------------------------ DoPut
 
@@ -735,17 +738,13 @@ def serve_forever(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _handler)
     signal.signal(signal.SIGINT, _handler)
     server.start()
-    print(
-        json.dumps(
-            {
-                "listening": server.location,
-                "schemas": [s.ref for s in server.registry],
-                "malloc": malloc,
-                "gc": list(gc_thresholds),
-            }
-        ),
-        flush=True,
-    )
+    started = {"listening": server.location, "schemas": [s.ref for s in server.registry]}
+    if getattr(args, "metrics_port", None) is not None:
+        from .exporter import serve_metrics
+
+        exporter = serve_metrics(server, args.metrics_port, args.metrics_host)
+        started["metrics"] = exporter.url
+    print(json.dumps({**started, "malloc": malloc, "gc": list(gc_thresholds)}), flush=True)
     # Waking often lets this thread run the handler, else it would wait forever.
     while not stop.wait(0.2):
         pass

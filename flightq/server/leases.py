@@ -55,6 +55,11 @@ class TaskState:
     deliveries: dict[str, int] = field(default_factory=dict)
     #: Failed deliveries of each row that has had one.
     failures: dict[str, int] = field(default_factory=dict)
+    #: Since the partition was declared: rows delivered again (a delivery after the
+    #: first), and rows whose lease ended by expiry or by its session's end. Never reset.
+    redelivered: int = 0
+    expired: int = 0
+    gone: int = 0
 
     def forget(self, key: str) -> None:
         """Drop every trace of a row (it was cleared)."""
@@ -150,7 +155,8 @@ class Progress:
         for k in keys:
             del st.ready[k]
             st.leased[k] = lease.id
-            st.deliveries[k] = st.deliveries.get(k, 0) + 1
+            st.deliveries[k] = n = st.deliveries.get(k, 0) + 1
+            st.redelivered += n > 1
         self.leases[lease.id] = lease
         self._next_expiry = min(self._next_expiry, lease.expires)
         return lease
@@ -239,6 +245,7 @@ class Progress:
         for lease in [x for x in self.leases.values() if x.expires <= now]:
             held = self.held(lease, None)
             r, d = self.release(lease, None, failed=held, why="expired")
+            self.tasks[lease.task].expired += r + d
             n += r + d
         self._next_expiry = min((x.expires for x in self.leases.values()), default=math.inf)
         return n
@@ -249,6 +256,7 @@ class Progress:
         n = 0
         for lease in [x for x in self.leases.values() if x.session == session]:
             r, d = self.release(lease, None, failed=self.held(lease, None), why="gone")
+            self.tasks[lease.task].gone += r + d
             n += r + d
         return n
 

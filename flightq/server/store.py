@@ -765,6 +765,21 @@ class Store:
                 "waiting_claims": sum(sum(t.values()) for t in self._waiting.values()),
             }
 
+    def lease_counts(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Per partition and task, since it was declared: ``redelivered`` (deliveries
+        after a row's first), ``expired`` and ``gone`` (rows whose lease ended by expiry,
+        or by the end of its consumer's session), for metrics."""
+        with self._lock:
+            for p in self._parts.values():
+                self._expire(p)
+            return {
+                n: {
+                    t: {"redelivered": st.redelivered, "expired": st.expired, "gone": st.gone}
+                    for t, st in p.progress.tasks.items()
+                }
+                for n, p in self._parts.items()
+            }
+
     def inspect(self, name: str) -> dict[str, Any]:
         """One partition in detail: fields present, per task delivered and ready rows and
         waiting claims, and its puts waiting for room."""

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("shm", "cuda", "auth", "memory"),
     ("server", "client"),
     ("sharding",),
-    ("cli", "tools", "demo", "ray", "aio", "compat", ""),
+    ("cli", "tools", "demo", "ray", "aio", "compat", "torch", "writer", ""),
 ]
 #: The data model: never a socket, a server or a client, not even lazily.
 DATA_MODEL = {m for layer in LAYERS[:7] for m in layer} - {"workloads"}
