@@ -46,6 +46,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .procs import end_processes
+
 __all__ = [
     "PREFIX",
     "SUBNET",
@@ -160,20 +162,6 @@ def _ns_pids(ns: str) -> list[int]:
     return [int(x) for x in out.split() if x.isdigit()]
 
 
-def _end(pids: Sequence[int], grace: float) -> None:
-    for p in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.05)
-        alive = [p for p in alive if _alive(p)]
-    for p in alive:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(p, signal.SIGKILL)
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -185,7 +173,7 @@ def _alive(pid: int) -> bool:
 
 def _remove(names: Sequence[str], grace: float = 3.0) -> None:
     pids = sorted({p for ns in names for p in _ns_pids(ns)} - {os.getpid()})
-    _end(pids, grace)
+    end_processes(pids, grace)
     for ns in names:
         _run(["ip", "netns", "del", ns], check=False)
 
@@ -415,7 +403,7 @@ class Testbed:
                     signal.signal(sig, old)
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
-        _end([p.pid for p in self._procs if p.poll() is None], grace=3.0)
+        end_processes([p.pid for p in self._procs if p.poll() is None], grace=3.0)
         for p in self._procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=1.0)
