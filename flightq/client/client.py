@@ -671,9 +671,10 @@ class Client:
         A row is ready when no claim of the task holds it, it is neither acknowledged nor
         dead, and it has every field in ``fields`` (the schema's required ones when
         ``fields`` is None) and in ``wait_for``; whole groups when the partition has a
-        group size. The rows come back with ``fields``, or with every column they have
-        when ``fields`` is None: a trainer calls ``claim(p, "train", n,
-        wait_for=["prev_logprobs"])``.
+        group size (then the rest of a group acked in part comes after the whole ones,
+        and a claim holding it may be short of ``batch_size``). The rows come back with
+        ``fields``, or with every column they have when ``fields`` is None: a trainer
+        calls ``claim(p, "train", n, wait_for=["prev_logprobs"])``.
 
         The rows are leased (``batch.claim``, a :class:`~flightq.Claim`): :meth:`ack`
         them when done, or :meth:`nack` them to give them back; ``with client.claim(...)

@@ -191,6 +191,9 @@ class Progress:
             elif k in st.deliveries and k not in st.done:
                 lost.append(k)  # another claim has it now, or it is dead
         self.settle(lease)
+        if acked:
+            # The rest of a group acked in part may be claimable now (a remnant).
+            self.version += 1
         return acked, lost
 
     def nack(self, lease: Lease, keys: Sequence[str] | None, failed: bool) -> tuple[int, int]:

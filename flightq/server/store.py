@@ -911,14 +911,21 @@ def _fields_for(p: Partition, rows: list[Row], fields: Sequence[str] | None) -> 
 def _ready(p: Partition, task: str, need: Sequence[str], limit: int | None) -> list[Row] | None:
     """The first ready rows (whole groups if grouped), or None if fewer than ``limit``.
 
+    In a grouped partition a group whose other rows are settled for the task (acknowledged,
+    dead or cleared) and none leased is a remnant: its ready rows go out together, after
+    the whole groups, and a claim that holds one returns even when short of ``limit``, so
+    nothing is stranded by a group acked in part.
+
     It walks the task's ready index only, and not at all when the index holds fewer rows
-    than ``limit``."""
-    ready = p.progress.tasks[task].ready
-    if limit is not None and len(ready) < limit:
+    than ``limit`` (and, grouped, no remnant can be in it)."""
+    st = p.progress.tasks[task]
+    ready = st.ready
+    g = p.group_size
+    if limit is not None and len(ready) < limit and not (g and _maybe_remnant(st, g)):
         return None
     rows = p.rows
     out: list[Row] = []
-    if not p.group_size:
+    if not g:
         for k in ready:
             r = rows[k]
             if all(f in r.cells for f in need):
@@ -926,7 +933,6 @@ def _ready(p: Partition, task: str, need: Sequence[str], limit: int | None) -> l
                 if limit is not None and len(out) == limit:
                     return out
         return out if limit is None else None
-    g = p.group_size
     groups: dict[int, list[Row]] = {}
     for k in ready:
         r = rows[k]
@@ -936,7 +942,32 @@ def _ready(p: Partition, task: str, need: Sequence[str], limit: int | None) -> l
             out.extend(members)
             if limit is not None and len(out) == limit:
                 return out
+    partial = [m for m in groups.values() if len(m) < g]
+    if partial:
+        # Whole groups are leased whole, so a group with a leased row is one given back in
+        # part: the rest of it is still out, and the group waits for it.
+        held = {rows[k].group for k in st.leased if k in rows}
+        took = False
+        for members in partial:
+            if members[0].group in held or not all(
+                all(f in m.cells for f in need) for m in members
+            ):
+                continue
+            if limit is not None and len(out) + len(members) > limit:
+                continue
+            out.extend(members)
+            took = True
+            if limit is not None and len(out) == limit:
+                return out
+        if took:
+            return out
     return out if limit is None else None
+
+
+def _maybe_remnant(st: TaskState, g: int) -> bool:
+    """Whether the task's ready index may hold a remnant: a group some of whose rows
+    were settled or cleared."""
+    return bool(len(st.ready) % g or st.done or st.dead)
 
 
 def _describe(

@@ -364,12 +364,13 @@ class ShardedClient(Fanout):
 
         Starting at a shard that rotates from call to call, each shard gives what it has
         ready (the largest whole number of groups not above what is still needed, found
-        by halving), until ``batch_size`` rows are gathered. When no shard has any, the
-        claim waits on one shard for ``poll`` seconds, then looks at all again, until
-        ``timeout``. Rows of one group always come from one shard; rows of one shard come
-        in its creation order, shards in the order they answered. A shard that cannot be
-        reached is skipped while the others have enough rows; once they do not, the claim
-        fails at once with ``UnavailableError``.
+        by halving), until ``batch_size`` rows are gathered, or a shard answers short
+        with the rest of a group acked in part, which ends the claim there. When no
+        shard has any, the claim waits on one shard for ``poll`` seconds, then looks at
+        all again, until ``timeout``. Rows of one group always come from one shard; rows
+        of one shard come in its creation order, shards in the order they answered. A
+        shard that cannot be reached is skipped while the others have enough rows; once
+        they do not, the claim fails at once with ``UnavailableError``.
 
         Raises
         ------
@@ -435,7 +436,7 @@ class ShardedClient(Fanout):
             except FlightqError as e:
                 raise at_shard(self.locations[s], e) from e
             got.append((s, bs))
-            return size
+            return sum(b.num_rows for b in bs)
 
         def after_sweep(missing: int) -> None:
             if down:
@@ -455,7 +456,7 @@ class ShardedClient(Fanout):
                     f"{partition!r} over {n} shards timed out after {wait:g}s: "
                     f"{batch_size - missing} rows were ready (given back)"
                 )
-            merged = merge(batch_size, sequential(got))
+            merged = merge(sum(b.num_rows for _, bs in got for b in bs), sequential(got))
             batch = self._decoded(merged, started, as_, copy, dev, sync)
         except BaseException:
             for s, grant, _ in grants:

@@ -317,8 +317,10 @@ def gather(
     Parameters
     ----------
     take:
-        ``take(shard, size, seconds)`` claims exactly ``size`` rows on ``shard``, waiting
-        up to ``seconds``, and returns ``size``, or 0 when not enough were ready.
+        ``take(shard, size, seconds)`` claims ``size`` rows on ``shard``, waiting up to
+        ``seconds``, and returns the rows it took: ``size``, 0 when not enough were ready,
+        or fewer when the shard answered with the rest of a group acked in part (a
+        remnant), which ends the gathering short.
     after_sweep:
         Called with the rows still missing after each sweep that did not finish; may
         raise to stop (e.g. when a shard was unreachable).
@@ -326,7 +328,7 @@ def gather(
     Returns
     -------
     int
-        Rows still missing: 0 when all were gathered.
+        Rows still missing: 0 when all were gathered (or a remnant ended it short).
     """
     turn = 0
     while need:
@@ -335,6 +337,8 @@ def gather(
             size = need
             while need and size >= unit:
                 taken = take(s, size, 0.0)
+                if 0 < taken < size:
+                    return 0  # a remnant: the claim ends short rather than strand it
                 need -= taken
                 progressed = progressed or bool(taken)
                 size = min(size, need) if taken else size // 2 // unit * unit
@@ -346,7 +350,10 @@ def gather(
         if left <= 0:
             return need
         if not progressed:
-            need -= take(order[turn % len(order)], unit, min(left, poll))
+            taken = take(order[turn % len(order)], unit, min(left, poll))
+            if 0 < taken < unit:
+                return 0
+            need -= taken
             turn += 1
     return 0
 

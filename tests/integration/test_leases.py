@@ -419,7 +419,7 @@ def test_stats_count_delivered_acked_leased_dead_and_claims(client):
     assert client.stats()["partitions"]["p"]["claims"] == 0
 
 
-def test_an_expired_lease_in_a_grouped_partition_gives_back_whole_groups(client):
+def test_an_expired_lease_in_a_grouped_partition_gives_back_whole_groups_then_the_rest(client):
     keys = text_keys(3, 4)
     client.create_partition("g", TEXT, tasks=["train"], group_size=4, lease=0.5)
     client.put("g", keys, text_columns(keys))
@@ -430,9 +430,48 @@ def test_an_expired_lease_in_a_grouped_partition_gives_back_whole_groups(client)
     assert got.keys == keys[8:]  # the one group never claimed, first
     back = client.claim("g", "train", 4, timeout=SOON, as_="numpy")
     assert back.keys == keys[4:8] and back.claim.deliveries == (2, 2, 2, 2)  # the whole group
-    # The first group, acked in part, is never offered in part.
+    # The first group, acked in part, is not stranded: its rest comes alone, short.
+    rest = client.claim("g", "train", 4, timeout=SOON, as_="numpy")
+    assert rest.keys == keys[2:4] and rest.claim.deliveries == (2, 2)
+    assert client.ack(rest) == 2 and client.ack(got) == 4 and client.ack(back) == 4
+    assert client.inspect("g")["acked"] == {"train": 12}
+
+
+def test_the_rest_of_a_group_given_back_in_part_waits_for_the_part_still_out(client):
+    keys = text_keys(2, 4)
+    client.create_partition("g", TEXT, tasks=["train"], group_size=4)
+    client.put("g", keys, text_columns(keys))
+    first = client.claim("g", "train", 4, timeout=SOON, as_="numpy")
+    client.nack(first, first.keys[:2])  # two rows back, two still leased
+    got = client.claim("g", "train", 4, timeout=SOON, as_="numpy")
+    assert got.keys == keys[4:]  # the other group; never half of one still out
     with pytest.raises(flightq.ClaimTimeoutError):
-        client.claim("g", "train", 4, timeout=0.0, as_="numpy")
+        client.claim("g", "train", 4, timeout=0.2, as_="numpy")
+    client.ack(first)  # the two it still held are done: the two given back are the rest
+    rest = client.claim("g", "train", 4, timeout=SOON, as_="numpy")
+    assert rest.keys == keys[:2] and rest.claim.deliveries == (2, 2)
+
+
+def test_a_dead_row_leaves_the_rest_of_its_group_claimable(client):
+    keys = text_keys(1, 4)
+    client.create_partition("g", TEXT, tasks=["train"], group_size=4, max_failures=1)
+    client.put("g", keys, text_columns(keys))
+    first = client.claim("g", "train", 4, timeout=SOON, as_="numpy")
+    client.nack(first, keys[1:2], failed=True)  # one failed delivery: dead at once
+    client.nack(first)  # the rest back, no failure counted
+    assert client.inspect("g")["dead"] == {"train": 1}
+    rest = client.claim("g", "train", 4, timeout=SOON, as_="numpy")
+    assert rest.keys == [keys[0], keys[2], keys[3]]
+
+
+def test_a_group_with_a_cleared_row_is_delivered_without_it(client):
+    keys = text_keys(2, 4)
+    client.create_partition("g", TEXT, tasks=["train"], group_size=4)
+    client.put("g", keys, text_columns(keys))
+    client.clear("g", keys[:1])
+    # Whole groups first, then the rest of the cleared one, short of the 8 asked.
+    got = client.claim("g", "train", 8, timeout=SOON, as_="numpy")
+    assert got.keys == keys[4:] + keys[1:4]
 
 
 def test_a_waiting_claim_wakes_when_a_lease_expires(client):

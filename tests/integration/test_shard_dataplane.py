@@ -199,3 +199,20 @@ def test_each_shard_receives_only_the_media_of_its_own_groups(shard_locations: l
                 assert len(images) == len(groups), (loc, len(images), groups)
         finally:
             c.drop("w1")
+
+
+def test_a_sharded_claim_hands_out_the_rest_of_a_group_acked_in_part(
+    sharded: flightq.ShardedClient,
+) -> None:
+    sharded.create_partition("rows", TEXT, tasks=["train"], group_size=4)
+    put = grouped_rows(6, 4)
+    sharded.put("rows", **put)
+    first = sharded.claim("rows", "train", 4, as_="numpy", timeout=SHORT)
+    sharded.ack(first, first.keys[:1])  # one row done; the lease of the rest ends unacked
+    sharded.nack(first)
+    got: list[str] = []
+    while len(got) < 23:
+        b = sharded.claim("rows", "train", 8, as_="numpy", timeout=SHORT)
+        got += b.keys
+        sharded.ack(b)
+    assert sorted(got) == sorted(k for k in put["keys"] if k not in first.keys[:1])

@@ -198,3 +198,15 @@ def test_gather_gives_up_at_the_deadline_saying_what_is_missing() -> None:
         return 0
 
     assert gather([0, 1], 64, 16, take, time.monotonic() - 1, 0.01) == 48
+
+
+def test_gather_ends_short_when_a_shard_answers_with_a_remnant() -> None:
+    # Shard 1 holds the rest of a group acked in part: 5 rows it hands out on their own.
+    asked: list[tuple[int, int]] = []
+
+    def take(s: int, size: int, secs: float) -> int:
+        asked.append((s, size))
+        return {0: 0, 1: 5}[s]
+
+    assert gather([0, 1, 0], 32, 8, take, time.monotonic() + 5, 0.01) == 0
+    assert asked == [(0, 32), (0, 16), (0, 8), (1, 32)]
