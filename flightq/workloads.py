@@ -1,9 +1,9 @@
 """The reference workloads (W1, W1-bf16, W2, W3, W4), generated from a fixed seed.
 
 Every benchmark, the demo and the tests measure on these steps, so figures compare the
-same work. Sizes follow multimodal RL recipes: see WORKLOADS.md in the project's shared
-notes. Arrays are numpy (bfloat16 pixels as their uint16 bit patterns, converted to torch
-with :func:`to_torch`), so generating a step needs no torch.
+same work. Sizes follow multimodal RL recipes: see docs/workloads.md. Arrays are numpy
+(bfloat16 pixels as their uint16 bit patterns, converted to torch with :func:`to_torch`),
+so generating a step needs no torch.
 """
 
 from __future__ import annotations
