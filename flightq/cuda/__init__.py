@@ -13,17 +13,22 @@ stream. The result is a :class:`DeviceBatch` whose columns yield CUDA tensors (b
 included) viewing one device buffer per get.
 
 torch is imported inside the functions that need it: a CPU-only process never loads it
-through this package (:mod:`~flightq.cuda.device`: devices and the pinned pool;
+through this package (:mod:`~flightq.cuda.device`: devices; :mod:`~flightq.cuda.pinned`: the pinned
+pool and the process's cap on it (``FLIGHTQ_PINNED_LIMIT``, 4 GiB by default);
 :mod:`~flightq.cuda.put`: staging a put; :mod:`~flightq.cuda.get`: reads into device memory).
 """
 
-from .device import PinnedPool, resolve_device
+from .device import resolve_device
 from .get import DeviceBatch, decode_streams_to_device, decode_to_device
 from .get import rebase as rebase
+from .pinned import PinnedPool, pinned_held, pinned_limit, set_pinned_limit
 from .put import Staged, has_cuda, stage
 
 __all__ = [
     "PinnedPool",
+    "pinned_held",
+    "pinned_limit",
+    "set_pinned_limit",
     "DeviceBatch",
     "Staged",
     "resolve_device",

@@ -1,5 +1,5 @@
-"""CUDA devices and pinned host memory: where a read lands, and the reusable pinned
-buffers and side streams that puts and gets copy through.
+"""CUDA devices: where a read lands, and the dtype and alignment rules of staging buffers
+(the pinned buffers themselves: :mod:`flightq.cuda.pinned`).
 
 torch is imported inside the functions that need it: a CPU-only process never loads it
 through this package.
@@ -7,8 +7,6 @@ through this package.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -19,8 +17,6 @@ from ..errors import DeviceError
 #: Byte alignment of every tensor inside a staging buffer (covers every dtype and
 #: the vector loads of device kernels).
 ALIGN = 256
-#: Pinned buffers are allocated in multiples of this.
-_GRAIN = 2**20
 
 
 def align(n: int) -> int:
@@ -107,78 +103,3 @@ def resolve_device(device: Any, as_: str = "torch") -> Any:
     if not 0 <= index < count:
         raise DeviceError(f"device={device!r}: this machine has {count} CUDA device(s)")
     return torch.device("cuda", index)
-
-
-# --------------------------------------------------------------------------- pinned pool
-
-
-class PinnedPool:
-    """Reusable pinned host buffers and one copy stream per device, owned by one client.
-
-    A buffer handed back with :meth:`give` may still be the source or target of copies in
-    flight: it carries their events and is only handed out again once they completed.
-    Thread-safe. Nothing is allocated (and torch is not imported) before the first use.
-
-    Parameters
-    ----------
-    max_cached_bytes:
-        Free buffers kept beyond this are released to torch's host allocator.
-    """
-
-    def __init__(self, max_cached_bytes: int = 2**30) -> None:
-        self.max_cached_bytes = max_cached_bytes
-        self._lock = threading.Lock()
-        self._free: list[tuple[Any, list[Any]]] = []
-        self._streams: dict[int, Any] = {}
-        #: Pinned bytes allocated so far (new buffers only; reuse does not count).
-        self.allocated_bytes = 0
-
-    def take(self, nbytes: int) -> Any:
-        """A pinned 1-D uint8 CPU tensor of at least ``nbytes`` bytes, idle."""
-        torch = torch_module()
-        with self._lock:
-            fits = [(b, ev) for b, ev in self._free if b.numel() >= nbytes]
-            # Prefer an idle buffer, then the smallest: large ones stay for large puts.
-            fits.sort(key=lambda x: (not all(e.query() for e in x[1]), x[0].numel()))
-            if fits:
-                buf, events = fits[0]
-                self._free = [x for x in self._free if x[0] is not buf]
-            else:
-                buf, events = None, []
-        for e in events:
-            e.synchronize()
-        if buf is None:
-            size = max(_GRAIN, (nbytes + _GRAIN - 1) // _GRAIN * _GRAIN)
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            with self._lock:
-                self.allocated_bytes += size
-        return buf
-
-    def give(self, buf: Any, events: Iterable[Any] = ()) -> None:
-        """Hand ``buf`` back; it is reused once every event in ``events`` has completed."""
-        with self._lock:
-            self._free.append((buf, list(events)))
-            while sum(b.numel() for b, _ in self._free) > self.max_cached_bytes:
-                self._free.sort(key=lambda x: x[0].numel())
-                old, evs = self._free.pop(0)
-                for e in evs:
-                    e.synchronize()
-                del old
-
-    def stream(self, device: Any) -> Any:
-        """The side stream this pool copies on for ``device`` (a ``torch.device``)."""
-        torch = torch_module()
-        with self._lock:
-            s = self._streams.get(device.index)
-            if s is None:
-                s = torch.cuda.Stream(device=device)
-                self._streams[device.index] = s
-        return s
-
-    def clear(self) -> None:
-        """Release every free buffer (those in use stay with their holders)."""
-        with self._lock:
-            free, self._free = self._free, []
-        for _, evs in free:
-            for e in evs:
-                e.synchronize()

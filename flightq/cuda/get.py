@@ -27,7 +27,8 @@ from ..batch import (
     TensorColumn,
     join,
 )
-from .device import ALIGN, PinnedPool, align, torch_module
+from .device import ALIGN, align, torch_module
+from .pinned import PinnedPool
 
 #: A get's bytes cross to the device through pinned windows of at most this size.
 _WINDOW = 64 * 2**20

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from ..tensor import MemoryIndex
-from .device import PinnedPool, align, numpy_dtype, torch_module
+from .device import align, numpy_dtype, torch_module
+from .pinned import PinnedPool
 
 #: An event is recorded on the copy stream after this many staged bytes (puts).
 _EVENT_BYTES = 4 * 2**20
