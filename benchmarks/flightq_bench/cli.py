@@ -9,7 +9,8 @@ gets into CUDA tensors against the CPU path of the same run, and the pinned
 host-to-device copy as the limit), ``flightq bench --hosts 2 --link 1gbit,10gbit --quick``
 (as root: across a rate-limited link between network namespaces, see
 :mod:`flightq_bench.link`), ``flightq bench --shards 2,4 --hosts 8 --link 10gbit``
-(shards on hosts of their own).
+(shards on hosts of their own), ``flightq bench --device cuda --ranks 1,2,4,8`` (trainer
+ranks, rank i claiming into ``cuda:i % device_count``, see :mod:`flightq_bench.ranks`).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="reduced rows, fewer repetitions")
     p.add_argument(
         "--workloads",
-        default=",".join(ALL_WORKLOADS),
-        help=f"comma-separated (default: all of {','.join(ALL_WORKLOADS)})",
+        default="",
+        help=f"comma-separated (default: all of {','.join(ALL_WORKLOADS)}; with --ranks: W1)",
     )
     p.add_argument(
         "--systems", default="", help=f"comma-separated (default: all of {','.join(SYSTEMS)})"
@@ -80,6 +81,26 @@ def _parser() -> argparse.ArgumentParser:
         default="cpu",
         help="cuda: also flightq from and into CUDA tensors (cuda:0) and the pinned "
         "host-to-device copy, against flightq on the CPU in the same run",
+    )
+    p.add_argument(
+        "--ranks",
+        default="",
+        help="e.g. 1,2,4,8: instead of the systems, that many trainer rank processes "
+        "(rank i on cuda:i %% device_count with --device cuda) claiming whole groups of "
+        "W1 or W2 from one server until N x --rank-steps steps are drained; aggregate GB/s "
+        "and the ratio to one rank (see flightq_bench.ranks)",
+    )
+    p.add_argument(
+        "--rank-steps",
+        type=int,
+        default=None,
+        help="with --ranks: steps each rank drains on average (default 4, quick 1)",
+    )
+    p.add_argument(
+        "--no-numa",
+        action="store_true",
+        help="with --ranks: leave the ranks' CPU affinity alone (by default each rank runs "
+        "on its GPU's NUMA node where the host has several)",
     )
     return p
 
@@ -138,6 +159,49 @@ def _shards(args: argparse.Namespace, reps: int, argv: list[str]) -> int:
     return 0
 
 
+def _ranks(args: argparse.Namespace, workloads: list[str], reps: int, argv: list[str]) -> int:
+    from .ranks import markdown, run_ranks
+
+    try:
+        counts = [int(x) for x in _split(args.ranks)]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        print(
+            f"flightq bench: --ranks takes counts like 1,2,4,8, got {args.ranks!r}", file=sys.stderr
+        )
+        return 2
+    bad = [w for w in workloads if w not in ("W1", "W1-bf16", "W2")]
+    if bad:
+        print(f"flightq bench: --ranks runs W1, W1-bf16 or W2, not {bad}", file=sys.stderr)
+        return 2
+    steps = args.rank_steps if args.rank_steps is not None else (1 if args.quick else 4)
+    if steps < 1:
+        print("flightq bench: --rank-steps must be at least 1", file=sys.stderr)
+        return 2
+    command = shlex.join(["flightq", "bench", *argv])
+    docs = [
+        run_ranks(
+            counts,
+            workload=w,
+            device=args.device,
+            reps=reps,
+            steps=steps,
+            seed=args.seed,
+            numa=not args.no_numa,
+            progress=lambda line: print(line, flush=True),
+        )
+        for w in workloads
+    ]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ranks.json").write_text(json.dumps({"command": command, "runs": docs}, indent=2))
+    (out / "ranks.md").write_text(markdown(docs, command))
+    print(markdown(docs, command))
+    print(f"wrote {out / 'ranks.json'}, {out / 'ranks.md'}")
+    return 0
+
+
 def _link(opts: Any, links: list[str], out: Path, t: float) -> int:
     from .hosts import TestbedError, parse_rate
     from .link import markdown, run_link
@@ -164,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
-    workloads = _split(args.workloads)
+    workloads = _split(args.workloads) or (["W1"] if args.ranks else list(ALL_WORKLOADS))
     bad = [w for w in workloads if w not in ALL_WORKLOADS]
     if bad:
         print(
@@ -175,6 +239,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     reps = args.reps or (3 if args.quick else 5)
     if args.shards:
         return _shards(args, reps, argv)
+    if args.ranks:
+        if args.device == "cuda" and (problem := _cuda_problem()):
+            print(f"flightq bench: --device cuda: {problem}", file=sys.stderr)
+            return 2
+        return _ranks(args, workloads, reps, argv)
     pings = args.pings or (150 if args.quick else 1000)
     if reps < 1 or pings < 1:
         print("flightq bench: --reps and --pings must be at least 1", file=sys.stderr)
