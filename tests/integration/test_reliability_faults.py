@@ -305,7 +305,11 @@ def test_snapshot_then_sigkill_then_restore_keeps_every_acknowledged_row_and_cla
         assert _rows_by_key(c.get("vlm", step.keys[:7], as_="numpy")) == before
         with pytest.raises(flightq.NotFoundError, match=r"no row key 'late_g0'"):
             c.get("vlm", ["late_g0"])
-        # Consumption state survived: prev_lp already had group 0; group 1 lost a row.
+        # Consumption state survived: prev_lp already had group 0; group 1 lost a row, so
+        # its rest comes alone, and nothing after it.
+        rest = c.claim("vlm", "prev_lp", 4, ["input_ids"], timeout=TIMEOUT)
+        assert rest.keys == step.keys[4:7]
+        c.ack(rest)
         with pytest.raises(flightq.ClaimTimeoutError, match=r"0 rows ready"):
             c.claim("vlm", "prev_lp", 4, ["input_ids"], timeout=0.2)
         got = c.claim("vlm", "train", 4, timeout=TIMEOUT)
