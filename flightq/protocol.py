@@ -798,6 +798,8 @@ class ServerCounters(Message):
     actions: int = _field(_int(0))
     #: Per error class, the calls refused with it.
     refusals: dict[str, int] = _field(_counts)
+    #: Connections cut because a stream on them waited on its client for idle_timeout.
+    idle_cuts: int = _field(_int(0), 0)
 
 
 @dataclasses.dataclass(**_FROZEN)
