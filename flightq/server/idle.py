@@ -142,44 +142,17 @@ class IdleWatch(fl.ServerMiddlewareFactory):
 
     def reads(self, context: fl.ServerCallContext | None, source: Iterable[T]) -> Iterator[T]:
         """``source`` (a put's record batches from its stream), the call marked as
-        waiting on its client while each next one is read."""
-        call = self._call(context)
-        if call is None:
-            yield from source
-            return
-        it = iter(source)
-        try:
-            while True:
-                call.waiting_since = time.monotonic()
-                try:
-                    item = next(it)
-                except StopIteration:
-                    return
-                finally:
-                    call.waiting_since = None
-                yield item
-        finally:
-            call.waiting_since = None
+        waiting on its client while each next one is read (a batch trickling in slowly
+        counts as one wait)."""
+        call = self._call(context)  # now, in the handler, while its context is current
+        return iter(source) if call is None else _reads(call, iter(source))
 
     def sends(self, context: fl.ServerCallContext | None, batches: Iterable[T]) -> Iterator[T]:
         """``batches`` (an answer's generator), the call marked as waiting on its client
         from each batch handed to Flight's writer until the writer asks for the next: the
         writer blocks while the client does not read."""
         call = self._call(context)
-        if call is None:
-            yield from batches
-            return
-        it = iter(batches)
-        try:
-            for b in it:
-                call.waiting_since = time.monotonic()
-                yield b
-                call.waiting_since = None
-        finally:
-            call.waiting_since = None
-            close = getattr(it, "close", None)
-            if close is not None:  # now, not when collected: a claim's rows go back first
-                close()
+        return iter(batches) if call is None else _sends(call, iter(batches))
 
     # -------------------------------------------------------------- the watchdog
 
@@ -242,6 +215,34 @@ class IdleWatch(fl.ServerMiddlewareFactory):
                     )
                     if self._on_cut is not None:
                         self._on_cut(peer)
+
+
+def _reads(call: _Call, it: Iterator[T]) -> Iterator[T]:
+    try:
+        while True:
+            call.waiting_since = time.monotonic()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            finally:
+                call.waiting_since = None
+            yield item
+    finally:
+        call.waiting_since = None
+
+
+def _sends(call: _Call, it: Iterator[T]) -> Iterator[T]:
+    try:
+        for b in it:
+            call.waiting_since = time.monotonic()
+            yield b
+            call.waiting_since = None
+    finally:
+        call.waiting_since = None
+        close = getattr(it, "close", None)
+        if close is not None:  # now, not when collected: a claim's rows go back first
+            close()
 
 
 def _parse_peer(peer: str) -> tuple[str, int] | None:
