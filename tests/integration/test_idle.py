@@ -24,6 +24,7 @@ from fixtures_dataplane import cli_server
 from helpers_reliability import plain_put, put_command, text_batch
 
 import flightq
+from flightq.server.idle import cut_connection
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="idle timeouts cut connections through /proc"
@@ -223,3 +224,13 @@ def test_the_idle_timeout_is_checked_and_zero_turns_it_off() -> None:
         assert srv.idle.timeout is None
         with flightq.connect(srv.location, timeout=TIMEOUT) as c:
             assert c.stats()["counters"]["idle_cuts"] == 0
+
+
+def test_cutting_finds_only_a_tcp_connection_this_server_holds() -> None:
+    with flightq.Server(idle_timeout=IDLE) as srv, socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        assert not cut_connection(srv.port, "unix:/tmp/flightq.sock")  # not TCP
+        assert not cut_connection(srv.port, f"ipv4:127.0.0.1:{s.getsockname()[1]}")  # none
+        with flightq.connect(srv.location, timeout=TIMEOUT) as c:
+            assert c.health()["ok"] is True
+        assert _cuts(srv.location) == 0
