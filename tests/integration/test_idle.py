@@ -90,13 +90,27 @@ def test_stalled_puts_are_cut_after_the_idle_timeout_and_their_slots_free() -> N
             assert c.health()["ok"] is True
 
 
-def test_a_claim_whose_client_stops_reading_is_cut_and_its_rows_come_back() -> None:
-    keys = [f"k{i}" for i in range(8)]
-    with flightq.Server(idle_timeout=IDLE) as srv:
+@contextlib.contextmanager
+def _filled(keys: list[str]) -> Iterator[flightq.Server]:
+    """A server whose partition ``p`` holds 8 MiB per key (64 MiB: far more than gRPC's
+    window and the socket buffers hold), put before its watchdog starts (``start``): on a
+    loaded machine a put of that size from this same process can wait longer than the
+    1 s timeout for the GIL, and would be cut as a slow client is."""
+    srv = flightq.Server(idle_timeout=IDLE)  # it listens already
+    try:
         with flightq.connect(srv.location, timeout=TIMEOUT) as c:
             c.create_partition("p", TEXT, tasks=["t"])
-            # 64 MiB: far more than gRPC's window and the socket buffers hold.
             c.put("p", keys, {"input_ids": [np.arange(1 << 20) for _ in keys]})
+    except BaseException:
+        srv.stop()
+        raise
+    with srv:
+        yield srv
+
+
+def test_a_claim_whose_client_stops_reading_is_cut_and_its_rows_come_back() -> None:
+    keys = [f"k{i}" for i in range(8)]
+    with _filled(keys) as srv:
         ticket = {"op": "claim", "partition": "p", "task": "t", "batch_size": 8, "timeout": 5.0}
         with fl.connect(srv.location) as plain:
             reader = plain.do_get(fl.Ticket(msgpack.packb(ticket)))  # and never read
@@ -111,10 +125,7 @@ def test_a_claim_whose_client_stops_reading_is_cut_and_its_rows_come_back() -> N
 
 def test_a_scan_whose_client_stops_reading_is_cut() -> None:
     keys = [f"k{i}" for i in range(8)]
-    with flightq.Server(idle_timeout=IDLE) as srv:
-        with flightq.connect(srv.location, timeout=TIMEOUT) as c:
-            c.create_partition("p", TEXT, tasks=["t"])
-            c.put("p", keys, {"input_ids": [np.arange(1 << 20) for _ in keys]})
+    with _filled(keys) as srv:
         with fl.connect(srv.location) as plain:
             info = plain.get_flight_info(fl.FlightDescriptor.for_path("p"))
             reader = plain.do_get(info.endpoints[0].ticket)
