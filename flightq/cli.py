@@ -231,6 +231,16 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="consumer sessions open at once, counted apart from --max-calls (default 128)",
     )
+    sv.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="cut the connection of a client whose put stream sends nothing, or who takes "
+        "nothing of an answer, for this long; every call on that connection ends and the "
+        "client reconnects on its next call; consumer sessions are never cut; 0: never; "
+        "Linux only (default 60)",
+    )
     sv.add_argument("--snapshot-dir", help="directory the snapshot action writes into")
     sv.add_argument("--restore", help="a snapshot directory to load before serving")
     sv.add_argument("--tls-cert", help="PEM certificate: serve grpc+tls:// (with --tls-key)")

@@ -776,6 +776,9 @@ class PartitionStats(Message):
     waiting_puts: int = _field(_int(0), 0)
     #: Parts of puts in parts that arrived and wait for the put's other parts right now.
     staged_parts: int = _field(_int(0), 0)
+    #: Bytes the memory budget counts for the partition's stored rows (payload and the
+    #: rest; flightq.server.budget).
+    held: int = _field(_int(0), 0)
     #: ``inspect`` only: rows having each field.
     fields: dict[str, int] | None = _field(_optional(_counts), None, omit=None)
     #: ``inspect`` only: rows ready per task with the schema's required fields.
@@ -798,6 +801,8 @@ class ServerCounters(Message):
     actions: int = _field(_int(0))
     #: Per error class, the calls refused with it.
     refusals: dict[str, int] = _field(_counts)
+    #: Connections cut because a stream on them waited on its client for idle_timeout.
+    idle_cuts: int = _field(_int(0), 0)
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -808,6 +813,9 @@ class StatsReply(Message):
     bytes: int = _field(_int(0))
     #: Claims waiting for rows right now, over every partition.
     waiting_claims: int = _field(_int(0), 0)
+    #: Bytes the memory budget counts now: every partition's ``held`` and the pieces of
+    #: puts on their way in.
+    held: int = _field(_int(0), 0)
     #: The server's counters; null from a server that keeps none.
     counters: ServerCounters | None = _field(_optional(_message(ServerCounters)), None, omit=None)
 

@@ -26,8 +26,8 @@ def stats(location: str, as_json: bool = False) -> int:
     if as_json:
         print(json.dumps(s, indent=2, sort_keys=True))
         return 0
-    size = human_bytes(s["bytes"])
-    print(f"{location}: {len(s['partitions'])} partitions, {s['rows']} rows, {size}")
+    size, held = human_bytes(s["bytes"]), human_bytes(s.get("held", 0))
+    print(f"{location}: {len(s['partitions'])} partitions, {s['rows']} rows, {size} ({held} held)")
     if s["partitions"]:
         head = f"  {'partition':20} {'schema':22} {'group':>5} {'rows':>7} {'bytes':>11}"
         print(f"{head}  delivered per task")
@@ -50,7 +50,8 @@ def inspect(location: str, partition: str, as_json: bool = False) -> int:
     print(f"partition {partition!r} on {location}")
     print(f"  schema      {d['schema']} ({d['fingerprint']})")
     print(f"  tasks       {', '.join(d['tasks']) or '-'}; group size {d['group_size'] or '-'}")
-    print(f"  rows        {d['rows']} ({human_bytes(d['bytes'])})")
+    size, held = human_bytes(d["bytes"]), human_bytes(d.get("held", 0))
+    print(f"  rows        {d['rows']} ({size} payload, {held} held)")
     print("  fields present (rows):")
     for name, n in d["fields"].items():
         print(f"    {name:28} {n}")

@@ -13,7 +13,7 @@ Examples
 >>> from flightq.server.store import Store
 >>> ctx = ActionContext(Store(), SchemaRegistry.default(), Staging())
 >>> HANDLERS["stats"](ctx, Stats())
-StatsReply(partitions={}, rows=0, bytes=0, waiting_claims=0)
+StatsReply(partitions={}, rows=0, bytes=0, waiting_claims=0, held=0, counters=None)
 >>> HANDLERS["clear"](ctx, Clear(partition="nope"))
 Traceback (most recent call last):
 ...

@@ -8,6 +8,7 @@ is an optional extra (``pip install 'flightq[metrics]'``).
 metric                                         type       labels
 =============================================  =========  ==================================
 ``flightq_rows``, ``flightq_partition_bytes``  gauge      ``partition``
+``flightq_partition_held_bytes``               gauge      ``partition`` (its budget count)
 ``flightq_held_bytes``                         gauge      (what the memory budget counts)
 ``flightq_memory_budget_bytes``                gauge      (absent without a budget)
 ``flightq_puts_total``, ``_gets_``, ...        counter    (every ``stats`` counter)
@@ -78,11 +79,18 @@ def collector(server: Server) -> Any:
             nbytes = GaugeMetricFamily(
                 "flightq_partition_bytes", "Payload bytes held", labels=["partition"]
             )
+            held = GaugeMetricFamily(
+                "flightq_partition_held_bytes",
+                "Bytes the memory budget counts for the partition's rows",
+                labels=["partition"],
+            )
             for name, p in stats["partitions"].items():
                 rows.add_metric([name], p["rows"])
                 nbytes.add_metric([name], p["bytes"])
+                held.add_metric([name], p["held"])
             yield rows
             yield nbytes
+            yield held
             yield GaugeMetricFamily(
                 "flightq_held_bytes",
                 "Bytes the memory budget counts: stored rows and puts on their way in",

@@ -60,6 +60,7 @@ from ..validation import validate
 from .actions import HANDLERS, ActionContext
 from .assemble import assemble
 from .budget import DictionaryUse, check_batch
+from .idle import DEFAULT_IDLE_TIMEOUT, MIDDLEWARE_KEY, IdleWatch
 from .leases import Lease
 from .limits import DEFAULT_MAX_CALLS, DEFAULT_MAX_SESSIONS, CallLimits
 from .metrics import Counters, call_kind
@@ -133,6 +134,11 @@ class Server(fl.FlightServerBase):
     max_sessions:
         Consumer sessions (a client's DoExchange, held open for its lifetime) at once,
         counted apart from ``max_calls``; past it a session is refused the same way.
+    idle_timeout:
+        Seconds a put stream or an answer may wait on its client (no record batch
+        arriving, or none taken) before the server cuts that client's connection, which
+        ends every call on it (:mod:`flightq.server.idle`; Linux only). Consumer sessions
+        are never timed out. None or 0: never.
     **kwargs:
         Passed to ``pyarrow.flight.FlightServerBase``, e.g. ``tls_certificates`` (see
         :func:`flightq.auth.tls_certificates`) with a ``grpc+tls://`` location.
@@ -153,9 +159,12 @@ class Server(fl.FlightServerBase):
         shm: bool | str = True,
         max_calls: int = DEFAULT_MAX_CALLS,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
+        idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         **kwargs: Any,
     ) -> None:
         self.limits = CallLimits(max_calls, max_sessions)
+        self.idle = IdleWatch(idle_timeout, on_cut=self._idle_cut)
+        kwargs["middleware"] = {**kwargs.get("middleware", {}), MIDDLEWARE_KEY: self.idle}
         if tokens is not None:
             from ..auth import BearerTokenServerMiddlewareFactory
 
@@ -173,6 +182,7 @@ class Server(fl.FlightServerBase):
             super().__init__(location, **kwargs)
         except pa.ArrowException as e:
             raise _listen_error(location, e) from e
+        self.idle.port = self.port
         self.counters = Counters()
         self.max_batch_bytes = max_batch_bytes
         self.max_put_batch_bytes = max_put_batch_bytes
@@ -221,6 +231,7 @@ class Server(fl.FlightServerBase):
             log.info("flightq server listening on %s", self.location)
             self._thread = threading.Thread(target=self.wait, name="flightq-server", daemon=True)
             self._thread.start()
+            self.idle.start()
         return self
 
     def stop(self, deadline: float = 10.0) -> bool:
@@ -228,9 +239,12 @@ class Server(fl.FlightServerBase):
 
         New calls are refused; claims and puts waiting for rows or space fail at once
         with UnavailableError; requests being processed (a put streaming in, a read
-        streaming out) finish. Returns whether everything finished within the deadline.
+        streaming out) finish, but the connection of a stream that waits on its client
+        for half the deadline (or ``idle_timeout``, if shorter) is cut. Returns whether
+        everything finished within the deadline.
         """
         self.store.close()
+        self.idle.hurry(deadline / 2)  # a stream its client stalled would hold shutdown
         if self._stopper is None:
             log.info("flightq server on %s stopping", self.location)
             self._stopper = threading.Thread(
@@ -243,6 +257,7 @@ class Server(fl.FlightServerBase):
         if self._thread is not None:
             self._thread.join(timeout=deadline)
             self._thread = None
+        self.idle.stop()
         if self._shm_pool is not None:
             self._shm_pool.close()
         if self._store_hold is not None:
@@ -276,6 +291,18 @@ class Server(fl.FlightServerBase):
         self.stop()
 
     # ------------------------------------------------------------------ helpers
+
+    def _idle_cut(self, peer: str) -> None:
+        self.counters.add("idle_cuts")
+
+    def _answer(
+        self,
+        context: fl.ServerCallContext | None,
+        schema: pa.Schema,
+        batches: Iterator[pa.RecordBatch],
+    ) -> fl.FlightDataStream:
+        """A DoGet's answer stream, watched for a client that stops reading."""
+        return _stream(schema, self.idle.sends(context, batches))
 
     def _guard(self, fn: Any, *args: Any) -> Any:
         started = time.perf_counter()  # a DoGet's until its answer starts
@@ -402,11 +429,11 @@ class Server(fl.FlightServerBase):
         if isinstance(t, GetTicket):
             part, rows, names = self.store.rows_for_get(t.partition, t.keys, t.fields)
             schema, batches = self._assemble(t, part, rows, names)
-            return _stream(*self._shm_reply(t, schema, batches, context))
+            return self._answer(context, *self._shm_reply(t, schema, batches, context))
         if isinstance(t, ScanTicket):
             part, rows, names = self.store.scan(t.partition)
             schema, batches = self._assemble(t, part, rows, names)
-            return _stream(*self._shm_reply(t, schema, batches, context))
+            return self._answer(context, *self._shm_reply(t, schema, batches, context))
         return self._do_claim(t, context)
 
     def _do_claim(
@@ -440,7 +467,7 @@ class Server(fl.FlightServerBase):
         except BaseException:
             self.store.unclaim(name, lease)
             raise
-        return _stream(schema, self._claimed(name, lease, batches))
+        return self._answer(context, schema, self._claimed(name, lease, batches))
 
     def _assemble(
         self, t: Ticket, part: Partition, rows: list[Row], names: list[str]
@@ -521,8 +548,8 @@ class Server(fl.FlightServerBase):
     ) -> Iterator[pa.RecordBatch]:
         """A put's record batches: from the stream, or mapped from a shm segment."""
         ref = cmd.shm
-        if ref is None:
-            return (chunk.data for chunk in reader)
+        if ref is None:  # each read waits on the client: watched for a stall
+            return self.idle.reads(context, (chunk.data for chunk in reader))
         from .. import shm
 
         if self.shm_dir is None:
@@ -728,6 +755,7 @@ def serve_forever(args: argparse.Namespace) -> int:
         peers=[p for p in (getattr(args, "peers", None) or "").split(",") if p],
         max_calls=getattr(args, "max_calls", None) or DEFAULT_MAX_CALLS,
         max_sessions=getattr(args, "max_sessions", None) or DEFAULT_MAX_SESSIONS,
+        idle_timeout=getattr(args, "idle_timeout", DEFAULT_IDLE_TIMEOUT),
         **extra,
     )
     stop = threading.Event()

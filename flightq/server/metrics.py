@@ -29,6 +29,7 @@ COUNTERS = (
     "rows_sent",
     "bytes_sent",
     "actions",
+    "idle_cuts",
 )
 
 

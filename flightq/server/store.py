@@ -752,7 +752,8 @@ class Store:
     # ------------------------------------------------------------------ description
 
     def stats(self) -> dict[str, Any]:
-        """Rows, bytes and per-task progress of every partition, the claims waiting for rows
+        """Rows, bytes (payload, and ``held``: what the budget counts) and per-task progress
+        of every partition, the claims waiting for rows
         right now (per partition and task, and in all) and the puts waiting for room right
         now (per partition)."""
         with self._lock:
@@ -762,6 +763,7 @@ class Store:
                 "partitions": {n: self._partition_stats(n, detail=False) for n in self._parts},
                 "rows": sum(len(p.rows) for p in self._parts.values()),
                 "bytes": sum(p.nbytes for p in self._parts.values()),
+                "held": self._held(),
                 "waiting_claims": sum(sum(t.values()) for t in self._waiting.values()),
             }
 
@@ -980,6 +982,7 @@ def _describe(
         "group_size": p.group_size,
         "rows": len(p.rows),
         "bytes": p.nbytes,
+        "held": p.held,
         "delivered": {t: len(st.done) + len(st.leased) for t, st in p.progress.tasks.items()},
         "acked": {t: len(st.done) for t, st in p.progress.tasks.items()},
         "leased": {t: len(st.leased) for t, st in p.progress.tasks.items()},

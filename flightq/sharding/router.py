@@ -361,7 +361,7 @@ def gather(
 def sum_description(ds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One partition's description summed over shards (rows, bytes, per-task counts)."""
     out = dict(ds[0])
-    for k in ("rows", "bytes", "waiting_puts", "staged_parts", "claims"):
+    for k in ("rows", "bytes", "held", "waiting_puts", "staged_parts", "claims"):
         if k in out:
             out[k] = sum(int(d.get(k, 0)) for d in ds)
     for k in ("delivered", "acked", "leased", "dead", "waiting", "fields", "ready"):
@@ -385,6 +385,7 @@ def sum_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "partitions": parts,
         "rows": sum(int(st.get("rows", 0)) for st in stats),
         "bytes": sum(int(st.get("bytes", 0)) for st in stats),
+        "held": sum(int(st.get("held", 0)) for st in stats),
         "waiting_claims": sum(int(st.get("waiting_claims", 0)) for st in stats),
         "counters": _sum_counters([st.get("counters") for st in stats]),
     }

@@ -232,3 +232,70 @@ def test_concurrent_refusals_leave_nothing_counted():
             t.join(30)
         assert errors and set(errors) == {"ResourceExhaustedError"}
         assert srv.store.held() == 0
+
+
+def test_stats_and_inspect_report_what_the_budget_counts_beside_the_payload(capsys):
+    mib = 2**20
+    with (
+        flightq.Server(memory_budget=8 * mib) as srv,
+        flightq.connect(srv.location, timeout=30) as c,
+    ):
+        _declare(srv.location)
+        c.create_partition("q", TEXT, tasks=["train"])
+        tags = [{"step": i, "note": "x" * 200} for i in range(50)]
+        keys = [f"a{i}" for i in range(50)]
+        c.put("p", keys, {"input_ids": [np.arange(16)] * 50}, tags)
+        c.put("q", ["b0"], {"input_ids": [np.arange(4096)]})
+        st = c.stats()
+        p, q = st["partitions"]["p"], st["partitions"]["q"]
+        # Keys, tags and per-row objects count beyond the payload: 50 rows, at least 1 KiB each.
+        assert p["held"] >= p["bytes"] + 50 * budget.ROW_OVERHEAD and p["bytes"] > 0
+        assert q["held"] > q["bytes"] >= 4096 * 8
+        assert st["held"] == p["held"] + q["held"]
+        assert c.inspect("p")["held"] == p["held"]
+        # The figure is the one the budget refuses by.
+        schema = flightq.SchemaRegistry.default().get(TEXT)
+        ids = [np.zeros(9 * mib // 8, np.int64)]
+        msg = _refused(
+            srv.location,
+            [flightq.encode(schema, {"input_ids": ids}, ["big"])],
+            "more than the server's whole memory budget",
+            timeout=0.3,
+        )
+        ids = [np.zeros((8 * mib - 16 * 1024) // 8, np.int64)]  # fits only an empty server
+        msg = _refused(
+            srv.location,
+            [flightq.encode(schema, {"input_ids": ids}, ["big"])],
+            "memory budget",
+            timeout=0.3,
+        )
+        assert f"the server holds {st['held']} of its" in msg, msg
+        # A part waiting for its put's other part counts for the server, in no partition.
+        part = flightq.encode(schema, {"input_ids": [np.zeros(mib // 8, np.int64)]}, ["s"])
+        waiting = _start_part(srv.location, "s1", part, timeout=30)
+        deadline = time.monotonic() + 10
+        while c.stats()["held"] < st["held"] + mib and time.monotonic() < deadline:
+            time.sleep(0.05)
+        now = c.stats()
+        assert now["held"] >= st["held"] + mib, "the staged part is held"
+        assert now["partitions"]["p"]["held"] == p["held"]
+        action(srv.location, "abort_put", {"partition": "p", "stage": "s1", "parts": 2})
+        with pytest.raises(fl.FlightError, match="gave up a part"):
+            waiting[2].read()
+            waiting[1].close()
+        waiting[0].close()
+        # Cleared rows count no more.
+        assert c.clear("p") == 50
+        deadline = time.monotonic() + 10
+        while c.stats()["held"] != q["held"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        st = c.stats()
+        assert st["partitions"]["p"]["held"] == 0 and st["held"] == q["held"]
+        from flightq import tools
+
+        capsys.readouterr()
+        tools.inspect(srv.location, "q")
+        assert (
+            f"({tools.human_bytes(q['bytes'])} payload, {tools.human_bytes(q['held'])} held)"
+            in (capsys.readouterr().out)
+        )

@@ -56,6 +56,11 @@ def test_a_scrape_shows_rows_bytes_calls_refusals_redeliveries_and_latency() -> 
             metrics.close()
     assert m['flightq_rows{partition="r"}'] == 4
     assert m['flightq_partition_bytes{partition="r"}'] > 0
+    assert (
+        m['flightq_partition_held_bytes{partition="r"}']
+        > m['flightq_partition_bytes{partition="r"}']
+    )
+    assert m["flightq_idle_cuts_total"] == 0
     assert 0 < m["flightq_held_bytes"] <= m["flightq_memory_budget_bytes"] == 1 << 30
     assert m["flightq_puts_total"] == 1 and m["flightq_gets_total"] == 1
     assert m["flightq_claims_total"] == 2

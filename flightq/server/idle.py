@@ -1,0 +1,333 @@
+"""Streams that make no progress are cut: a stalled client gives its thread back.
+
+A DoPut whose client sends its schema and then nothing, or a DoGet whose client stops
+reading, holds a server thread and one of the ``max_calls`` slots
+(:mod:`flightq.server.limits`) for as long as the client keeps its connection. pyarrow's
+Flight server can neither cancel a call nor bound a handler's blocking read, and a handler
+that returns while its read still blocks leaves a dangling reader behind (the process dies
+with "pure virtual method called").
+
+So the server ends the call's *transport* instead. :class:`IdleWatch` is server middleware
+that follows every open DoPut, DoGet and DoExchange; the handler marks where it waits on the
+client (:meth:`IdleWatch.reads` around a put's record batches, :meth:`IdleWatch.sends`
+around the generator that feeds an answer: a client that stops reading blocks Flight's
+writer, which then stops pulling from the generator). A watchdog thread finds each call
+that has waited on its client for ``timeout`` seconds, looks up the TCP connection the call
+came on (the peer ``context.peer()`` names, in ``/proc/self/net/tcp`` and ``tcp6``, then the
+process's socket of that inode) and shuts it down. gRPC sees the connection gone and cancels
+every call on it: the blocked read returns, the handler ends as it would for a client that
+went away (nothing of a cut put is stored), and the slot frees.
+
+A cut ends the whole connection, and gRPC carries all of one client's calls over one
+connection: a legitimate client's other calls on it fail with ``UnavailableError`` and its
+consumer session ends (its claims' rows go back to ready); its next call reconnects. A
+consumer session waits on its client by design and is never watched itself. Linux only:
+elsewhere the watch logs once that idle timeouts are unavailable and cuts nothing.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import pyarrow.flight as fl
+
+from ..errors import ProtocolError
+
+__all__ = ["IdleWatch", "DEFAULT_IDLE_TIMEOUT", "MIDDLEWARE_KEY", "cut_connection"]
+
+log = logging.getLogger("flightq.server")
+
+#: Seconds a stream may wait on its client before its connection is cut. Generous: a
+#: legitimate client that is merely slow (a trainer busy between two reads of a large
+#: answer, a generator computing its next batch) loses its connection when it passes it.
+DEFAULT_IDLE_TIMEOUT = 60.0
+#: The key the watch is installed under in the server's middleware.
+MIDDLEWARE_KEY = "flightq.idle"
+
+_WATCHED = (fl.FlightMethod.DO_PUT, fl.FlightMethod.DO_GET, fl.FlightMethod.DO_EXCHANGE)
+T = TypeVar("T")
+
+
+class _Call(fl.ServerMiddleware):
+    """One watched call: its peer, and since when it waits on its client (None: it does
+    not, or nobody said so yet)."""
+
+    def __init__(self, watch: IdleWatch) -> None:
+        self._watch = watch
+        self.peer: str | None = None
+        self.waiting_since: float | None = None
+        self.cut = False
+
+    def call_completed(self, exception: Any) -> None:
+        self._watch._forget(self)
+
+
+class IdleWatch(fl.ServerMiddlewareFactory):
+    """Server middleware and a watchdog thread that cut the connection of a stream which
+    has waited on its client for ``timeout`` seconds (see the module docstring).
+
+    Parameters
+    ----------
+    timeout:
+        Seconds; None or 0 disables the watch.
+    on_cut:
+        Called with the peer after each cut (the server counts and logs it).
+
+    Raises
+    ------
+    ProtocolError
+        If ``timeout`` is negative or not a number.
+    """
+
+    def __init__(
+        self,
+        timeout: float | None = DEFAULT_IDLE_TIMEOUT,
+        on_cut: Callable[[str], None] | None = None,
+    ) -> None:
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not timeout >= 0
+            or timeout == float("inf")
+        ):
+            raise ProtocolError(
+                f"idle_timeout must be seconds >= 0 (0 or None: off), got {timeout!r}",
+                actual=timeout,
+            )
+        self.timeout = float(timeout) if timeout else None
+        self._limit = self.timeout  # lowered while the server stops (hurry)
+        self.port = 0  # the server's port, set once it listens
+        self._on_cut = on_cut
+        self._lock = threading.Lock()
+        self._calls: set[_Call] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.available = sys.platform.startswith("linux")
+
+    def __repr__(self) -> str:
+        return f"IdleWatch(timeout={self.timeout})"
+
+    # -------------------------------------------------------------- middleware
+
+    def start_call(self, info: fl.CallInfo, headers: dict[str, Any]) -> _Call | None:
+        if self.timeout is None or info.method not in _WATCHED:
+            return None
+        call = _Call(self)
+        with self._lock:
+            self._calls.add(call)
+        return call
+
+    def _forget(self, call: _Call) -> None:
+        with self._lock:
+            self._calls.discard(call)
+
+    def _call(self, context: fl.ServerCallContext | None) -> _Call | None:
+        if context is None or self.timeout is None:
+            return None
+        call = context.get_middleware(MIDDLEWARE_KEY)
+        if isinstance(call, _Call) and call.peer is None:
+            call.peer = context.peer()
+        return call if isinstance(call, _Call) else None
+
+    # -------------------------------------------------------------- handler hooks
+
+    def reads(self, context: fl.ServerCallContext | None, source: Iterable[T]) -> Iterator[T]:
+        """``source`` (a put's record batches from its stream), the call marked as
+        waiting on its client while each next one is read (a batch trickling in slowly
+        counts as one wait)."""
+        call = self._call(context)  # now, in the handler, while its context is current
+        return iter(source) if call is None else _reads(call, iter(source))
+
+    def sends(self, context: fl.ServerCallContext | None, batches: Iterable[T]) -> Iterator[T]:
+        """``batches`` (an answer's generator), the call marked as waiting on its client
+        from each batch handed to Flight's writer until the writer asks for the next: the
+        writer blocks while the client does not read."""
+        call = self._call(context)
+        return iter(batches) if call is None else _sends(call, iter(batches))
+
+    # -------------------------------------------------------------- the watchdog
+
+    def start(self) -> None:
+        """Start the watchdog thread (once; nothing when the watch is off)."""
+        if self.timeout is None or self._thread is not None:
+            return
+        if not self.available:
+            log.warning(
+                "idle stream timeouts are unavailable on %s (they need Linux's /proc): "
+                "a stalled stream holds its slot until its client goes away",
+                sys.platform,
+            )
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="flightq-idle", daemon=True)
+        self._thread.start()
+
+    def hurry(self, seconds: float) -> None:
+        """From now on cut after ``seconds`` if that is sooner: a stopping server waits
+        for the calls in flight, and a stream stalled by its client would never end."""
+        if self.timeout is not None:
+            self._limit = min(self.timeout, max(seconds, 0.05))
+
+    def stop(self) -> None:
+        """Stop the watchdog thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(max((self._limit or 1.0) / 4, 0.05), 1.0)):
+            limit, now = self._limit, time.monotonic()
+            assert limit is not None
+            with self._lock:
+                due = [
+                    c
+                    for c in self._calls
+                    if not c.cut
+                    and c.peer is not None
+                    and c.waiting_since is not None
+                    and now - c.waiting_since >= limit
+                ]
+            for call in due:
+                peer, since = call.peer, call.waiting_since
+                if peer is None or since is None or now - since < limit:
+                    continue  # it made progress meanwhile
+                call.cut = True
+                try:
+                    found = cut_connection(self.port, peer)
+                except OSError as e:
+                    log.warning("idle stream from %s: could not cut its connection: %s", peer, e)
+                    continue
+                if found:
+                    log.warning(
+                        "cut the connection of %s: a stream waited %.1f s on it (idle_timeout)",
+                        peer,
+                        now - (since if since is not None else now),
+                    )
+                    if self._on_cut is not None:
+                        self._on_cut(peer)
+
+
+def _reads(call: _Call, it: Iterator[T]) -> Iterator[T]:
+    try:
+        while True:
+            call.waiting_since = time.monotonic()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            finally:
+                call.waiting_since = None
+            yield item
+    finally:
+        call.waiting_since = None
+
+
+def _sends(call: _Call, it: Iterator[T]) -> Iterator[T]:
+    try:
+        for b in it:
+            call.waiting_since = time.monotonic()
+            yield b
+            call.waiting_since = None
+    finally:
+        call.waiting_since = None
+        close = getattr(it, "close", None)
+        if close is not None:  # now, not when collected: a claim's rows go back first
+            close()
+
+
+def _parse_peer(peer: str) -> tuple[str, int] | None:
+    """``("127.0.0.1", 57618)`` from gRPC's ``"ipv4:127.0.0.1:57618"`` (or
+    ``"ipv6:[::1]:57618"``, its brackets maybe percent-encoded); None for other transports."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host, _, port = urllib.parse.unquote(rest).rpartition(":")
+    if not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _inodes(local_port: int, remote_port: int) -> list[int]:
+    """Socket inodes of TCP connections in this network namespace from ``local_port``
+    to ``remote_port`` (both sides of a loopback connection may be listed; the caller
+    checks which one it holds)."""
+    out = []
+    for path in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(path) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) < 10:
+                continue
+            local, remote = cols[1].rsplit(":", 1)[1], cols[2].rsplit(":", 1)[1]
+            if int(local, 16) == local_port and int(remote, 16) == remote_port:
+                out.append(int(cols[9]))
+    return out
+
+
+def _same_host(a: str, b: str) -> bool:
+    try:
+        x, y = ipaddress.ip_address(a), ipaddress.ip_address(b)
+    except ValueError:
+        return a == b
+    mapped = [getattr(v, "ipv4_mapped", None) or v for v in (x, y)]
+    return mapped[0] == mapped[1]
+
+
+def cut_connection(port: int, peer: str) -> bool:
+    """Shut down (both ways) this process's TCP connection on local ``port`` from
+    ``peer`` (gRPC's form, ``"ipv4:127.0.0.1:57618"``); returns whether one was found.
+
+    The socket is found by inode (``/proc/self/fd/*`` -> ``socket:[inode]``), duplicated,
+    checked by its addresses on the duplicate (the descriptor may have been closed and
+    reused meanwhile) and shut down through it: shutdown acts on the socket every
+    descriptor shares, so gRPC's own reads and writes on it fail. Only the duplicate is
+    closed.
+    """
+    where = _parse_peer(peer)
+    if where is None or not port:
+        return False
+    host, remote_port = where
+    inodes = set(_inodes(port, remote_port))
+    if not inodes:
+        return False
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile, or the listing's own descriptor
+        if not target.startswith("socket:[") or int(target[8:-1]) not in inodes:
+            continue
+        try:
+            dup = os.dup(int(name))
+        except OSError:
+            continue
+        try:
+            if os.fstat(dup).st_ino not in inodes:
+                continue
+            with socket.socket(fileno=dup) as s:
+                dup = -1  # the socket object owns it now
+                mine, theirs = s.getsockname(), s.getpeername()
+                if mine[1] != port or theirs[1] != remote_port or not _same_host(theirs[0], host):
+                    continue
+                s.shutdown(socket.SHUT_RDWR)
+                return True
+        except OSError:
+            continue
+        finally:
+            if dup >= 0:
+                os.close(dup)
+    return False
