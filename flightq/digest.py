@@ -112,6 +112,9 @@ class DigestCache:
         self._entries: dict[tuple[int, str], tuple[Any, Any, Any, bytes]] = {}
         self._lock = threading.Lock()
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def get(self, x: Any, codec: str) -> bytes | None:
         """The cached digest of ``x``'s payload under ``codec``, or None."""
         hit = self._entries.get((id(x), codec))

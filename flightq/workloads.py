@@ -8,6 +8,7 @@ so generating a step needs no torch.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -262,7 +263,9 @@ def to_torch(step: Step) -> Step:
     import torch
 
     def conv(x: np.ndarray) -> Any:
-        t = torch.from_numpy(x)
+        with warnings.catch_warnings():  # W5's read-only images: the step never writes them
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            t = torch.from_numpy(x)
         return t.view(torch.bfloat16) if x.dtype == np.uint16 else t
 
     cols: dict[str, Any] = {}

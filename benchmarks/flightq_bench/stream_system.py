@@ -16,11 +16,15 @@ partition holds (``stats``), against the step's distinct bytes (each image once)
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
 import time
 import warnings
-from multiprocessing.connection import Connection
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -49,20 +53,38 @@ def _streams(step: Step) -> list[list[int]]:
     return [[i for i in range(step.rows) if (i // g) % WRITERS == w] for w in range(WRITERS)]
 
 
-def _writer(conn: Connection, location: str, partition: str, step: Step, rows: list[int]) -> None:
-    """A writer process: on ``prepare`` a fresh client and fresh tensor views, on ``go``
-    its rows one put each, answering the seconds it took."""
+def _send(f: IO[bytes], obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=5)
+    f.write(struct.pack("<Q", len(data)) + data)
+    f.flush()
+
+
+def _recv(f: IO[bytes]) -> Any:
+    head = f.read(8)
+    if len(head) < 8:
+        raise EOFError("the other end went away")
+    (n,) = struct.unpack("<Q", head)
+    return pickle.loads(f.read(n))
+
+
+def writer_main() -> None:
+    """A writer process (started by :class:`FlightqStreamProducer`; its stdin and stdout
+    carry pickled frames): on ``prepare`` a fresh client and fresh tensor views, on
+    ``go`` its rows one put each, answering the seconds it took."""
     import flightq
 
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    location, partition, step, rows = _recv(inp)
     for col in step.columns.values():  # read-only, as the workload makes them
         for row in col if isinstance(col, list) else ():
             for seg in row if isinstance(row, list) else ():
                 seg.flags.writeable = False
     client = None
-    conn.send("ready")
+    puts: list[Any] = []
+    _send(out, "ready")
     while True:
-        msg = conn.recv()
+        msg = _recv(inp)
         if msg == "stop":
             break
         try:
@@ -79,15 +101,15 @@ def _writer(conn: Connection, location: str, partition: str, step: Step, rows: l
                     )
                     for i in rows
                 ]
-                conn.send("ok")
+                _send(out, "ok")
                 continue
             assert client is not None
             t0 = time.perf_counter()
             for keys, cols, tags in puts:
                 client.put(partition, keys, cols, tags)
-            conn.send(time.perf_counter() - t0)
+            _send(out, time.perf_counter() - t0)
         except Exception as e:  # reported to the producer, which raises it
-            conn.send(f"error: {type(e).__name__}: {e}")
+            _send(out, f"error: {type(e).__name__}: {e}")
     if client is not None:
         client.close()
 
@@ -102,41 +124,47 @@ class FlightqStreamProducer(Producer):
         self.client = flightq.connect(loc, schemas=[self.step.schema])
         self.partition = _partition(self.info, self.step.name)
         self.client.create_partition(self.partition, schema=self.step.schema, tasks=["train"])
-        ctx = mp.get_context("spawn")
-        self._writers: list[tuple[Any, Connection]] = []
+        # Subprocesses, not multiprocessing: the producer is a daemonic process.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        code = "from flightq_bench.stream_system import writer_main; writer_main()"
+        self._writers: list[subprocess.Popen[bytes]] = []
         for rows in _streams(self.step):
-            mine, theirs = ctx.Pipe()
-            p = ctx.Process(
-                target=_writer, args=(theirs, loc, self.partition, self.step, rows), daemon=True
+            p = subprocess.Popen(
+                [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
             )
-            p.start()
-            theirs.close()
-            self._writers.append((p, mine))
-        for _, conn in self._writers:
-            self._answer(conn)
+            self._writers.append(p)
+            assert p.stdin is not None
+            _send(p.stdin, (loc, self.partition, self.step, rows))
+        for p in self._writers:
+            self._answer(p)
         return {}
 
-    def _answer(self, conn: Connection) -> Any:
-        if not conn.poll(_WRITER_TIMEOUT):
+    def _tell(self, msg: str) -> None:
+        for p in self._writers:
+            assert p.stdin is not None
+            _send(p.stdin, msg)
+
+    def _answer(self, p: subprocess.Popen[bytes]) -> Any:
+        assert p.stdout is not None
+        ready, _, _ = select.select([p.stdout], [], [], _WRITER_TIMEOUT)
+        if not ready:
             raise TimeoutError("a writer process did not answer in time")
-        got = conn.recv()
+        got = _recv(p.stdout)
         if isinstance(got, str) and got.startswith("error"):
             raise RuntimeError(f"writer process: {got}")
         return got
 
     def prepare(self) -> None:
-        for _, conn in self._writers:
-            conn.send("prepare")
-        for _, conn in self._writers:
-            self._answer(conn)
+        self._tell("prepare")
+        for p in self._writers:
+            self._answer(p)
 
     def put(self) -> dict[str, Any]:
         before = self.client.stats()["counters"]["bytes_received"]
         t0 = now_ns()
-        for _, conn in self._writers:
-            conn.send("go")
-        for _, conn in self._writers:
-            self._answer(conn)
+        self._tell("go")
+        for p in self._writers:
+            self._answer(p)
         out = timed(t0)
         st = self.client.stats()
         out["wire_bytes"] = st["counters"]["bytes_received"] - before
@@ -148,14 +176,18 @@ class FlightqStreamProducer(Producer):
         self.client.clear(self.partition)
 
     def close(self) -> None:
-        for p, conn in self._writers:
+        for p in self._writers:
             with contextlib.suppress(Exception):
-                conn.send("stop")
-            p.join(10)
-            if p.is_alive():
+                assert p.stdin is not None
+                _send(p.stdin, "stop")
+                p.stdin.close()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
                 p.terminate()
-                p.join(5)
-            conn.close()
+                p.wait(5)
+            if p.stdout is not None:
+                p.stdout.close()
         with contextlib.suppress(Exception):
             self.client.drop(self.partition)
         self.client.close()

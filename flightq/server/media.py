@@ -42,6 +42,7 @@ __all__ = [
     "waiting_homes",
     "media_column",
     "same_media",
+    "grouped_by_media",
 ]
 
 #: A copy's name in its partition: column, hash, digest, segment shape.
@@ -407,3 +408,20 @@ def same_media(a: Piece, b: Piece) -> bool:
         and np.array_equal(a.media_index[f], b.media_index[f])
         for f in a.media
     )
+
+
+def grouped_by_media(p: Partition, rows: list[Row]) -> list[Row]:
+    """``rows`` with the rows that share media gathered where the first of them stands
+    (a stable order otherwise): a claim of streamed rows then sends each image once,
+    its rows in one answer batch, not once per batch its rows are spread over."""
+    fields = p.media_fields
+    if not fields or len(rows) < 2:
+        return rows
+    first: dict[int, int] = {}
+    keys = []
+    for i, r in enumerate(rows):
+        c = next(row_copies(r, fields), None)
+        keys.append((i if c is None else first.setdefault(id(c), i), i))
+    if all(k == i for k, i in keys) or sorted(keys) == keys:
+        return rows
+    return [rows[i] for _, i in sorted(keys)]

@@ -35,7 +35,7 @@ from ..errors import (
 )
 from ..schema import Schema
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskState
-from .media import waiting_homes
+from .media import grouped_by_media, waiting_homes
 from .partition import Partition, Piece, Row, put_keys
 from .putplan import plan_put
 
@@ -697,6 +697,7 @@ class Store:
                         seen = p.progress.version
                         picked = _ready(p, task, need, batch_size)
                         if picked is not None:
+                            picked = grouped_by_media(p, picked)  # each image once
                             now = time.monotonic()
                             secs = p.lease if lease is None else lease
                             keys = [r.key for r in picked]
