@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .digest import MediaRefs
 from .encode import encode
 from .layout import MEDIA_TYPE, binary_offsets, media_row_bytes
 from .rows import columns_of
@@ -65,6 +66,7 @@ def encode_chunks(
     on_range: Callable[[int, int], None] | None = None,
     fills: list[Callable[[], None]] | None = None,
     sink: Sink = COPY,
+    media: MediaRefs | None = None,
 ) -> list[pa.RecordBatch]:
     """Encode rows as several record batches of about ``max_bytes`` each.
 
@@ -80,7 +82,8 @@ def encode_chunks(
     but no payload is copied yet: one callable per batch is appended, to run before that
     batch is written (a sender fills the next batch while the wire carries this one);
     payloads already end to end in memory are referenced, not copied, so the batches must
-    be sent while the tensors stay unchanged.
+    be sent while the tensors stay unchanged. ``media`` names media by digest
+    (:func:`encode`), one record of it for every batch.
     """
     keys = list(keys)
     n = len(keys)
@@ -91,7 +94,7 @@ def encode_chunks(
         sink = DeferredFills(fills)
 
     def encode_range(cols: Mapping[str, Any], ks: list[str], tg: Any) -> pa.RecordBatch:
-        return encode(schema, cols, ks, tg, zero_copy=zero_copy, sink=sink)
+        return encode(schema, cols, ks, tg, zero_copy=zero_copy, sink=sink, media=media)
 
     lengths_ok = all(
         hasattr(v, "__len__") and len(v) == n for name, v in columns.items() if name in schema

@@ -142,7 +142,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(steps=args.steps)
+    return run_demo(steps=args.steps, workload=args.workload)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -286,6 +286,13 @@ def _parser() -> argparse.ArgumentParser:
 
     dm = sub.add_parser("demo", help="a generator, a logprob worker and a trainer over loopback")
     dm.add_argument("--steps", type=int, default=3)
+    dm.add_argument(
+        "--workload",
+        choices=["W1", "W5", "W5-copies"],
+        default="W1",
+        help="W1: a put per prompt group; W5: two generators putting a row per put as "
+        "generations finish (W5-copies: each row's image its own array)",
+    )
     dm.set_defaults(func=_cmd_demo)
 
     bn = sub.add_parser("bench", help="the side-by-side benchmark (see flightq bench --help)")

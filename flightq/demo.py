@@ -1,11 +1,13 @@
-"""``flightq demo``: the W1 write-back pattern across three processes over loopback.
+"""``flightq demo``: the W1 write-back pattern across processes over loopback.
 
 An embedded server holds one partition (``rollout_vlm@1``, tasks ``prev_lp`` and
 ``train``, groups of 16). A generator process puts each step's 8 prompt groups one group
-per put; a logprob process claims rows for ``prev_lp``, reads ``input_ids`` and writes
-``prev_logprobs`` back under the same keys; a trainer process claims whole steps for
-``train`` once ``prev_logprobs`` is there, checks every byte against the seeded step, and
-clears the rows. Progress is printed as it runs and a table at the end.
+per put (``--workload W5``: two generator processes put a row per put as generations
+finish, the groups split between them, each group's image sent once); a logprob process
+claims rows for ``prev_lp``, reads ``input_ids`` and writes ``prev_logprobs`` back under
+the same keys; a trainer process claims whole steps for ``train`` once ``prev_logprobs``
+is there, checks every byte against the seeded step, and clears the rows. Progress is
+printed as it runs and a table at the end.
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ def prev_logprobs_of(input_ids: np.ndarray) -> np.ndarray:
     return -((input_ids % 1000).astype(np.float32) / 1000.0)
 
 
-def _step(s: int) -> Any:
+def _step(s: int, workload: str = "W1") -> Any:
     from . import workloads
 
-    st = workloads.w1(seed=s, groups=GROUPS, g=G)
+    if workload == "W1":
+        st = workloads.w1(seed=s, groups=GROUPS, g=G)
+    else:
+        st = workloads.w5(seed=s, copies=workload == "W5-copies")
     st.keys = [f"s{s}_{k}" for k in st.keys]
     for t in st.tags:
         t["weight_version"] = s
@@ -48,17 +53,32 @@ def _step(s: int) -> Any:
 _AS = "torch" if importlib.util.find_spec("torch") is not None else "numpy"
 
 
-def _generator(location: str, steps: int, out: Any) -> None:
+def _generator(location: str, steps: int, out: Any, workload: str = "W1", writer: int = 0) -> None:
     import flightq
 
     with flightq.connect(location, [SCHEMA]) as c:
         for s in range(steps):
-            st = _step(s)
+            st = _step(s, workload)
             t0 = time.perf_counter()
-            for g in range(GROUPS):
-                grp = st.group(g)
-                c.put(PARTITION, grp.keys, grp.columns, grp.tags)
-            out.put(("generator", s, st.rows, st.nbytes(), time.perf_counter() - t0))
+            if not st.streams:
+                for g in range(GROUPS):
+                    grp = st.group(g)
+                    c.put(PARTITION, grp.keys, grp.columns, grp.tags)
+                out.put(("generator", s, st.rows, st.nbytes(), time.perf_counter() - t0))
+                continue
+            mine = st.streams[writer]
+            nbytes = 0
+            for i in mine:  # one row per put, as its generation finishes
+                cols = {k: v[i : i + 1] for k, v in st.columns.items()}
+                c.put(PARTITION, st.keys[i : i + 1], cols, st.tags[i : i + 1])
+                nbytes += sum(_nbytes(v) for v in cols.values())
+            out.put(("generator", s, len(mine), nbytes, time.perf_counter() - t0))
+
+
+def _nbytes(col: Any) -> int:
+    if isinstance(col, np.ndarray):
+        return col.nbytes
+    return sum(sum(x.nbytes for x in r) if isinstance(r, list) else r.nbytes for r in col)
 
 
 def _logprob(location: str, steps: int, out: Any) -> None:
@@ -78,7 +98,7 @@ def _logprob(location: str, steps: int, out: Any) -> None:
             out.put(("logprob", i, len(b), nbytes, time.perf_counter() - t0))
 
 
-def _trainer(location: str, steps: int, out: Any) -> None:
+def _trainer(location: str, steps: int, out: Any, workload: str = "W1") -> None:
     import flightq
 
     with flightq.connect(location, [SCHEMA]) as c:
@@ -88,14 +108,19 @@ def _trainer(location: str, steps: int, out: Any) -> None:
                 PARTITION, "train", GROUPS * G, wait_for=["prev_logprobs"], timeout=TIMEOUT, as_=_AS
             )
             dt = time.perf_counter() - t0
-            s = int(b.tags[0]["weight_version"])
-            st = _step(s)
-            order = {k: i for i, k in enumerate(st.keys)}
+            # Streamed rows of two steps may share a claim: each row checks against its own.
+            made: dict[int, Any] = {}
+            of = [int(t["weight_version"]) for t in b.tags]
+            for v in set(of):
+                made[v] = _step(v, workload)
+            s = min(of)
+            st = made[s]
+            order = {k: i for v in made.values() for i, k in enumerate(v.keys)}
             nbytes = 0
-            for name, want in st.columns.items():
+            for name in st.columns:
                 got = b[name]
                 for j, k in enumerate(b.keys):
-                    w = want[order[k]]
+                    w = made[of[j]].columns[name][order[k]]
                     g = got[j]
                     if isinstance(w, list):
                         for ws, gs in zip(w, g, strict=True):
@@ -105,29 +130,40 @@ def _trainer(location: str, steps: int, out: Any) -> None:
                         assert np.array_equal(np.asarray(w), np.asarray(g)), (name, k)
                         nbytes += np.asarray(w).nbytes
             for j, k in enumerate(b.keys):
-                want_lp = prev_logprobs_of(st.columns["input_ids"][order[k]])
+                want_lp = prev_logprobs_of(made[of[j]].columns["input_ids"][order[k]])
                 assert np.array_equal(np.asarray(b["prev_logprobs"][j]), want_lp), k
             c.clear(PARTITION, b.keys)
             out.put(("trainer", s, len(b), nbytes, dt))
 
 
-def run_demo(steps: int = 3) -> int:
-    """Run the demo; returns 0 when every byte the trainer received checked out."""
+def run_demo(steps: int = 3, workload: str = "W1") -> int:
+    """Run the demo (``workload``: ``W1``, ``W5`` or ``W5-copies``); returns 0 when every
+    byte the trainer received checked out."""
     import flightq
 
     ctx = mp.get_context("spawn")
     out: Any = ctx.Queue()
     t_start = time.perf_counter()
     with flightq.Server() as srv:
+        streamed = workload != "W1"
+        how = "two generators, a row per put" if streamed else "a put per prompt group"
         print(
-            f"flightq demo: server at {srv.location}; {steps} steps of W1 "
-            f"({GROUPS} groups x {G} rows, one 748x1176 float32 image per row)"
+            f"flightq demo: server at {srv.location}; {steps} steps of {workload} "
+            f"({GROUPS} groups x {G} rows, one 748x1176 float32 image per group; {how})"
         )
         with flightq.connect(srv.location, [SCHEMA]) as c:
-            c.create_partition(PARTITION, SCHEMA, tasks=["prev_lp", "train"], group_size=G)
+            # Streamed rows arrive one at a time: no put creates a whole group.
+            group = None if streamed else G
+            c.create_partition(PARTITION, SCHEMA, tasks=["prev_lp", "train"], group_size=group)
+        loc = srv.location
+        gens = [(_generator, (loc, steps, out, workload, w)) for w in range(2 if streamed else 1)]
         procs = [
-            ctx.Process(target=fn, args=(srv.location, steps, out), name=fn.__name__[1:])
-            for fn in (_generator, _logprob, _trainer)
+            ctx.Process(
+                target=fn, args=a, name=f"generator{i}" if fn is _generator else fn.__name__[1:]
+            )
+            for i, (fn, a) in enumerate(
+                [*gens, (_logprob, (loc, steps, out)), (_trainer, (loc, steps, out, workload))]
+            )
         ]
         for p in procs:
             p.start()
@@ -158,12 +194,19 @@ def run_demo(steps: int = 3) -> int:
             if p.is_alive():
                 p.terminate()
         ok = trained == steps and all(p.exitcode == 0 for p in procs)
+        with flightq.connect(srv.location, [SCHEMA]) as c:
+            received = c.stats()["counters"]["bytes_received"]
     wall = time.perf_counter() - t_start
     print()
     print(f"  {'stage':10} {'rows':>6} {'bytes':>11} {'seconds':>8} {'GB/s':>6}")
     for stage, (rows, nbytes, secs) in totals.items():
         rate = nbytes / secs / 1e9 if secs else 0.0
         print(f"  {stage:10} {int(rows):>6} {human_bytes(nbytes):>11} {secs:>8.2f} {rate:>6.3f}")
+    distinct = steps * _step(0, workload).nbytes(distinct_media=True)
+    print(
+        f"\n  the server received {human_bytes(received)} for {human_bytes(distinct)} of "
+        f"distinct payload (each image once): {received / distinct:.2f}x"
+    )
     verdict = "every byte verified" if ok else "FAILED"
     print(f"\n{steps} steps in {wall:.1f}s wall: {verdict}")
     return 0 if ok else 1

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from .codecs import RAW
+from .digest import BATCH_KEY, MediaRefs, digest_of, pack_claims
 from .errors import DTypeError, EncodeError, ShapeError, UndeclaredFieldError
 from .layout import TAGS, arrow_schema
 from .rows import columns_of
@@ -42,6 +43,7 @@ def encode(
     *,
     zero_copy: bool = False,
     sink: Sink = COPY,
+    media: MediaRefs | None = None,
 ) -> pa.RecordBatch:
     """Encode rows into one self-describing record batch.
 
@@ -67,6 +69,11 @@ def encode(
     sink:
         Where the payload bytes go (:mod:`flightq.sink`): copied into the batch now by
         default; a put's sender may leave the copies for later, or gather them elsewhere.
+    media:
+        Name each media dictionary entry by its digest (:mod:`flightq.digest`): equal
+        content becomes one entry, and media ``media.known`` says the server holds go as
+        the digest alone. The digests ride in the batch's schema metadata
+        (:data:`flightq.digest.BATCH_KEY`) to the put's stream. None: no digests.
 
     Returns
     -------
@@ -111,6 +118,7 @@ def encode(
     seq = [-1] * n
     arrays: list[pa.Array] = [pa.array(keys, type=pa.utf8()), _encode_tags(tags, keys)]
     names: list[str] = []
+    claims: dict[str, list[bytes]] = {}
     for f in schema.fields:
         if f.name not in columns:
             continue
@@ -120,12 +128,15 @@ def encode(
             arrays.append(_encode_scalar(f, data, keys))
         elif f.role == "media":
             try:
-                arrays.extend(_encode_media(f, data, keys, zero_copy, sink))
+                arrays.extend(_encode_media(f, data, keys, zero_copy, sink, media, claims))
             except ShapeError as e:
                 raise _with_grid_hint(e, f, columns, keys) from e
         else:
             arrays.extend(_encode_tensor(f, data, keys, zero_copy, seq, sink))
-    batch = pa.RecordBatch.from_arrays(arrays, schema=arrow_schema(schema, names))
+    arrow = arrow_schema(schema, names)
+    if claims and media is not None:
+        arrow = arrow.with_metadata({**arrow.metadata, BATCH_KEY: pack_claims(media.hash, claims)})
+    batch = pa.RecordBatch.from_arrays(arrays, schema=arrow)
     sink.end_batch()
     return batch
 
@@ -319,15 +330,26 @@ def _fits(f: Field, bulk: Bulk) -> bool:
 
 
 def _encode_media(
-    f: Field, data: Any, keys: list[str], zero_copy: bool, sink: Sink
+    f: Field,
+    data: Any,
+    keys: list[str],
+    zero_copy: bool,
+    sink: Sink,
+    media: MediaRefs | None = None,
+    claims: dict[str, list[bytes]] | None = None,
 ) -> list[pa.Array]:
     # Segments that are the same memory (the image shared by a prompt group's G rows) become
-    # one dictionary entry: it travels, is stored and is decoded once.
+    # one dictionary entry: it travels, is stored and is decoded once. With ``media``, so do
+    # segments of equal content (a processor run once per row), and content the server
+    # holds travels as its digest alone (an empty entry).
     entries: list[Any] = []
     index: list[int] = []
     same: MemoryIndex[tuple[int, tuple[int, ...]]] = MemoryIndex()  # (entry, shape)
     seg_shapes: list[tuple[int, ...] | None] = []
     counts: list[int | None] = []
+    digests: list[bytes] = []
+    by_digest: dict[tuple[bytes, tuple[int, ...]], tuple[int, tuple[int, ...]]] = {}
+    codec_id = repr(sorted(f.codec.to_dict().items()))
     for i, row in enumerate(_rows(f, data, keys)):
         if row is None:
             counts.append(None)
@@ -346,12 +368,17 @@ def _encode_media(
             hit = same.get(x)
             if hit is None:
                 enc = _checked(f, x, keys[i], zero_copy, what=f" segment {j}")
-                hit = (len(entries), enc.shape)
-                entries.append(f.codec.encode(enc.data) if f.codec is not RAW else enc.data)
+                if media is None:
+                    hit = (len(entries), enc.shape)
+                    entries.append(f.codec.encode(enc.data) if f.codec is not RAW else enc.data)
+                else:
+                    hit = _media_entry(f, x, enc, media, codec_id, entries, digests, by_digest)
                 same.put(x, hit)
             index.append(hit[0])
             seg_shapes.append(hit[1])
         counts.append(len(row))
+    if media is not None and claims is not None:
+        claims[f.name] = digests
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum([c or 0 for c in counts], out=offsets[1:])
     mask = None
@@ -364,6 +391,40 @@ def _encode_media(
     seg_shape_arr = _shapes(seg_shapes)
     shape_col = pa.LargeListArray.from_arrays(pa.array(offsets), seg_shape_arr, mask=mask)
     return [payload, shape_col]
+
+
+def _media_entry(
+    f: Field,
+    x: Any,
+    enc: Encoded,
+    media: MediaRefs,
+    codec_id: str,
+    entries: list[Any],
+    digests: list[bytes],
+    by_digest: dict[tuple[bytes, tuple[int, ...]], tuple[int, tuple[int, ...]]],
+) -> tuple[int, tuple[int, ...]]:
+    """The dictionary entry of segment ``x`` (checked: ``enc``), found by its digest or
+    added: its payload, or nothing when the server holds it (the digest says which)."""
+    payload = None
+    d = media.cache.get(x, codec_id)
+    if d is None:
+        payload = f.codec.encode(enc.data) if f.codec is not RAW else enc.data
+        d = digest_of(payload, media.hash)
+        media.cache.put(x, codec_id, d)
+    twin = by_digest.get((d, enc.shape))
+    if twin is not None:
+        return twin
+    named = (f.name, d, enc.shape)
+    if named in media.known and enc.shape and 0 not in enc.shape:
+        payload = b""
+        media.references += 1
+    elif payload is None:
+        payload = f.codec.encode(enc.data) if f.codec is not RAW else enc.data
+    media.sent.add(named)
+    hit = by_digest[(d, enc.shape)] = (len(entries), enc.shape)
+    entries.append(payload)
+    digests.append(d)
+    return hit
 
 
 def _encode_scalar(f: Field, data: Any, keys: list[str]) -> pa.Array:

@@ -38,6 +38,8 @@ __all__ = [
     "MissingFieldError",
     "ProtocolError",
     "NotFoundError",
+    "MediaUnknownError",
+    "MediaDigestError",
     "ConflictError",
     "LeaseExpiredError",
     "ClaimTimeoutError",
@@ -162,6 +164,18 @@ class NotFoundError(FlightqError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class MediaUnknownError(NotFoundError):
+    """A put names media by digest alone that its partition does not hold (cleared since,
+    the server restarted, another shard). ``field`` names the column, ``actual`` lists the
+    missing digests (hex, the first few). Nothing is stored; a flightq client sends the
+    put again with the payloads."""
+
+
+class MediaDigestError(DecodeError):
+    """A media payload does not hash to the digest the writer claimed for it (or names a
+    hash the server does not know). Nothing is stored."""
+
+
 class ConflictError(FlightqError, ValueError):
     """A request conflicts with what is stored (existing column, different declaration)."""
 
@@ -223,6 +237,8 @@ ERROR_CLASSES: dict[str, type[FlightqError]] = {
         DecodeError,
         ProtocolError,
         NotFoundError,
+        MediaUnknownError,
+        MediaDigestError,
         ConflictError,
         LeaseExpiredError,
         FlightqTimeoutError,

@@ -1,4 +1,4 @@
-"""The reference workloads (W1, W1-bf16, W2, W3, W4), generated from a fixed seed.
+"""The reference workloads (W1, W1-bf16, W2, W3, W4, W5), generated from a fixed seed.
 
 Every benchmark, the demo and the tests measure on these steps, so figures compare the
 same work. Sizes follow multimodal RL recipes: see docs/workloads.md. Arrays are numpy
@@ -8,13 +8,26 @@ so generating a step needs no torch.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Step", "WORKLOADS", "make", "w1", "w1_bf16", "w2", "w3", "w4", "to_torch"]
+__all__ = [
+    "Step",
+    "WORKLOADS",
+    "make",
+    "w1",
+    "w1_bf16",
+    "w2",
+    "w3",
+    "w4",
+    "w5",
+    "w5_copies",
+    "to_torch",
+]
 
 
 @dataclass
@@ -27,6 +40,12 @@ class Step:
     columns: dict[str, Any]
     tags: list[dict[str, Any]]
     group_size: int
+    #: A streamed step (W5): per writer process, the row indices it puts, one row per put,
+    #: in that order. Empty: the step is put whole.
+    streams: list[list[int]] = field(default_factory=list)
+    #: Payload bytes with each distinct media content once, where equal content is not the
+    #: same object (W5-copies); None: worked out from the objects.
+    distinct: int | None = None
 
     @property
     def rows(self) -> int:
@@ -35,6 +54,8 @@ class Step:
 
     def nbytes(self, distinct_media: bool = False) -> int:
         """Payload bytes of the step (each shared media segment once if ``distinct_media``)."""
+        if distinct_media and self.distinct is not None:
+            return self.distinct
         total = 0
         seen: set[int] = set()
         for col in self.columns.values():
@@ -176,6 +197,39 @@ def w4(seed: int = 0) -> Step:
     )
 
 
+def w5(seed: int = 0, copies: bool = False, writers: int = 2) -> Step:
+    """W5 ``vlm-stream``: W1's rows put one row per put as generations finish.
+
+    The rows of the 8 groups interleave in a seeded order; the groups are split between
+    ``writers`` writer processes (:attr:`Step.streams`). With ``copies``, each row's image
+    is its own array with its group's content (a processor run once per row). Images are
+    read-only, so a client hashes each array once (:class:`flightq.digest.DigestCache`).
+    """
+    step = w1(seed)
+    distinct = step.nbytes(distinct_media=True)
+    pixels = step.columns["pixel_values"]
+    for row in pixels:
+        row[0].flags.writeable = False
+    if copies:
+        fresh = []
+        for row in pixels:
+            img = row[0].copy()
+            img.flags.writeable = False
+            fresh.append([img])
+        step.columns["pixel_values"] = fresh
+    rng = np.random.default_rng(seed + 5)
+    order = [int(i) for i in rng.permutation(step.rows)]  # generations finish in any order
+    g = step.group_size
+    streams = [[i for i in order if (i // g) % writers == w] for w in range(writers)]
+    name = "W5-copies" if copies else "W5"
+    return Step(name, step.schema, step.keys, step.columns, step.tags, g, streams, distinct)
+
+
+def w5_copies(seed: int = 0) -> Step:
+    """W5 with each row's image its own array of equal content."""
+    return w5(seed, copies=True)
+
+
 def logprobs_for(step: Step, seed: int = 1) -> list[np.ndarray]:
     """The ``prev_logprobs`` a logprob worker writes back: one float32 per token."""
     rng = np.random.default_rng(seed)
@@ -188,11 +242,14 @@ WORKLOADS: dict[str, Callable[..., Step]] = {
     "W2": w2,
     "W3": w3,
     "W4": w4,
+    "W5": w5,
+    "W5-copies": w5_copies,
 }
 
 
 def make(name: str, seed: int = 0) -> Step:
-    """Generate a workload by name (``W1``, ``W1-bf16``, ``W2``, ``W3``, ``W4``)."""
+    """Generate a workload by name (``W1``, ``W1-bf16``, ``W2``, ``W3``, ``W4``, ``W5``,
+    ``W5-copies``)."""
     try:
         return WORKLOADS[name](seed)
     except KeyError:
@@ -206,7 +263,9 @@ def to_torch(step: Step) -> Step:
     import torch
 
     def conv(x: np.ndarray) -> Any:
-        t = torch.from_numpy(x)
+        with warnings.catch_warnings():  # W5's read-only images: the step never writes them
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            t = torch.from_numpy(x)
         return t.view(torch.bfloat16) if x.dtype == np.uint16 else t
 
     cols: dict[str, Any] = {}
@@ -224,4 +283,13 @@ def to_torch(step: Step) -> Step:
             else:
                 rows.append(conv(row))
         cols[k] = rows
-    return Step(step.name, step.schema, step.keys, cols, step.tags, step.group_size)
+    return Step(
+        step.name,
+        step.schema,
+        step.keys,
+        cols,
+        step.tags,
+        step.group_size,
+        step.streams,
+        step.distinct,
+    )

@@ -34,6 +34,8 @@ QUICK_SIZES: dict[str, dict[str, int]] = {
     "W2": {"groups": 3},
     "W3": {"groups": 8},
     "W4": {},
+    "W5": {},
+    "W5-copies": {},
 }
 _FULL_ROWS = {"W1": 128, "W1-bf16": 128, "W2": 96, "W3": 512, "W4": 1}
 _GROUP_SIZE = {"W1": 16, "W1-bf16": 16, "W2": 8, "W3": 16, "W4": 1}

@@ -154,6 +154,34 @@ def markdown(doc: dict[str, Any]) -> str:
                 fmt_spread(d["tail_pct"], 1),
             ]
             out.append("| " + " | ".join(row) + " |")
+    media_rows = [
+        (w, name, r["media"])
+        for w, wd in doc["workloads"].items()
+        for name, r in wd["results"].items()
+        if r.get("media")
+    ]
+    if media_rows:
+        out += [
+            "",
+            "## Streamed puts (W5): bytes against the step's distinct bytes (each image once)",
+            "",
+            "Received by the server for the put (record batches' bytes), held by the "
+            "partition after it (`stats` bytes), sent by the server for the claim; as "
+            "multiples of the step's distinct payload bytes.",
+            "",
+            "| workload | system | distinct MB | put on the wire | held | claim on the wire |",
+            "|---|---|---|---|---|---|",
+        ]
+        for w, name, m in media_rows:
+            row = [
+                w,
+                name,
+                f"{m['distinct_bytes'] / 1e6:.1f}",
+                fmt_spread(m["put_wire_x"], 3, "x"),
+                fmt_spread(m["held_x"], 3, "x"),
+                fmt_spread(m["get_wire_x"], 3, "x"),
+            ]
+            out.append("| " + " | ".join(row) + " |")
     cuda_rows = [(w, wd) for w, wd in doc["workloads"].items() if wd.get("ratios", {}).get("cuda")]
     if cuda_rows:
         out += [

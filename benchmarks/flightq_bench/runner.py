@@ -25,7 +25,7 @@ from .worker import Worker
 
 __all__ = ["Options", "run", "ALL_WORKLOADS"]
 
-ALL_WORKLOADS = ("W1", "W1-bf16", "W2", "W3", "W4")
+ALL_WORKLOADS = ("W1", "W1-bf16", "W2", "W3", "W4", "W5", "W5-copies")
 
 
 @dataclass
@@ -339,6 +339,12 @@ class _Ctx:
             res = {"put_s": put_s, "get_s": get_s, "step_s": put_s + get_s}
             res.update(_peaks(put, g))
             res.update({k: g[k] for k in ("decode_s", "decode_tail_s", "record_batches") if k in g})
+            # A streamed put's bytes received and held, a claim's bytes sent (W5).
+            res.update(
+                {k: put[k] for k in ("wire_bytes", "held_bytes", "distinct_bytes") if k in put}
+            )
+            if "get_wire_bytes" in g:
+                res["get_wire_bytes"] = g["get_wire_bytes"]
             # CPU of the writer or reader and of the server's processes, over the operation
             # (the server's readings include the runner's round trips to the workers).
             res["cpu_put"] = put["cpu_s"] + cpu1 - cpu0

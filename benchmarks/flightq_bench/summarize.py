@@ -93,6 +93,29 @@ def _link(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _media(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed put's bytes (W5), per repetition's median, as multiples of the step's
+    distinct bytes (each image once): received by the server for the put, held by the
+    partition after it, sent by the server for the claim."""
+    measured = [s for s in samples if "wire_bytes" in s]
+    if not measured:
+        return {}
+    got = [
+        {
+            "rep": s["rep"],
+            "put_wire_x": s["wire_bytes"] / s["distinct_bytes"],
+            "held_x": s["held_bytes"] / s["distinct_bytes"],
+            "get_wire_x": s.get("get_wire_bytes", 0) / s["distinct_bytes"],
+        }
+        for s in measured
+    ]
+    out: dict[str, Any] = {
+        k: summary(list(per_rep(got, k).values())) for k in ("put_wire_x", "held_x", "get_wire_x")
+    }
+    out["distinct_bytes"] = measured[0]["distinct_bytes"]
+    return out
+
+
 def _decode(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """A reader's decode time (flightq: ``Batch.received``), per repetition's median: in
     milliseconds, as a share of the get (%), and the share left once the last record
@@ -160,6 +183,8 @@ def results(
             r["link"] = link
         if dec := _decode(got):
             r["decode"] = dec
+        if media := _media(got):
+            r["media"] = media
         r["peak_rss_mib"] = {k: _peak_mib(got, k) for k in ("producer", "server", "consumer")}
         r["baseline_rss_mib"] = {k: _base_mib(got, k) for k in ("producer", "server", "consumer")}
         r["rss_growth_mib"] = {k: _growth_mib(got, k) for k in ("producer", "server", "consumer")}

@@ -179,6 +179,17 @@ SYSTEMS: dict[str, System] = {
             "per group; W2 has no groups: one put), then one get of the step",
         ),
         System(
+            "flightq-stream",
+            "server",
+            _M + "stream_system:FlightqStreamProducer",
+            _M + "stream_system:FlightqClaimConsumer",
+            server="flightq",
+            requires=("flightq.client.client", "flightq.server.flight"),
+            note="W5: two writer processes put one row per put (groups split between "
+            "them, rows interleaved), then one claim of the whole step for 'train'; also "
+            "the bytes received, held and sent against the step's distinct bytes",
+        ),
+        System(
             "flightq-shm",
             "server",
             _M + "flightq_system:FlightqShmProducer",

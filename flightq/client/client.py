@@ -31,9 +31,11 @@ import pyarrow as pa
 from ..batch import Batch, Claim, check_as
 from ..chunks import encode_chunks
 from ..cuda import PinnedPool, resolve_device, stage
+from ..digest import DigestCache, KnownMedia, MediaRefs
 from ..errors import (
     FlightqError,
     LeaseExpiredError,
+    MediaUnknownError,
     NotFoundError,
     ProtocolError,
     SchemaMismatchError,
@@ -269,6 +271,9 @@ class Client:
         self._lock = threading.Lock()
         #: Pinned host buffers and copy streams for CUDA tensors (empty until first used).
         self._pinned = PinnedPool()
+        #: Digests of media tensors put, and per partition the media the server holds.
+        self._digests = DigestCache()
+        self._media: dict[str, KnownMedia] = {}
         self._transport = Transport(location, timeout=timeout, token=token, **flight_kwargs)
         self._reader = Reader(
             self._transport,
@@ -517,17 +522,45 @@ class Client:
         # Over the socket, every check runs before anything is sent; then each batch's copy
         # is made while the previous batch is on the wire, and a payload alone in its column
         # (or already end to end with its neighbours) is sent from the tensor's memory.
-        with stage(columns, self._pinned) as staged, _put_sink(self.shm_dir) as sink:
-            batches = encode_chunks(
-                schema,
-                staged.columns,
-                keys,
-                tags,
-                max_bytes=self._put_batch_bytes(),
-                on_range=staged.on_range,
-                sink=sink,
-            )
-            return self._put(partition, batches, sink, overwrite, timeout, put_id)
+        # Media go by digest: what this client put to the partition before travels as the
+        # digest alone. A server that no longer holds some says so; the put goes again,
+        # every payload with it (one more round trip, never a loss).
+        known = self._known_media(partition, schema)
+        for again in (False, True):
+            media = None if known is None else MediaRefs(self._digests, () if again else known)
+            try:
+                with stage(columns, self._pinned) as staged, _put_sink(self.shm_dir) as sink:
+                    batches = encode_chunks(
+                        schema,
+                        staged.columns,
+                        keys,
+                        tags,
+                        max_bytes=self._put_batch_bytes(),
+                        on_range=staged.on_range,
+                        sink=sink,
+                        media=media,
+                    )
+                    receipt = self._put(partition, batches, sink, overwrite, timeout, put_id)
+            except MediaUnknownError:
+                if known is None or again:
+                    raise
+                known.clear()
+                continue
+            if known is not None and media is not None:
+                known.update(media.sent)
+            return receipt
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _known_media(self, partition: str, schema: Schema) -> KnownMedia | None:
+        """What the server holds of the partition's media, as far as this client knows;
+        None where media do not go by digest (no media fields, or puts through shared
+        memory, where the payloads cost no socket bytes and the server hashes them)."""
+        if self.shm_dir is not None or not any(f.role == "media" for f in schema.fields):
+            return None
+        known = self._media.get(partition)
+        if known is None:
+            known = self._media[partition] = KnownMedia()
+        return known
 
     def _put_batch_bytes(self) -> int:
         """Record-batch size of a put: bounded for the socket, large through a segment."""

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.flight as fl
 
 from ..chunks import split_batch
+from ..digest import split_claims
 from ..errors import FlightqError, FlightqTimeoutError
 from ..protocol import (
     ACTIONS,
@@ -219,12 +220,17 @@ class Transport:
         what = f"put to {command.partition!r}"
         flight = self.connection(connection)
         desc = fl.FlightDescriptor.for_command(command.to_wire())
+        schema, claims = split_claims(schema)
         try:
             writer, reader = flight.do_put(desc, schema, options=self.options(timeout))
             with writer:
                 for b in batches:
+                    _, claims = split_claims(b.schema)
                     for chunk in split_batch(b, max_batch_bytes):
-                        writer.write_batch(chunk)
+                        if claims is None:
+                            writer.write_batch(chunk)
+                        else:  # the media digests travel as the batch's app metadata
+                            writer.write_with_metadata(chunk, claims)
                 writer.done_writing()
                 ack = reader.read()
         except _FOREIGN as e:

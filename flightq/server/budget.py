@@ -5,8 +5,11 @@ alive, not only its payload: per row, its payload bytes, its share of the rest o
 record batch's Arrow buffers (shapes, offsets, keys, the tags' msgpack bytes, validity)
 and of the batch's schema metadata, the row key as a Python string, its tags as the Python
 objects they decode to, and a measured constant for the row's Python objects
-(:data:`ROW_OVERHEAD`). A put's pieces count from the moment each record batch is read,
-while it waits for the put's other parts, until it is stored or refused.
+(:data:`ROW_OVERHEAD`). Media payloads are the partition's, not a row's: each distinct
+payload is held once per partition, whichever puts brought it, and counts once, while a
+stored row uses it (:mod:`flightq.server.media`). A put's pieces count from the moment
+each record batch is read (with the media payloads it brought), while it waits for the
+put's other parts, until it is stored or refused.
 
 What is no row's business is refused before it is held: a media dictionary entry that no
 row of the put uses, a row key longer than :data:`MAX_KEY_BYTES`, tags longer than

@@ -56,15 +56,15 @@ from ..protocol import (
 )
 from ..registry import SchemaRegistry
 from ..schema import diff_schemas
-from ..validation import validate
 from .actions import HANDLERS, ActionContext
 from .assemble import assemble
 from .budget import DictionaryUse, check_batch
 from .idle import DEFAULT_IDLE_TIMEOUT, MIDDLEWARE_KEY, IdleWatch
 from .leases import Lease
 from .limits import DEFAULT_MAX_CALLS, DEFAULT_MAX_SESSIONS, CallLimits
+from .media import media_piece
 from .metrics import Counters, call_kind
-from .partition import Partition, Row, make_piece
+from .partition import Partition, Row
 from .staging import Staging
 from .store import Store
 
@@ -387,7 +387,7 @@ class Server(fl.FlightServerBase):
         media = DictionaryUse(what)
         got = reserved = 0
         try:
-            for data in self._put_source(cmd, reader, context, what):
+            for data, claims in self._put_source(cmd, reader, context, what):
                 size = data.nbytes
                 if size > self.max_put_batch_bytes:
                     raise ProtocolError(
@@ -398,7 +398,7 @@ class Server(fl.FlightServerBase):
                 check_batch(data, what)
                 got += data.num_rows
                 self.counters.add("bytes_received", size)
-                piece = make_piece(data, validate(data, part.schema), budget)
+                piece = media_piece(part, data, claims, what, budget)
                 media.add(data)
                 self.store.reserve(name, piece, reserved, cmd.timeout)
                 reserved += piece.reserved
@@ -545,18 +545,20 @@ class Server(fl.FlightServerBase):
         reader: fl.MetadataRecordBatchReader,
         context: fl.ServerCallContext | None,
         what: str,
-    ) -> Iterator[pa.RecordBatch]:
-        """A put's record batches: from the stream, or mapped from a shm segment."""
+    ) -> Iterator[tuple[pa.RecordBatch, pa.Buffer | None]]:
+        """A put's record batches and their app metadata (the media digests they claim):
+        from the stream, or mapped from a shm segment (no digests: the server hashes)."""
         ref = cmd.shm
         if ref is None:  # each read waits on the client: watched for a stall
-            return self.idle.reads(context, (chunk.data for chunk in reader))
+            return self.idle.reads(context, ((chunk.data, chunk.app_metadata) for chunk in reader))
         from .. import shm
 
         if self.shm_dir is None:
             raise ProtocolError(f"{what}: this server has shared memory disabled")
         if context is not None:
             shm.check_peer(context.peer(), what)
-        return iter(shm.read(ref.to_dict(), self.shm_dir, what, populate=False))
+        batches = shm.read(ref.to_dict(), self.shm_dir, what, populate=False)
+        return ((b, None) for b in batches)
 
     def _shm_reply(
         self,

@@ -31,6 +31,7 @@ from .budget import row_costs, tags_size
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Progress
 
 if TYPE_CHECKING:
+    from .media import Copy
     from .putplan import PutPlan
 
 __all__ = ["Piece", "Row", "Partition", "make_piece", "put_keys"]
@@ -59,6 +60,12 @@ class Piece:
     #: piece held whole is what a retry without ``put_id`` is compared with.
     stored: bool = False
     damaged: bool = False
+    #: Per media column, the copies its dictionary entries name (:mod:`flightq.server.media`;
+    #: the batch keeps the column without the bytes), each entry's position among them,
+    #: and the bytes of the payloads this piece brought.
+    media: dict[str, list[Copy]] = field(default_factory=dict)
+    media_index: dict[str, np.ndarray] = field(default_factory=dict)
+    brings: int = 0
     _valid: dict[str, list[bool] | None] = field(default_factory=dict, repr=False)
     _nbytes: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
@@ -112,8 +119,12 @@ class Partition:
     progress: Progress = None  # type: ignore[assignment]  # made from ``tasks``
     next_group: int = 0
     nbytes: int = 0
-    #: Bytes the memory budget counts for the partition's rows (:attr:`Row.held`).
+    #: Bytes the memory budget counts for the partition's rows (:attr:`Row.held`) and
+    #: its media copies (counted once, ``media_bytes`` of it).
     held: int = 0
+    #: The media copies its rows use, by name (:mod:`flightq.server.media`).
+    media: dict[Any, Copy] = field(default_factory=dict, repr=False)
+    media_bytes: int = 0
     #: Acknowledgements of recent puts by put id (oldest first), for idempotent retries.
     recent_puts: dict[str, int] = field(default_factory=dict)
     #: Most rows the partition holds at once; a put that would pass it waits for clears.
@@ -188,6 +199,8 @@ class Partition:
         replaced whole. With the store's lock. Returns the rows written."""
         if plan.replay is not None:
             return plan.replay
+        if self.media_fields:
+            self._count_media(plan.rows)
         self.rows.update(plan.rows)
         self.nbytes += plan.nbytes
         self.held += plan.held
@@ -205,10 +218,42 @@ class Partition:
 
     def cleared(self, rows: Iterable[Row]) -> None:
         """Rows removed: the pieces holding their cells no longer hold whole what they
-        stored (a retry of them is not a replay). With the store's lock."""
+        stored (a retry of them is not a replay), and the media copies they used are used
+        once less. With the store's lock."""
+        from .media import release, row_copies
+
+        fields = self.media_fields
         for r in rows:
             for pc, _ in r.cells.values():
                 pc.damaged = True
+            if fields:
+                release(self, row_copies(r, fields))
+
+    @property
+    def media_fields(self) -> tuple[str, ...]:
+        """The schema's media fields."""
+        return tuple(f.name for f in self.schema.fields if f.role == "media")
+
+    def _count_media(self, rows: dict[str, Row]) -> None:
+        """The media copies of rows about to be stored: each new cell's used once more,
+        each cell they replace once less. With the store's lock."""
+        from .media import acquire, cell_copies, release
+
+        gained: list[Copy] = []
+        lost: list[Copy] = []
+        for k, row in rows.items():
+            old = self.rows.get(k)
+            for f in self.media_fields:
+                cell = row.cells.get(f)
+                was = old.cells.get(f) if old is not None else None
+                if cell is was:
+                    continue
+                if cell is not None:
+                    gained.extend(cell_copies(cell[0], f, cell[1]))
+                if was is not None:
+                    lost.extend(cell_copies(was[0], f, was[1]))
+        acquire(self, gained)  # first: a copy both gained and lost stays
+        release(self, lost)
 
 
 def put_keys(pieces: list[Piece]) -> set[str]:

@@ -223,9 +223,13 @@ def replays(p: Partition, pieces: Iterable[Piece]) -> bool:
     found through the put's first row (its first cell must be that batch's first), then
     compared whole in one Arrow call (which lets go of the GIL).
     """
+    from .media import same_media
+
     for pc in pieces:
         twin = _twin(p, pc)
         if twin is None or not pc.batch.equals(twin.batch, check_metadata=True):
+            return False
+        if (pc.media or twin.media) and not same_media(pc, twin):
             return False
     return True
 

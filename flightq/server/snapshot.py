@@ -44,10 +44,10 @@ from ..errors import (
     UnavailableError,
 )
 from ..schema import Schema
-from ..validation import validate
 from .assemble import assemble
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES
-from .partition import Partition, Row, make_piece
+from .media import acquire, media_piece, row_copies
+from .partition import Partition, Row
 from .store import Store
 
 __all__ = [
@@ -294,9 +294,12 @@ def _restore_partition(root: Path, e: dict[str, Any]) -> Partition:
                 into.update((k, n) for k, n in zip(keys, counts, strict=True) if n)
         # Rows leased when the snapshot was taken are ready again.
         st.ready = {k: None for k in keys if k not in st.done and k not in st.dead}
+    what = f"snapshot of {part.name!r}"
     for batch in _read_ipc(root / files["rows"]).to_batches():
-        piece = make_piece(batch, validate(batch, schema))
+        # Media through the partition's copies, as a put's: each distinct payload once.
+        piece = media_piece(part, batch, None, what, None)
         ck = piece.checked
+        batch = piece.batch
         valid = {
             f: np.asarray(batch.column(f).is_valid().to_numpy(zero_copy_only=False))
             for f in ck.fields
@@ -316,6 +319,8 @@ def _restore_partition(root: Path, e: dict[str, Any]) -> Partition:
             part.rows[k] = row
             part.nbytes += row.nbytes
             part.held += row.held
+            if part.media_fields:
+                acquire(part, row_copies(row, part.media_fields))
     if len(part.rows) != int(e["rows"]):
         raise DecodeError(
             f"snapshot of {part.name!r} holds {len(part.rows)} rows, its manifest says {e['rows']}"

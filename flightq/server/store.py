@@ -35,6 +35,7 @@ from ..errors import (
 )
 from ..schema import Schema
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskState
+from .media import grouped_by_media, waiting_homes
 from .partition import Partition, Piece, Row, put_keys
 from .putplan import plan_put
 
@@ -275,7 +276,7 @@ class Store:
         ResourceExhaustedError
             If the put passes the whole budget, or no room is made within ``timeout``.
         """
-        n = int(piece.held.sum())
+        n = int(piece.held.sum()) + piece.brings  # its rows, and the media payloads it brought
         with self._changed:
             self._wait_for_space(name, n, timeout, whole=so_far + n)
             self._pending += n
@@ -424,7 +425,8 @@ class Store:
                     return plan.replay
                 mine = sum(pc.reserved for pc in pieces)  # counted already, as pending
                 left = max(0.0, deadline - time.monotonic())
-                waited = self._wait_for_space(name, plan.need, left, mine=mine)
+                need = plan.need + waiting_homes(pieces)  # media counted once, as it goes live
+                waited = self._wait_for_space(name, need, left, mine=mine)
                 waited = self._wait_for_rows(name, len(plan.new), left) or waited
                 if waited and self._stale(name, p, plan.seen, keys):
                     if not locked:
@@ -695,6 +697,7 @@ class Store:
                         seen = p.progress.version
                         picked = _ready(p, task, need, batch_size)
                         if picked is not None:
+                            picked = grouped_by_media(p, picked)  # each image once
                             now = time.monotonic()
                             secs = p.lease if lease is None else lease
                             keys = [r.key for r in picked]

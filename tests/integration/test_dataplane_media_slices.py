@@ -114,9 +114,9 @@ def test_rows_without_media_keep_their_place_in_a_trimmed_slice(client):
     assert batch.keys == keys
     assert_rows_match(batch, step)
     assert batch["pixel_values"][0] is None and batch["pixel_values"][1] == []
-    # A row that lacks the field ends a slice: rows 5 | 6-8 | 9 | 10, each slice with the
-    # images of its own rows (row 6 has none; 7 is in group 1, 8 and 10 in group 2).
-    assert _media_entries(batch, "pixel_values") == [0, 2, 0, 1]
+    # One record batch of slices 5 | 6-8 | 9 | 10 (a row that lacks the field ends a
+    # slice), its dictionary the images of its rows once: 7 is in group 1, 8 and 10 in 2.
+    assert _media_entries(batch, "pixel_values") == [2]
 
 
 def test_overwriting_a_groups_image_replaces_it_and_counts_bytes_once(client):
