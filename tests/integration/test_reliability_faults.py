@@ -301,6 +301,10 @@ def test_snapshot_then_sigkill_then_restore_keeps_every_acknowledged_row_and_cla
         assert sorted(c.partitions()) == ["empty", "vlm"]
         assert c.create_partition("vlm", VLM, ["prev_lp", "train"], 4) is False
         after = c.inspect("vlm")
+        # What the budget counts depends on how the rows' record batches were cut (the
+        # snapshot's, not the puts'): close, not equal.
+        held, held_before = after.pop("held"), inspected.pop("held")
+        assert abs(held - held_before) <= 0.01 * held_before
         assert after == inspected
         assert _rows_by_key(c.get("vlm", step.keys[:7], as_="numpy")) == before
         with pytest.raises(flightq.NotFoundError, match=r"no row key 'late_g0'"):
