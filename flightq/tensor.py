@@ -192,7 +192,6 @@ def _big_endian(dt: np.dtype) -> bool:
 
 
 def _torch_to_bytes(t: Any, zero_copy: bool, where: str) -> Encoded:
-    import torch
 
     tag = from_torch(t.dtype)
     if t.numel() == 0:  # no bytes; its strides may be anything (0 from an empty numpy array)
@@ -213,10 +212,19 @@ def _torch_to_bytes(t: Any, zero_copy: bool, where: str) -> Encoded:
             )
         t = t.contiguous()
     shape = tuple(int(d) for d in t.shape)
+    return Encoded(_torch_bytes(t).numpy(), shape, tag)
+
+
+def _torch_bytes(t: Any) -> Any:
+    """A contiguous tensor's memory as a flat uint8 tensor (a view)."""
+    import torch
+
     flat = t.reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    return Encoded(flat.numpy(), shape, tag)
+    if len(flat) == 1 and flat.stride(0) != 1:
+        # torch calls one element contiguous whatever its stride (a slice t[::2] of two
+        # elements), but refuses to view its bytes through that stride.
+        flat = flat.as_strided((1,), (1,))
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -271,11 +279,10 @@ class Bulk:
         x = self.tensors[0]
         if isinstance(x, np.ndarray):
             return [t.reshape(-1).view(np.uint8) for t in self.tensors]
-        import torch
 
         if not self.plain:
             return None
-        return [t.reshape(-1).view(torch.uint8).numpy() for t in self.tensors]
+        return [_torch_bytes(t).numpy() for t in self.tensors]
 
 
 def bulk_to_bytes(xs: Sequence[Any]) -> Bulk | None:
