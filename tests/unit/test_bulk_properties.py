@@ -6,7 +6,8 @@ length, a ``[?, 1]`` tensor, a ``[2, ?]`` tensor, a rank-0 tensor), rows of any 
 empty, non-contiguous, big-endian, of another dtype, rank or length. Encoding with the
 per-column path and with it switched off must give the same record batch byte for byte,
 or the same typed error with the same message. The columns a bulk check builds
-(:class:`flightq.tensor.Bulk`) must describe the tensors exactly.
+(:class:`flightq.tensor.Bulk`) must describe the tensors exactly, and a decoded token
+column packed in one piece must hold its rows end to end.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from helpers_wire import HAS_TORCH, ipc_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flightq import Field, Schema
+from flightq import Field, Schema, decode
 from flightq.dtypes import DTYPES
 from flightq.errors import FlightqError
 from flightq.tensor import bulk_to_bytes, to_bytes
@@ -189,3 +190,25 @@ def test_torch_rows_that_need_normalising_leave_the_bulk_path(torch: Any) -> Non
     with _per_row():
         want = encode_module.encode(schema, {"tok": rows}, ["a", "b"])
     assert ipc_bytes(got) == ipc_bytes(want)
+
+
+@SETTINGS
+@given(columns())
+def test_packed_token_columns_match_their_rows(
+    case: tuple[Schema, list[str], dict[str, Any]],
+) -> None:
+    schema, keys, cols = case
+    try:
+        batch = decode(encode_module.encode(schema, cols, keys), as_="numpy")
+    except FlightqError:
+        return  # refused: the first test holds the refusal to the per-row path's
+    for name in batch.fields:
+        col = batch.column(name)
+        if schema[name].role != "token" or not col.complete or not len(col):
+            continue
+        rows = batch[name]
+        assert col.lengths().tolist() == [len(r) for r in rows]
+        flat, offsets = col.packed()
+        assert flat.shape == (sum(map(len, rows)),)
+        assert flat.tobytes() == b"".join(r.tobytes() for r in rows)
+        assert offsets.tolist() == np.cumsum([0, *map(len, rows)]).tolist()
