@@ -8,6 +8,7 @@ zero-copy row slices; :func:`row_nbytes` is the size both go by.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -53,6 +54,19 @@ def _nbytes(x: Any) -> int:
     # numpy arrays and torch tensors both say; whatever else is there, encode refuses.
     n = getattr(x, "nbytes", 0)
     return n if isinstance(n, int) else 0
+
+
+_NBYTES = operator.attrgetter("nbytes")
+
+
+def _column_nbytes(data: Any) -> int:
+    """The bytes of a column's tensors: one C-level pass where every row is a tensor, the
+    row-by-row sum of :func:`_nbytes` where some row is not (``None``, anything else)."""
+    try:
+        total = sum(map(_NBYTES, data))
+    except (AttributeError, TypeError):
+        total = None
+    return total if type(total) is int else sum(map(_nbytes, data))
 
 
 def encode_chunks(
@@ -119,7 +133,7 @@ def encode_chunks(
             continue
         if f.role != "media":
             tensor_columns.append(data)
-            tensor_bytes += sum(map(_nbytes, data))
+            tensor_bytes += _column_nbytes(data)
             continue
         for i, row in enumerate(data):
             if row is None or not (type(row) is list or isinstance(row, Sequence)):

@@ -244,6 +244,8 @@ class TensorColumn(Column):
                 field=f.name,
                 key=self._first_lacking(),
             )
+        if self._flat and len(self):
+            return  # every row 1-D: no trailing dims to differ
         shapes: list[tuple[int, ...]] = self.shapes  # type: ignore[assignment]
         tails = {s[1:] for s in shapes}
         if len(tails) > 1:
@@ -255,6 +257,8 @@ class TensorColumn(Column):
 
     def lengths(self) -> np.ndarray:
         """Each row's length along dim 0 (int64)."""
+        if self._flat and len(self):
+            return self._dims.astype(np.int64)  # 1-D rows: a row's dim is its length
         shapes = self.shapes
         return np.array([0 if s is None else s[0] for s in shapes], dtype=np.int64)
 
@@ -274,8 +278,11 @@ class TensorColumn(Column):
         """
         self._check_packable()
         lengths = self.lengths()
-        shapes: list[tuple[int, ...]] = self.shapes  # type: ignore[assignment]
-        tail = shapes[0][1:] if shapes else tuple(d or 0 for d in (self.field.shape or ())[1:])
+        if self._flat and len(self):
+            tail: tuple[int, ...] = ()
+        else:
+            shapes: list[tuple[int, ...]] = self.shapes  # type: ignore[assignment]
+            tail = shapes[0][1:] if shapes else tuple(d or 0 for d in (self.field.shape or ())[1:])
         total = int(lengths.sum())
         flat = row_view(self._base, 0, (total, *tail), self.copy)
         device = getattr(flat, "device", None) if self.as_ == "torch" else None

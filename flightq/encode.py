@@ -96,7 +96,7 @@ def encode(
     keys = list(keys)
     n = len(keys)
     columns = columns_of(columns, schema, keys)
-    for k in keys:
+    for k in keys if set(map(type, keys)) - {str} else ():
         if not isinstance(k, str):
             raise EncodeError(
                 f"row keys are strings, got {type(k).__name__} {k!r}",
@@ -115,7 +115,7 @@ def encode(
                 "version; flightq never drops or registers columns on the fly",
                 field=name,
             )
-    seq = [-1] * n
+    seq = np.full(n, -1, dtype=np.int64)
     arrays: list[pa.Array] = [pa.array(keys, type=pa.utf8()), _encode_tags(tags, keys)]
     names: list[str] = []
     claims: dict[str, list[bytes]] = {}
@@ -242,7 +242,7 @@ def _shapes(shapes: list[tuple[int, ...] | None], large: bool = False) -> pa.Arr
 
 
 def _encode_tensor(
-    f: Field, data: Any, keys: list[str], zero_copy: bool, seq: list[int], sink: Sink
+    f: Field, data: Any, keys: list[str], zero_copy: bool, seq: np.ndarray, sink: Sink
 ) -> list[pa.Array]:
     rows = _rows(f, data, keys)
     fast = _encode_tensor_bulk(f, rows, seq, sink)
@@ -257,14 +257,14 @@ def _encode_tensor(
             continue
         enc = _checked(f, x, keys[i], zero_copy)
         if f.role == "token":
-            s = enc.shape[0]
-            if seq[i] >= 0 and seq[i] != s:
+            s, known = enc.shape[0], int(seq[i])
+            if known >= 0 and known != s:
                 raise ShapeError(
                     f"column {f.name!r}: sequence length {s} differs from the row's other "
-                    f"token fields ({seq[i]}) (row key {keys[i]!r})",
+                    f"token fields ({known}) (row key {keys[i]!r})",
                     field=f.name,
                     key=keys[i],
-                    expected=seq[i],
+                    expected=known,
                     actual=s,
                 )
             seq[i] = s
@@ -275,9 +275,10 @@ def _encode_tensor(
 
 
 def _encode_tensor_bulk(
-    f: Field, rows: list[Any], seq: list[int], sink: Sink = COPY
+    f: Field, rows: list[Any], seq: np.ndarray, sink: Sink = COPY
 ) -> list[pa.Array] | None:
-    """What the per-row path builds, in a few calls per column; None if it does not apply.
+    """What the per-row path builds, in a few array operations per column; None if it
+    does not apply.
 
     Applies to a raw field whose present rows convert in bulk
     (:func:`flightq.tensor.bulk_to_bytes`) and all pass the per-row checks: declared
@@ -287,32 +288,49 @@ def _encode_tensor_bulk(
     """
     if f.codec is not RAW:
         return None
+    n = len(rows)
     present = [i for i, x in enumerate(rows) if x is not None]
     if len(present) < 2:  # one tensor: converting it directly is cheaper
         return None
-    bulk = bulk_to_bytes(rows if len(present) == len(rows) else [rows[i] for i in present])
+    everyone = len(present) == n
+    bulk = bulk_to_bytes(rows if everyone else [rows[i] for i in present])
     if bulk is None or bulk.dtype != f.dtype or not _fits(f, bulk):
         return None
+    ranks = bulk.ranks
     if f.role == "token":
-        lens = [s[0] for s in bulk.shapes]
-        if any(seq[i] >= 0 and seq[i] != s for i, s in zip(present, lens, strict=True)):
+        if ranks.min() < 1:
             return None
-        for i, s in zip(present, lens, strict=True):
-            seq[i] = s
-    n = len(rows)
+        firsts = np.zeros(len(ranks), dtype=np.int64)
+        np.cumsum(ranks[:-1], out=firsts[1:])
+        lens = bulk.dims[firsts]
+        at = slice(None) if everyone else np.asarray(present)
+        known = seq[at]
+        if ((known >= 0) & (known != lens)).any():
+            return None
+        seq[at] = lens
     lengths = bulk.nbytes
-    shapes: list[tuple[int, ...] | None] = list(bulk.shapes)
     valid = None
-    if len(present) < n:
+    if not everyone:
         lengths = np.zeros(n, dtype=np.int64)
         lengths[present] = bulk.nbytes
-        shapes = [None] * n
-        for i, shape in zip(present, bulk.shapes, strict=True):
-            shapes[i] = shape
-        valid = [shape is not None for shape in shapes]
+        full = np.zeros(n, dtype=np.int64)
+        full[present] = ranks
+        ranks = full
+        valid = [False] * n
+        for i in present:
+            valid[i] = True
     offsets = _offsets(lengths)
     data = sink.bulk(bulk, present, offsets)
-    return [_binary_array(offsets, data, valid), _shapes(shapes)]
+    return [_binary_array(offsets, data, valid), _shape_column(ranks, bulk.dims, valid)]
+
+
+def _shape_column(ranks: np.ndarray, dims: np.ndarray, valid: list[bool] | None) -> pa.Array:
+    """The shape column :func:`_shapes` builds, from each row's rank (0 where the row is
+    null) and every present row's dims end to end."""
+    offsets = np.zeros(len(ranks) + 1, dtype=np.int32)
+    np.cumsum(ranks, out=offsets[1:])
+    mask = None if valid is None else pa.array([not v for v in valid], type=pa.bool_())
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(dims, type=pa.int64()), mask=mask)
 
 
 def _fits(f: Field, bulk: Bulk) -> bool:
@@ -320,12 +338,13 @@ def _fits(f: Field, bulk: Bulk) -> bool:
     if f.shape is None:
         return True
     rank = len(f.shape)
-    if any(len(s) != rank for s in bulk.shapes):
+    if (bulk.ranks != rank).any():
         return False
+    if rank == 0:
+        return True
+    dims = bulk.dims.reshape(-1, rank)
     return all(
-        all(s[axis] == want for s in bulk.shapes)
-        for axis, want in enumerate(f.shape)
-        if want is not None
+        bool((dims[:, axis] == want).all()) for axis, want in enumerate(f.shape) if want is not None
     )
 
 
@@ -523,7 +542,7 @@ def _encode_tags(tags: Sequence[Mapping[str, Any] | None] | None, keys: list[str
         if t is None:
             out.append(None)
             continue
-        if not isinstance(t, Mapping):
+        if type(t) is not dict and not isinstance(t, Mapping):
             raise EncodeError(
                 f"tags of row {k!r} must be a dict, got {type(t).__name__}",
                 field=TAGS,

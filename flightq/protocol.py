@@ -230,6 +230,8 @@ def _bool(v: Any, key: str, what: str) -> bool:
 def _strs(v: Any, key: str, what: str) -> list[str]:
     if not isinstance(v, list):
         raise _type_error(v, key, what)
+    if set(map(type, v)) <= {str}:  # the common case in one pass; else find the item
+        return v
     for i, x in enumerate(v):
         if not isinstance(x, str):
             raise ProtocolError(
@@ -241,6 +243,8 @@ def _strs(v: Any, key: str, what: str) -> list[str]:
 def _ints(v: Any, key: str, what: str) -> list[int]:
     if not isinstance(v, list):
         raise _type_error(v, key, what)
+    if set(map(type, v)) <= {str}:  # the common case in one pass; else find the item
+        return v
     for i, x in enumerate(v):
         if not isinstance(x, int) or isinstance(x, bool):
             raise ProtocolError(
@@ -388,7 +392,8 @@ def _plain(v: Any) -> Any:
     if isinstance(v, Message):
         return v.to_dict()
     if isinstance(v, list):
-        return [_plain(x) for x in v]
+        # A get's ticket lists every key: strings pass through without a call each.
+        return [x if type(x) is str else _plain(x) for x in v]
     if isinstance(v, dict):
         return {k: _plain(x) for k, x in v.items()}
     return v

@@ -9,6 +9,8 @@ viewed once and rows are sliced from that view, so no tensor byte is copied.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import sys
 import warnings
 from collections.abc import Sequence
@@ -190,7 +192,6 @@ def _big_endian(dt: np.dtype) -> bool:
 
 
 def _torch_to_bytes(t: Any, zero_copy: bool, where: str) -> Encoded:
-    import torch
 
     tag = from_torch(t.dtype)
     if t.numel() == 0:  # no bytes; its strides may be anything (0 from an empty numpy array)
@@ -211,20 +212,45 @@ def _torch_to_bytes(t: Any, zero_copy: bool, where: str) -> Encoded:
             )
         t = t.contiguous()
     shape = tuple(int(d) for d in t.shape)
+    return Encoded(_torch_bytes(t).numpy(), shape, tag)
+
+
+def _torch_bytes(t: Any) -> Any:
+    """A contiguous tensor's memory as a flat uint8 tensor (a view)."""
+    import torch
+
     flat = t.reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    return Encoded(flat.numpy(), shape, tag)
+    if len(flat) == 1 and flat.stride(0) != 1:
+        # torch calls one element contiguous whatever its stride (a slice t[::2] of two
+        # elements), but refuses to view its bytes through that stride.
+        flat = flat.as_strided((1,), (1,))
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
 @dataclass(frozen=True)
 class Bulk:
-    """Many tensors of one dtype, checked; :meth:`copy_into` lays their bytes back to back."""
+    """Many tensors of one dtype, checked; :meth:`copy_into` lays their bytes back to back.
+
+    The shapes are kept as Arrow keeps a shape column: ``ranks[i]`` dims of tensor ``i``,
+    all tensors' dims end to end in ``dims``, so a column's checks and its shape column
+    take a few array operations, not a loop over the rows.
+    """
 
     tensors: list[Any]
     nbytes: np.ndarray
-    shapes: list[tuple[int, ...]]
+    ranks: np.ndarray
+    dims: np.ndarray
     dtype: str
+    #: No torch tensor needs grad or is a conjugate or negative view: every one's memory
+    #: is its value, and ``Tensor.numpy`` takes it as it is.
+    plain: bool = True
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        """Each tensor's shape (built on demand; the checks use ``ranks`` and ``dims``)."""
+        ends = np.cumsum(self.ranks).tolist()
+        dims = self.dims.tolist()
+        return [tuple(dims[e - r : e]) for r, e in zip(self.ranks.tolist(), ends, strict=True)]
 
     def copy_into(self, out: np.ndarray) -> None:
         """Copy every tensor's bytes, in order, into ``out`` (uint8, ``nbytes.sum()`` long)."""
@@ -237,11 +263,10 @@ class Bulk:
         import torch
 
         dt = DTYPES[self.dtype]
-        if dt.native_numpy and not any(
-            t.requires_grad or t.is_conj() or t.is_neg() for t in self.tensors
-        ):
+        if dt.native_numpy and self.plain:
             # numpy's concatenate of many small tensors copies faster than torch.cat.
-            np.concatenate([t.numpy() for t in self.tensors], axis=None, out=out.view(dt.storage))
+            views = list(map(torch.Tensor.numpy, self.tensors))
+            np.concatenate(views, axis=None, out=out.view(dt.storage))
             return
         flat = [t.reshape(-1) for t in self.tensors]
         with torch.no_grad():  # cat resolves conjugate and negative views as to_bytes does
@@ -249,15 +274,15 @@ class Bulk:
 
     def byte_views(self) -> list[np.ndarray] | None:
         """Each tensor's bytes as a flat uint8 view of its memory (no copy), or None for
-        torch conjugate or negative views (their memory is not their value)."""
+        torch tensors that need grad or are conjugate or negative views (their memory is
+        not their value, or numpy may not view it)."""
         x = self.tensors[0]
         if isinstance(x, np.ndarray):
             return [t.reshape(-1).view(np.uint8) for t in self.tensors]
-        import torch
 
-        if any(t.is_conj() or t.is_neg() for t in self.tensors):
+        if not self.plain:
             return None
-        return [t.reshape(-1).view(torch.uint8).numpy() for t in self.tensors]
+        return [_torch_bytes(t).numpy() for t in self.tensors]
 
 
 def bulk_to_bytes(xs: Sequence[Any]) -> Bulk | None:
@@ -267,6 +292,7 @@ def bulk_to_bytes(xs: Sequence[Any]) -> Bulk | None:
     every ``x`` a ``numpy.ndarray`` (or every one a CPU ``torch.Tensor``), all of one
     dtype with a flightq tag, C-contiguous and little-endian. The bytes
     :meth:`Bulk.copy_into` writes equal those :func:`to_bytes` gives tensor by tensor.
+    Each check is one pass of a C-level ``map`` over the tensors.
 
     Returns
     -------
@@ -283,29 +309,42 @@ def bulk_to_bytes(xs: Sequence[Any]) -> Bulk | None:
     return None
 
 
+def _layout(xs: list[Any], itemsize: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per tensor its byte length and rank, and every tensor's dims end to end (int64)."""
+    n = len(xs)
+    shapes = list(map(_SHAPE, xs))
+    ranks = np.fromiter(map(len, shapes), np.int64, n)
+    dims = np.fromiter(itertools.chain.from_iterable(shapes), np.int64, int(ranks.sum()))
+    if len(dims) == n and (ranks == 1).all():  # 1-D rows (token fields): dims are lengths
+        return dims * itemsize, ranks, dims
+    return np.fromiter(map(_NBYTES, xs), np.int64, n), ranks, dims
+
+
 def _numpy_bulk(xs: Sequence[Any]) -> Bulk | None:
-    if any(type(x) is not np.ndarray for x in xs):
+    xs = list(xs)
+    if set(map(type, xs)) != {np.ndarray}:
         return None
-    dts = {x.dtype for x in xs}
+    dts = set(map(_DTYPE, xs))
     if len(dts) != 1:
         return None
     (dt,) = dts
-    if _big_endian(dt) or not all(x.flags.c_contiguous for x in xs):
+    if _big_endian(dt) or not all(map(_C_CONTIGUOUS, xs)):
         return None
     try:
         tag = from_numpy(dt)
     except DTypeError:
         return None
-    nbytes = np.fromiter((x.nbytes for x in xs), np.int64, len(xs))
-    return Bulk(list(xs), nbytes, [x.shape for x in xs], tag)
+    return Bulk(xs, *_layout(xs, dt.itemsize), tag)
 
 
 def _torch_bulk(xs: Sequence[Any]) -> Bulk | None:
     import torch
 
-    if any(type(x) is not torch.Tensor for x in xs):
+    xs = list(xs)
+    T = torch.Tensor
+    if set(map(type, xs)) != {T}:
         return None
-    dts = {x.dtype for x in xs}
+    dts = set(map(_DTYPE, xs))
     if len(dts) != 1:
         return None
     (dt,) = dts
@@ -313,11 +352,32 @@ def _torch_bulk(xs: Sequence[Any]) -> Bulk | None:
         tag = from_torch(dt)
     except DTypeError:
         return None
-    strided = torch.strided
-    if not all(x.is_cpu and x.layout == strided and x.is_contiguous() for x in xs):
+    if DTYPES[tag].native_numpy:
+        # Tensor.numpy refuses what would need normalising (another device or layout, a
+        # tensor needing grad, a conjugate or negative view): one pass checks all of that
+        # and leaves numpy views, which the numpy checks and copies take as they are.
+        try:
+            views = list(map(T.numpy, xs))
+        except (TypeError, RuntimeError, ValueError, NotImplementedError):
+            views = None
+        if views is not None:
+            return _numpy_bulk(views)
+    if not all(map(_IS_CPU, xs)) or set(map(_LAYOUT, xs)) != {torch.strided}:
         return None
-    nbytes = np.fromiter((x.numel() for x in xs), np.int64, len(xs)) * xs[0].element_size()
-    return Bulk(list(xs), nbytes, [tuple(x.shape) for x in xs], tag)
+    if not all(map(T.is_contiguous, xs)):
+        return None
+    plain = not (any(map(_REQUIRES_GRAD, xs)) or any(map(T.is_conj, xs)) or any(map(T.is_neg, xs)))
+    nbytes, ranks, dims = _layout(xs, xs[0].element_size())
+    return Bulk(xs, nbytes, ranks, dims, tag, plain)
+
+
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_NBYTES = operator.attrgetter("nbytes")
+_C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
+_IS_CPU = operator.attrgetter("is_cpu")
+_LAYOUT = operator.attrgetter("layout")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 #: Set once torch has given (and flightq silenced) its once-per-process warning about

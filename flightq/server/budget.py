@@ -190,13 +190,14 @@ def tags_size(tags: Any) -> int:
 def row_costs(
     batch: pa.RecordBatch,
     keys: Sequence[str],
-    tags: Sequence[Any],
+    tag_sizes: np.ndarray,
     payload: np.ndarray,
 ) -> np.ndarray:
     """Per row of a validated batch, the bytes the budget counts while it is stored:
     ``payload`` (per row, from validation) plus the row's share of the batch's other Arrow
     buffers and schema metadata, its key, its tags twice (the put's decoded map and the
-    row's), and :data:`ROW_OVERHEAD`."""
+    row's: ``tag_sizes`` per row, :func:`tags_size` of its decoded tags, 0 for none), and
+    :data:`ROW_OVERHEAD`."""
     n = batch.num_rows
     if n == 0:
         return np.zeros(0, dtype=np.int64)
@@ -208,8 +209,6 @@ def row_costs(
             rest -= col.values.dictionary.get_total_buffer_size()
     share = -(-max(rest, 0) // n)
     out = payload.astype(np.int64) + (share + ROW_OVERHEAD)
-    out += np.fromiter((sys.getsizeof(k) for k in keys), dtype=np.int64, count=n)
-    for i, t in enumerate(tags):
-        if t:
-            out[i] += 2 * tags_size(t)
+    out += np.fromiter(map(sys.getsizeof, keys), dtype=np.int64, count=n)
+    out += 2 * tag_sizes
     return out

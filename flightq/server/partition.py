@@ -277,12 +277,19 @@ def put_keys(pieces: list[Piece]) -> set[str]:
 
 def _decode_tags(
     piece_batch: pa.RecordBatch, keys: list[str], limit: int | None
-) -> list[dict[str, Any] | None]:
+) -> tuple[list[dict[str, Any] | None], np.ndarray]:
+    """Each row's tags decoded, and what the budget counts of them per row (their Python
+    objects' size, :func:`tags_size`; 0 for none or an empty map)."""
     out: list[dict[str, Any] | None] = []
+    sizes: list[int] = []
+    # Equal bytes decode to equal objects of equal size: the rows of a prompt group share
+    # their tags' bytes, so each distinct map is walked once.
+    known: dict[bytes, int] = {}
     size = 0
     for k, b in zip(keys, pylist(piece_batch.column(TAGS)), strict=True):
         if b is None:
             out.append(None)
+            sizes.append(0)
             continue
         try:
             t = msgpack.unpackb(b, raw=False)
@@ -297,22 +304,25 @@ def _decode_tags(
                 key=k,
                 actual=type(t).__name__,
             )
-        if limit is not None:
-            size += tags_size(t)
-            if size > limit:
-                raise ResourceExhaustedError(
-                    f"the tags of a record batch take more than {limit} bytes as Python "
-                    f"objects (at row {k!r}), more than the server's whole memory budget",
-                    field=TAGS,
-                    key=k,
-                    expected=limit,
-                )
+        s = known.get(b)
+        if s is None:
+            s = known[b] = tags_size(t)
+        size += s
+        if limit is not None and size > limit:
+            raise ResourceExhaustedError(
+                f"the tags of a record batch take more than {limit} bytes as Python "
+                f"objects (at row {k!r}), more than the server's whole memory budget",
+                field=TAGS,
+                key=k,
+                expected=limit,
+            )
         out.append(t)
-    return out
+        sizes.append(s if t else 0)  # an empty map is stored as no tags
+    return out, np.asarray(sizes, dtype=np.int64)
 
 
 def make_piece(batch: pa.RecordBatch, checked: Checked, limit: int | None = None) -> Piece:
     """Wrap a validated batch, parsing its tags (refusing invalid msgpack, and tags whose
     Python objects would take more than ``limit`` bytes), and count what it holds."""
-    tags = _decode_tags(batch, checked.keys, limit)
-    return Piece(batch, checked, tags, row_costs(batch, checked.keys, tags, checked.nbytes))
+    tags, sizes = _decode_tags(batch, checked.keys, limit)
+    return Piece(batch, checked, tags, row_costs(batch, checked.keys, sizes, checked.nbytes))

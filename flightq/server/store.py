@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import operator
 import threading
 import time
 import uuid
@@ -613,8 +614,11 @@ class Store:
         """
         with self._lock:
             p = self._get(name)
-            _known(p, keys)
-            rows = [p.rows[k] for k in keys]
+            try:
+                rows = list(map(p.rows.__getitem__, keys))
+            except KeyError:
+                _known(p, keys)  # names every unknown key
+                raise
             return p, rows, _fields_for(p, rows, fields)
 
     def claim(
@@ -892,9 +896,12 @@ def _copy_progress(p: Partition) -> Progress:
     return out
 
 
+_CELLS = operator.attrgetter("cells")
+
+
 def _fields_for(p: Partition, rows: list[Row], fields: Sequence[str] | None) -> list[str]:
     if fields is None:
-        present = set().union(*(r.cells for r in rows)) if rows else set()
+        present = set().union(*map(_CELLS, rows))
         return [f.name for f in p.schema.fields if f.name in present]
     out = []
     for name in fields:

@@ -60,7 +60,7 @@ def test_bulk_encode_is_byte_identical_to_per_row(
     monkeypatch: pytest.MonkeyPatch, lib: str, lens: list[int | None]
 ) -> None:
     cols = _columns(lib, lens)
-    seq = [-1] * len(KEYS)
+    seq = np.full(len(KEYS), -1, dtype=np.int64)
     assert encode_module._encode_tensor_bulk(TEXT["input_ids"], cols["input_ids"], seq)
     fast = encode(TEXT, cols, KEYS)
     assert _ipc(fast) == _ipc(_per_row(monkeypatch, cols, KEYS))
