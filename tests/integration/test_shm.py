@@ -122,6 +122,20 @@ def test_w2_round_trips_bit_exact_and_the_tensors_are_views_into_a_mapped_segmen
     assert not row[0].flags.writeable  # numpy marks views of the answer read-only
 
 
+def test_the_servers_copy_of_a_large_put_split_over_threads_is_bit_exact(
+    server, client, monkeypatch
+):
+    from flightq.shm import mapping
+
+    step = workloads.w2(groups=1)
+    assert step.nbytes() > 8 * 2**20
+    monkeypatch.setattr(mapping, "COPY_PIECE_BYTES", 2**20)  # many pieces, every thread
+    client.create_partition("w2", step.schema, group_size=step.group_size)
+    assert client.put("w2", step.keys, step.columns, tags=step.tags) == step.rows
+    with _socket_client(server) as plain:  # the server's own bytes, read over the socket
+        assert assert_rows_match(plain.get("w2", step.keys, as_="numpy"), step) > 0
+
+
 @pytest.mark.torch
 def test_w1_round_trips_bit_exact_through_torch(client):
     step = workloads.w1(groups=1)

@@ -202,6 +202,35 @@ def test_add_on_a_returned_tensor_changes_only_that_tensor(server, client, shm_d
     assert _digest(next(r for r in again["pixel_values"] if r)[0].numpy()) == original
 
 
+def _private_dirty_kb(address: int) -> int:
+    """Kilobytes of this process's own copies in the mapping that holds ``address``."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Private_Dirty:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_reading_a_returned_array_copies_no_page_and_a_write_copies_only_its_own(server, client):
+    step = _put_w2(client)
+    batch = client.get("m", step.keys, as_="numpy")
+    tile = _first_tile(batch)
+    address = tile.ctypes.data
+    assert tile.nbytes > 2**20
+    # Every page read: still the server's pages (populating a writable private mapping
+    # for writing copied them all, at the get).
+    assert assert_rows_match(batch, step) > 0
+    assert _private_dirty_kb(address) == 0
+    ctypes.memset(address, 0, 4096)  # one page written: that page is copied, only it
+    assert 0 < _private_dirty_kb(address) <= 8
+    assert assert_rows_match(client.get("m", step.keys, as_="numpy"), step) > 0
+
+
 def test_a_private_copy_shares_nothing(server, client):
     step = _put_w2(client)
     batch = client.get("m", step.keys, as_="numpy", copy=True)
