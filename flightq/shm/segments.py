@@ -35,8 +35,10 @@ HEADER = 4096
 #: Segment sizes are multiples of this (huge-page friendly, few distinct sizes).
 GRANULE = 2 * 2**20
 #: Record batches through a segment are cut at about this many bytes: no transport limit
-#: applies, and every batch costs a fixed amount to encode, check and decode.
-BATCH_BYTES = 256 * 2**20
+#: applies, and every batch costs a fixed amount to encode, check and decode (a full W2
+#: get in 6 batches of 256 MiB took 2-3x as long as in 2). Below the server's default
+#: limit per put batch (``Server(max_put_batch_bytes=2**30)``).
+BATCH_BYTES = 768 * 2**20
 #: Free segments a pool keeps warm for reuse; beyond this they are unlinked.
 DEFAULT_KEEP_BYTES = 2 * 2**30
 #: Seconds a written segment may wait for its reader before the owner gives it up.
