@@ -281,8 +281,10 @@ STORES = _Stores()
 
 #: A server's copy of a put is split over threads in pieces of at least this many bytes.
 COPY_PIECE_BYTES = 32 * 2**20
-#: Most threads one copy uses (``preadv`` lets go of the interpreter lock).
-COPY_THREADS = 4
+#: Most threads one copy uses (``preadv`` lets go of the interpreter lock); never more
+#: than the host's cores. A full W2 put on the 16-core host: 2.8 GB/s on one thread,
+#: 5.8 on 4, 7.4 on 8.
+COPY_THREADS = 8
 
 
 def _copy_piece(fd: int, dst: memoryview, at: int, path: str, what: str) -> None:
