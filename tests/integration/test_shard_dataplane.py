@@ -212,7 +212,7 @@ def test_a_sharded_claim_hands_out_the_rest_of_a_group_acked_in_part(
     sharded.nack(first)
     got: list[str] = []
     while len(got) < 23:
-        b = sharded.claim("rows", "train", 8, as_="numpy", timeout=SHORT)
+        b = sharded.claim("rows", "train", 4, as_="numpy", timeout=SHORT)
         got += b.keys
         sharded.ack(b)
     assert sorted(got) == sorted(k for k in put["keys"] if k not in first.keys[:1])
