@@ -71,6 +71,7 @@ from ..sink import DeferredFills, Sink
 from ..tensordicts import tensordict_reads
 from .interface import PutReceipt
 from .reads import Reader
+from .requests import Requests
 from .session import Session
 from .streams import (
     DEFAULT_STREAMS,
@@ -275,6 +276,8 @@ class Client:
         self._digests = DigestCache()
         self._media: dict[str, KnownMedia] = {}
         self._transport = Transport(location, timeout=timeout, token=token, **flight_kwargs)
+        #: Small puts, gets and claims travel on one held stream (opened on first use).
+        self._requests = Requests(self._transport)
         self._reader = Reader(
             self._transport,
             shm_dir=self.shm_dir,
@@ -282,6 +285,7 @@ class Client:
             get_streams=gets,
             min_stream_bytes=min_stream_bytes,
             pinned=self._pinned,
+            requests=self._requests,
         )
         #: Ends this client's leases when it goes (opened by the first claim).
         self._session = Session(self._transport)
@@ -336,6 +340,22 @@ class Client:
     @shm_min_bytes.setter
     def shm_min_bytes(self, value: int) -> None:
         self._reader.shm_min_bytes = value
+
+    @property
+    def stream_max_bytes(self) -> int:
+        """Puts of fewer payload bytes, and gets and claims the partition's last answer
+        predicts that small, travel on the client's request stream (one held DoExchange,
+        :mod:`flightq.client.requests`) instead of a call each; 0: every operation per call."""
+        return self._reader.stream_max_bytes
+
+    @stream_max_bytes.setter
+    def stream_max_bytes(self, value: int) -> None:
+        self._reader.stream_max_bytes = value
+
+    @property
+    def requests(self) -> Requests:
+        """This client's request stream (internal: :mod:`flightq.client.requests`)."""
+        return self._requests
 
     @property
     def shm_pool(self) -> SegmentPool | None:
@@ -618,6 +638,12 @@ class Client:
                 self._transport, self._segments, cmd, batches, timeout, batch_bytes, sink
             )
             return PutReceipt(rows, "shm")
+        if self._small(batches):
+            ready = list(filled(batches, fills))
+            rows = self._requests.put(cmd, ready[0].schema, ready, f"put to {partition!r}", timeout)
+            if rows is not None:
+                return PutReceipt(rows, "socket")
+            batches, fills = ready, None
         groups = put_groups(batches, self.put_streams, self.min_stream_bytes)
         if len(groups) > 1:
             rows = put_parts(
@@ -632,6 +658,11 @@ class Client:
             timeout=timeout,
         )
         return PutReceipt(rows, "socket")
+
+    def _small(self, batches: list[pa.RecordBatch]) -> bool:
+        """Whether a put over the socket takes the request stream: it is small."""
+        limit = self._reader.stream_max_bytes
+        return bool(limit) and sum(b.get_total_buffer_size() for b in batches) < limit
 
     def _small_put(self, batches: list[pa.RecordBatch], sink: Sink | None) -> bool:
         """Whether a put encoded for shm is better sent over the socket: it is small, and no
@@ -890,6 +921,7 @@ class Client:
     def close(self) -> None:
         """Close the connection. Rows this client claimed and did not acknowledge are
         ready again for other consumers."""
+        self._requests.close()
         self._session.close()
         if self._segments is not None:
             self._segments.close()

@@ -26,7 +26,9 @@ import pyarrow as pa
 from ..batch import Batch, PartDecoder, Received, join
 from ..cuda import PinnedPool, decode_to_device
 from ..errors import ProtocolError
+from ..frames import STREAM_MAX_BYTES
 from ..protocol import CLAIM_METADATA, ClaimGrant, ClaimTicket, GetTicket, ScanTicket, Ticket
+from .requests import Requests
 from .transport import Transport
 
 __all__ = ["Reader", "RowSizes", "claim_grant", "distinct_nbytes", "received_on_device"]
@@ -100,8 +102,12 @@ class Reader:
         get_streams: int,
         min_stream_bytes: int,
         pinned: PinnedPool,
+        requests: Requests | None = None,
+        stream_max_bytes: int = STREAM_MAX_BYTES,
     ) -> None:
         self.transport = transport
+        self.requests = requests
+        self.stream_max_bytes = stream_max_bytes
         self.shm_dir = shm_dir
         self.shm_min_bytes = shm_min_bytes
         self.get_streams = get_streams
@@ -180,8 +186,41 @@ class Reader:
         """A read as one stream, decoded (through shared memory where it applies)."""
         t = self.routed(ticket)
         d = PartDecoder(as_, copy)
+        if not t.shm and self._streamed(t, what, timeout, d, grant):
+            return self.decoded(ticket.partition, [d], "socket")
         self.read(t, what, timeout, decoder=d, grant=grant)
         return self.decoded(ticket.partition, [d], "shm" if t.shm else "socket")
+
+    def _streamed(
+        self,
+        ticket: Ticket,
+        what: str,
+        timeout: float | None,
+        decoder: PartDecoder,
+        grant: list[ClaimGrant] | None,
+    ) -> bool:
+        """Whether the read went over the request stream (its batches now in ``decoder``):
+        the partition's last answer predicts it small, and the stream was free."""
+        if self.requests is None or not self.stream_max_bytes:
+            return False
+        if isinstance(ticket, GetTicket):
+            rows = len(ticket.keys)
+        elif isinstance(ticket, ClaimTicket):
+            rows = ticket.batch_size
+        else:
+            return False
+        per_row = self.sizes.per_row(ticket.partition)
+        if per_row is None or rows * per_row >= self.stream_max_bytes:
+            return False
+        got = self.requests.read(ticket, what, timeout)
+        if got is None:
+            return False
+        if grant is not None and not grant:
+            assert got.schema is not None
+            grant.append(_grant_of(got.schema, what))
+        for rb in got.batches:
+            decoder.add(rb)
+        return True
 
     def to_device(
         self,
@@ -214,7 +253,11 @@ def claim_grant(rb: pa.RecordBatch, what: str) -> ClaimGrant:
     ProtocolError
         If the answer carries none (a server that predates leases) or a malformed one.
     """
-    raw = (rb.schema.metadata or {}).get(CLAIM_METADATA)
+    return _grant_of(rb.schema, what)
+
+
+def _grant_of(schema: pa.Schema, what: str) -> ClaimGrant:
+    raw = (schema.metadata or {}).get(CLAIM_METADATA)
     if raw is None:
         raise ProtocolError(f"{what}: the answer carries no claim grant (a server too old?)")
     return ClaimGrant.parse(raw)
