@@ -640,9 +640,9 @@ class Client:
             return PutReceipt(rows, "shm")
         if self._small(batches):
             ready = list(filled(batches, fills))
-            rows = self._requests.put(cmd, ready[0].schema, ready, f"put to {partition!r}", timeout)
-            if rows is not None:
-                return PutReceipt(rows, "socket")
+            took = self._requests.put(cmd, ready[0].schema, ready, f"put to {partition!r}", timeout)
+            if took is not None:
+                return PutReceipt(took, "socket")
             batches, fills = ready, None
         groups = put_groups(batches, self.put_streams, self.min_stream_bytes)
         if len(groups) > 1:
