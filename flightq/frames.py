@@ -22,7 +22,7 @@ up, whose header is no msgpack map or whose IPC bytes do not parse is refused wi
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -34,6 +34,7 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "STREAM_MAX_BYTES",
     "Frame",
+    "SchemaMemo",
     "pack_frame",
     "parse_frame",
 ]
@@ -59,26 +60,39 @@ class Frame:
         self.header, self.schema, self.batches = header, schema, batches
 
 
+class SchemaMemo:
+    """A value computed once per Arrow schema, for the last few schemas seen. Thread-safe.
+
+    Each record batch hands out its own ``pa.Schema`` object, so neither identity nor a
+    hash (30 µs) finds the same schema again; ``equals`` does (a fraction of a µs where
+    both share one C++ schema, as the batches of one stream do).
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        self._size = size
+        self._entries: list[tuple[pa.Schema, Any]] = []
+
+    def get(self, schema: pa.Schema, make: Callable[[pa.Schema], Any]) -> Any:
+        """``make(schema)``, or the value it gave for an equal schema."""
+        for s, v in self._entries:
+            if s.equals(schema, check_metadata=True):
+                return v
+        value = make(schema)
+        self._entries = [(schema, value), *self._entries[: self._size - 1]]
+        return value
+
+
 class _Schemas:
     """Schemas to IPC bytes and back, cached: the same few schemas come again and again,
     and each costs about 13 µs to write or read."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # The schema object is kept in the value, so its id cannot be reused meanwhile.
-        self._out: dict[int, tuple[pa.Schema, bytes]] = {}
+        self._out = SchemaMemo()
         self._in: dict[bytes, pa.Schema] = {}
 
     def write(self, schema: pa.Schema) -> bytes:
-        hit = self._out.get(id(schema))
-        if hit is not None and hit[0] is schema:
-            return hit[1]
-        raw = schema.serialize().to_pybytes()
-        with self._lock:
-            if len(self._out) >= _SCHEMA_CACHE:
-                self._out.clear()
-            self._out[id(schema)] = (schema, raw)
-        return raw
+        return self._out.get(schema, lambda s: s.serialize().to_pybytes())
 
     def read(self, raw: bytes) -> pa.Schema:
         hit = self._in.get(raw)

@@ -61,6 +61,12 @@ class RowSizes:
             with self._lock:
                 self._per_row[partition] = per_row
 
+    def learn_bytes(self, partition: str, rows: int, nbytes: int) -> None:
+        """Remember the bytes per row of an answer of ``rows`` rows and ``nbytes`` bytes."""
+        if rows:
+            with self._lock:
+                self._per_row[partition] = nbytes / rows
+
     def per_row(self, partition: str) -> float | None:
         """Bytes per row of the partition's last answer; None before its first."""
         with self._lock:
@@ -165,11 +171,18 @@ class Reader:
                     decoder.add(b)
         return batches
 
-    def decoded(self, partition: str, decoders: list[PartDecoder], route: str) -> Batch:
-        """The decoded answer of a read: remembers its size for the partition's next read
-        and says how it arrived (``batch.received``)."""
+    def decoded(
+        self, partition: str, decoders: list[PartDecoder], route: str, nbytes: int | None = None
+    ) -> Batch:
+        """The decoded answer of a read: remembers its size (``nbytes``, or counted from
+        its batches) for the partition's next read and says how it arrived
+        (``batch.received``)."""
         parts = [p for d in decoders for p in d.parts]
-        self.sizes.learn(partition, sum(len(p) for p in parts), [p.record_batch for p in parts])
+        rows = sum(len(p) for p in parts)
+        if nbytes is None:
+            self.sizes.learn(partition, rows, [p.record_batch for p in parts])
+        else:
+            self.sizes.learn_bytes(partition, rows, nbytes)
         batch = join(parts)
         batch.received = Received.of(decoders, route)
         return batch
@@ -186,8 +199,10 @@ class Reader:
         """A read as one stream, decoded (through shared memory where it applies)."""
         t = self.routed(ticket)
         d = PartDecoder(as_, copy)
-        if not t.shm and self._streamed(t, what, timeout, d, grant):
-            return self.decoded(ticket.partition, [d], "socket")
+        if not t.shm:
+            got = self._streamed(t, what, timeout, d, grant)
+            if got is not None:  # its batches own their buffers: no slices to tell apart
+                return self.decoded(ticket.partition, [d], "socket", got)
         self.read(t, what, timeout, decoder=d, grant=grant)
         return self.decoded(ticket.partition, [d], "shm" if t.shm else "socket")
 
@@ -198,29 +213,30 @@ class Reader:
         timeout: float | None,
         decoder: PartDecoder,
         grant: list[ClaimGrant] | None,
-    ) -> bool:
-        """Whether the read went over the request stream (its batches now in ``decoder``):
-        the partition's last answer predicts it small, and the stream was free."""
+    ) -> int | None:
+        """The read over the request stream, its batches now in ``decoder`` (returns their
+        bytes), where the partition's last answer predicts it small and the stream is
+        free; None: it goes per call."""
         if self.requests is None or not self.stream_max_bytes:
-            return False
+            return None
         if isinstance(ticket, GetTicket):
             rows = len(ticket.keys)
         elif isinstance(ticket, ClaimTicket):
             rows = ticket.batch_size
         else:
-            return False
+            return None
         per_row = self.sizes.per_row(ticket.partition)
         if per_row is None or rows * per_row >= self.stream_max_bytes:
-            return False
+            return None
         got = self.requests.read(ticket, what, timeout)
         if got is None:
-            return False
+            return None
         if grant is not None and not grant:
             assert got.schema is not None
             grant.append(_grant_of(got.schema, what))
         for rb in got.batches:
             decoder.add(rb)
-        return True
+        return sum(rb.get_total_buffer_size() for rb in got.batches)
 
     def to_device(
         self,

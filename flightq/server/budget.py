@@ -30,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import ResourceExhaustedError
+from ..frames import SchemaMemo
 from ..layout import KEY, MEDIA_TYPE, TAGS, binary_offsets
 
 __all__ = [
@@ -66,10 +67,18 @@ ROW_OVERHEAD = 1024
 
 def metadata_bytes(schema: pa.Schema) -> int:
     """Bytes of metadata an Arrow schema carries: keys and values, its own and its fields'."""
+    # Every put of a partition carries the same few schemas: count each once.
+    return _METADATA_BYTES.get(schema, _metadata_bytes)
+
+
+def _metadata_bytes(schema: pa.Schema) -> int:
     total = sum(len(k) + len(v) for k, v in (schema.metadata or {}).items())
     for f in schema:
         total += sum(len(k) + len(v) for k, v in (f.metadata or {}).items())
     return total
+
+
+_METADATA_BYTES = SchemaMemo(16)
 
 
 def check_batch(batch: pa.RecordBatch, what: str) -> None:

@@ -404,8 +404,10 @@ class Server(fl.FlightServerBase):
         got = reserved = 0
         try:
             for data, claims in source:
-                size = data.nbytes
-                if size > self.max_put_batch_bytes:
+                # All its buffers (cheap); exact referenced bytes only where that matters.
+                size = data.get_total_buffer_size()
+                if size > self.max_put_batch_bytes and data.nbytes > self.max_put_batch_bytes:
+                    size = data.nbytes
                     raise ProtocolError(
                         f"put to {name!r}: a record batch of {size} bytes exceeds the "
                         f"server's limit of {self.max_put_batch_bytes} bytes per batch; "
@@ -445,24 +447,25 @@ class Server(fl.FlightServerBase):
         return self._send(context, schema, batches if undo is None else _undone(batches, undo))
 
     def _answer(
-        self, t: Ticket, context: fl.ServerCallContext | None
+        self, t: Ticket, context: fl.ServerCallContext | None, count: bool = True
     ) -> tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[[], None] | None]:
         """A read's answer: its schema, its batches, and for a claim what gives the rows
         back should the answer not reach the client (None for a get or a scan). The one
-        path of every read, per call (DoGet) or on the request stream."""
+        path of every read, per call (DoGet) or on the request stream (which counts the
+        bytes it sends itself: ``count=False``)."""
         if isinstance(t, GetTicket):
             part, rows, names = self.store.rows_for_get(t.partition, t.keys, t.fields)
-            schema, batches = self._assemble(t, part, rows, names)
+            schema, batches = self._assemble(t, part, rows, names, count)
             return (*self._shm_reply(t, schema, batches, context), None)
         if isinstance(t, ScanTicket):
             part, rows, names = self.store.scan(t.partition)
-            schema, batches = self._assemble(t, part, rows, names)
+            schema, batches = self._assemble(t, part, rows, names, count)
             return (*self._shm_reply(t, schema, batches, context), None)
         assert isinstance(t, ClaimTicket)
-        return self._claim_answer(t, context)
+        return self._claim_answer(t, context, count)
 
     def _claim_answer(
-        self, t: ClaimTicket, context: fl.ServerCallContext | None
+        self, t: ClaimTicket, context: fl.ServerCallContext | None, count: bool
     ) -> tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[[], None]]:
         name, task = t.partition, t.task
         cancelled = context.is_cancelled if context is not None else None
@@ -478,7 +481,7 @@ class Server(fl.FlightServerBase):
             t.session,
         )
         try:
-            schema, batches = self._assemble(t, part, rows, names)
+            schema, batches = self._assemble(t, part, rows, names, count)
             schema, batches = self._shm_reply(t, schema, batches, context)
             st = part.progress.tasks[task]
             grant = ClaimGrant(
@@ -495,10 +498,11 @@ class Server(fl.FlightServerBase):
         return schema, batches, lambda: self.store.unclaim(name, lease)
 
     def _assemble(
-        self, t: Ticket, part: Partition, rows: list[Row], names: list[str]
+        self, t: Ticket, part: Partition, rows: list[Row], names: list[str], count: bool = True
     ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
         """A read's answer: batches bounded for the socket (small slices copied together),
-        large and as stored over shm, where the consumer maps them."""
+        large and as stored over shm, where the consumer maps them; ``count``: their bytes
+        count as sent as they go."""
         self.counters.add({"get": "gets", "claim": "claims"}.get(t.op, "scans"))
         self.counters.add("rows_sent", len(rows))
         log.debug("%s of %d rows from %r", t.op, len(rows), t.partition)
@@ -508,7 +512,7 @@ class Server(fl.FlightServerBase):
             from ..shm import BATCH_BYTES
 
             schema, batches = assemble(part, rows, names, max(self.max_batch_bytes, BATCH_BYTES))
-        return schema, self._sent(batches)
+        return schema, self._sent(batches) if count else batches
 
     def _sent(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         """``batches``, counting their bytes as they go out."""
@@ -576,7 +580,9 @@ class Server(fl.FlightServerBase):
                 )
             return ((b, None) for b in batches)
 
-        return self._store_put(command, source, context)
+        # No cancel check (grpc's costs a third of a millisecond): the frame arrived whole,
+        # its lengths checked, so the stream cannot have been cut short mid-put.
+        return self._store_put(command, source, None)
 
     # ------------------------------------------------------------------ shared memory
 
