@@ -216,9 +216,10 @@ def parse_frame(buf: pa.Buffer | None, what: str, *, check: bool = False) -> Fra
                 batches.append(pa.ipc.read_record_batch(buf.slice(at, length), schema))
                 at += length
         if check:
+            schema.names  # noqa: B018  (field names must be UTF-8: refused here, typed)
             for b in batches:
                 b.validate(full=True)
-    except pa.ArrowException as e:
+    except (pa.ArrowException, EOFError, OSError, ValueError) as e:  # what Arrow raises
         raise ProtocolError(f"{what}: the frame's Arrow IPC bytes do not parse: {e}") from e
     return Frame(header, schema, batches)
 

@@ -44,6 +44,9 @@ _TICK_S = 0.1
 #: Seconds an answer may take beyond the call's timeout before the stream is cancelled.
 _MARGIN_S = 5.0
 _FOREIGN = (pa.ArrowException, fl.FlightError, OSError)
+#: No deadline (each answer is watched instead); the header the server counts it by
+#: (``flightq.server.limits.STREAM_HEADER``).
+_OPTIONS = fl.FlightCallOptions(headers=[(b"flightq-stream", b"requests")])
 
 
 class _Stream:
@@ -160,8 +163,7 @@ class Requests:
         desc = fl.FlightDescriptor.for_command(RequestsCommand().to_wire())
         flight = self._transport.connection()
         try:
-            # No deadline: the stream lives while it is used; each answer is watched.
-            writer, reader = flight.do_exchange(desc, options=fl.FlightCallOptions())
+            writer, reader = flight.do_exchange(desc, options=_OPTIONS)
             hello = reader.read_chunk()
             parse_frame(hello.app_metadata, "request stream").header["ok"]
         except (*_FOREIGN, StopIteration, FlightqError, KeyError):

@@ -77,7 +77,17 @@ def serve_requests(
         try:
             if closing():
                 raise UnavailableError("the server is shutting down; retry on another server")
-            kind, reply, undo = _handle(chunk, context, put, answer, counters)
+            try:
+                kind, reply, undo = _handle(chunk, context, put, answer, counters)
+            except (FlightqError, pa.ArrowException):
+                raise
+            except Exception as e:  # hostile bytes deep in Arrow: refused, the stream lives
+                log.warning(
+                    "request stream: %s handling a request", type(e).__name__, exc_info=True
+                )
+                raise ProtocolError(
+                    f"request stream: the request could not be handled ({type(e).__name__}: {e})"
+                ) from e
         except FlightqError as e:
             counters.refused(type(e).__name__)
             log.info(
