@@ -638,18 +638,18 @@ class Client:
                 self._transport, self._segments, cmd, batches, timeout, batch_bytes, sink
             )
             return PutReceipt(rows, "shm")
-        if self._small(batches):
-            ready = list(filled(batches, fills))
-            took = self._requests.put(cmd, ready[0].schema, ready, f"put to {partition!r}", timeout)
-            if took is not None:
-                return PutReceipt(took, "socket")
-            batches, fills = ready, None
         groups = put_groups(batches, self.put_streams, self.min_stream_bytes)
         if len(groups) > 1:
             rows = put_parts(
                 self._transport, cmd, batches, fills, groups, timeout, self.max_batch_bytes
             )
             return PutReceipt(rows, f"streams={len(groups)}")
+        if self._small(batches):
+            ready = list(filled(batches, fills))
+            took = self._requests.put(cmd, ready[0].schema, ready, f"put to {partition!r}", timeout)
+            if took is not None:
+                return PutReceipt(took, "socket")
+            batches, fills = ready, None
         rows = self._transport.put(
             cmd,
             batches[0].schema,
