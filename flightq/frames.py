@@ -91,8 +91,9 @@ class _Schemas:
         self._out = SchemaMemo()
         self._in: dict[bytes, pa.Schema] = {}
 
-    def write(self, schema: pa.Schema) -> bytes:
-        return self._out.get(schema, lambda s: s.serialize().to_pybytes())
+    def write(self, schema: pa.Schema) -> tuple[bytes, bool]:
+        """The schema's IPC bytes, and whether it has dictionary columns."""
+        return self._out.get(schema, lambda s: (s.serialize().to_pybytes(), _has_dictionary(s)))
 
     def read(self, raw: bytes) -> pa.Schema:
         hit = self._in.get(raw)
@@ -125,7 +126,8 @@ def pack_frame(
     """One frame: ``header`` and, given a ``schema``, the record batches (all of it)."""
     parts: list[Any] = []
     if schema is not None:
-        if _has_dictionary(schema):
+        raw, dictionary = _SCHEMAS.write(schema)
+        if dictionary:
             sink = pa.BufferOutputStream()
             with pa.ipc.new_stream(sink, schema) as w:
                 for b in batches:
@@ -134,7 +136,6 @@ def pack_frame(
             header = {**header, "body": "ipc", "batches": [body.size]}
             parts.append(body)
         else:
-            raw = _SCHEMAS.write(schema)
             bodies = [b.serialize() for b in batches]
             header = {
                 **header,

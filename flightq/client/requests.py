@@ -186,8 +186,9 @@ class Requests:
             stream.close()
 
     def _watch(self) -> None:
-        """Cancel a request past its deadline; close the stream once idle."""
-        while not self._closed:
+        """Cancel a request past its deadline; close the stream once idle, and end with it
+        (the next stream starts another watchdog): an idle client holds no thread."""
+        while True:
             time.sleep(_TICK_S)
             now = time.monotonic()
             with self._state:
@@ -196,12 +197,16 @@ class Requests:
                     self._fired = True
                     with contextlib.suppress(Exception):
                         self._stream.reader.cancel()
-            idle = armed is None and self._stream is not None and now - self._last > IDLE_CLOSE_S
-            if idle and self._lock.acquire(blocking=False):
-                try:
+            if armed is not None or not self._lock.acquire(blocking=False):
+                continue  # a request is in flight
+            try:
+                if self._stream is not None and now - self._last > IDLE_CLOSE_S:
                     self._drop()
-                finally:
-                    self._lock.release()
+                if self._stream is None or self._closed:
+                    self._watchdog = None
+                    return
+            finally:
+                self._lock.release()
 
     @property
     def is_open(self) -> bool:

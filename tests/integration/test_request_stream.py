@@ -214,6 +214,10 @@ def test_idle_stream_closes_and_reopens(pair: tuple[flightq.Client, flightq.Clie
     while streamed.requests.is_open and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not streamed.requests.is_open
+    # Its watchdog thread ends with it: an idle client holds no thread for it.
+    while any(t.name == "flightq-requests" for t in threading.enumerate()):
+        assert time.monotonic() < deadline + 1.0
+        time.sleep(0.05)
     served = streamed.requests.served
     streamed.put("i", ["k1"], text_columns(["k1"]))
     assert streamed.requests.served == served + 1
