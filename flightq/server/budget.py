@@ -79,6 +79,8 @@ def _metadata_bytes(schema: pa.Schema) -> int:
 
 
 _METADATA_BYTES = SchemaMemo(16)
+#: Key and tag column types whose values are measured (others: validation refuses them).
+_CAPPED_TYPES = (pa.utf8(), pa.binary())
 
 
 def check_batch(batch: pa.RecordBatch, what: str) -> None:
@@ -103,11 +105,11 @@ def check_batch(batch: pa.RecordBatch, what: str) -> None:
         if name not in names:
             continue  # validation names the missing column
         col = batch.column(name)
-        if col.type not in (pa.utf8(), pa.binary()) or not len(col):
+        if col.type not in _CAPPED_TYPES or not len(col):
             continue
-        buf = col.buffers()[1]
-        if buf is None:
-            continue
+        _, buf, data = col.buffers()
+        if buf is None or data is None or data.size <= cap:
+            continue  # no row holds more than the whole value buffer: nothing to measure
         sizes = np.diff(np.frombuffer(buf, np.int32, len(col) + 1, col.offset * 4))
         i = int(np.argmax(sizes))
         if sizes[i] > cap:
