@@ -435,3 +435,43 @@ def test_mutated_put_frames_are_refused_or_stored_whole(
     finally:
         c.close()
     assert sum(v for k, v in outcomes.items() if k != "ok") > 0, outcomes
+
+
+def test_a_small_put_with_shared_media_matches_per_call(
+    server: flightq.Server,
+) -> None:
+    # Media travel as dictionary columns: on the stream, as one Arrow IPC stream body.
+    vlm = "rollout_vlm@1"
+    rng = np.random.default_rng(5)
+    img = rng.standard_normal((16, 24), dtype=np.float32)
+    keys = ["v0", "v1", "v2"]
+    cols = {
+        "input_ids": [np.arange(4 + i, dtype=np.int64) for i in range(3)],
+        "pixel_values": [[img]] * 3,  # one image shared by the group: sent once
+        "image_grid_thw": [[np.array([[1, 4, 6]], dtype=np.int64)]] * 3,
+    }
+    with (
+        flightq.connect(server.location, [vlm], timeout=TIMEOUT) as streamed,
+        flightq.connect(server.location, [vlm], timeout=TIMEOUT) as per_call,
+    ):
+        per_call.stream_max_bytes = 0
+        for c, name in ((streamed, "sa"), (per_call, "sb")):
+            c.create_partition(name, vlm, tasks=["train"])
+        served = streamed.requests.served
+        streamed.put("sa", keys, cols)
+        assert streamed.requests.served == served + 1
+        per_call.put("sb", keys, cols)
+        streamed.get("sa", keys)
+        served = streamed.requests.served
+        got = streamed.get("sa", keys[::-1], as_="numpy")
+        assert streamed.requests.served == served + 1
+        want = per_call.get("sb", keys[::-1], as_="numpy")
+        assert got.keys == want.keys
+        for f in want.fields:
+            if want.schema[f].role == "media":
+                assert [[raw(x) for x in row] for row in got[f]] == [
+                    [raw(x) for x in row] for row in want[f]
+                ]
+            else:
+                assert [raw(x) for x in got[f]] == [raw(x) for x in want[f]]
+        assert server.store.partition("sa").nbytes == server.store.partition("sb").nbytes
