@@ -3,8 +3,10 @@
 :func:`connect` checks, before anything is written, that the server holds exactly the
 schema versions this process was built for. Puts travel as one DoPut carrying data and
 metadata (one round trip), reads as one DoGet, claims as one blocking DoGet: no polling.
-No ``pyarrow.flight`` exception leaves this module: each becomes the flightq error it
-stands for, with the server's message.
+Small ones (under ``Client.stream_max_bytes``) travel instead as messages on the client's
+request stream, one DoExchange held open (:mod:`flightq.client.requests`), which saves
+each a call's setup. No ``pyarrow.flight`` exception leaves this module: each becomes the
+flightq error it stands for, with the server's message.
 
 Examples
 --------
@@ -515,7 +517,8 @@ class Client:
         timeout: float | None = None,
         put_id: str | None = None,
     ) -> PutReceipt:
-        """Write rows, all or nothing, in one DoPut. Returns the rows written.
+        """Write rows, all or nothing, in one DoPut (a small put: one message on the
+        request stream). Returns the rows written.
 
         The count is a :class:`~flightq.PutReceipt` (an ``int``) that also says the route
         the rows took: ``"socket"``, ``"streams=N"`` (N parallel DoPut streams) or
