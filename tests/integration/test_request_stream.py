@@ -104,18 +104,18 @@ def test_errors_match_per_call(pair: tuple[flightq.Client, flightq.Client]) -> N
     for c in (streamed, per_call):
         c.create_partition("e", TEXT, tasks=["train"])
     streamed.put("e", keys, cols)
-    streamed.get("e", keys)  # the partition's size known: reads take the stream
+    streamed.get("e", keys, as_="numpy")  # the partition's size known: reads take the stream
     cases = [
-        lambda c: c.get("e", ["nope"]),
+        lambda c: c.get("e", ["nope"], as_="numpy"),
         lambda c: c.put("e", keys, other_cols),  # other values there: overwrite needed
-        lambda c: c.claim("e", "nope", 1, timeout=1.0),
+        lambda c: c.claim("e", "nope", 1, timeout=1.0, as_="numpy"),
     ]
     for case in cases:
         served = streamed.requests.served
         on_stream = _error(lambda case=case: case(streamed))
         assert streamed.requests.served == served + 1, on_stream
         assert on_stream == _error(lambda case=case: case(per_call))
-    assert _error(lambda: streamed.get("e", ["nope"]))[0] is NotFoundError
+    assert _error(lambda: streamed.get("e", ["nope"], as_="numpy"))[0] is NotFoundError
     assert _error(lambda: streamed.put("e", keys, other_cols))[0] is ConflictError
     # A batch encoded for another schema: refused by the server's validation.
     other = flightq.SchemaRegistry.default().get("rollout_vlm@1")
@@ -136,16 +136,18 @@ def test_blocking_claim_on_the_stream_times_out_typed(
     streamed.create_partition("w", TEXT, tasks=["train"])
     keys = text_keys(1, 2)
     streamed.put("w", keys, text_columns(keys))
-    streamed.get("w", keys)
-    streamed.ack(streamed.claim("w", "train", 2, timeout=TIMEOUT))
+    streamed.get("w", keys, as_="numpy")
+    streamed.ack(streamed.claim("w", "train", 2, timeout=TIMEOUT, as_="numpy"))
     served = streamed.requests.served
     with pytest.raises(ClaimTimeoutError):
-        streamed.claim("w", "train", 1, timeout=0.3)
+        streamed.claim("w", "train", 1, timeout=0.3, as_="numpy")
     assert streamed.requests.served == served + 1
     # Another thread's call meanwhile goes per call instead of waiting for the stream.
     done: list[Any] = []
     waiter = threading.Thread(
-        target=lambda: done.append(_error(lambda: streamed.claim("w", "train", 1, timeout=2.0)))
+        target=lambda: done.append(
+            _error(lambda: streamed.claim("w", "train", 1, timeout=2.0, as_="numpy"))
+        )
     )
     waiter.start()
     time.sleep(0.3)
@@ -188,8 +190,8 @@ def test_large_puts_and_reads_go_per_call(pair: tuple[flightq.Client, flightq.Cl
     cols = {"input_ids": [np.arange(200_000, dtype=np.int64)] * 2}  # 3.2 MB
     served = streamed.requests.served
     assert streamed.put("big", keys, cols) == 2
-    assert streamed.get("big", keys).keys == keys
-    assert streamed.get("big", keys).keys == keys  # known large now: still per call
+    assert streamed.get("big", keys, as_="numpy").keys == keys
+    assert streamed.get("big", keys, as_="numpy").keys == keys  # known large now: still per call
     assert streamed.requests.served == served
 
 
@@ -236,13 +238,13 @@ def test_refused_stream_falls_back_per_call() -> None:
         keys = ["b0", "b1"]
         cols = text_columns(keys, seed=3)
         assert b.put("f", keys, cols) == 2
-        b.get("f", keys)
+        b.get("f", keys, as_="numpy")
         got = b.get("f", keys, as_="numpy")
         assert [raw(x) for x in got["input_ids"]] == [raw(x) for x in cols["input_ids"]]
         assert b.requests.served == 0
         # The consumer session has its own count: a's stream does not take its slot.
-        a.get("f", keys)
-        assert a.claim("f", "train", 1, timeout=TIMEOUT).keys
+        a.get("f", keys, as_="numpy")
+        assert a.claim("f", "train", 1, timeout=TIMEOUT, as_="numpy").keys
 
 
 # --------------------------------------------------------------------------- hostile
@@ -461,7 +463,7 @@ def test_a_small_put_with_shared_media_matches_per_call(
         streamed.put("sa", keys, cols)
         assert streamed.requests.served == served + 1
         per_call.put("sb", keys, cols)
-        streamed.get("sa", keys)
+        streamed.get("sa", keys, as_="numpy")
         served = streamed.requests.served
         got = streamed.get("sa", keys[::-1], as_="numpy")
         assert streamed.requests.served == served + 1
