@@ -56,12 +56,16 @@ def serve_requests(
     answer: Answer,
     counters: Counters,
     closing: Callable[[], bool],
+    watch: Callable[[Iterator[None]], Iterator[None]] = iter,
 ) -> None:
     """Answer ``reader``'s requests in turn until the client ends the stream.
 
     ``put(command, batches, context)`` stores a put and returns its rows; ``answer(ticket,
     context, count)`` gives a read's schema, batches and, for a claim, what gives its rows
-    back (``count=False``: the stream counts the bytes it sends).
+    back (``count=False``: the stream counts the bytes it sends). ``watch`` marks the
+    write of each answer as a wait on the client (:meth:`IdleWatch.reads
+    <flightq.server.idle.IdleWatch.reads>`): a client that stops reading its answers has
+    its connection cut; the wait for its next request is by design and never watched.
     """
     writer.write_metadata(pack_frame(HELLO))
     while True:
@@ -98,8 +102,14 @@ def serve_requests(
                 e,
             )
             reply = pack_frame({"error": ErrorDetail.of(e).to_wire()})
-        try:
+
+        def write(reply: pa.Buffer = reply) -> Iterator[None]:
             writer.write_metadata(reply)
+            yield None
+
+        try:
+            for _ in watch(write()):
+                pass
         except BaseException:
             if undo is not None:  # the claim's answer never left: its rows go back
                 undo()

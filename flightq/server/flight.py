@@ -553,6 +553,7 @@ class Server(fl.FlightServerBase):
                 answer=self._answer,
                 counters=self.counters,
                 closing=lambda: self.store.closing,
+                watch=lambda writes: self.idle.reads(context, writes),
             )
             return
         SessionCommand.parse(raw)
