@@ -72,6 +72,7 @@ __all__ = [
     "PutCommand",
     "PutAck",
     "SessionCommand",
+    "RequestsCommand",
     "SessionReply",
     "Health",
     "HealthReply",
@@ -520,6 +521,15 @@ class SessionCommand(Message):
 
     WHAT: ClassVar[str] = "session command"
     op: str = _field(_const("session"), "session")
+
+
+@dataclasses.dataclass(**_FROZEN)
+class RequestsCommand(Message):
+    """The DoExchange descriptor's command that opens a request stream: small puts, gets
+    and claims as frames (:mod:`flightq.frames`), each answered in turn."""
+
+    WHAT: ClassVar[str] = "request stream command"
+    op: str = _field(_const("requests"), "requests")
 
 
 @dataclasses.dataclass(**_FROZEN)

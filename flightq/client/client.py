@@ -3,8 +3,10 @@
 :func:`connect` checks, before anything is written, that the server holds exactly the
 schema versions this process was built for. Puts travel as one DoPut carrying data and
 metadata (one round trip), reads as one DoGet, claims as one blocking DoGet: no polling.
-No ``pyarrow.flight`` exception leaves this module: each becomes the flightq error it
-stands for, with the server's message.
+Small ones (under ``Client.stream_max_bytes``) travel instead as messages on the client's
+request stream, one DoExchange held open (:mod:`flightq.client.requests`), which saves
+each a call's setup. No ``pyarrow.flight`` exception leaves this module: each becomes the
+flightq error it stands for, with the server's message.
 
 Examples
 --------
@@ -31,7 +33,7 @@ import pyarrow as pa
 from ..batch import Batch, Claim, check_as
 from ..chunks import encode_chunks
 from ..cuda import PinnedPool, resolve_device, stage
-from ..digest import DigestCache, KnownMedia, MediaRefs
+from ..digest import BATCH_KEY, DigestCache, KnownMedia, MediaRefs
 from ..errors import (
     FlightqError,
     LeaseExpiredError,
@@ -71,6 +73,7 @@ from ..sink import DeferredFills, Sink
 from ..tensordicts import tensordict_reads
 from .interface import PutReceipt
 from .reads import Reader
+from .requests import Requests
 from .session import Session
 from .streams import (
     DEFAULT_STREAMS,
@@ -275,6 +278,8 @@ class Client:
         self._digests = DigestCache()
         self._media: dict[str, KnownMedia] = {}
         self._transport = Transport(location, timeout=timeout, token=token, **flight_kwargs)
+        #: Small puts, gets and claims travel on one held stream (opened on first use).
+        self._requests = Requests(self._transport)
         self._reader = Reader(
             self._transport,
             shm_dir=self.shm_dir,
@@ -282,6 +287,7 @@ class Client:
             get_streams=gets,
             min_stream_bytes=min_stream_bytes,
             pinned=self._pinned,
+            requests=self._requests,
         )
         #: Ends this client's leases when it goes (opened by the first claim).
         self._session = Session(self._transport)
@@ -336,6 +342,22 @@ class Client:
     @shm_min_bytes.setter
     def shm_min_bytes(self, value: int) -> None:
         self._reader.shm_min_bytes = value
+
+    @property
+    def stream_max_bytes(self) -> int:
+        """Puts of fewer payload bytes, and gets and claims the partition's last answer
+        predicts that small, travel on the client's request stream (one held DoExchange,
+        :mod:`flightq.client.requests`) instead of a call each; 0: every operation per call."""
+        return self._reader.stream_max_bytes
+
+    @stream_max_bytes.setter
+    def stream_max_bytes(self, value: int) -> None:
+        self._reader.stream_max_bytes = value
+
+    @property
+    def requests(self) -> Requests:
+        """This client's request stream (internal: :mod:`flightq.client.requests`)."""
+        return self._requests
 
     @property
     def shm_pool(self) -> SegmentPool | None:
@@ -495,7 +517,8 @@ class Client:
         timeout: float | None = None,
         put_id: str | None = None,
     ) -> PutReceipt:
-        """Write rows, all or nothing, in one DoPut. Returns the rows written.
+        """Write rows, all or nothing, in one DoPut (a small put: one message on the
+        request stream). Returns the rows written.
 
         The count is a :class:`~flightq.PutReceipt` (an ``int``) that also says the route
         the rows took: ``"socket"``, ``"streams=N"`` (N parallel DoPut streams) or
@@ -624,6 +647,12 @@ class Client:
                 self._transport, cmd, batches, fills, groups, timeout, self.max_batch_bytes
             )
             return PutReceipt(rows, f"streams={len(groups)}")
+        if self._small(batches):
+            ready = list(filled(batches, fills))
+            took = self._requests.put(cmd, ready[0].schema, ready, f"put to {partition!r}", timeout)
+            if took is not None:
+                return PutReceipt(took, "socket")
+            batches, fills = ready, None
         rows = self._transport.put(
             cmd,
             batches[0].schema,
@@ -632,6 +661,14 @@ class Client:
             timeout=timeout,
         )
         return PutReceipt(rows, "socket")
+
+    def _small(self, batches: list[pa.RecordBatch]) -> bool:
+        """Whether a put over the socket takes the request stream: it is small, and claims
+        no media digests (those travel as a DoPut batch's app metadata: per call)."""
+        limit = self._reader.stream_max_bytes
+        if not limit or sum(b.get_total_buffer_size() for b in batches) >= limit:
+            return False
+        return not any(BATCH_KEY in (b.schema.metadata or {}) for b in batches)
 
     def _small_put(self, batches: list[pa.RecordBatch], sink: Sink | None) -> bool:
         """Whether a put encoded for shm is better sent over the socket: it is small, and no
@@ -890,6 +927,7 @@ class Client:
     def close(self) -> None:
         """Close the connection. Rows this client claimed and did not acknowledge are
         ready again for other consumers."""
+        self._requests.close()
         self._session.close()
         if self._segments is not None:
             self._segments.close()

@@ -26,7 +26,9 @@ import pyarrow as pa
 from ..batch import Batch, PartDecoder, Received, join
 from ..cuda import PinnedPool, decode_to_device
 from ..errors import ProtocolError
+from ..frames import STREAM_MAX_BYTES
 from ..protocol import CLAIM_METADATA, ClaimGrant, ClaimTicket, GetTicket, ScanTicket, Ticket
+from .requests import Requests
 from .transport import Transport
 
 __all__ = ["Reader", "RowSizes", "claim_grant", "distinct_nbytes", "received_on_device"]
@@ -58,6 +60,12 @@ class RowSizes:
             per_row = distinct_nbytes(batches) / rows
             with self._lock:
                 self._per_row[partition] = per_row
+
+    def learn_bytes(self, partition: str, rows: int, nbytes: int) -> None:
+        """Remember the bytes per row of an answer of ``rows`` rows and ``nbytes`` bytes."""
+        if rows:
+            with self._lock:
+                self._per_row[partition] = nbytes / rows
 
     def per_row(self, partition: str) -> float | None:
         """Bytes per row of the partition's last answer; None before its first."""
@@ -100,8 +108,12 @@ class Reader:
         get_streams: int,
         min_stream_bytes: int,
         pinned: PinnedPool,
+        requests: Requests | None = None,
+        stream_max_bytes: int = STREAM_MAX_BYTES,
     ) -> None:
         self.transport = transport
+        self.requests = requests
+        self.stream_max_bytes = stream_max_bytes
         self.shm_dir = shm_dir
         self.shm_min_bytes = shm_min_bytes
         self.get_streams = get_streams
@@ -159,11 +171,18 @@ class Reader:
                     decoder.add(b)
         return batches
 
-    def decoded(self, partition: str, decoders: list[PartDecoder], route: str) -> Batch:
-        """The decoded answer of a read: remembers its size for the partition's next read
-        and says how it arrived (``batch.received``)."""
+    def decoded(
+        self, partition: str, decoders: list[PartDecoder], route: str, nbytes: int | None = None
+    ) -> Batch:
+        """The decoded answer of a read: remembers its size (``nbytes``, or counted from
+        its batches) for the partition's next read and says how it arrived
+        (``batch.received``)."""
         parts = [p for d in decoders for p in d.parts]
-        self.sizes.learn(partition, sum(len(p) for p in parts), [p.record_batch for p in parts])
+        rows = sum(len(p) for p in parts)
+        if nbytes is None:
+            self.sizes.learn(partition, rows, [p.record_batch for p in parts])
+        else:
+            self.sizes.learn_bytes(partition, rows, nbytes)
         batch = join(parts)
         batch.received = Received.of(decoders, route)
         return batch
@@ -180,8 +199,44 @@ class Reader:
         """A read as one stream, decoded (through shared memory where it applies)."""
         t = self.routed(ticket)
         d = PartDecoder(as_, copy)
+        if not t.shm:
+            got = self._streamed(t, what, timeout, d, grant)
+            if got is not None:  # its batches own their buffers: no slices to tell apart
+                return self.decoded(ticket.partition, [d], "socket", got)
         self.read(t, what, timeout, decoder=d, grant=grant)
         return self.decoded(ticket.partition, [d], "shm" if t.shm else "socket")
+
+    def _streamed(
+        self,
+        ticket: Ticket,
+        what: str,
+        timeout: float | None,
+        decoder: PartDecoder,
+        grant: list[ClaimGrant] | None,
+    ) -> int | None:
+        """The read over the request stream, its batches now in ``decoder`` (returns their
+        bytes), where the partition's last answer predicts it small and the stream is
+        free; None: it goes per call."""
+        if self.requests is None or not self.stream_max_bytes:
+            return None
+        if isinstance(ticket, GetTicket):
+            rows = len(ticket.keys)
+        elif isinstance(ticket, ClaimTicket):
+            rows = ticket.batch_size
+        else:
+            return None
+        per_row = self.sizes.per_row(ticket.partition)
+        if per_row is None or rows * per_row >= self.stream_max_bytes:
+            return None
+        got = self.requests.read(ticket, what, timeout)
+        if got is None:
+            return None
+        if grant is not None and not grant:
+            assert got.schema is not None
+            grant.append(_grant_of(got.schema, what))
+        for rb in got.batches:
+            decoder.add(rb)
+        return sum(rb.get_total_buffer_size() for rb in got.batches)
 
     def to_device(
         self,
@@ -214,7 +269,11 @@ def claim_grant(rb: pa.RecordBatch, what: str) -> ClaimGrant:
     ProtocolError
         If the answer carries none (a server that predates leases) or a malformed one.
     """
-    raw = (rb.schema.metadata or {}).get(CLAIM_METADATA)
+    return _grant_of(rb.schema, what)
+
+
+def _grant_of(schema: pa.Schema, what: str) -> ClaimGrant:
+    raw = (schema.metadata or {}).get(CLAIM_METADATA)
     if raw is None:
         raise ProtocolError(f"{what}: the answer carries no claim grant (a server too old?)")
     return ClaimGrant.parse(raw)

@@ -30,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import ResourceExhaustedError
+from ..frames import SchemaMemo
 from ..layout import KEY, MEDIA_TYPE, TAGS, binary_offsets
 
 __all__ = [
@@ -66,10 +67,20 @@ ROW_OVERHEAD = 1024
 
 def metadata_bytes(schema: pa.Schema) -> int:
     """Bytes of metadata an Arrow schema carries: keys and values, its own and its fields'."""
+    # Every put of a partition carries the same few schemas: count each once.
+    return _METADATA_BYTES.get(schema, _metadata_bytes)
+
+
+def _metadata_bytes(schema: pa.Schema) -> int:
     total = sum(len(k) + len(v) for k, v in (schema.metadata or {}).items())
     for f in schema:
         total += sum(len(k) + len(v) for k, v in (f.metadata or {}).items())
     return total
+
+
+_METADATA_BYTES = SchemaMemo(16)
+#: Key and tag column types whose values are measured (others: validation refuses them).
+_CAPPED_TYPES = (pa.utf8(), pa.binary())
 
 
 def check_batch(batch: pa.RecordBatch, what: str) -> None:
@@ -94,11 +105,11 @@ def check_batch(batch: pa.RecordBatch, what: str) -> None:
         if name not in names:
             continue  # validation names the missing column
         col = batch.column(name)
-        if col.type not in (pa.utf8(), pa.binary()) or not len(col):
+        if col.type not in _CAPPED_TYPES or not len(col):
             continue
-        buf = col.buffers()[1]
-        if buf is None:
-            continue
+        _, buf, data = col.buffers()
+        if buf is None or data is None or data.size <= cap:
+            continue  # no row holds more than the whole value buffer: nothing to measure
         sizes = np.diff(np.frombuffer(buf, np.int32, len(col) + 1, col.offset * 4))
         i = int(np.argmax(sizes))
         if sizes[i] > cap:

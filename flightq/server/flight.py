@@ -23,7 +23,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -46,6 +46,7 @@ from ..protocol import (
     GetTicket,
     PutAck,
     PutCommand,
+    RequestsCommand,
     ScanTicket,
     SessionCommand,
     SessionReply,
@@ -59,8 +60,8 @@ from ..schema import diff_schemas
 from .actions import HANDLERS, ActionContext
 from .assemble import assemble
 from .budget import DictionaryUse, check_batch
+from .exchange import serve_requests
 from .idle import DEFAULT_IDLE_TIMEOUT, MIDDLEWARE_KEY, IdleWatch
-from .leases import Lease
 from .limits import DEFAULT_MAX_CALLS, DEFAULT_MAX_SESSIONS, CallLimits
 from .media import media_piece
 from .metrics import Counters, call_kind
@@ -295,7 +296,7 @@ class Server(fl.FlightServerBase):
     def _idle_cut(self, peer: str) -> None:
         self.counters.add("idle_cuts")
 
-    def _answer(
+    def _send(
         self,
         context: fl.ServerCallContext | None,
         schema: pa.Schema,
@@ -340,7 +341,22 @@ class Server(fl.FlightServerBase):
         writer: fl.FlightMetadataWriter,
         context: fl.ServerCallContext | None = None,
     ) -> None:
-        raw = unpack(_command(descriptor, PutCommand.WHAT), PutCommand.WHAT)
+        def source(cmd: PutCommand, what: str) -> Iterator[tuple[pa.RecordBatch, Any]]:
+            return self._put_source(cmd, reader, context, what)
+
+        n = self._store_put(_command(descriptor, PutCommand.WHAT), source, context)
+        writer.write(pa.py_buffer(PutAck(rows=n).to_wire()))
+
+    def _store_put(
+        self,
+        command: bytes,
+        source: Callable[[PutCommand, str], Iterator[tuple[pa.RecordBatch, pa.Buffer | None]]],
+        context: fl.ServerCallContext | None,
+    ) -> int:
+        """One put, all or nothing: ``command`` parsed, the batches ``source`` gives checked
+        and stored (or its part staged); returns the rows stored. The one path of every
+        put, per call (DoPut) or on the request stream (:mod:`flightq.server.exchange`)."""
+        raw = unpack(command, PutCommand.WHAT)
         try:
             cmd = PutCommand.parse(raw)
             staged = self._staging.check(cmd)
@@ -351,7 +367,7 @@ class Server(fl.FlightServerBase):
         pieces: list[Any] = []
         try:
             try:
-                self._put_pieces(cmd, reader, context, pieces)
+                self._put_pieces(cmd, source(cmd, f"put to {name!r}"), context, pieces)
             except BaseException as e:
                 if staged is not None:  # the other parts fail with it
                     self._staging.fail(name, staged[0], staged[2], e)
@@ -368,12 +384,12 @@ class Server(fl.FlightServerBase):
             self.store.release(pieces)  # what was not stored counts no more
         self.counters.add("rows_put", n)
         log.debug("put of %d rows to %r", n, name)
-        writer.write(pa.py_buffer(PutAck(rows=n).to_wire()))
+        return n
 
     def _put_pieces(
         self,
         cmd: PutCommand,
-        reader: fl.MetadataRecordBatchReader,
+        source: Iterator[tuple[pa.RecordBatch, pa.Buffer | None]],
         context: fl.ServerCallContext | None,
         pieces: list[Any],
     ) -> None:
@@ -387,9 +403,11 @@ class Server(fl.FlightServerBase):
         media = DictionaryUse(what)
         got = reserved = 0
         try:
-            for data, claims in self._put_source(cmd, reader, context, what):
-                size = data.nbytes
-                if size > self.max_put_batch_bytes:
+            for data, claims in source:
+                # All its buffers (cheap); exact referenced bytes only where that matters.
+                size = data.get_total_buffer_size()
+                if size > self.max_put_batch_bytes and data.nbytes > self.max_put_batch_bytes:
+                    size = data.nbytes
                     raise ProtocolError(
                         f"put to {name!r}: a record batch of {size} bytes exceeds the "
                         f"server's limit of {self.max_put_batch_bytes} bytes per batch; "
@@ -425,20 +443,30 @@ class Server(fl.FlightServerBase):
     def _do_get(
         self, ticket: fl.Ticket, context: fl.ServerCallContext | None = None
     ) -> fl.FlightDataStream:
-        t = parse_ticket(ticket.ticket)
+        schema, batches, undo = self._answer(parse_ticket(ticket.ticket), context)
+        return self._send(context, schema, batches if undo is None else _undone(batches, undo))
+
+    def _answer(
+        self, t: Ticket, context: fl.ServerCallContext | None, count: bool = True
+    ) -> tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[[], None] | None]:
+        """A read's answer: its schema, its batches, and for a claim what gives the rows
+        back should the answer not reach the client (None for a get or a scan). The one
+        path of every read, per call (DoGet) or on the request stream (which counts the
+        bytes it sends itself: ``count=False``)."""
         if isinstance(t, GetTicket):
             part, rows, names = self.store.rows_for_get(t.partition, t.keys, t.fields)
-            schema, batches = self._assemble(t, part, rows, names)
-            return self._answer(context, *self._shm_reply(t, schema, batches, context))
+            schema, batches = self._assemble(t, part, rows, names, count)
+            return (*self._shm_reply(t, schema, batches, context), None)
         if isinstance(t, ScanTicket):
             part, rows, names = self.store.scan(t.partition)
-            schema, batches = self._assemble(t, part, rows, names)
-            return self._answer(context, *self._shm_reply(t, schema, batches, context))
-        return self._do_claim(t, context)
+            schema, batches = self._assemble(t, part, rows, names, count)
+            return (*self._shm_reply(t, schema, batches, context), None)
+        assert isinstance(t, ClaimTicket)
+        return self._claim_answer(t, context, count)
 
-    def _do_claim(
-        self, t: ClaimTicket, context: fl.ServerCallContext | None
-    ) -> fl.FlightDataStream:
+    def _claim_answer(
+        self, t: ClaimTicket, context: fl.ServerCallContext | None, count: bool
+    ) -> tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[[], None]]:
         name, task = t.partition, t.task
         cancelled = context.is_cancelled if context is not None else None
         part, rows, names, lease = self.store.claim(
@@ -453,7 +481,7 @@ class Server(fl.FlightServerBase):
             t.session,
         )
         try:
-            schema, batches = self._assemble(t, part, rows, names)
+            schema, batches = self._assemble(t, part, rows, names, count)
             schema, batches = self._shm_reply(t, schema, batches, context)
             st = part.progress.tasks[task]
             grant = ClaimGrant(
@@ -467,13 +495,14 @@ class Server(fl.FlightServerBase):
         except BaseException:
             self.store.unclaim(name, lease)
             raise
-        return self._answer(context, schema, self._claimed(name, lease, batches))
+        return schema, batches, lambda: self.store.unclaim(name, lease)
 
     def _assemble(
-        self, t: Ticket, part: Partition, rows: list[Row], names: list[str]
+        self, t: Ticket, part: Partition, rows: list[Row], names: list[str], count: bool = True
     ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
         """A read's answer: batches bounded for the socket (small slices copied together),
-        large and as stored over shm, where the consumer maps them."""
+        large and as stored over shm, where the consumer maps them; ``count``: their bytes
+        count as sent as they go."""
         self.counters.add({"get": "gets", "claim": "claims"}.get(t.op, "scans"))
         self.counters.add("rows_sent", len(rows))
         log.debug("%s of %d rows from %r", t.op, len(rows), t.partition)
@@ -483,25 +512,13 @@ class Server(fl.FlightServerBase):
             from ..shm import BATCH_BYTES
 
             schema, batches = assemble(part, rows, names, max(self.max_batch_bytes, BATCH_BYTES))
-        return schema, self._sent(batches)
+        return schema, self._sent(batches) if count else batches
 
     def _sent(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         """``batches``, counting their bytes as they go out."""
         for b in batches:
             self.counters.add("bytes_sent", b.nbytes)
             yield b
-
-    def _claimed(
-        self, name: str, lease: Lease, batches: Iterator[pa.RecordBatch]
-    ) -> Iterator[pa.RecordBatch]:
-        """Yield a claim's batches; if the stream dies before the end, the rows go back."""
-        done = False
-        try:
-            yield from batches
-            done = True
-        finally:
-            if not done:
-                self.store.unclaim(name, lease)
 
     # ------------------------------------------------------------------ DoExchange
 
@@ -521,12 +538,25 @@ class Server(fl.FlightServerBase):
         reader: fl.MetadataRecordBatchReader,
         writer: fl.MetadataRecordBatchWriter,
     ) -> None:
-        """A consumer session: held open by the client while it lives. The leases of
-        claims made under it end the moment it ends (the client closed, crashed or lost
-        its connection), or when the server shuts down."""
-        if descriptor.descriptor_type != fl.DescriptorType.CMD:
-            raise ProtocolError("DoExchange: expected a command descriptor")
-        SessionCommand.parse(descriptor.command)
+        """A request stream (:mod:`flightq.server.exchange`), or a consumer session: held
+        open by the client while it lives. The leases of claims made under a session end
+        the moment it ends (the client closed, crashed or lost its connection), or when
+        the server shuts down."""
+        raw = unpack(_command(descriptor, "DoExchange"), "DoExchange command")
+        if raw.get("op") == "requests":
+            RequestsCommand.parse(raw)
+            serve_requests(
+                context,
+                reader,
+                writer,
+                put=self._stream_put,
+                answer=self._answer,
+                counters=self.counters,
+                closing=lambda: self.store.closing,
+                watch=lambda writes: self.idle.reads(context, writes),
+            )
+            return
+        SessionCommand.parse(raw)
         sid = self.store.open_session()
         try:
             writer.write_metadata(pa.py_buffer(SessionReply(session=sid).to_wire()))
@@ -536,6 +566,24 @@ class Server(fl.FlightServerBase):
                 time.sleep(_SESSION_POLL)
         finally:
             self.store.end_session(sid)
+
+    def _stream_put(
+        self, command: bytes, batches: list[pa.RecordBatch], context: fl.ServerCallContext
+    ) -> int:
+        """A put on the request stream: the DoPut path over the frame's batches (which
+        claim no media digests: the server hashes any media, as for a put through shm)."""
+
+        def source(cmd: PutCommand, what: str) -> Iterator[tuple[pa.RecordBatch, Any]]:
+            if cmd.shm is not None:
+                raise ProtocolError(
+                    f"{what}: a put through shared memory goes per call (DoPut), not on "
+                    "the request stream"
+                )
+            return ((b, None) for b in batches)
+
+        # No cancel check (grpc's costs a third of a millisecond): the frame arrived whole,
+        # its lengths checked, so the stream cannot have been cut short mid-put.
+        return self._store_put(command, source, None)
 
     # ------------------------------------------------------------------ shared memory
 
@@ -656,6 +704,20 @@ def _stream(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> fl.FlightDa
     # batches); a dictionary shared by consecutive batches is sent once. A batch serving
     # part of a stored batch carries a dictionary already cut to its rows (assemble).
     return fl.RecordBatchStream(pa.RecordBatchReader.from_batches(schema, batches))
+
+
+def _undone(
+    batches: Iterator[pa.RecordBatch], undo: Callable[[], None]
+) -> Iterator[pa.RecordBatch]:
+    """Yield a claim's batches; if the stream dies before the end, ``undo`` gives the rows
+    back."""
+    done = False
+    try:
+        yield from batches
+        done = True
+    finally:
+        if not done:
+            undo()
 
 
 def _path_name(segment: bytes) -> str:

@@ -8,7 +8,11 @@ its client's whole life.
 
 So the server counts them, in server middleware that runs before any handler: sessions
 against ``max_sessions``, every other call against ``max_calls``, each on its own count so
-that sessions can never starve data calls (nor the other way round). A call past its bound
+that sessions can never starve data calls (nor the other way round). A client's request
+stream (:mod:`flightq.server.exchange`, a DoExchange whose call carries the header
+:data:`STREAM_HEADER`) also holds a thread for as long as it is open: those are counted
+against ``max_sessions`` too, on a third count, so that a consumer's own request stream
+never takes the slot its session needs. A call past its bound
 is refused before it takes anything, with :class:`~flightq.errors.ResourceExhaustedError`
 ("server busy: N calls in flight"); the slot frees the moment a call ends, however it ends.
 """
@@ -23,22 +27,24 @@ import pyarrow.flight as fl
 from ..errors import ProtocolError, ResourceExhaustedError
 from ..protocol import to_flight_error
 
-__all__ = ["CallLimits", "DEFAULT_MAX_CALLS", "DEFAULT_MAX_SESSIONS"]
+__all__ = ["CallLimits", "DEFAULT_MAX_CALLS", "DEFAULT_MAX_SESSIONS", "STREAM_HEADER"]
 
 #: Calls (DoPut, DoGet, DoAction, ...) in flight at once, consumer sessions apart.
 DEFAULT_MAX_CALLS = 128
-#: Consumer sessions (DoExchange) open at once.
+#: Consumer sessions (DoExchange) open at once; request streams as many again.
 DEFAULT_MAX_SESSIONS = 128
+#: The call header (name, value) a client's request stream opens with.
+STREAM_HEADER = ("flightq-stream", "requests")
 
 
 class _Slot(fl.ServerMiddleware):
     """One admitted call; gives its slot back when the call completes."""
 
-    def __init__(self, limits: CallLimits, session: bool) -> None:
-        self._limits, self._session = limits, session
+    def __init__(self, limits: CallLimits, kind: str) -> None:
+        self._limits, self._kind = limits, kind
 
     def call_completed(self, exception: Any) -> None:
-        self._limits._end(self._session)
+        self._limits._end(self._kind)
 
 
 class CallLimits(fl.ServerMiddlewareFactory):
@@ -59,7 +65,7 @@ class CallLimits(fl.ServerMiddlewareFactory):
                 raise ProtocolError(f"{what} must be an int >= 1, got {n!r}", actual=n)
         self.max_calls, self.max_sessions = max_calls, max_sessions
         self._lock = threading.Lock()
-        self._calls = self._sessions = 0
+        self._counts = {"calls": 0, "sessions": 0, "streams": 0}
 
     def __repr__(self) -> str:
         return f"CallLimits(max_calls={self.max_calls}, max_sessions={self.max_sessions})"
@@ -67,33 +73,36 @@ class CallLimits(fl.ServerMiddlewareFactory):
     def in_flight(self) -> tuple[int, int]:
         """Calls and sessions admitted and not yet completed."""
         with self._lock:
-            return self._calls, self._sessions
+            return self._counts["calls"], self._counts["sessions"]
+
+    def streams(self) -> int:
+        """Request streams open (each also bounded by ``max_sessions``)."""
+        with self._lock:
+            return self._counts["streams"]
 
     def start_call(self, info: fl.CallInfo, headers: dict[str, Any]) -> fl.ServerMiddleware:
-        session = info.method == fl.FlightMethod.DO_EXCHANGE
+        kind = "calls"
+        if info.method == fl.FlightMethod.DO_EXCHANGE:
+            name, value = STREAM_HEADER
+            kind = "streams" if value in headers.get(name, ()) else "sessions"
+        limit = self.max_calls if kind == "calls" else self.max_sessions
         with self._lock:
-            if session:
-                if self._sessions >= self.max_sessions:
-                    raise to_flight_error(_busy(self._sessions, self.max_sessions, "sessions"))
-                self._sessions += 1
-            else:
-                if self._calls >= self.max_calls:
-                    raise to_flight_error(_busy(self._calls, self.max_calls, "calls"))
-                self._calls += 1
-        return _Slot(self, session)
+            n = self._counts[kind]
+            if n >= limit:
+                raise to_flight_error(_busy(n, limit, kind))
+            self._counts[kind] = n + 1
+        return _Slot(self, kind)
 
-    def _end(self, session: bool) -> None:
+    def _end(self, kind: str) -> None:
         with self._lock:
-            if session:
-                self._sessions -= 1
-            else:
-                self._calls -= 1
+            self._counts[kind] -= 1
 
 
 def _busy(n: int, limit: int, what: str) -> ResourceExhaustedError:
-    option = "max_sessions" if what == "sessions" else "max_calls"
+    option = "max_calls" if what == "calls" else "max_sessions"
+    shown = "request streams" if what == "streams" else what
     return ResourceExhaustedError(
-        f"server busy: {n} {what} in flight, its limit ({option}={limit}); retry shortly, "
+        f"server busy: {n} {shown} in flight, its limit ({option}={limit}); retry shortly, "
         f"or serve with a larger --{option.replace('_', '-')}",
         expected=limit,
         actual=n,

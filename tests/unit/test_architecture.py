@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("registry", "layout"),
     ("rows", "draft", "sink", "encode", "chunks", "validation"),
     ("columns", "batch", "tensordicts", "media", "workloads"),
-    ("protocol",),
+    ("protocol", "frames"),
     ("shm", "cuda", "auth", "memory"),
     ("server", "client"),
     ("sharding",),

@@ -342,6 +342,7 @@ EXAMPLES: list[Message] = [
     ),
     protocol.ClaimGrant(claim="c1", lease=30.0, deliveries=[1, 2]),
     protocol.SessionCommand(),
+    protocol.RequestsCommand(),
     protocol.SessionReply(session="s1"),
     protocol.Ack(partition="p", claim="c1", keys=["k0"]),
     protocol.Ack(partition="p", claim="c1"),
