@@ -164,7 +164,11 @@ class Server(fl.FlightServerBase):
         **kwargs: Any,
     ) -> None:
         self.limits = CallLimits(max_calls, max_sessions)
-        self.idle = IdleWatch(idle_timeout, on_cut=self._idle_cut)
+        self.counters = counters = Counters()
+        # The middleware lives in gRPC, out of the garbage collector's sight: nothing it
+        # holds may lead back to the server, or a stopped server (its shared-memory copies
+        # included) would live as long as the process.
+        self.idle = IdleWatch(idle_timeout, on_cut=lambda peer: counters.add("idle_cuts"))
         kwargs["middleware"] = {**kwargs.get("middleware", {}), MIDDLEWARE_KEY: self.idle}
         if tokens is not None:
             from ..auth import BearerTokenServerMiddlewareFactory
@@ -184,7 +188,6 @@ class Server(fl.FlightServerBase):
         except pa.ArrowException as e:
             raise _listen_error(location, e) from e
         self.idle.port = self.port
-        self.counters = Counters()
         self.max_batch_bytes = max_batch_bytes
         self.max_put_batch_bytes = max_put_batch_bytes
         self.snapshot_dir = snapshot_dir
@@ -292,9 +295,6 @@ class Server(fl.FlightServerBase):
         self.stop()
 
     # ------------------------------------------------------------------ helpers
-
-    def _idle_cut(self, peer: str) -> None:
-        self.counters.add("idle_cuts")
 
     def _send(
         self,

@@ -11,6 +11,7 @@ import gc
 import os
 import subprocess
 import sys
+import weakref
 from collections.abc import Iterator
 
 import msgpack
@@ -439,3 +440,19 @@ def test_rows_outlive_the_producer_that_put_them_through_shm(server, client):
     row = batch["pixel_values"][0][0]
     assert _mapped_files(row.__array_interface__["data"][0]) == shm.STORES.paths()
     assert server.shm_pool.paths() == []  # the answer needed no segment of its own
+
+
+@pytest.mark.torch
+def test_a_stopped_server_left_holding_rows_is_collected_with_its_segments() -> None:
+    step = workloads.w2(groups=1)
+    with flightq.Server() as srv:
+        with flightq.connect(srv.location, [step.schema], timeout=TIMEOUT, shm=True) as c:
+            c.create_partition("m", step.schema, group_size=step.group_size)
+            assert c.put("m", step.keys, step.columns, tags=step.tags).route == "shm"
+        assert _mine()  # the server's copy of the put
+    gone = weakref.ref(srv)
+    del srv
+    gc.collect()
+    # Nothing the server handed to gRPC (its middleware) leads back to it.
+    assert gone() is None
+    assert _mine() == []
