@@ -46,6 +46,9 @@ MAX_FRAME_BYTES = 4 << 20
 STREAM_MAX_BYTES = 1 << 20
 #: Parsed schemas kept per process, by their IPC bytes (their message is a few KiB).
 _SCHEMA_CACHE = 256
+#: Largest schema (IPC bytes) kept in the cache: well above any flightq schema with its
+#: metadata, so 256 of them hold a few MiB at most.
+_SCHEMA_CACHED_BYTES = 16 * 1024
 _U32 = 4
 
 
@@ -74,12 +77,22 @@ class SchemaMemo:
 
     def get(self, schema: pa.Schema, make: Callable[[pa.Schema], Any]) -> Any:
         """``make(schema)``, or the value it gave for an equal schema."""
+        value = self.find(schema)
+        if value is None:
+            value = make(schema)
+            self.keep(schema, value)
+        return value
+
+    def find(self, schema: pa.Schema) -> Any:
+        """The value kept for a schema equal to ``schema``, or None."""
         for s, v in self._entries:
             if s.equals(schema, check_metadata=True):
                 return v
-        value = make(schema)
+        return None
+
+    def keep(self, schema: pa.Schema, value: Any) -> None:
+        """Keep ``value`` for ``schema``, the oldest entry making room."""
         self._entries = [(schema, value), *self._entries[: self._size - 1]]
-        return value
 
 
 class _Schemas:
@@ -100,6 +113,8 @@ class _Schemas:
         if hit is not None:
             return hit
         schema = pa.ipc.read_schema(pa.py_buffer(raw))
+        if len(raw) > _SCHEMA_CACHED_BYTES:
+            return schema  # a hostile one: never kept (the budget's checks refuse it)
         with self._lock:
             if len(self._in) >= _SCHEMA_CACHE:
                 self._in.clear()

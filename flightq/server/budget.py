@@ -67,8 +67,14 @@ ROW_OVERHEAD = 1024
 
 def metadata_bytes(schema: pa.Schema) -> int:
     """Bytes of metadata an Arrow schema carries: keys and values, its own and its fields'."""
-    # Every put of a partition carries the same few schemas: count each once.
-    return _METADATA_BYTES.get(schema, _metadata_bytes)
+    # Every put of a partition carries the same few schemas: count each once. A schema
+    # past the cap is never kept (its metadata could be huge): it is refused anyway.
+    n = _METADATA_BYTES.find(schema)
+    if n is None:
+        n = _metadata_bytes(schema)
+        if n <= MAX_METADATA_BYTES:
+            _METADATA_BYTES.keep(schema, n)
+    return n
 
 
 def _metadata_bytes(schema: pa.Schema) -> int:
