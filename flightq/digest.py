@@ -1,9 +1,13 @@
-"""Content digests of media payloads: the hash, a per-tensor cache, and what a put claims.
+"""Content digests of media payloads: the hash, a cheap hint, a per-tensor cache, and
+what a put claims.
 
 A media payload (one dictionary entry of a media column, as it is stored: the tensor's
-raw bytes or its codec frame) is named by a digest of those bytes. A writer sends a
-digest beside each payload and, for media its partition already holds, the digest alone;
-the server checks every payload against its digest and keeps one copy per partition
+raw bytes or its codec frame) has a **hint** (:func:`hint_of`: its size and a CRC of a
+few fixed samples, microseconds to work out) and a **digest** (a hash of all its bytes).
+A writer sends new payloads bare; the server files them under their hint, unhashed. Only
+where a payload recurs (the writer sent one with that hint to the partition before) is
+it hashed: the writer sends its digest and hint alone (a reference), and the server
+hashes the payloads it holds under that hint to find the one that matches
 (``docs/protocol.md``, "Media sent once").
 
 The hash is BLAKE3 (:pypi:`blake3`, 32 bytes): collision resistant, so a writer cannot
@@ -15,8 +19,10 @@ and server agree or the server says it does not know the writer's hash.
 from __future__ import annotations
 
 import hashlib
+import struct
 import threading
 import weakref
+import zlib
 from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Any
 
@@ -30,12 +36,16 @@ __all__ = [
     "HASH",
     "HASHES",
     "DIGEST_BYTES",
+    "HINT_BYTES",
     "BATCH_KEY",
     "digest_of",
+    "hint_of",
+    "hashed_bytes",
     "empty_digest",
     "DigestCache",
     "pack_claims",
     "parse_claims",
+    "Named",
     "MediaRefs",
     "split_claims",
     "KnownMedia",
@@ -43,6 +53,11 @@ __all__ = [
 
 #: Bytes of every digest.
 DIGEST_BYTES = 32
+#: Bytes of every hint: the payload's size (8), a CRC-32 of its samples (4).
+HINT_BYTES = 12
+#: The hint's samples: this many bytes at each of a few fixed places.
+_SAMPLE = 4096
+_SAMPLES = 5
 #: Payloads at least this large are hashed over several threads (BLAKE3 only; a W1 image
 #: is 3.36 MiB).
 _THREADED_BYTES = 2 << 20
@@ -79,12 +94,49 @@ HASH = "blake3" if "blake3" in HASHES else "blake2b"
 BATCH_KEY = b"flightq.media"
 
 
-def digest_of(data: Any, hash: str = HASH) -> bytes:
-    """The digest of a payload's bytes (any C-contiguous buffer) with ``hash``."""
+_hashed = [0]
+_hashed_lock = threading.Lock()
+
+
+def hashed_bytes() -> int:
+    """Payload bytes :func:`digest_of` has hashed in this process (for tests and
+    benchmarks: what content addressing costs)."""
+    return _hashed[0]
+
+
+def _bytes_of(data: Any) -> memoryview:
     mv = memoryview(data)
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
+    return mv
+
+
+def digest_of(data: Any, hash: str = HASH) -> bytes:
+    """The digest of a payload's bytes (any C-contiguous buffer) with ``hash``."""
+    mv = _bytes_of(data)
+    with _hashed_lock:
+        _hashed[0] += mv.nbytes
     return HASHES[hash](mv)
+
+
+def hint_of(data: Any) -> bytes:
+    """A payload's hint: its size and a CRC-32 of ``_SAMPLES`` samples of ``_SAMPLE``
+    bytes spread evenly over it (about 15 us for a 3.4 MiB image).
+
+    Equal payloads have equal hints; unequal ones may too (a hint is no proof of
+    anything, and anyone can craft a collision): it only says which payloads are worth
+    hashing to find out whether they are equal.
+    """
+    mv = _bytes_of(data)
+    n = mv.nbytes
+    crc = 0
+    if n <= _SAMPLE * _SAMPLES:
+        crc = zlib.crc32(mv)
+    else:
+        for k in range(_SAMPLES):
+            at = (n - _SAMPLE) * k // (_SAMPLES - 1)
+            crc = zlib.crc32(mv[at : at + _SAMPLE], crc)
+    return struct.pack("<QI", n, crc)
 
 
 _EMPTY: dict[str, bytes] = {}
@@ -99,8 +151,8 @@ def empty_digest(hash: str) -> bytes:
 
 
 class DigestCache:
-    """Digests of tensors' payloads, worked out once per tensor object and kept while the
-    object lives.
+    """Hints and digests of tensors' payloads, worked out once per tensor object (the
+    digest only when needed) and kept while the object lives.
 
     A hit needs the same object (a weak reference to it), the same memory
     (:func:`flightq.tensor.memory_key`) and, for torch, the same ``_version`` (an in-place
@@ -110,25 +162,26 @@ class DigestCache:
 
     def __init__(self, max_entries: int = 4096) -> None:
         self.max_entries = max_entries
-        self._entries: dict[tuple[int, str], tuple[Any, Any, Any, bytes]] = {}
+        self._entries: dict[tuple[int, str], tuple[Any, Any, Any, bytes, bytes | None]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, x: Any, codec: str) -> bytes | None:
-        """The cached digest of ``x``'s payload under ``codec``, or None."""
+    def get(self, x: Any, codec: str) -> tuple[bytes, bytes | None] | None:
+        """The cached hint and digest (None: not worked out yet) of ``x``'s payload
+        under ``codec``, or None."""
         hit = self._entries.get((id(x), codec))
         if hit is None:
             return None
-        ref, mem, version, d = hit
+        ref, mem, version, h, d = hit
         if ref() is not x or mem != memory_key(x) or version != _version(x):
             return None
-        return d
+        return h, d
 
-    def put(self, x: Any, codec: str, digest: bytes) -> None:
-        """Remember ``digest`` for ``x`` (nothing happens for a tensor that may change
-        unseen: a writable numpy array)."""
+    def put(self, x: Any, codec: str, hint: bytes, digest: bytes | None) -> None:
+        """Remember ``hint`` and ``digest`` for ``x`` (nothing happens for a tensor that
+        may change unseen: a writable numpy array)."""
         version = _version(x)
         if version is _UNVERSIONED:
             return
@@ -143,7 +196,7 @@ class DigestCache:
         except TypeError:
             return
         with self._lock:
-            self._entries[key] = (ref, memory_key(x), version, digest)
+            self._entries[key] = (ref, memory_key(x), version, hint, digest)
             while len(self._entries) > self.max_entries:
                 self._entries.pop(next(iter(self._entries)), None)
 
@@ -160,12 +213,22 @@ def _version(x: Any) -> Any:
 
 
 def pack_claims(hash: str, fields: Mapping[str, list[bytes]]) -> bytes:
-    """A batch's digests as they travel: one per dictionary entry of each media column."""
+    """A batch's media claims as they travel: one per dictionary entry of each media
+    column (empty, a digest, or a digest and a hint: see :func:`parse_claims`)."""
     return msgpack.packb({"hash": hash, "fields": dict(fields)}, use_bin_type=True)
 
 
+#: The lengths a claim may have: none, a digest, a digest and a hint.
+_CLAIM_BYTES = (0, DIGEST_BYTES, DIGEST_BYTES + HINT_BYTES)
+
+
 def parse_claims(raw: bytes | None, what: str) -> tuple[str, dict[str, list[bytes]]] | None:
-    """The digests a put's record batch claims (its app metadata), or None.
+    """The claims a put's record batch makes about its media entries (its app metadata),
+    or None.
+
+    Per dictionary entry: empty (a payload, filed under its hint unhashed), a digest (a
+    payload the server checks against it on receipt), or a digest followed by a hint
+    (an empty entry: a reference to a payload the partition holds).
 
     Raises
     ------
@@ -181,44 +244,54 @@ def parse_claims(raw: bytes | None, what: str) -> tuple[str, dict[str, list[byte
         ok = ok and all(
             isinstance(k, str)
             and isinstance(v, list)
-            and all(isinstance(d, bytes) and len(d) == DIGEST_BYTES for d in v)
+            and all(isinstance(d, bytes) and len(d) in _CLAIM_BYTES for d in v)
             for k, v in fields.items()
         )
     except Exception as e:  # hostile bytes raise assorted errors
-        raise ProtocolError(f"{what}: a record batch's media digests are malformed: {e}") from e
+        raise ProtocolError(f"{what}: a record batch's media claims are malformed: {e}") from e
     if not ok:
         raise ProtocolError(
-            f"{what}: a record batch's media digests are malformed: expected "
-            '{"hash": str, "fields": {column: [32-byte digest, ...]}}'
+            f"{what}: a record batch's media claims are malformed: expected "
+            '{"hash": str, "fields": {column: [b"" | 32-byte digest | digest + '
+            f"{HINT_BYTES}-byte hint, ...]}}}}"
         )
     return hash, fields
 
 
+#: A medium's name in a client's record of what a partition holds: column, hint, shape.
+Named = tuple[str, bytes, tuple[int, ...]]
+
+
 class MediaRefs:
-    """What one put's encoding sends of its media: a digest per dictionary entry, and the
-    digest alone for media the server is known to hold.
+    """What one put's encoding sends of its media: each new payload bare, and a reference
+    (its digest and hint, no payload) for media whose hint the writer sent before.
 
     Parameters
     ----------
     cache:
-        Digests of tensors already hashed (kept by the client across puts).
+        Hints and digests of tensors already seen (kept by the client across puts).
     known:
-        ``(column, digest, shape)`` of media the partition is known to hold: those go as
-        the digest alone (an empty payload). Empty: every payload is sent.
+        ``(column, hint, shape)`` of media sent to the partition before: a payload with
+        such a hint is hashed and goes as a reference. Empty: every payload is sent.
+    claim:
+        Send, with each payload whose digest is known already, its digest (the server
+        checks it on receipt): a put sent again after ``MediaUnknownError``.
     """
 
     def __init__(
         self,
         cache: DigestCache | None = None,
-        known: Container[tuple[str, bytes, tuple[int, ...]]] = (),
+        known: Container[Named] = (),
         hash: str = HASH,
+        claim: bool = False,
     ) -> None:
         self.cache = cache if cache is not None else DigestCache()
         self.known = known
         self.hash = hash
-        #: ``(column, digest, shape)`` of every entry encoded, sent or named.
-        self.sent: set[tuple[str, bytes, tuple[int, ...]]] = set()
-        #: Entries sent as the digest alone.
+        self.claim = claim
+        #: ``(column, hint, shape)`` of every entry encoded, sent or referenced.
+        self.sent: set[Named] = set()
+        #: Entries sent as references.
         self.references = 0
 
 
@@ -233,13 +306,13 @@ def split_claims(schema: pa.Schema) -> tuple[pa.Schema, pa.Buffer | None]:
 
 
 class KnownMedia:
-    """``(column, digest, shape)`` of media one partition is known to hold, the most
-    recent ``max_entries`` of them: a client's record, per partition, of what a later put
-    may send as the digest alone."""
+    """``(column, hint, shape)`` of media sent to one partition, the most recent
+    ``max_entries`` of them: a client's record, per partition, of what a later put sends
+    as a reference."""
 
     def __init__(self, max_entries: int = 65536) -> None:
         self.max_entries = max_entries
-        self._names: dict[tuple[str, bytes, tuple[int, ...]], None] = {}
+        self._names: dict[Named, None] = {}
         self._lock = threading.Lock()
 
     def __contains__(self, name: object) -> bool:
@@ -248,7 +321,7 @@ class KnownMedia:
     def __len__(self) -> int:
         return len(self._names)
 
-    def update(self, names: Iterable[tuple[str, bytes, tuple[int, ...]]]) -> None:
+    def update(self, names: Iterable[Named]) -> None:
         """Note media the server acknowledged holding."""
         with self._lock:
             for n in names:

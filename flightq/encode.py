@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from .codecs import RAW
-from .digest import BATCH_KEY, MediaRefs, digest_of, pack_claims
+from .digest import BATCH_KEY, MediaRefs, digest_of, hint_of, pack_claims
 from .errors import DTypeError, EncodeError, ShapeError, UndeclaredFieldError
 from .layout import TAGS, arrow_schema
 from .rows import columns_of
@@ -70,10 +70,12 @@ def encode(
         Where the payload bytes go (:mod:`flightq.sink`): copied into the batch now by
         default; a put's sender may leave the copies for later, or gather them elsewhere.
     media:
-        Name each media dictionary entry by its digest (:mod:`flightq.digest`): equal
-        content becomes one entry, and media ``media.known`` says the server holds go as
-        the digest alone. The digests ride in the batch's schema metadata
-        (:data:`flightq.digest.BATCH_KEY`) to the put's stream. None: no digests.
+        Address media by content (:mod:`flightq.digest`): equal content becomes one
+        entry (payloads whose hints agree are hashed to find out), and media whose hint
+        ``media.known`` says the writer sent the partition before go as a reference (digest
+        and hint, no payload). The claims ride in the batch's schema metadata
+        (:data:`flightq.digest.BATCH_KEY`) to the put's stream, where there are any.
+        None: every segment's payload, bare.
 
     Returns
     -------
@@ -359,15 +361,15 @@ def _encode_media(
 ) -> list[pa.Array]:
     # Segments that are the same memory (the image shared by a prompt group's G rows) become
     # one dictionary entry: it travels, is stored and is decoded once. With ``media``, so do
-    # segments of equal content (a processor run once per row), and content the server
-    # holds travels as its digest alone (an empty entry).
+    # segments of equal content (a processor run once per row), and content sent to the
+    # partition before travels as a reference (an empty entry).
     entries: list[Any] = []
     index: list[int] = []
     same: MemoryIndex[tuple[int, tuple[int, ...]]] = MemoryIndex()  # (entry, shape)
     seg_shapes: list[tuple[int, ...] | None] = []
     counts: list[int | None] = []
-    digests: list[bytes] = []
-    by_digest: dict[tuple[bytes, tuple[int, ...]], tuple[int, tuple[int, ...]]] = {}
+    claimed: list[bytes] = []
+    by_hint: dict[tuple[bytes, tuple[int, ...]], list[_Entry]] = {}
     codec_id = repr(sorted(f.codec.to_dict().items()))
     for i, row in enumerate(_rows(f, data, keys)):
         if row is None:
@@ -391,13 +393,13 @@ def _encode_media(
                     hit = (len(entries), enc.shape)
                     entries.append(f.codec.encode(enc.data) if f.codec is not RAW else enc.data)
                 else:
-                    hit = _media_entry(f, x, enc, media, codec_id, entries, digests, by_digest)
+                    hit = _media_entry(f, x, enc, media, codec_id, entries, claimed, by_hint)
                 same.put(x, hit)
             index.append(hit[0])
             seg_shapes.append(hit[1])
         counts.append(len(row))
-    if media is not None and claims is not None:
-        claims[f.name] = digests
+    if media is not None and claims is not None and any(claimed):
+        claims[f.name] = claimed
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum([c or 0 for c in counts], out=offsets[1:])
     mask = None
@@ -412,6 +414,16 @@ def _encode_media(
     return [payload, shape_col]
 
 
+class _Entry:
+    """An entry of one put's media column: where it is, and its digest once known."""
+
+    __slots__ = ("digest", "index")
+
+    def __init__(self, index: int, digest: bytes | None) -> None:
+        self.index = index
+        self.digest = digest
+
+
 def _media_entry(
     f: Field,
     x: Any,
@@ -419,31 +431,47 @@ def _media_entry(
     media: MediaRefs,
     codec_id: str,
     entries: list[Any],
-    digests: list[bytes],
-    by_digest: dict[tuple[bytes, tuple[int, ...]], tuple[int, tuple[int, ...]]],
+    claimed: list[bytes],
+    by_hint: dict[tuple[bytes, tuple[int, ...]], list[_Entry]],
 ) -> tuple[int, tuple[int, ...]]:
-    """The dictionary entry of segment ``x`` (checked: ``enc``), found by its digest or
-    added: its payload, or nothing when the server holds it (the digest says which)."""
+    """The dictionary entry of segment ``x`` (checked: ``enc``), found among the put's
+    entries or added: its payload, or a reference where the writer sent its hint to the
+    partition before. Hashes only a segment that may recur: a reference, or one whose
+    hint another entry of the put shares."""
     payload = None
-    d = media.cache.get(x, codec_id)
-    if d is None:
+    cached = media.cache.get(x, codec_id)
+    if cached is None:
         payload = f.codec.encode(enc.data) if f.codec is not RAW else enc.data
+        h, d = hint_of(payload), None
+    else:
+        h, d = cached
+    shape = enc.shape
+    named = (f.name, h, shape)
+    ref = named in media.known and bool(shape) and 0 not in shape
+    twins = by_hint.get((h, shape))
+    if d is None and (ref or twins):
+        if payload is None:
+            payload = f.codec.encode(enc.data) if f.codec is not RAW else enc.data
         d = digest_of(payload, media.hash)
-        media.cache.put(x, codec_id, d)
-    twin = by_digest.get((d, enc.shape))
-    if twin is not None:
-        return twin
-    named = (f.name, d, enc.shape)
-    if named in media.known and enc.shape and 0 not in enc.shape:
-        payload = b""
-        media.references += 1
-    elif payload is None:
-        payload = f.codec.encode(enc.data) if f.codec is not RAW else enc.data
+    media.cache.put(x, codec_id, h, d)
+    for t in twins or ():
+        if t.digest is None:
+            t.digest = digest_of(entries[t.index], media.hash)
+        if t.digest == d:
+            return t.index, shape
     media.sent.add(named)
-    hit = by_digest[(d, enc.shape)] = (len(entries), enc.shape)
+    if ref:
+        assert d is not None
+        payload, claim = b"", d + h
+        media.references += 1
+    else:
+        if payload is None:
+            payload = f.codec.encode(enc.data) if f.codec is not RAW else enc.data
+        claim = d if media.claim and d is not None else b""
+    by_hint.setdefault((h, shape), []).append(_Entry(len(entries), d))
     entries.append(payload)
-    digests.append(d)
-    return hit
+    claimed.append(claim)
+    return len(entries) - 1, shape
 
 
 def _encode_scalar(f: Field, data: Any, keys: list[str]) -> pa.Array:

@@ -818,6 +818,8 @@ class ServerCounters(Message):
     refusals: dict[str, int] = _field(_counts)
     #: Connections cut because a stream on them waited on its client for idle_timeout.
     idle_cuts: int = _field(_int(0), 0)
+    #: Media payload bytes hashed to resolve puts (references, look-alike payloads).
+    media_hashed_bytes: int = _field(_int(0), 0)
 
 
 @dataclasses.dataclass(**_FROZEN)

@@ -274,7 +274,7 @@ class Client:
         self._lock = threading.Lock()
         #: Pinned host buffers and copy streams for CUDA tensors (empty until first used).
         self._pinned = PinnedPool()
-        #: Digests of media tensors put, and per partition the media the server holds.
+        #: Hints and digests of media tensors put, and per partition the media sent to it.
         self._digests = DigestCache()
         self._media: dict[str, KnownMedia] = {}
         self._transport = Transport(location, timeout=timeout, token=token, **flight_kwargs)
@@ -545,12 +545,17 @@ class Client:
         # Over the socket, every check runs before anything is sent; then each batch's copy
         # is made while the previous batch is on the wire, and a payload alone in its column
         # (or already end to end with its neighbours) is sent from the tensor's memory.
-        # Media go by digest: what this client put to the partition before travels as the
-        # digest alone. A server that no longer holds some says so; the put goes again,
-        # every payload with it (one more round trip, never a loss).
+        # Media go by content: what this client put to the partition before (by hint)
+        # travels as a reference, its digest and hint. A server that holds none of that
+        # digest says so; the put goes again, every payload with it (one more round trip,
+        # never a loss), the digests worked out already beside them.
         known = self._known_media(partition, schema)
         for again in (False, True):
-            media = None if known is None else MediaRefs(self._digests, () if again else known)
+            media = (
+                None
+                if known is None
+                else MediaRefs(self._digests, () if again else known, claim=again)
+            )
             try:
                 with stage(columns, self._pinned) as staged, _put_sink(self.shm_dir) as sink:
                     batches = encode_chunks(
@@ -575,9 +580,9 @@ class Client:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _known_media(self, partition: str, schema: Schema) -> KnownMedia | None:
-        """What the server holds of the partition's media, as far as this client knows;
-        None where media do not go by digest (no media fields, or puts through shared
-        memory, where the payloads cost no socket bytes and the server hashes them)."""
+        """The media this client sent the partition (by hint); None where media do not
+        go by content (no media fields, or puts through shared memory, where payloads
+        cost no socket bytes: the server files them under their hints, unhashed)."""
         if self.shm_dir is not None or not any(f.role == "media" for f in schema.fields):
             return None
         known = self._media.get(partition)

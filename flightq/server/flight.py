@@ -417,6 +417,8 @@ class Server(fl.FlightServerBase):
                 got += data.num_rows
                 self.counters.add("bytes_received", size)
                 piece = media_piece(part, data, claims, what, budget)
+                if piece.hashed:
+                    self.counters.add("media_hashed_bytes", piece.hashed)
                 media.add(data)
                 self.store.reserve(name, piece, reserved, cmd.timeout)
                 reserved += piece.reserved

@@ -1,11 +1,15 @@
 """Media held once per partition: content-addressed, reference-counted copies.
 
-Every media dictionary entry a put brings is named by its digest (:mod:`flightq.digest`):
-the writer's claim, checked against the payload, or the server's own hash where the
-writer claimed none. A partition keeps one :class:`Copy` per ``(column, hash, digest,
-shape)``; an entry whose digest the partition holds already is served from that copy,
-and a writer may send the digest alone (an empty entry). Stored pieces keep their media
-columns without the bytes (indices and shapes only); the bytes live in the copies.
+A partition files each :class:`Copy` it holds under its hint (:func:`flightq.digest.hint_of`:
+column, size and a CRC of samples, with the segment shape), worked out by the server on
+receipt in microseconds. A copy is hashed only where it may serve another put: when a
+writer sends a reference (digest and hint, no payload), the copies under that hint are
+hashed (once each, :data:`MAX_HASHED` at most per reference) and the one whose digest
+matches serves it; a payload arriving where copies share its hint is hashed to find an
+equal one. A copy serves another put only once its bytes hashed to the digest asked for,
+so a writer's lie (a payload under a crafted hint) reaches no rows but its own put's.
+Stored pieces keep their media columns without the bytes (indices and shapes only); the
+bytes live in the copies.
 
 Each copy counts the stored row cells that use it. A copy's bytes live in the buffer of
 the dictionary message that brought them (its :class:`Home`, zero-copy): the memory
@@ -23,7 +27,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from ..digest import HASH, HASHES, digest_of, empty_digest, parse_claims
+from ..digest import (
+    DIGEST_BYTES,
+    HASH,
+    HASHES,
+    HINT_BYTES,
+    digest_of,
+    empty_digest,
+    hint_of,
+    parse_claims,
+)
 from ..errors import DecodeError, MediaDigestError, MediaUnknownError, ProtocolError
 from ..layout import MEDIA_TYPE, SHAPE_SUFFIX, binary_offsets, media_row_bytes
 from ..validation import validate
@@ -32,6 +45,8 @@ if TYPE_CHECKING:
     from .partition import Partition, Piece, Row
 
 __all__ = [
+    "MAX_HASHED",
+    "MAX_LOOKED_AT",
     "Home",
     "Copy",
     "media_piece",
@@ -45,8 +60,15 @@ __all__ = [
     "grouped_by_media",
 ]
 
-#: A copy's name in its partition: column, hash, digest, segment shape.
-Name = tuple[str, str, bytes, tuple[int, ...]]
+#: Where a partition files a copy: column, hint, segment shape.
+Key = tuple[str, bytes, tuple[int, ...]]
+
+#: Most copies filed under one hint that one reference (or one payload sharing a hint)
+#: hashes: a writer flooding a hint with payloads cannot make a lookup hash more.
+MAX_HASHED = 4
+#: Most copies filed under one hint (the newest) a lookup looks at: past them a writer's
+#: reference is refused as unknown, and it sends the payload (honest hints never pile up).
+MAX_LOOKED_AT = 16
 
 
 @dataclass(eq=False)
@@ -64,17 +86,75 @@ class Home:
 class Copy:
     """One media payload a partition holds, and how many stored row cells use it."""
 
-    name: Name
+    key: Key
     home: Home
     #: Its entry in the home's dictionary.
     index: int
     nbytes: int
     refs: int = 0
+    #: Its digests, by hash, once worked out (from its bytes: never a writer's word).
+    digests: dict[str, bytes] = dataclasses.field(default_factory=dict)
 
     @property
     def entry(self) -> pa.Array:
         """The payload as a one-entry large_binary array (zero-copy)."""
         return self.home.entries.slice(self.index, 1)
+
+    def payload(self) -> memoryview:
+        """The payload's bytes (zero-copy)."""
+        offsets = binary_offsets(self.home.entries)
+        a, b = int(offsets[self.index]), int(offsets[self.index + 1])
+        data = self.home.entries.buffers()[2]
+        return memoryview(data)[a:b] if data is not None else memoryview(b"")
+
+    def same_as(self, other: Copy) -> bool:
+        """Whether both hold the same payload, as far as their digests show."""
+        if self is other:
+            return True
+        return self.key == other.key and any(
+            other.digests.get(h) == d for h, d in self.digests.items()
+        )
+
+
+class _Lookup:
+    """Finds, among copies filed under one hint, the one whose bytes hash to a digest;
+    counts the bytes it hashed."""
+
+    def __init__(self, p: Partition, hash: str) -> None:
+        self.table = p.media
+        self.hash = hash
+        self.hashed = 0
+        #: Copies this put's record batch brings, by where they are filed.
+        self.local: dict[Key, list[Copy]] = {}
+
+    def under(self, key: Key) -> list[Copy]:
+        """The copies filed under ``key``, the newest :data:`MAX_LOOKED_AT` of them."""
+        held = self.table.get(key, ())
+        return [*held[-MAX_LOOKED_AT:], *self.local.get(key, ())]
+
+    def digest(self, payload: memoryview) -> bytes:
+        self.hashed += payload.nbytes
+        return digest_of(payload, self.hash)
+
+    def find(self, copies: list[Copy], d: bytes) -> Copy | None:
+        """The copy of ``copies`` whose bytes hash to ``d``: those hashed before first,
+        then up to :data:`MAX_HASHED` more (newest first), each hashed once in its life."""
+        h = self.hash
+        for c in copies:
+            if c.digests.get(h) == d:
+                return c
+        left = MAX_HASHED
+        for c in reversed(copies):
+            if left == 0:
+                break
+            if h in c.digests:
+                continue
+            left -= 1
+            # Without the store's lock: a racing lookup may hash it too, to the same value.
+            got = c.digests[h] = self.digest(c.payload())
+            if got == d:
+                return c
+        return None
 
 
 def media_piece(
@@ -86,9 +166,10 @@ def media_piece(
 ) -> Piece:
     """A put's record batch resolved against ``p``'s media, validated, made a piece.
 
-    Payloads are checked against the digests the writer claims (``app_metadata``,
-    :func:`flightq.digest.parse_claims`), or hashed where it claims none; entries sent as
-    the digest alone are found among ``p``'s copies. The piece keeps the batch with empty
+    Payloads are filed under their hints, unhashed, except where the writer claims a
+    digest (``app_metadata``, :func:`flightq.digest.parse_claims`: checked against it) or
+    ``p`` holds copies with the same hint (hashed to find an equal one); references are
+    found among ``p``'s copies by hint, then digest. The piece keeps the batch with empty
     media dictionaries, its copies beside it (:attr:`Piece.media`). Reads ``p``'s copies
     without the store's lock (one dict lookup each); the put's commit takes them.
 
@@ -97,9 +178,9 @@ def media_piece(
     MediaDigestError
         If a payload does not hash to its claimed digest, or the hash is unknown here.
     MediaUnknownError
-        If a digest sent alone names no copy of ``p`` (with that shape).
+        If a reference names no copy of ``p`` (with that shape) whose bytes hash to it.
     ProtocolError
-        If the digests do not match the batch's dictionaries.
+        If the claims do not match the batch's dictionaries.
     """
     from .partition import make_piece
 
@@ -119,6 +200,7 @@ def media_piece(
             actual=hash,
         )
     view, stored = batch, batch
+    lookup = _Lookup(p, hash)
     copies: dict[str, list[Copy | None]] = {}
     brings = 0
     for name in media:
@@ -127,7 +209,7 @@ def media_piece(
         if col.type != MEDIA_TYPE or shapes_name not in batch.schema.names:
             continue  # validation names what is wrong
         found, home = _resolve(
-            p, name, col, batch.column(shapes_name), claimed.get(name), hash, what
+            p, name, col, batch.column(shapes_name), claimed.get(name), lookup, what
         )
         copies[name] = found
         if home is not None and home.nbytes:
@@ -144,6 +226,7 @@ def media_piece(
     piece.media = {n: [c for c in found if c is not None] for n, found in copies.items()}
     piece.media_index = {n: _positions(found) for n, found in copies.items()}
     piece.brings = brings
+    piece.hashed = lookup.hashed
     return piece
 
 
@@ -153,7 +236,7 @@ def _resolve(
     col: pa.Array,
     shapes: pa.Array,
     claims: list[bytes] | None,
-    hash: str,
+    lookup: _Lookup,
     what: str,
 ) -> tuple[list[Copy | None], Home | None]:
     """Per dictionary entry of ``col``, its copy (None: an entry no segment uses, which
@@ -165,12 +248,12 @@ def _resolve(
     n = len(entries)
     if claims is not None and len(claims) != n:
         raise ProtocolError(
-            f"{what}: column {name!r}: {len(claims)} media digests for {n} dictionary entries"
+            f"{what}: column {name!r}: {len(claims)} media claims for {n} dictionary entries"
         )
     idx = segs.indices.to_numpy(zero_copy_only=False)
     if idx.size and (idx.min() < 0 or idx.max() >= n):
         return [None] * n, None  # validation refuses it
-    # Each entry's segment shapes (all segments of an entry named alone must agree).
+    # Each entry's segment shapes (all segments of a referenced entry must agree).
     souter = shapes.offsets.to_numpy()
     seg_shapes = shapes.values.slice(int(souter[0]), int(souter[-1] - souter[0]))
     if len(seg_shapes) != len(idx) or seg_shapes.null_count:
@@ -186,50 +269,73 @@ def _resolve(
     offsets = binary_offsets(entries)
     data = entries.buffers()[2]
     home = Home(entries, entries.get_total_buffer_size())
-    table = p.media
+    hash = lookup.hash
     empty = empty_digest(hash)
     out: list[Copy | None] = []
     missing: list[str] = []
     for j in range(n):
         shape = shape_of.get(j)
         a, b = int(offsets[j]), int(offsets[j + 1])
-        claim = claims[j] if claims is not None else None
+        claim = claims[j] if claims is not None else b""
         if shape is None:
             out.append(None)
             continue
-        if b == a and claim is not None and claim != empty:  # the digest alone
+        if b == a and claim and claim[:DIGEST_BYTES] != empty:  # a reference
+            d, hint = claim[:DIGEST_BYTES], claim[DIGEST_BYTES:]
+            if len(hint) != HINT_BYTES:
+                raise ProtocolError(
+                    f"{what}: column {name!r}: media dictionary entry {j} is empty and "
+                    f"claims a digest without a hint; a reference is the digest followed "
+                    f"by the payload's {HINT_BYTES}-byte hint"
+                )
             if j in mixed:
                 raise MediaUnknownError(
-                    f"{what}: column {name!r}: media named by digest {claim.hex()[:16]} is "
+                    f"{what}: column {name!r}: media named by digest {d.hex()[:16]} is "
                     "used with different shapes; send its payload",
                     field=name,
-                    actual=[claim.hex()],
+                    actual=[d.hex()],
                     partition=p.name,
                 )
-            c = table.get((name, hash, claim, shape))
+            c = lookup.find(lookup.under((name, hint, shape)), d)
             if c is None:
-                missing.append(claim.hex())
+                missing.append(d.hex())
             out.append(c)
             continue
-        payload = memoryview(data)[a:b] if data is not None else b""
-        d = digest_of(payload, hash)
-        if claim is not None and claim != d:
+        if len(claim) > DIGEST_BYTES:
+            raise ProtocolError(
+                f"{what}: column {name!r}: media dictionary entry {j} carries a payload "
+                "and a hint; a hint travels only with a reference (an empty entry)"
+            )
+        payload = memoryview(data)[a:b] if data is not None else memoryview(b"")
+        key = (name, hint_of(payload), shape)
+        same = lookup.under(key)
+        got = None
+        if claim or same:  # checked against the claim, or against its look-alikes
+            got = lookup.digest(payload)
+        if claim and claim != got:
+            assert got is not None
             raise MediaDigestError(
                 f"{what}: column {name!r}: media dictionary entry {j} ({b - a} bytes) hashes "
-                f"to {hash} {d.hex()[:16]}..., the writer claimed {claim.hex()[:16]}...; "
+                f"to {hash} {got.hex()[:16]}..., the writer claimed {claim.hex()[:16]}...; "
                 "nothing was stored",
                 field=name,
                 expected=claim.hex(),
-                actual=d.hex(),
+                actual=got.hex(),
                 partition=p.name,
             )
-        c = table.get((name, hash, d, shape))
-        out.append(c if c is not None else Copy((name, hash, d, shape), home, j, b - a))
+        c = lookup.find(same, got) if got is not None and same else None
+        if c is None:
+            c = Copy(key, home, j, b - a)
+            if got is not None:
+                c.digests[hash] = got
+            lookup.local.setdefault(key, []).append(c)
+        out.append(c)
     if missing:
         raise MediaUnknownError(
-            f"{what}: column {name!r}: {len(missing)} media named by digest alone are not held "
-            f"by partition {p.name!r} (cleared, the server restarted, or another shard holds "
-            f"them): {', '.join(m[:16] for m in missing[:4])}; send their payloads",
+            f"{what}: column {name!r}: {len(missing)} media referenced by digest match no "
+            f"payload partition {p.name!r} holds (cleared, the server restarted, another "
+            f"shard holds them, or the bytes held differ): "
+            f"{', '.join(m[:16] for m in missing[:4])}; send their payloads",
             field=name,
             actual=missing,
             partition=p.name,
@@ -303,13 +409,13 @@ def cell_copies(pc: Piece, f: str, i: int) -> Iterator[Copy]:
 
 def acquire(p: Partition, copies: Iterable[Copy]) -> None:
     """Count a use of each copy by a stored row cell; a copy used first joins ``p``'s
-    copies, and its home's bytes count from then on."""
+    copies (filed under its hint, newest last), and its home's bytes count from then on."""
     table = p.media
     for c in copies:
         c.refs += 1
         if c.refs > 1:
             continue
-        table.setdefault(c.name, c)  # raced by an equal copy: this one lives beside it
+        table.setdefault(c.key, []).append(c)  # raced by an equal copy: lives beside it
         p.nbytes += c.nbytes  # payload bytes, as stats report them
         h = c.home
         h.live += 1
@@ -326,8 +432,12 @@ def release(p: Partition, copies: Iterable[Copy]) -> None:
         c.refs -= 1
         if c.refs > 0:
             continue
-        if table.get(c.name) is c:
-            del table[c.name]
+        filed = table.get(c.key)
+        if filed is not None:
+            # Copies compare by identity: this one leaves, an equal one beside it stays.
+            filed.remove(c)
+            if not filed:
+                del table[c.key]
         p.nbytes -= c.nbytes
         h = c.home
         h.live -= 1
@@ -404,7 +514,8 @@ def same_media(a: Piece, b: Piece) -> bool:
     if a.media.keys() != b.media.keys():
         return False
     return all(
-        [c.name for c in a.media[f]] == [c.name for c in b.media[f]]
+        len(a.media[f]) == len(b.media[f])
+        and all(x.same_as(y) for x, y in zip(a.media[f], b.media[f], strict=True))
         and np.array_equal(a.media_index[f], b.media_index[f])
         for f in a.media
     )

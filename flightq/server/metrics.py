@@ -30,6 +30,7 @@ COUNTERS = (
     "bytes_sent",
     "actions",
     "idle_cuts",
+    "media_hashed_bytes",
 )
 
 

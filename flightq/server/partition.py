@@ -62,10 +62,12 @@ class Piece:
     damaged: bool = False
     #: Per media column, the copies its dictionary entries name (:mod:`flightq.server.media`;
     #: the batch keeps the column without the bytes), each entry's position among them,
-    #: and the bytes of the payloads this piece brought.
+    #: the bytes of the payloads this piece brought, and the payload bytes the server
+    #: hashed to resolve it.
     media: dict[str, list[Copy]] = field(default_factory=dict)
     media_index: dict[str, np.ndarray] = field(default_factory=dict)
     brings: int = 0
+    hashed: int = 0
     _valid: dict[str, list[bool] | None] = field(default_factory=dict, repr=False)
     _nbytes: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
@@ -122,8 +124,9 @@ class Partition:
     #: Bytes the memory budget counts for the partition's rows (:attr:`Row.held`) and
     #: its media copies (counted once, ``media_bytes`` of it).
     held: int = 0
-    #: The media copies its rows use, by name (:mod:`flightq.server.media`).
-    media: dict[Any, Copy] = field(default_factory=dict, repr=False)
+    #: The media copies its rows use, filed by hint (column, hint, shape), oldest first
+    #: (:mod:`flightq.server.media`).
+    media: dict[Any, list[Copy]] = field(default_factory=dict, repr=False)
     media_bytes: int = 0
     #: Acknowledgements of recent puts by put id (oldest first), for idempotent retries.
     recent_puts: dict[str, int] = field(default_factory=dict)
