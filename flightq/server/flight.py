@@ -416,9 +416,7 @@ class Server(fl.FlightServerBase):
                 check_batch(data, what)
                 got += data.num_rows
                 self.counters.add("bytes_received", size)
-                piece = media_piece(part, data, claims, what, budget)
-                if piece.hashed:
-                    self.counters.add("media_hashed_bytes", piece.hashed)
+                piece = media_piece(part, data, claims, what, budget, self._hashed)
                 media.add(data)
                 self.store.reserve(name, piece, reserved, cmd.timeout)
                 reserved += piece.reserved
@@ -573,7 +571,7 @@ class Server(fl.FlightServerBase):
         self, command: bytes, batches: list[pa.RecordBatch], context: fl.ServerCallContext
     ) -> int:
         """A put on the request stream: the DoPut path over the frame's batches (which
-        claim no media digests: the server hashes any media, as for a put through shm)."""
+        claim nothing of their media: payloads filed under their hints, as through shm)."""
 
         def source(cmd: PutCommand, what: str) -> Iterator[tuple[pa.RecordBatch, Any]]:
             if cmd.shm is not None:
@@ -586,6 +584,10 @@ class Server(fl.FlightServerBase):
         # No cancel check (grpc's costs a third of a millisecond): the frame arrived whole,
         # its lengths checked, so the stream cannot have been cut short mid-put.
         return self._store_put(command, source, None)
+
+    def _hashed(self, nbytes: int) -> None:
+        """Count media bytes hashed to resolve a put (flightq.server.media)."""
+        self.counters.add("media_hashed_bytes", nbytes)
 
     # ------------------------------------------------------------------ shared memory
 

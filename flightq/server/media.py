@@ -20,7 +20,7 @@ the last one is (clear, drop, overwrite). See ``docs/protocol.md``, "Media sent 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -118,12 +118,12 @@ class Copy:
 
 class _Lookup:
     """Finds, among copies filed under one hint, the one whose bytes hash to a digest;
-    counts the bytes it hashed."""
+    says what it hashed (``hashed``)."""
 
-    def __init__(self, p: Partition, hash: str) -> None:
+    def __init__(self, p: Partition, hash: str, hashed: Callable[[int], None] | None) -> None:
         self.table = p.media
         self.hash = hash
-        self.hashed = 0
+        self.hashed = hashed
         #: Copies this put's record batch brings, by where they are filed.
         self.local: dict[Key, list[Copy]] = {}
 
@@ -133,7 +133,8 @@ class _Lookup:
         return [*held[-MAX_LOOKED_AT:], *self.local.get(key, ())]
 
     def digest(self, payload: memoryview) -> bytes:
-        self.hashed += payload.nbytes
+        if self.hashed is not None:
+            self.hashed(payload.nbytes)
         return digest_of(payload, self.hash)
 
     def find(self, copies: list[Copy], d: bytes) -> Copy | None:
@@ -163,13 +164,15 @@ def media_piece(
     app_metadata: pa.Buffer | None,
     what: str,
     limit: int | None,
+    hashed: Callable[[int], None] | None = None,
 ) -> Piece:
     """A put's record batch resolved against ``p``'s media, validated, made a piece.
 
     Payloads are filed under their hints, unhashed, except where the writer claims a
     digest (``app_metadata``, :func:`flightq.digest.parse_claims`: checked against it) or
     ``p`` holds copies with the same hint (hashed to find an equal one); references are
-    found among ``p``'s copies by hint, then digest. The piece keeps the batch with empty
+    found among ``p``'s copies by hint, then digest; ``hashed`` is told the bytes of each
+    payload hashed (refused puts included). The piece keeps the batch with empty
     media dictionaries, its copies beside it (:attr:`Piece.media`). Reads ``p``'s copies
     without the store's lock (one dict lookup each); the put's commit takes them.
 
@@ -200,7 +203,7 @@ def media_piece(
             actual=hash,
         )
     view, stored = batch, batch
-    lookup = _Lookup(p, hash)
+    lookup = _Lookup(p, hash, hashed)
     copies: dict[str, list[Copy | None]] = {}
     brings = 0
     for name in media:
@@ -226,7 +229,6 @@ def media_piece(
     piece.media = {n: [c for c in found if c is not None] for n, found in copies.items()}
     piece.media_index = {n: _positions(found) for n, found in copies.items()}
     piece.brings = brings
-    piece.hashed = lookup.hashed
     return piece
 
 

@@ -62,12 +62,10 @@ class Piece:
     damaged: bool = False
     #: Per media column, the copies its dictionary entries name (:mod:`flightq.server.media`;
     #: the batch keeps the column without the bytes), each entry's position among them,
-    #: the bytes of the payloads this piece brought, and the payload bytes the server
-    #: hashed to resolve it.
+    #: and the bytes of the payloads this piece brought.
     media: dict[str, list[Copy]] = field(default_factory=dict)
     media_index: dict[str, np.ndarray] = field(default_factory=dict)
     brings: int = 0
-    hashed: int = 0
     _valid: dict[str, list[bool] | None] = field(default_factory=dict, repr=False)
     _nbytes: dict[str, list[int]] = field(default_factory=dict, repr=False)
 

@@ -1,8 +1,9 @@
 """Media sent once across puts: content-addressed, reference-counted, against real servers.
 
 A generator that puts each row as it finishes (W5) sends its group's image with the first
-row only; later rows name it by digest. The server keeps one copy per partition, counted
-once, whichever put or writer brought it, and checks every payload against its digest.
+row only; later rows reference it by digest and hint. The server keeps one copy per
+partition, counted once, and serves a copy to another put only once its bytes hashed to
+the digest asked for. Payloads that do not recur are hashed by neither side.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import pytest
 
 import flightq
 from flightq import workloads
-from flightq.digest import MediaRefs, digest_of, split_claims
+from flightq.digest import HASH, MediaRefs, digest_of, hashed_bytes, hint_of, split_claims
 from flightq.protocol import PutCommand
+from flightq.server.media import MAX_HASHED, MAX_LOOKED_AT
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,6 +51,16 @@ def _put_rows(client: flightq.Client, name: str, step: workloads.Step, rows) -> 
 
 def _received(client: flightq.Client) -> int:
     return client.stats()["counters"]["bytes_received"]
+
+
+def _hashed(client: flightq.Client) -> int:
+    """Media bytes the server hashed."""
+    return client.stats()["counters"]["media_hashed_bytes"]
+
+
+#: Bytes of the grids hashed: a group's grid (24 bytes) is equal to the others', so it
+#: is hashed to keep it once. Well below one image (301,056 bytes).
+GRIDS = 1024
 
 
 def _check_rows(batch: flightq.Batch, step: workloads.Step) -> None:
@@ -176,9 +188,8 @@ def test_a_payload_that_lies_about_its_digest_is_refused_and_nothing_stored():
         c = flightq.connect(srv.location)
         c.create_partition("p", step.schema, tasks=["train"])
         batch = _encoded(step, 0, b)  # the bytes of B ...
-        _, claims = split_claims(batch.schema)
-        m = msgpack.unpackb(claims.to_pybytes())
-        m["fields"]["pixel_values"] = [digest_of(a)]  # ... claimed to be A
+        assert split_claims(batch.schema)[1] is None  # (new: sent bare)
+        m = {"hash": HASH, "fields": {"pixel_values": [digest_of(a)]}}  # ... claimed to be A
         e = _plain_put(srv.location, batch, msgpack.packb(m))
         info = msgpack.unpackb(e.extra_info)
         assert info["type"] == "MediaDigestError"
@@ -197,7 +208,7 @@ def test_a_reference_to_an_unknown_digest_is_refused_typed():
     with flightq.Server() as srv:
         c = flightq.connect(srv.location)
         c.create_partition("p", step.schema, tasks=["train"])
-        name = ("pixel_values", digest_of(a), a.shape)
+        name = ("pixel_values", hint_of(a), a.shape)
         batch = _encoded(step, 0, a, known={name})
         assert len(batch.column("pixel_values").values.dictionary[0].as_py()) == 0
         _, claims = split_claims(batch.schema)
@@ -212,10 +223,18 @@ def test_a_reference_to_an_unknown_digest_is_refused_typed():
         # A reference whose shape differs from the stored copy's names nothing held.
         _put_rows(c, "p", step, [0])
         flat = a.reshape(-1)
-        other = _encoded(step, 1, flat, known={("pixel_values", digest_of(a), flat.shape)})
+        other = _encoded(step, 1, flat, known={("pixel_values", hint_of(a), flat.shape)})
         _, claims = split_claims(other.schema)
         e = _plain_put(srv.location, other, claims.to_pybytes())
         assert msgpack.unpackb(e.extra_info)["type"] == "MediaUnknownError"
+        assert c.stats()["partitions"]["p"]["rows"] == 1
+        # A reference is a digest and a hint; a hint goes with no payload.
+        digest_alone = {"hash": HASH, "fields": {"pixel_values": [digest_of(a)]}}
+        e = _plain_put(srv.location, batch, msgpack.packb(digest_alone))
+        assert msgpack.unpackb(e.extra_info)["type"] == "ProtocolError"
+        with_hint = {"hash": HASH, "fields": {"pixel_values": [digest_of(a) + hint_of(a)]}}
+        e = _plain_put(srv.location, _encoded(step, 2, a), msgpack.packb(with_hint))
+        assert msgpack.unpackb(e.extra_info)["type"] == "ProtocolError"
         assert c.stats()["partitions"]["p"]["rows"] == 1
 
 
@@ -270,3 +289,143 @@ def test_a_sharded_put_keeps_one_copy_per_shard():
         text = step.nbytes() - sum(x[0].nbytes for x in step.columns["pixel_values"])
         # Each image once on every shard that holds rows of its group.
         assert total <= text + 2 * _image_bytes(step)
+
+
+def _read_only(step: workloads.Step) -> workloads.Step:
+    """``step`` with its images read-only: a client caches their digests (a writable
+    array may change unseen, so it is hashed on every put that needs its digest)."""
+    for row in step.columns["pixel_values"]:
+        row[0].flags.writeable = False
+    return step
+
+
+def _look_alike(image: np.ndarray, k: int = 1) -> np.ndarray:
+    """Other bytes with ``image``'s hint: changed between the hint's samples."""
+    out = image.copy()
+    out.view(np.uint8).reshape(-1)[10_000] ^= k
+    assert hint_of(out) == hint_of(image) and not np.array_equal(out, image)
+    return out
+
+
+def _bare_put(location: str, step: workloads.Step, key: str, image: np.ndarray) -> None:
+    """A plain pyarrow writer's put of one row, its payload bare (no claim)."""
+    cols = _row(step, 0)
+    cols["pixel_values"] = [[image]]
+    schema = flightq.SchemaRegistry.default().get(step.schema)
+    batch = flightq.encode(schema, cols, [key])
+    cmd = PutCommand(partition="p", rows=1)
+    with fl.connect(location) as plain:
+        writer, reader = plain.do_put(fl.FlightDescriptor.for_command(cmd.to_wire()), batch.schema)
+        with writer:
+            writer.write_batch(batch)
+            writer.done_writing()
+            reader.read()
+
+
+@pytest.mark.parametrize("copies", [False, True], ids=["shared", "copies"])
+def test_a_put_of_new_images_hashes_nothing_on_either_side(copies):
+    step = _read_only(_step(copies))
+    with flightq.Server() as srv:
+        c = flightq.connect(srv.location)
+        c.create_partition("p", step.schema, tasks=["train"])
+        before = hashed_bytes()  # this process: the client and the server's threads
+        c.put("p", step.keys, step.columns, step.tags)  # whole groups, every image new
+        assert _hashed(c) == 0  # one put: the client sent each grid once
+        held = c.stats()["partitions"]["p"]["bytes"]
+        assert _distinct(step) - 4096 < held <= _distinct(step)
+        images = sum(x[0].nbytes for x in step.columns["pixel_values"])
+        if copies:  # equal copies of one put share a hint: hashed once each, sent once
+            assert images <= hashed_bytes() - before < images + GRIDS
+        else:
+            assert hashed_bytes() - before < GRIDS
+        _check_rows(c.get("p", step.keys, as_="numpy"), step)
+
+
+@pytest.mark.parametrize("copies", [False, True], ids=["shared", "copies"])
+def test_a_recurring_image_is_hashed_once_per_side(copies):
+    step = _read_only(_step(copies))
+    image = step.columns["pixel_values"][0][0].nbytes
+    with flightq.Server() as srv:
+        c = flightq.connect(srv.location)
+        c.create_partition("p", step.schema, tasks=["train"])
+        before = hashed_bytes()
+        _put_rows(c, "p", step, range(G))  # group 0 streamed: the image, then references
+        # The server: its copy, once, at the first reference.
+        assert image <= _hashed(c) < image + GRIDS
+        # The client: the tensor once (its digest cached), or each copy object once.
+        client = hashed_bytes() - before - _hashed(c)
+        want = (G - 1) * image if copies else image
+        assert want <= client < want + GRIDS
+        assert _received(c) < image + G * (64 << 10)
+        _check_rows(c.get("p", step.keys[:G], as_="numpy"), step)
+
+
+def test_a_look_alike_held_unverified_is_never_served_to_another_writer():
+    step = _read_only(_step())
+    a = step.columns["pixel_values"][0][0]
+    image = a.nbytes
+    look = _look_alike(a)
+    with flightq.Server() as srv:
+        honest = flightq.connect(srv.location)
+        honest.create_partition("p", step.schema, tasks=["train"])
+        _put_rows(honest, "p", step, [0])  # A, bare and unhashed
+        flightq.connect(srv.location).clear("p")  # A is gone; its writer remembers its hint
+        _bare_put(srv.location, step, step.keys[1], look)  # held unverified, under A's hint
+        assert _hashed(honest) < GRIDS
+        # A reference to A finds only the look-alike: hashed, no match, refused.
+        ref = _encoded(step, 2, a, known={("pixel_values", hint_of(a), a.shape)})
+        e = _plain_put(srv.location, ref, split_claims(ref.schema)[1].to_pybytes())
+        assert msgpack.unpackb(e.extra_info)["type"] == "MediaUnknownError"
+        assert image <= _hashed(honest) < image + GRIDS
+        # The honest writer's reference is refused too; it sends A again, digest beside it.
+        _put_rows(honest, "p", step, [3])
+        assert honest.stats()["counters"]["refusals"]["MediaUnknownError"] == 2
+        # A checked on receipt; the look-alike not again.
+        assert 2 * image <= _hashed(honest) < 2 * image + GRIDS
+        got = honest.get("p", [step.keys[1], step.keys[3]], as_="numpy")
+        assert np.array_equal(got["pixel_values"][0][0], look)  # its writer's own bytes
+        assert np.array_equal(got["pixel_values"][1][0], a)
+        _put_rows(honest, "p", step, [2])  # now A, checked, serves the reference
+        _check_rows(honest.get("p", step.keys[2:4], as_="numpy"), step)
+        assert honest.stats()["counters"]["refusals"]["MediaUnknownError"] == 2
+
+
+def test_a_flood_of_look_alikes_costs_the_server_no_more_hashing_than_it_brings():
+    step = _read_only(_step())
+    a = step.columns["pixel_values"][0][0]
+    image = a.nbytes
+    flood = MAX_LOOKED_AT + 4
+    with flightq.Server() as srv:
+        honest = flightq.connect(srv.location)
+        honest.create_partition("p", step.schema, tasks=["train"])
+        _put_rows(honest, "p", step, [0])
+        for k in range(flood):  # distinct payloads, every one under A's hint
+            _bare_put(srv.location, step, f"flood-{k}", _look_alike(a, k + 1))
+        # Each payload hashed once in its life (A at the first look-alike): never more
+        # than the payload bytes the server received.
+        flooded = _hashed(honest)
+        assert (flood + 1) * image <= flooded < (flood + 1) * image + GRIDS
+        assert flooded <= _received(honest)
+        # A reference to a digest none has hashes nothing more (at most MAX_HASHED).
+        ref = _encoded(step, 1, _look_alike(a, 255), known={("pixel_values", hint_of(a), a.shape)})
+        e = _plain_put(srv.location, ref, split_claims(ref.schema)[1].to_pybytes())
+        assert msgpack.unpackb(e.extra_info)["type"] == "MediaUnknownError"
+        assert _hashed(honest) - flooded < MAX_HASHED * image
+        assert _hashed(honest) - flooded < GRIDS
+        # A is older than the newest look-alikes a lookup looks at: its writer's reference
+        # is refused, and it sends A again; its rows get A, never a look-alike.
+        _put_rows(honest, "p", step, [1])
+        _check_rows(honest.get("p", step.keys[:2], as_="numpy"), step)
+        assert honest.stats()["partitions"]["p"]["rows"] == flood + 2
+
+
+def test_a_shared_memory_put_of_new_images_is_hashed_by_neither_side():
+    step = _read_only(_step())
+    with flightq.Server() as srv, flightq.connect(srv.location, shm=True) as c:
+        c.shm_min_bytes = 0
+        c.create_partition("p", step.schema, tasks=["train"])
+        before = hashed_bytes()
+        c.put("p", step.keys, step.columns, step.tags)
+        assert hashed_bytes() - before < GRIDS and _hashed(c) < GRIDS
+        _check_rows(c.get("p", step.keys, as_="numpy"), step)
+        c.drop("p")
