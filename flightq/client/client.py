@@ -467,7 +467,10 @@ class Client:
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> int:
         """Remove rows (all when ``keys`` is None); returns how many."""
         ks = None if keys is None else list(keys)
-        return int(self._transport.action(Clear(partition=partition, keys=ks)).cleared)
+        n = int(self._transport.action(Clear(partition=partition, keys=ks)).cleared)
+        if ks is None:
+            self._forget_media(partition)  # it holds none now: send the next put's bare
+        return n
 
     def reset(self, partition: str, task: str, keys: Sequence[str] | None = None) -> int:
         """Make rows claimable again for ``task`` (all when ``keys`` is None)."""
@@ -479,6 +482,13 @@ class Client:
         self._transport.action(Drop(partition=partition))
         with self._lock:
             self._schemas.pop(partition, None)
+        self._forget_media(partition)
+
+    def _forget_media(self, partition: str) -> None:
+        """Forget the media sent to ``partition`` (references to them would be refused)."""
+        known = self._media.get(partition)
+        if known is not None:
+            known.clear()
 
     def stats(self) -> dict[str, Any]:
         """Rows, bytes and per-task progress of every partition."""

@@ -429,3 +429,18 @@ def test_a_shared_memory_put_of_new_images_is_hashed_by_neither_side():
         assert hashed_bytes() - before < GRIDS and _hashed(c) < GRIDS
         _check_rows(c.get("p", step.keys, as_="numpy"), step)
         c.drop("p")
+
+
+def test_a_client_that_clears_a_partition_sends_its_next_put_bare():
+    step = _read_only(_step())
+    with flightq.Server() as srv:
+        c = flightq.connect(srv.location)
+        c.create_partition("p", step.schema, tasks=["train"])
+        c.put("p", step.keys, step.columns, step.tags)
+        c.clear("p")  # it knows the partition holds nothing now
+        before, sent = hashed_bytes(), _received(c)
+        c.put("p", step.keys, step.columns, step.tags)  # the same images again
+        assert hashed_bytes() - before < GRIDS and _hashed(c) < GRIDS
+        assert c.stats()["counters"]["refusals"].get("MediaUnknownError", 0) == 0
+        assert _received(c) - sent < 1.1 * _distinct(step)  # sent once, no refused try
+        _check_rows(c.get("p", step.keys, as_="numpy"), step)
