@@ -165,9 +165,10 @@ class NotFoundError(FlightqError, KeyError):
 
 
 class MediaUnknownError(NotFoundError):
-    """A put names media by digest alone that its partition does not hold (cleared since,
-    the server restarted, another shard). ``field`` names the column, ``actual`` lists the
-    missing digests (hex, the first few). Nothing is stored; a flightq client sends the
+    """A put references media (digest and hint, no payload) that no payload its partition
+    holds hashes to (cleared since, the server restarted, another shard, a look-alike
+    under that hint). ``field`` names the column, ``actual`` lists the missing digests
+    (hex, the first few). Nothing is stored; a flightq client sends the
     put again with the payloads."""
 
 

@@ -679,7 +679,8 @@ class Client:
 
     def _small(self, batches: list[pa.RecordBatch]) -> bool:
         """Whether a put over the socket takes the request stream: it is small, and claims
-        no media digests (those travel as a DoPut batch's app metadata: per call)."""
+        nothing of its media (references travel as a DoPut batch's app metadata: per
+        call)."""
         limit = self._reader.stream_max_bytes
         if not limit or sum(b.get_total_buffer_size() for b in batches) >= limit:
             return False
