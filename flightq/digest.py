@@ -274,8 +274,8 @@ class MediaRefs:
         ``(column, hint, shape)`` of media sent to the partition before: a payload with
         such a hint is hashed and goes as a reference. Empty: every payload is sent.
     claim:
-        Send, with each payload whose digest is known already, its digest (the server
-        checks it on receipt): a put sent again after ``MediaUnknownError``.
+        Send each payload with its digest (the server checks it on receipt): a put sent
+        again after ``MediaUnknownError``.
     """
 
     def __init__(

@@ -436,8 +436,8 @@ def _media_entry(
 ) -> tuple[int, tuple[int, ...]]:
     """The dictionary entry of segment ``x`` (checked: ``enc``), found among the put's
     entries or added: its payload, or a reference where the writer sent its hint to the
-    partition before. Hashes only a segment that may recur: a reference, or one whose
-    hint another entry of the put shares."""
+    partition before. Hashes only a segment that may recur (a reference, or one whose
+    hint another entry of the put shares), or every one where the put claims digests."""
     payload = None
     cached = media.cache.get(x, codec_id)
     if cached is None:
@@ -449,7 +449,7 @@ def _media_entry(
     named = (f.name, h, shape)
     ref = named in media.known and bool(shape) and 0 not in shape
     twins = by_hint.get((h, shape))
-    if d is None and (ref or twins):
+    if d is None and (ref or twins or media.claim):
         if payload is None:
             payload = f.codec.encode(enc.data) if f.codec is not RAW else enc.data
         d = digest_of(payload, media.hash)

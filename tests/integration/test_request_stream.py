@@ -442,8 +442,9 @@ def test_mutated_put_frames_are_refused_or_stored_whole(
 def test_small_media_reads_take_the_stream_and_match_per_call(
     server: flightq.Server,
 ) -> None:
-    # A put of media goes per call (its digests travel as DoPut batch metadata); a read
-    # of media takes the stream, its dictionary columns as one Arrow IPC stream body.
+    # A put of new media claims nothing of it and takes the stream; one referencing media
+    # sent before goes per call (references travel as DoPut batch metadata). A read of
+    # media takes the stream, its dictionary columns as one Arrow IPC stream body.
     vlm = "rollout_vlm@1"
     rng = np.random.default_rng(5)
     img = rng.standard_normal((16, 24), dtype=np.float32)
@@ -461,8 +462,10 @@ def test_small_media_reads_take_the_stream_and_match_per_call(
         for c, name in ((streamed, "sa"), (per_call, "sb")):
             c.create_partition(name, vlm, tasks=["train"])
         served = streamed.requests.served
-        streamed.put("sa", keys, cols)
-        assert streamed.requests.served == served
+        streamed.put("sa", keys[:1], {k: v[:1] for k, v in cols.items()})
+        assert streamed.requests.served == served + 1
+        streamed.put("sa", keys[1:], {k: v[1:] for k, v in cols.items()})  # a reference
+        assert streamed.requests.served == served + 1
         per_call.put("sb", keys, cols)
         streamed.get("sa", keys, as_="numpy")
         served = streamed.requests.served
