@@ -11,6 +11,7 @@ cutting a put into batches of bounded size is :mod:`flightq.chunks`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,14 @@ from .sink import COPY, Sink
 from .tensor import Bulk, Encoded, MemoryIndex, bulk_to_bytes, is_torch, nbytes_for, to_bytes
 
 __all__ = ["encode"]
+
+#: Rows up to which a column's offsets are built in Python, and its shape column memoised.
+_FEW = 8
+#: Shape columns of a few rows, by their shapes: a bounded memo of a pure function (Arrow
+#: arrays are immutable), shared by the threads of a process (a dict's get and set are
+#: atomic). Its keys are a few ints each.
+_SHAPE_MEMO: dict[tuple[Any, ...], pa.Array] = {}
+_SHAPE_MEMO_SIZE = 1024
 
 _CAST_HINT = {
     "torch": "cast with .to(torch.{want})",
@@ -207,8 +216,15 @@ def _checked(f: Field, x: Any, key: str, zero_copy: bool, what: str = "") -> Enc
 
 def _binary(payloads: list[Any], valid: list[bool] | None, sink: Sink) -> pa.Array:
     """A large_binary array over the payloads, its data buffer given by ``sink``."""
-    lengths = np.fromiter((len(memoryview(p).cast("B")) for p in payloads), np.int64, len(payloads))
-    offsets = _offsets(lengths)
+    if len(payloads) <= _FEW:  # a few rows: Python's sums beat numpy's per-call cost
+        sizes = [len(memoryview(p).cast("B")) for p in payloads]
+        lengths = np.array(sizes, dtype=np.int64)
+        offsets = np.array([0, *itertools.accumulate(sizes)], dtype=np.int64)
+    else:
+        lengths = np.fromiter(
+            (len(memoryview(p).cast("B")) for p in payloads), np.int64, len(payloads)
+        )
+        offsets = _offsets(lengths)
     return _binary_array(offsets, sink.column(payloads, lengths, offsets), valid)
 
 
@@ -233,6 +249,21 @@ def _binary_array(offsets: np.ndarray, data: pa.Buffer, valid: list[bool] | None
 
 
 def _shapes(shapes: list[tuple[int, ...] | None], large: bool = False) -> pa.Array:
+    """The shape column of ``shapes``; for a few rows, the same shapes give the same
+    (immutable) array again: a 1-row put sends the shapes of its last put, mostly."""
+    if len(shapes) > _FEW:
+        return _shape_array(shapes, large)
+    memo = (large, *shapes)
+    hit = _SHAPE_MEMO.get(memo)
+    if hit is None:
+        hit = _shape_array(shapes, large)
+        if len(_SHAPE_MEMO) >= _SHAPE_MEMO_SIZE:
+            _SHAPE_MEMO.clear()
+        _SHAPE_MEMO[memo] = hit
+    return hit
+
+
+def _shape_array(shapes: list[tuple[int, ...] | None], large: bool) -> pa.Array:
     valid = [s is not None for s in shapes]
     lens = np.fromiter((len(s) if s is not None else 0 for s in shapes), np.int64, len(shapes))
     offsets = np.zeros(len(shapes) + 1, dtype=np.int64 if large else np.int32)
