@@ -194,6 +194,15 @@ def _big_endian(dt: np.dtype) -> bool:
 def _torch_to_bytes(t: Any, zero_copy: bool, where: str) -> Encoded:
 
     tag = from_torch(t.dtype)
+    try:
+        # Most tensors (CPU, contiguous, no grad, a numpy dtype) are their numpy view; a
+        # third of the cost of the checks below. torch refuses the rest (TypeError,
+        # RuntimeError): they take the checks.
+        a = t.numpy()
+    except (TypeError, RuntimeError):
+        a = None
+    if a is not None and a.size and a.flags.c_contiguous:
+        return Encoded(a.reshape(-1).view(np.uint8), a.shape, tag)
     if t.numel() == 0:  # no bytes; its strides may be anything (0 from an empty numpy array)
         return Encoded(np.empty(0, dtype=np.uint8), tuple(int(d) for d in t.shape), tag)
     if t.device.type != "cpu":
