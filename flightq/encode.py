@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from .codecs import RAW
 from .digest import BATCH_KEY, MediaRefs, digest_of, hint_of, pack_claims
+from .dtypes import from_torch
 from .errors import DTypeError, EncodeError, ShapeError, UndeclaredFieldError
 from .layout import TAGS, arrow_schema
 from .rows import columns_of
@@ -537,6 +538,9 @@ def _encode_scalar(f: Field, data: Any, keys: list[str]) -> pa.Array:
     for i, v in enumerate(rows):
         if v is None:
             out.append(None)
+            continue
+        if dt.native_numpy and is_torch(v) and v.dim() == 0 and from_torch(v.dtype) == f.dtype:
+            out.append(v.item())  # the value itself, exact: a third of the general path
             continue
         if isinstance(v, np.ndarray | np.generic) or is_torch(v):
             enc = to_bytes(np.asarray(v) if isinstance(v, np.generic) else v, where=where)
