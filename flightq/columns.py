@@ -25,6 +25,9 @@ from .tensor import column_base, nbytes_for, row_view
 
 __all__ = ["Column", "TensorColumn", "MediaColumn", "ScalarColumn", "ChunkedColumn", "Packed"]
 
+#: Rows up to which a column's shapes are read as Python values at once.
+_FEW = 8
+
 
 class Packed(tuple):
     """A column's rows end to end, and where each row starts: ``(values, offsets)``.
@@ -194,9 +197,19 @@ class TensorColumn(Column):
     def __init__(self, f: Field, rb: pa.RecordBatch, as_: str, copy: bool) -> None:
         super().__init__(f, rb, as_, copy)
         shapes = rb.column(f.name + SHAPE_SUFFIX)
-        offs = shapes.offsets.to_numpy()
+        self._shapes: list[tuple[int, ...] | None] | None = None
+        if len(shapes) <= _FEW:
+            # A few rows: their shapes as Python values at once (a null row's is None,
+            # as validation holds payload and shape to agree); numpy costs more here.
+            listed = [None if s is None else tuple(s) for s in shapes.to_pylist()]
+            ranks = [0 if s is None else len(s) for s in listed]
+            offs = np.array([0, *itertools.accumulate(ranks)], dtype=np.int64)
+            self._dims = np.array([d for s in listed if s for d in s], dtype=np.int64)
+            self._shapes = listed
+        else:
+            offs = shapes.offsets.to_numpy()
+            self._dims = shapes.values.to_numpy()[int(offs[0]) : int(offs[-1])]
         lo, hi = int(offs[0]), int(offs[-1])
-        self._dims = shapes.values.to_numpy()[lo:hi]
         self._offs = offs
         #: Every row present with a 1-D shape (token fields: validation has seen rank >= 1
         #: in each row, so one dim per row means rank 1): its dim is its element count.
@@ -205,7 +218,6 @@ class TensorColumn(Column):
             and hi - lo == len(offs) - 1
             and (f.role == "token" or bool((offs[1:] - offs[:-1] == 1).all()))
         )
-        self._shapes: list[tuple[int, ...] | None] | None = None
         present = None if f.codec is RAW else self.shapes
         keys = rb.column(KEY)
         self._base, self._elem = _decoded_base(
