@@ -30,6 +30,7 @@ flightq.errors.ProtocolError: clear: unknown key 'all'; expected partition, keys
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
@@ -343,12 +344,11 @@ class Message:
     def to_dict(self) -> dict[str, Any]:
         """The message as the map that travels (nested messages as maps too)."""
         out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            v = getattr(self, f.name)
-            omit = f.metadata["omit"]
+        for name, omit in _omits(type(self)):
+            v = getattr(self, name)
             if omit is not _NO_OMIT and v == omit:
                 continue
-            out[f.name] = _plain(v)
+            out[name] = _plain(v)
         return out
 
     def to_wire(self) -> bytes:
@@ -371,8 +371,7 @@ class Message:
         """
         what = cls.WHAT if what is None else what
         d = data if isinstance(data, Mapping) else unpack(data, what)
-        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-        names = {f.name for f in fields}
+        fields, names = _fields(cls)
         unknown = [k for k in d if k not in names]
         if unknown:
             s = "s" if len(unknown) > 1 else ""
@@ -387,6 +386,19 @@ class Message:
             elif f.default is _REQUIRED and f.default_factory is _REQUIRED:
                 raise ProtocolError(f"{what}: missing {f.name!r}")
         return cls(**kwargs)
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[tuple[dataclasses.Field[Any], ...], frozenset[str]]:
+    """A message class's fields and their names (a class's fields never change)."""
+    fields = dataclasses.fields(cls)
+    return fields, frozenset(f.name for f in fields)
+
+
+@functools.cache
+def _omits(cls: type) -> tuple[tuple[str, Any], ...]:
+    """Each field's name and the value it is left out at (``_NO_OMIT``: never)."""
+    return tuple((f.name, f.metadata["omit"]) for f in dataclasses.fields(cls))
 
 
 def _plain(v: Any) -> Any:
