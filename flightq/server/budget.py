@@ -77,6 +77,10 @@ def metadata_bytes(schema: pa.Schema) -> int:
     return n
 
 
+def _media_columns(schema: pa.Schema) -> tuple[int, ...]:
+    return tuple(i for i, f in enumerate(schema) if f.type == MEDIA_TYPE)
+
+
 def _metadata_bytes(schema: pa.Schema) -> int:
     total = sum(len(k) + len(v) for k, v in (schema.metadata or {}).items())
     for f in schema:
@@ -85,6 +89,8 @@ def _metadata_bytes(schema: pa.Schema) -> int:
 
 
 _METADATA_BYTES = SchemaMemo(16)
+#: The media columns of each schema seen (their dictionaries are counted apart).
+_MEDIA_COLUMNS = SchemaMemo(16)
 #: Key and tag column types whose values are measured (others: validation refuses them).
 _CAPPED_TYPES = (pa.utf8(), pa.binary())
 
@@ -219,11 +225,10 @@ def row_costs(
     if n == 0:
         return np.zeros(0, dtype=np.int64)
     rest = batch.get_total_buffer_size() - int(payload.sum()) + metadata_bytes(batch.schema)
-    for col in batch.columns:
-        if col.type == MEDIA_TYPE:
-            # Batches of a stream may share one dictionary: its entries count in the payload
-            # of the rows using them (first use per batch), not once per batch sharing it.
-            rest -= col.values.dictionary.get_total_buffer_size()
+    for i in _MEDIA_COLUMNS.get(batch.schema, _media_columns):
+        # Batches of a stream may share one dictionary: its entries count in the payload
+        # of the rows using them (first use per batch), not once per batch sharing it.
+        rest -= batch.column(i).values.dictionary.get_total_buffer_size()
     share = -(-max(rest, 0) // n)
     out = payload.astype(np.int64) + (share + ROW_OVERHEAD)
     out += np.fromiter(map(sys.getsizeof, keys), dtype=np.int64, count=n)
