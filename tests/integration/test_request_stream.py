@@ -481,3 +481,36 @@ def test_small_media_reads_take_the_stream_and_match_per_call(
             else:
                 assert [raw(x) for x in got[f]] == [raw(x) for x in want[f]]
         assert server.store.partition("sa").nbytes == server.store.partition("sb").nbytes
+
+
+def test_one_row_round_trips_match_per_call(pair: tuple[flightq.Client, flightq.Client]) -> None:
+    """W4: a row put then got, again and again. An answer served as a slice of the stored
+    batch (all its fields asked) carries the row's current tags, merged by a later put,
+    and a write-back's column; a subset of fields is served column by column."""
+    streamed, per_call = pair
+    step = flightq.workloads.w4()
+    for name in ("a", "b"):
+        streamed.create_partition(name, TEXT, tasks=["train"], group_size=1)
+    for client, name in ((streamed, "a"), (per_call, "b")):
+        for i in range(3):
+            client.put(name, step.keys, step.columns, tags=[{"round": i}], overwrite=i > 0)
+        client.get(name, step.keys, as_="numpy")  # a partition's first get goes per call
+    served = streamed.requests.served
+    got = streamed.get("a", step.keys, as_="numpy")
+    assert streamed.requests.served == served + 1
+    want = per_call.get("b", step.keys, as_="numpy")
+    assert _numpy(got) == _numpy(want) and got.tags == want.tags == [{"round": 2}]
+    for client, name in ((streamed, "a"), (per_call, "b")):
+        client.put(name, step.keys, {}, tags=[{"extra": 1}])  # tags alone: cells stay
+    got, want = streamed.get("a", step.keys, as_="numpy"), per_call.get("b", step.keys, as_="numpy")
+    assert _numpy(got) == _numpy(want)
+    assert got.tags == want.tags == [{"round": 2, "extra": 1}]
+    merged = {"input_ids": [np.arange(128, dtype=np.int64)]}
+    for client, name in ((streamed, "a"), (per_call, "b")):
+        client.put(name, step.keys, merged, overwrite=True)  # a write-back: cells in two
+    got, want = streamed.get("a", step.keys, as_="numpy"), per_call.get("b", step.keys, as_="numpy")
+    assert _numpy(got) == _numpy(want) and got.tags == [{"round": 2, "extra": 1}]
+    assert got["input_ids"][0].tolist() == list(range(128))
+    subset = ["total_reward", "input_ids"]
+    few = streamed.get("a", step.keys, subset, as_="numpy")
+    assert _numpy(few) == _numpy(per_call.get("b", step.keys, subset, as_="numpy"))
