@@ -30,7 +30,6 @@ flightq.errors.ProtocolError: clear: unknown key 'all'; expected partition, keys
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
@@ -388,17 +387,26 @@ class Message:
         return cls(**kwargs)
 
 
-@functools.cache
+#: Per message class, its fields and their names; and each field's name with the value it
+#: is left out at (``_NO_OMIT``: never). A class's fields never change: read once each.
+_FIELDS: dict[type, tuple[tuple[dataclasses.Field[Any], ...], frozenset[str]]] = {}
+_OMITS: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+
 def _fields(cls: type) -> tuple[tuple[dataclasses.Field[Any], ...], frozenset[str]]:
-    """A message class's fields and their names (a class's fields never change)."""
-    fields = dataclasses.fields(cls)
-    return fields, frozenset(f.name for f in fields)
+    hit = _FIELDS.get(cls)
+    if hit is None:
+        fields = dataclasses.fields(cls)
+        hit = _FIELDS[cls] = (fields, frozenset(f.name for f in fields))
+    return hit
 
 
-@functools.cache
 def _omits(cls: type) -> tuple[tuple[str, Any], ...]:
-    """Each field's name and the value it is left out at (``_NO_OMIT``: never)."""
-    return tuple((f.name, f.metadata["omit"]) for f in dataclasses.fields(cls))
+    hit = _OMITS.get(cls)
+    if hit is None:
+        fields = dataclasses.fields(cls)
+        hit = _OMITS[cls] = tuple((f.name, f.metadata["omit"]) for f in fields)
+    return hit
 
 
 def _plain(v: Any) -> Any:
