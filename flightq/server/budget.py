@@ -77,8 +77,15 @@ def metadata_bytes(schema: pa.Schema) -> int:
     return n
 
 
-def _media_columns(schema: pa.Schema) -> tuple[int, ...]:
-    return tuple(i for i, f in enumerate(schema) if f.type == MEDIA_TYPE)
+def _media_columns(schema: pa.Schema, keep: bool) -> tuple[int, ...]:
+    """The indices of a schema's media columns, found once per schema (``keep``: one
+    within the metadata cap; a larger one is never kept, as :func:`metadata_bytes`)."""
+    found = _MEDIA_COLUMNS.find(schema)
+    if found is None:
+        found = tuple(i for i, f in enumerate(schema) if f.type == MEDIA_TYPE)
+        if keep:
+            _MEDIA_COLUMNS.keep(schema, found)
+    return found
 
 
 def _metadata_bytes(schema: pa.Schema) -> int:
@@ -224,8 +231,9 @@ def row_costs(
     n = batch.num_rows
     if n == 0:
         return np.zeros(0, dtype=np.int64)
-    rest = batch.get_total_buffer_size() - int(payload.sum()) + metadata_bytes(batch.schema)
-    for i in _MEDIA_COLUMNS.get(batch.schema, _media_columns):
+    meta = metadata_bytes(batch.schema)
+    rest = batch.get_total_buffer_size() - int(payload.sum()) + meta
+    for i in _media_columns(batch.schema, keep=meta <= MAX_METADATA_BYTES):
         # Batches of a stream may share one dictionary: its entries count in the payload
         # of the rows using them (first use per batch), not once per batch sharing it.
         rest -= batch.column(i).values.dictionary.get_total_buffer_size()
