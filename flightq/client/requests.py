@@ -28,7 +28,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from ..errors import FlightqError, FlightqTimeoutError
+from ..errors import FlightqError, FlightqTimeoutError, UnavailableError
 from ..frames import Frame, pack_frame, parse_frame
 from ..protocol import ErrorDetail, PutAck, PutCommand, RequestsCommand, Ticket, from_flight_error
 from .transport import Transport
@@ -98,7 +98,7 @@ class Requests:
         timeout: float | None,
     ) -> int | None:
         """A put on the stream; returns the rows stored, or None where it must go per call
-        (the stream is busy or not open; nothing was sent)."""
+        (the stream is busy or not open, or broke before an answer)."""
         frame = pack_frame({"op": "put", "cmd": cmd.to_wire()}, schema, batches)
         got = self._call(frame, what, timeout)
         return None if got is None else PutAck.parse(got.header["ok"]).rows
@@ -134,9 +134,16 @@ class Requests:
                         f"{what}: timed out: no answer on the request stream within "
                         f"{wait + _MARGIN_S:.1f} s"
                     ) from None
+                # The stream broke before an answer (the server stopped or restarted, or
+                # the connection dropped): the call goes per call instead, which fails
+                # typed if the server is gone. A put the old stream had stored is the
+                # same record batches again, so the server takes it as a replay.
                 if isinstance(e, StopIteration):
-                    raise FlightqError(f"{what}: the server ended the request stream") from None
-                raise from_flight_error(e, what) from e
+                    return None
+                err = from_flight_error(e, what)
+                if isinstance(err, UnavailableError):
+                    return None
+                raise err from e
             finally:
                 with self._state:
                     self._armed = None
@@ -146,7 +153,14 @@ class Requests:
         finally:
             self._lock.release()
         if "error" in got.header:
-            raise ErrorDetail.parse(got.header["error"]).error()
+            err = ErrorDetail.parse(got.header["error"]).error()
+            if isinstance(err, UnavailableError):
+                # The server is stopping (nothing was stored or taken): drop its stream, and
+                # make the call per call, on a server that may be up again at the address.
+                with self._lock:
+                    self._drop()
+                return None
+            raise err
         if "retry" in got.header:
             return None
         return got

@@ -514,3 +514,60 @@ def test_one_row_round_trips_match_per_call(pair: tuple[flightq.Client, flightq.
     subset = ["total_reward", "input_ids"]
     few = streamed.get("a", step.keys, subset, as_="numpy")
     assert _numpy(few) == _numpy(per_call.get("b", step.keys, subset, as_="numpy"))
+
+
+def test_a_stream_the_server_dropped_by_restarting_gives_way_to_a_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fixtures_dataplane import cli_server
+
+    from flightq.client import requests
+
+    monkeypatch.setattr(requests, "IDLE_CLOSE_S", 600.0)  # held across the restart
+    with cli_server() as (location, proc):
+        c = flightq.connect(location, [TEXT], timeout=TIMEOUT)
+        c.create_partition("r", TEXT, tasks=["train"])
+        c.put("r", ["k0"], text_columns(["k0"]))
+        assert c.requests.is_open
+        proc.kill()
+        proc.wait(timeout=TIMEOUT)
+    port = location.rsplit(":", 1)[1]
+    try:
+        with cli_server("--port", port) as (again, _):
+            assert again == location
+            c.create_partition("r", TEXT, tasks=["train"])
+            # The held stream is dead: the put goes per call, the next reopens the stream.
+            assert c.put("r", ["k1"], text_columns(["k1"])) == 1
+            assert c.get("r", ["k1"], as_="numpy").keys == ["k1"]
+            served = c.requests.served
+            assert c.put("r", ["k2"], text_columns(["k2"])) == 1
+            assert c.requests.served == served + 1  # on a new stream
+            c.close()  # before the server stops: it would wait on the held stream
+    finally:
+        c.close()
+
+
+def test_a_stream_a_stopped_server_ended_gives_way_to_a_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from flightq.client import requests
+
+    monkeypatch.setattr(requests, "IDLE_CLOSE_S", 600.0)  # held across the restart
+    srv = flightq.Server().start()
+    location = srv.location
+    c = flightq.connect(location, [TEXT], timeout=TIMEOUT)
+    try:
+        c.create_partition("r", TEXT, tasks=["train"])
+        c.put("r", ["k0"], text_columns(["k0"]))
+        assert c.requests.is_open
+        srv.stop(deadline=1.0)  # ends the held stream
+        try:
+            again = flightq.Server(location)
+        except Exception:  # pragma: no cover - the port was taken meanwhile
+            pytest.skip("the port was taken by another process before the restart")
+        with again:
+            c.create_partition("r", TEXT, tasks=["train"])
+            assert c.put("r", ["k1"], text_columns(["k1"])) == 1
+            assert c.get("r", ["k1"], as_="numpy").keys == ["k1"]
+    finally:
+        c.close()
