@@ -60,11 +60,22 @@ def _drop_all(srv: flightq.Server) -> None:
             c.drop(name)
 
 
+#: Stored segments mapped before the running test's server started (another test's).
+_STORES_BEFORE: set[str] = set()
+
+
+def _stores() -> list[str]:
+    """The stored segments this test's server maps (shm.STORES is the process's)."""
+    return sorted(set(shm.STORES.paths()) - _STORES_BEFORE)
+
+
 @pytest.fixture(name="server")
 def server_fixture() -> Iterator[flightq.Server]:
     # Only what this test's server and clients made counts: an earlier test's leftovers
     # in this process are that test's failure, not this one's.
     before = set(_mine())
+    _STORES_BEFORE.clear()
+    _STORES_BEFORE.update(shm.STORES.paths())
     with flightq.Server() as srv:
         yield srv
         _drop_all(srv)
@@ -194,7 +205,7 @@ def test_a_read_maps_the_servers_copy_of_the_put_and_copies_nothing_more(server,
     step = workloads.w2(groups=1)
     client.create_partition("m", step.schema, group_size=step.group_size)
     client.put("m", step.keys, step.columns, tags=step.tags)
-    (put_seg,) = shm.STORES.paths()  # the server's copy, not the writer's segment
+    (put_seg,) = _stores()  # the server's copy, not the writer's segment
     assert put_seg not in client.shm_pool.paths()
     batch = client.get("m", step.keys, as_="numpy")
     assert assert_rows_match(batch, step) > 0
@@ -257,20 +268,20 @@ def test_the_writers_segment_is_free_at_the_ack_and_the_servers_copy_is_reused(s
     (seg,) = client.shm_pool.segments()
     assert seg.state() == shm.FREE and seg.lock()  # the server holds its own copy
     seg.unlock()
-    assert len(shm.STORES.paths()) == 1  # the server's own copy of the put
+    assert len(_stores()) == 1  # the server's own copy of the put
     ids = client.get("v", keys, as_="numpy")["input_ids"][0]  # a view of that copy
     client.clear("v")
     gc.collect()
     client.put("v", keys, cols)
     assert client.shm_pool.segments() == [seg]  # the writer fills the same segment again
-    assert len(shm.STORES.paths()) == 2  # the consumer's view holds the first copy
+    assert len(_stores()) == 2  # the consumer's view holds the first copy
     assert np.array_equal(ids, cols["input_ids"][0])  # whose pages stay valid
-    copies = shm.STORES.paths()
+    copies = _stores()
     del ids
     client.clear("v")
     gc.collect()
     client.put("v", keys, cols)
-    assert shm.STORES.paths() == copies  # no view left: the server reuses a warm segment
+    assert _stores() == copies  # no view left: the server reuses a warm segment
 
 
 def test_a_reference_to_a_segment_filled_again_is_refused():
@@ -443,7 +454,7 @@ def test_rows_outlive_the_producer_that_put_them_through_shm(server, client):
     batch = client.get("gone", step.keys, as_="numpy")
     assert assert_rows_match(batch, step) > 0
     row = batch["pixel_values"][0][0]
-    assert _mapped_files(row.__array_interface__["data"][0]) == shm.STORES.paths()
+    assert _mapped_files(row.__array_interface__["data"][0]) == _stores()
     assert server.shm_pool.paths() == []  # the answer needed no segment of its own
 
 
@@ -451,11 +462,12 @@ def test_rows_outlive_the_producer_that_put_them_through_shm(server, client):
 def test_a_stopped_server_left_holding_rows_is_collected_with_its_segments() -> None:
     step = workloads.w2(groups=1)
     before = set(_mine())
-    with flightq.Server() as srv:
-        with flightq.connect(srv.location, [step.schema], timeout=TIMEOUT, shm=True) as c:
-            c.create_partition("m", step.schema, group_size=step.group_size)
-            assert c.put("m", step.keys, step.columns, tags=step.tags).route == "shm"
-        assert set(_mine()) - before  # the server's copy of the put
+    with (
+        flightq.Server() as srv,
+        flightq.connect(srv.location, [step.schema], timeout=TIMEOUT, shm=True) as c,
+    ):
+        c.create_partition("m", step.schema, group_size=step.group_size)
+        assert c.put("m", step.keys, step.columns, tags=step.tags).route == "shm"
     gone = weakref.ref(srv)
     del srv
     gc.collect()
