@@ -218,7 +218,11 @@ def media_piece(
         if home is not None and home.nbytes:
             brings += home.nbytes
         i = batch.schema.get_field_index(name)
-        if any(c is None or c.home is not home for c in found):
+        # Checked as it arrived unless some entry names a copy held before (none: the
+        # batch is malformed, which validation names, or no row uses an entry).
+        if any(c is not None for c in found) and any(
+            c is None or c.home is not home for c in found
+        ):
             view = view.set_column(i, batch.schema.field(i), _with_entries(col, found))
         stored = stored.set_column(i, batch.schema.field(i), _with_entries(col, None))
     checked = validate(view, p.schema)
@@ -377,14 +381,16 @@ def _entries_of(copies: list[Copy]) -> pa.Array:
 
 def _with_entries(col: pa.Array, found: list[Copy | None] | None) -> pa.Array:
     """``col`` with its dictionary replaced: by the copies' payloads (``found``; an
-    unused entry keeps what arrived), or by empty entries (None)."""
+    entry no row uses by an empty one: the budget refuses it from the batch as it
+    arrived, and copying its bytes here would hold them twice), or by empty entries
+    (None)."""
     outer = col.offsets
     values = col.values
     entries = values.dictionary
     if found is None:
         new = _empty_entries(len(entries))
     else:
-        parts = [c.entry if c is not None else entries.slice(j, 1) for j, c in enumerate(found)]
+        parts = [c.entry if c is not None else _empty_entries(1) for c in found]
         new = pa.concat_arrays(parts) if len(parts) != 1 else parts[0]
     dict_arr = pa.DictionaryArray.from_arrays(values.indices, new)
     mask = col.is_null() if col.null_count else None
