@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import weakref
 from collections.abc import Iterator
 
@@ -34,10 +36,10 @@ pytestmark = pytest.mark.timeout(120)
 SHM = shm.DEFAULT_DIR
 
 
-def _mine() -> list[str]:
+def _mine(directory: str | None = None) -> list[str]:
     """Segment files this test process owns (its server and clients run in it)."""
     prefix = f"flightq-{os.getpid()}-"
-    return sorted(n for n in os.listdir(SHM) if n.startswith(prefix))
+    return sorted(n for n in os.listdir(directory or SHM) if n.startswith(prefix))
 
 
 def _mapped_files(address: int) -> list[str]:
@@ -60,32 +62,35 @@ def _drop_all(srv: flightq.Server) -> None:
             c.drop(name)
 
 
-#: Stored segments mapped before the running test's server started (another test's).
-_STORES_BEFORE: set[str] = set()
+#: The segment directory of the running test's server (its own, under /dev/shm).
+_DIR = SHM
 
 
 def _stores() -> list[str]:
-    """The stored segments this test's server maps (shm.STORES is the process's)."""
-    return sorted(set(shm.STORES.paths()) - _STORES_BEFORE)
+    """The stored segments this test's server maps: shm.STORES is the process's, one pool
+    per directory, and an earlier test's server may still hold its pool of /dev/shm."""
+    return sorted(p for p in shm.STORES.paths() if os.path.dirname(p) == _DIR)
 
 
 @pytest.fixture(name="server")
 def server_fixture() -> Iterator[flightq.Server]:
-    # Only what this test's server and clients made counts: an earlier test's leftovers
-    # in this process are that test's failure, not this one's.
-    before = set(_mine())
-    _STORES_BEFORE.clear()
-    _STORES_BEFORE.update(shm.STORES.paths())
-    with flightq.Server() as srv:
-        yield srv
-        _drop_all(srv)
-    gc.collect()
-    assert sorted(set(_mine()) - before) == []
+    # A directory of its own: only what this test's server and clients made is in it.
+    global _DIR
+    _DIR = tempfile.mkdtemp(prefix="flightq-test-", dir=SHM)
+    try:
+        with flightq.Server(shm=_DIR) as srv:
+            yield srv
+            _drop_all(srv)
+        gc.collect()
+        assert _mine(_DIR) == []
+    finally:
+        shutil.rmtree(_DIR, ignore_errors=True)
+        _DIR = SHM
 
 
 @pytest.fixture(name="client")
 def client_fixture(server: flightq.Server) -> Iterator[flightq.Client]:
-    with flightq.connect(server.location, [TEXT, VLM], timeout=TIMEOUT, shm=True) as c:
+    with flightq.connect(server.location, [TEXT, VLM], timeout=TIMEOUT, shm=_DIR) as c:
         c.shm_min_bytes = 0  # every transfer through shared memory, however small
         yield c
 
@@ -95,7 +100,7 @@ def test_small_transfers_of_a_shm_client_take_the_socket_and_large_ones_a_segmen
     keys = text_keys(2, 4)
     cols = text_columns(keys)
     step = workloads.w2(groups=1)
-    with flightq.connect(server.location, [TEXT, VLM], timeout=TIMEOUT, shm=True) as c:
+    with flightq.connect(server.location, [TEXT, VLM], timeout=TIMEOUT, shm=_DIR) as c:
         assert c.shm_min_bytes == flightq.client.client.SHM_MIN_BYTES == 2**20
         c.create_partition("t", TEXT, tasks=["train"], group_size=4)
         assert c.put("t", keys, cols).route == "socket"  # no segment for a put of a few KiB
@@ -192,7 +197,7 @@ def test_a_claim_whose_answer_cannot_be_written_gives_its_rows_back(server, clie
     server.shm_dir = str(tmp_path / "gone")  # the server can no longer create segments
     with pytest.raises(flightq.ResourceExhaustedError, match=r"no room for .* shared memory"):
         client.claim("c", "train", 8, as_="numpy", timeout=TIMEOUT)
-    server.shm_dir = SHM
+    server.shm_dir = _DIR
     got = client.claim("c", "train", 8, timeout=TIMEOUT, as_="numpy")
     assert got.keys == keys
     assert all(
@@ -320,11 +325,11 @@ def test_a_malformed_answer_table_is_refused(server, client):
     col["b"][1][2] = 8  # offsets cut short: the rows would read past them
     bad = pa.record_batch([pa.array([msgpack.packb(body)], pa.binary())], names=[shm.MARKER])
     with pytest.raises(flightq.ProtocolError, match="shared-memory answer is malformed"):
-        shmtable.take([bad], SHM, "get")
+        shmtable.take([bad], _DIR, "get")
     body["batches"][0]["c"][2]["b"][2][0] = 7
     bad = pa.record_batch([pa.array([msgpack.packb(body)], pa.binary())], names=[shm.MARKER])
     with pytest.raises(flightq.ProtocolError, match="names segment 7 of"):
-        shmtable.take([bad], SHM, "get")
+        shmtable.take([bad], _DIR, "get")
 
 
 # --------------------------------------------------------------------------- validation
@@ -368,7 +373,7 @@ def test_a_reference_outside_the_segment_directory_is_refused(server, client):
         plain_shm_put(server.location, {"path": "/etc/passwd", "gen": 1, "nbytes": 10})
     with pytest.raises(fl.FlightServerError, match=r"ProtocolError: .* is gone"):
         plain_shm_put(
-            server.location, {"path": f"{SHM}/flightq-1-00000000-1", "gen": 1, "nbytes": 9}
+            server.location, {"path": f"{_DIR}/flightq-1-00000000-1", "gen": 1, "nbytes": 9}
         )
 
 
@@ -390,7 +395,7 @@ def test_a_server_with_shm_disabled_refuses_it_at_connect():
 
 
 def test_connect_refuses_a_directory_the_server_does_not_see(server, tmp_path):
-    with pytest.raises(flightq.ProtocolError, match=r"does not see .* uses '/dev/shm'"):
+    with pytest.raises(flightq.ProtocolError, match=rf"does not see .* uses '{_DIR}'"):
         flightq.connect(server.location, shm=str(tmp_path))
 
 
@@ -445,11 +450,11 @@ def test_rows_outlive_the_producer_that_put_them_through_shm(server, client):
         "import sys, flightq\n"
         "from flightq import workloads\n"
         "step = workloads.w1(groups=1)\n"
-        "with flightq.connect(sys.argv[1], [step.schema], shm=True) as c:\n"
+        "with flightq.connect(sys.argv[1], [step.schema], shm=sys.argv[2]) as c:\n"
         "    c.create_partition('gone', step.schema, group_size=step.group_size)\n"
         "    c.put('gone', step.keys, step.columns, tags=step.tags)\n"
     )
-    subprocess.run([sys.executable, "-c", script, server.location], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", script, server.location, _DIR], check=True, timeout=60)
     step = workloads.w1(groups=1)
     batch = client.get("gone", step.keys, as_="numpy")
     assert assert_rows_match(batch, step) > 0
@@ -461,10 +466,10 @@ def test_rows_outlive_the_producer_that_put_them_through_shm(server, client):
 @pytest.mark.torch
 def test_a_stopped_server_left_holding_rows_is_collected_with_its_segments() -> None:
     step = workloads.w2(groups=1)
-    before = set(_mine())
+    own = tempfile.mkdtemp(prefix="flightq-test-", dir=SHM)  # no other test's pool there
     with (
-        flightq.Server() as srv,
-        flightq.connect(srv.location, [step.schema], timeout=TIMEOUT, shm=True) as c,
+        flightq.Server(shm=own) as srv,
+        flightq.connect(srv.location, [step.schema], timeout=TIMEOUT, shm=own) as c,
     ):
         c.create_partition("m", step.schema, group_size=step.group_size)
         assert c.put("m", step.keys, step.columns, tags=step.tags).route == "shm"
@@ -473,4 +478,7 @@ def test_a_stopped_server_left_holding_rows_is_collected_with_its_segments() -> 
     gc.collect()
     # Nothing the server handed to gRPC (its middleware) leads back to it.
     assert gone() is None
-    assert sorted(set(_mine()) - before) == []
+    try:
+        assert _mine(own) == []
+    finally:
+        shutil.rmtree(own, ignore_errors=True)
