@@ -169,7 +169,6 @@ class Server(fl.FlightServerBase):
         # holds may lead back to the server, or a stopped server (its shared-memory copies
         # included) would live as long as the process.
         self.idle = IdleWatch(idle_timeout, on_cut=lambda peer: counters.add("idle_cuts"))
-        kwargs["middleware"] = {**kwargs.get("middleware", {}), MIDDLEWARE_KEY: self.idle}
         if tokens is not None:
             from ..auth import BearerTokenServerMiddlewareFactory
 
@@ -177,8 +176,11 @@ class Server(fl.FlightServerBase):
                 **kwargs.get("middleware", {}),
                 "flightq.auth": BearerTokenServerMiddlewareFactory(tokens),
             }
-        # Last: a call refused by authentication never takes a slot.
+        # In this order: a call refused by authentication never takes a slot, and the
+        # watch follows only admitted calls (Flight tells no middleware started before a
+        # refusing one that the call ended: it would follow a refused call for good).
         kwargs["middleware"] = {**kwargs.get("middleware", {}), "flightq.limits": self.limits}
+        kwargs["middleware"] = {**kwargs.get("middleware", {}), MIDDLEWARE_KEY: self.idle}
         self.registry = registry if registry is not None else SchemaRegistry.default()
         self.store = Store(memory_budget)
         if restore is not None:
@@ -331,6 +333,7 @@ class Server(fl.FlightServerBase):
         reader: fl.MetadataRecordBatchReader,
         writer: fl.FlightMetadataWriter,
     ) -> None:
+        self.idle.entered(context)
         self._guard(self._do_put, descriptor, reader, writer, context)
         self.counters.add("puts")
 
@@ -438,6 +441,7 @@ class Server(fl.FlightServerBase):
     # ------------------------------------------------------------------ DoGet
 
     def do_get(self, context: fl.ServerCallContext, ticket: fl.Ticket) -> fl.FlightDataStream:
+        self.idle.entered(context)
         return self._guard(self._do_get, ticket, context)
 
     def _do_get(
@@ -529,6 +533,7 @@ class Server(fl.FlightServerBase):
         reader: fl.MetadataRecordBatchReader,
         writer: fl.MetadataRecordBatchWriter,
     ) -> None:
+        self.idle.entered(context)
         self._guard(self._do_exchange, context, descriptor, reader, writer)
 
     def _do_exchange(

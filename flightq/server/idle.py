@@ -18,6 +18,14 @@ process's socket of that inode) and shuts it down. gRPC sees the connection gone
 every call on it: the blocked read returns, the handler ends as it would for a client that
 went away (nothing of a cut put is stored), and the slot frees.
 
+A DoPut or DoExchange whose client sends its HTTP/2 headers and never its first message
+waits inside Flight, before any handler runs, so its peer is never known. The watch sees
+it start (the middleware is called first) and, once it has waited ``timeout`` seconds,
+cuts by elimination: every connection on the server's port (``/proc/self/net/tcp{,6}``)
+that carries no call whose handler runs and carried none for ``timeout`` seconds. A
+stalled call on a connection that also carries a live one is not cut (it stays counted
+against ``max_calls``).
+
 A cut ends the whole connection, and gRPC carries all of one client's calls over one
 connection: a legitimate client's other calls on it fail with ``UnavailableError`` and its
 consumer session ends (its claims' rows go back to ready); its next call reconnects. A
@@ -54,6 +62,10 @@ DEFAULT_IDLE_TIMEOUT = 60.0
 MIDDLEWARE_KEY = "flightq.idle"
 
 _WATCHED = (fl.FlightMethod.DO_PUT, fl.FlightMethod.DO_GET, fl.FlightMethod.DO_EXCHANGE)
+#: Peers of ended calls remembered (the most recent ones).
+_ENDED_KEPT = 4096
+#: The state column of an established connection in /proc/net/tcp.
+_ESTABLISHED = "01"
 T = TypeVar("T")
 
 
@@ -66,6 +78,11 @@ class _Call(fl.ServerMiddleware):
         self.peer: str | None = None
         self.waiting_since: float | None = None
         self.cut = False
+        #: When Flight took the call, and whether a handler runs it yet (a DoPut or
+        #: DoExchange reaches its handler once its first message arrived).
+        self.started = time.monotonic()
+        self.entered = False
+        self.noted = False
 
     def call_completed(self, exception: Any) -> None:
         self._watch._forget(self)
@@ -109,6 +126,9 @@ class IdleWatch(fl.ServerMiddlewareFactory):
         self._on_cut = on_cut
         self._lock = threading.Lock()
         self._calls: set[_Call] = set()
+        #: Peers whose calls ended lately, with when (a connection between two calls of
+        #: its client is not cut for another's call that never started).
+        self._ended: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.available = sys.platform.startswith("linux")
@@ -129,6 +149,13 @@ class IdleWatch(fl.ServerMiddlewareFactory):
     def _forget(self, call: _Call) -> None:
         with self._lock:
             self._calls.discard(call)
+            if call.peer is not None:
+                self._ended[call.peer] = time.monotonic()
+                if len(self._ended) > 4 * _ENDED_KEPT:  # forget the oldest
+                    for peer, _ in sorted(self._ended.items(), key=lambda kv: kv[1])[
+                        : len(self._ended) - _ENDED_KEPT
+                    ]:
+                        del self._ended[peer]
 
     def _call(self, context: fl.ServerCallContext | None) -> _Call | None:
         if context is None or self.timeout is None:
@@ -136,7 +163,13 @@ class IdleWatch(fl.ServerMiddlewareFactory):
         call = context.get_middleware(MIDDLEWARE_KEY)
         if isinstance(call, _Call) and call.peer is None:
             call.peer = context.peer()
+            call.entered = True
         return call if isinstance(call, _Call) else None
+
+    def entered(self, context: fl.ServerCallContext | None) -> None:
+        """A handler runs the call of ``context``: its first message came (every
+        handler of a watched method calls this first)."""
+        self._call(context)
 
     # -------------------------------------------------------------- handler hooks
 
@@ -197,6 +230,7 @@ class IdleWatch(fl.ServerMiddlewareFactory):
                     and c.waiting_since is not None
                     and now - c.waiting_since >= limit
                 ]
+            self._cut_unstarted(now, limit)
             for call in due:
                 peer, since = call.peer, call.waiting_since
                 if peer is None or since is None or now - since < limit:
@@ -215,6 +249,80 @@ class IdleWatch(fl.ServerMiddlewareFactory):
                     )
                     if self._on_cut is not None:
                         self._on_cut(peer)
+
+    def _cut_unstarted(self, now: float, limit: float) -> None:
+        """Cut the connections a call that never sent its first message may be on: those
+        with no live call and none ended within ``limit`` (see the module docstring)."""
+        with self._lock:
+            stalled = [
+                c for c in self._calls if not c.entered and not c.cut and now - c.started >= limit
+            ]
+            if not stalled:
+                return
+            live = {c.peer for c in self._calls if c.peer is not None}
+            live.update(p for p, t in self._ended.items() if now - t < limit)
+        busy = {w for w in (_parse_peer(p) for p in live) if w is not None}
+        cut = 0
+        for host, port in _connections(self.port):
+            if any(port == bp and _same_host(host, bh) for bh, bp in busy):
+                continue
+            peer = f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
+            try:
+                found = cut_connection(self.port, peer)
+            except OSError as e:
+                log.warning("stalled call from %s: could not cut its connection: %s", peer, e)
+                continue
+            if found:
+                cut += 1
+                log.warning(
+                    "cut the connection of %s: it carries no live call while a call has "
+                    "waited %.1f s for its first message (idle_timeout)",
+                    peer,
+                    limit,
+                )
+                if self._on_cut is not None:
+                    self._on_cut(peer)
+        for c in stalled:
+            if cut:
+                c.cut = True  # ended by its connection's cut; else tried again later
+            elif not c.noted:
+                c.noted = True
+                log.warning(
+                    "a call has waited %.1f s for its first message on a connection that "
+                    "also carries live calls: not cut (it holds one of max_calls)",
+                    now - c.started,
+                )
+
+
+def _connections(local_port: int) -> list[tuple[str, int]]:
+    """(remote host, remote port) of every established TCP connection in this network
+    namespace whose local port is ``local_port`` (the server's side of them)."""
+    out = []
+    for path, family in (
+        ("/proc/self/net/tcp", socket.AF_INET),
+        ("/proc/self/net/tcp6", socket.AF_INET6),
+    ):
+        try:
+            with open(path) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) < 4 or cols[3] != _ESTABLISHED:
+                continue
+            local, remote = cols[1].rsplit(":", 1), cols[2].rsplit(":", 1)
+            if int(local[1], 16) != local_port:
+                continue
+            raw = bytes.fromhex(remote[0])
+            # /proc prints each 32-bit word of the address in host (little-endian) order.
+            addr = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            try:
+                host = socket.inet_ntop(family, addr)
+            except (OSError, ValueError):
+                continue
+            out.append((host, int(remote[1], 16)))
+    return out
 
 
 def _reads(call: _Call, it: Iterator[T]) -> Iterator[T]:

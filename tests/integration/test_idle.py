@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow.flight as fl
 import pytest
 from fixtures_dataplane import cli_server
+from helpers_h2 import HeadersOnly
 from helpers_reliability import plain_put, put_command, text_batch
 
 import flightq
@@ -245,3 +246,77 @@ def test_cutting_finds_only_a_tcp_connection_this_server_holds() -> None:
         with flightq.connect(srv.location, timeout=TIMEOUT) as c:
             assert c.health()["ok"] is True
         assert _cuts(srv.location) == 0
+
+
+def test_calls_that_never_send_their_first_message_are_cut_and_their_slots_free() -> None:
+    # Headers and nothing else: Flight waits for the first message before any handler runs.
+    # 3 s: long enough that a loaded machine sees both calls on the server before the cut.
+    with flightq.Server(max_calls=3, idle_timeout=3 * IDLE) as srv:
+        with flightq.connect(srv.location, timeout=TIMEOUT) as c:
+            c.create_partition("p", TEXT, tasks=["t"])
+        with HeadersOnly("127.0.0.1", srv.port) as raw:
+            raw.open("DoPut")
+            raw.open("DoExchange")
+            # A DoExchange counts as a session until its first message says otherwise.
+            _until("both stalled calls on the server", lambda: srv.limits.in_flight() == (1, 1))
+            assert raw.closed.wait(TIMEOUT), "the stalled calls' connection was never cut"
+            _until("their slots free", lambda: srv.limits.in_flight() == (0, 0))
+        with flightq.connect(srv.location, timeout=TIMEOUT) as c:
+            assert c.put_batch("p", text_batch(["a0"])) == 1
+            stats = c.stats()
+        assert stats["counters"]["idle_cuts"] == 1  # one connection carried both
+        assert stats["partitions"]["p"]["rows"] == 1
+
+
+def test_a_stall_before_the_first_message_spares_connections_with_live_calls() -> None:
+    # The cut is by elimination: a session held open across the timeout is never cut, and
+    # a client idle between calls may be (it reconnects on its next call).
+    ids = [np.arange(3)] * 2
+    with (
+        flightq.Server(idle_timeout=IDLE) as srv,
+        flightq.connect(srv.location, timeout=TIMEOUT) as c,
+        flightq.connect(srv.location, timeout=TIMEOUT) as idle,
+    ):
+        c.create_partition("held", TEXT, tasks=["t"])
+        c.put("held", ["a", "b"], {"input_ids": ids})
+        held = c.claim("held", "t", 2, lease=float("inf"), as_="numpy")  # opens the session
+        assert idle.health()["ok"] is True
+        with HeadersOnly("127.0.0.1", srv.port) as raw:
+            raw.open("DoPut")
+            assert raw.closed.wait(TIMEOUT), "the stalled call's connection was never cut"
+        # The session lived: its rows are still leased to it.
+        with pytest.raises(flightq.ClaimTimeoutError):
+            idle.claim("held", "t", 1, timeout=0.5, as_="numpy")
+        assert c.ack(held) == 2
+        assert idle.health()["ok"] is True
+
+
+def test_calls_refused_busy_are_not_taken_for_stalled_ones() -> None:
+    # A refused call never reaches a handler: were it followed as one that waits for its
+    # first message, the bystander's idle connection would be cut for it.
+    with (
+        flightq.Server(max_calls=1, idle_timeout=IDLE) as srv,
+        flightq.connect(srv.location, timeout=TIMEOUT) as c,
+        flightq.connect(srv.location, timeout=TIMEOUT) as bystander,
+    ):
+        c.create_partition("p", TEXT, tasks=["t"])
+        assert bystander.health()["ok"] is True
+        got: list[object] = []
+
+        def claim() -> None:  # waits on the server, not on its client: never cut
+            try:
+                c.claim("p", "t", 1, timeout=4 * IDLE, as_="numpy")
+            except Exception as e:
+                got.append(e)
+
+        waiter = threading.Thread(target=claim)
+        waiter.start()
+        _until("the claim holds the one slot", lambda: srv.limits.in_flight()[0] == 1)
+        for _ in range(3):
+            with pytest.raises(fl.FlightError, match="server busy"):
+                plain_put(srv.location, put_command("p", rows=1), [text_batch(["x"])])
+        waiter.join(TIMEOUT)
+        assert [type(e) for e in got] == [flightq.ClaimTimeoutError]
+        assert srv.counters.snapshot()["idle_cuts"] == 0
+        assert bystander.health()["ok"] is True
+        assert plain_put(srv.location, put_command("p", rows=1), [text_batch(["a"])]) == {"rows": 1}
