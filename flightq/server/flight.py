@@ -420,6 +420,7 @@ class Server(fl.FlightServerBase):
                 got += data.num_rows
                 self.counters.add("bytes_received", size)
                 piece = media_piece(part, data, claims, what, budget, self._hashed)
+                piece.epoch = part.epoch
                 media.add(data)
                 self.store.reserve(name, piece, reserved, cmd.timeout)
                 reserved += piece.reserved

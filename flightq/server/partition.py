@@ -13,6 +13,7 @@ keys. Locking, waiting for room and the memory budget are the store's
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -38,6 +39,9 @@ __all__ = ["Piece", "Row", "Partition", "make_piece", "put_keys"]
 
 #: Put ids remembered per partition (for idempotent retries).
 RECENT_PUTS = 4096
+#: Numbers each partition made in this process: a partition dropped and created again
+#: under its name is another one.
+_EPOCHS = itertools.count(1)
 #: Writes, and row keys in all, the journal of recent writes keeps (:meth:`Partition.touched`).
 JOURNAL_WRITES = 1024
 JOURNAL_KEYS = 65536
@@ -66,6 +70,9 @@ class Piece:
     media: dict[str, list[Copy]] = field(default_factory=dict)
     media_index: dict[str, np.ndarray] = field(default_factory=dict)
     brings: int = 0
+    #: The :attr:`Partition.epoch` of the partition it was validated against (0: none
+    #: said, e.g. a restored snapshot's); a put stores it only into that one.
+    epoch: int = 0
     _valid: dict[str, list[bool] | None] = field(default_factory=dict, repr=False)
     _nbytes: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
@@ -139,6 +146,8 @@ class Partition:
     journal: deque[tuple[int, Sequence[str] | None]] = field(default_factory=deque, repr=False)
     _journaled: int = field(default=0, repr=False)
     _groups: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: This partition among those ever made under its name (:data:`_EPOCHS`).
+    epoch: int = field(default_factory=lambda: next(_EPOCHS), repr=False)
 
     def __post_init__(self) -> None:
         if self.progress is None:

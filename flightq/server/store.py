@@ -404,10 +404,12 @@ class Store:
         """
         keys = put_keys(pieces)
         deadline = time.monotonic() + timeout
+        epochs = {pc.epoch for pc in pieces} - {0}
         for attempt in itertools.count():
             locked = attempt >= _PLANS  # lost to writes of its keys each time: plan here
             if not locked:
                 p = self.partition(name)
+                _same_partition(p, epochs)
                 seen = p.writes  # read before any row: later writes are in the journal
                 try:
                     plan = plan_put(p, pieces, overwrite, put_id, seen)
@@ -419,6 +421,7 @@ class Store:
             with self._changed:
                 if locked:
                     p = self._get(name)
+                    _same_partition(p, epochs)
                     plan = plan_put(p, pieces, overwrite, put_id, p.writes)
                 elif self._stale(name, p, plan.seen, keys):
                     continue
@@ -433,6 +436,7 @@ class Store:
                     if not locked:
                         continue  # the lock was let go meanwhile: plan again
                     p = self._get(name)
+                    _same_partition(p, epochs)
                     plan = plan_put(p, pieces, overwrite, put_id, p.writes)
                     if plan.replay is not None:
                         return plan.replay
@@ -1009,3 +1013,15 @@ def _describe(
         d["fields"] = {k: v for k, v in counts.items() if v}
         d["ready"] = {t: len(_ready(p, t, p.schema.required, None) or []) for t in p.tasks}
     return d
+
+
+def _same_partition(p: Partition, epochs: set[int]) -> None:
+    """Refuse a put whose pieces were checked against another partition of ``p``'s name
+    (dropped and created again while the put streamed: its schema may differ)."""
+    if epochs and epochs != {p.epoch}:
+        raise ConflictError(
+            f"put to {p.name!r}: the partition was dropped and created again while the put "
+            "was sent; its rows were checked against the old one, nothing was stored; put "
+            "them again",
+            partition=p.name,
+        )

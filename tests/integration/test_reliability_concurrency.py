@@ -188,3 +188,33 @@ def test_declaring_a_partition_and_a_schema_from_many_clients_at_once_is_idempot
         else:
             assert isinstance(mixed, flightq.ConflictError)
             assert f"group_size {won}; got rollout_text@1" in str(mixed)
+
+
+def test_a_put_streaming_while_its_partition_is_dropped_and_made_again_stores_nothing():
+    # Its batches were checked against the old partition: the new one may declare other
+    # dtypes, and rows checked against the old schema would be acknowledged unreadable.
+    import msgpack
+    import pyarrow.flight as fl
+    from helpers_reliability import put_command, text_batch
+
+    with flightq.Server() as srv, flightq.connect(srv.location, timeout=TIMEOUT) as c:
+        c.create_partition("p", TEXT, tasks=["t"])
+        first, second = text_batch(["a", "b"]), text_batch(["c", "d"], seed=1)
+        with fl.connect(srv.location) as plain:
+            writer, reader = plain.do_put(put_command("p", rows=4), first.schema)
+            writer.write_batch(first)
+            # The server has read the first batch once the drop sees it as pending.
+            time.sleep(0.5)
+            c.drop("p")
+            c.create_partition("p", TEXT, tasks=["t"])
+            writer.write_batch(second)
+            writer.done_writing()
+            with pytest.raises(fl.FlightError) as e:
+                reader.read()
+                writer.close()
+        info = msgpack.unpackb(e.value.extra_info)
+        assert info["type"] == "ConflictError", info
+        assert "dropped and created again" in info["message"]
+        assert c.stats()["partitions"]["p"]["rows"] == 0
+        c.put("p", ["e"], {"input_ids": [np.arange(3)]})  # the new one serves
+        assert c.get("p", ["e"], as_="numpy").keys == ["e"]
