@@ -28,6 +28,7 @@ from typing import Any
 import pyarrow as pa
 
 from .errors import ProtocolError, ResourceExhaustedError
+from .ipccheck import check_message, check_stream
 from .protocol import MAX_BODY, pack, unpack
 
 __all__ = [
@@ -222,6 +223,7 @@ def parse_frame(buf: pa.Buffer | None, what: str, *, check: bool = False) -> Fra
         if kind == "ipc":
             if len(lengths) != 1:
                 raise ProtocolError(f"{what}: an 'ipc' body is one Arrow IPC stream")
+            check_stream(buf.slice(at), what)  # before Arrow decodes (and inflates) it
             table = pa.ipc.open_stream(buf.slice(at)).read_all()
             schema, batches = table.schema, table.to_batches()
         else:
@@ -229,7 +231,9 @@ def parse_frame(buf: pa.Buffer | None, what: str, *, check: bool = False) -> Fra
             at += schema_len
             batches = []
             for length in lengths:
-                batches.append(pa.ipc.read_record_batch(buf.slice(at, length), schema))
+                message = pa.ipc.read_message(buf.slice(at, length))
+                check_message(message, what)
+                batches.append(pa.ipc.read_record_batch(message, schema))
                 at += length
         if check:
             schema.names  # noqa: B018  (field names must be UTF-8: refused here, typed)

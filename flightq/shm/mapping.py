@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import ProtocolError
+from ..ipccheck import check_stream
 from .segments import (
     HEADER,
     HEADER_FORMAT,
@@ -401,7 +402,9 @@ def read_private(ref: Any, dirpath: str, what: str) -> list[pa.RecordBatch]:
 
 
 def _stream(data: np.ndarray, what: str) -> list[pa.RecordBatch]:
+    buf = pa.py_buffer(data)
+    check_stream(buf, what)  # a compressed body would be inflated to what it declares
     try:
-        return list(pa.ipc.open_stream(pa.py_buffer(data)))
+        return list(pa.ipc.open_stream(buf))
     except pa.ArrowException as e:
         raise ProtocolError(f"{what}: the stream in shared memory is malformed: {e}") from e

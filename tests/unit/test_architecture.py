@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "flightq"
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
     ("dtypes",),
-    ("tensor", "codecs", "digest"),
+    ("tensor", "codecs", "digest", "ipccheck"),
     ("schema",),
     ("registry", "layout"),
     ("rows", "draft", "sink", "encode", "chunks", "validation"),
