@@ -283,9 +283,11 @@ class IdleWatch(fl.ServerMiddlewareFactory):
                 if self._on_cut is not None:
                     self._on_cut(peer)
         for c in stalled:
-            if cut:
-                c.cut = True  # ended by its connection's cut; else tried again later
-            elif not c.noted:
+            # Its connection was among those cut, or carries a live call: either way it
+            # is looked at again only after another ``limit`` (its clock starts over), so
+            # that innocent idle connections are cut at most once per limit for it.
+            c.started = now
+            if not cut and not c.noted:
                 c.noted = True
                 log.warning(
                     "a call has waited %.1f s for its first message on a connection that "

@@ -111,8 +111,9 @@ class Copy:
         """Whether both hold the same payload, as far as their digests show."""
         if self is other:
             return True
+        # A snapshot of the items: a lookup without the store's lock may add a digest.
         return self.key == other.key and any(
-            other.digests.get(h) == d for h, d in self.digests.items()
+            other.digests.get(h) == d for h, d in list(self.digests.items())
         )
 
 
