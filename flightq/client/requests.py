@@ -148,6 +148,8 @@ class Requests:
                 with self._state:
                     self._armed = None
                 self._last = time.monotonic()
+            if self._fired:  # cancelled just after its answer came: keep that, not it
+                self._drop()
             got = parse_frame(chunk.app_metadata, what)
             self.served += 1
         finally:

@@ -19,6 +19,7 @@ UnavailableError).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -43,7 +44,7 @@ _FRAME_SLACK = 64 << 10
 
 Put = Callable[[bytes, list[pa.RecordBatch], Any], int]
 Answer = Callable[
-    [Ticket, Any, bool], tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[[], None] | None]
+    [Ticket, Any, bool], tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[..., None] | None]
 ]
 
 
@@ -57,6 +58,7 @@ def serve_requests(
     counters: Counters,
     closing: Callable[[], bool],
     watch: Callable[[Iterator[None]], Iterator[None]] = iter,
+    patient: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
 ) -> None:
     """Answer ``reader``'s requests in turn until the client ends the stream.
 
@@ -65,19 +67,22 @@ def serve_requests(
     back (``count=False``: the stream counts the bytes it sends). ``watch`` marks the
     write of each answer as a wait on the client (:meth:`IdleWatch.reads
     <flightq.server.idle.IdleWatch.reads>`): a client that stops reading its answers has
-    its connection cut; the wait for its next request is by design and never watched.
+    its connection cut; the wait for its next request is by design, cut only once the
+    server stops (``patient``, :meth:`IdleWatch.patient
+    <flightq.server.idle.IdleWatch.patient>`).
     """
     writer.write_metadata(pack_frame(HELLO))
     while True:
         try:
-            chunk = reader.read_chunk()
+            with patient():
+                chunk = reader.read_chunk()
         except StopIteration:
             return
         except pa.ArrowException:
             return  # the client went away
         started = time.perf_counter()
         kind = "stream"
-        undo: Callable[[], None] | None = None
+        undo: Callable[..., None] | None = None
         try:
             if closing():
                 raise UnavailableError("the server is shutting down; retry on another server")
@@ -122,7 +127,7 @@ def serve_requests(
 
 def _handle(
     chunk: fl.FlightStreamChunk, context: Any, put: Put, answer: Answer, counters: Counters
-) -> tuple[str, pa.Buffer, Callable[[], None] | None]:
+) -> tuple[str, pa.Buffer, Callable[..., None] | None]:
     """One request: its kind (for the latency histogram), its answer's frame, and what
     gives a claim's rows back."""
     what = "request stream"
@@ -152,12 +157,12 @@ def _handle(
             size = sum(b.nbytes for b in out)
             if size > limit:
                 if undo is not None:
-                    undo()
+                    undo(False)  # never sent: back where they were, not a delivery
                 return t.op, pack_frame({"retry": size}), None
         reply = pack_frame({"ok": b""}, schema, out)
         counters.add("bytes_sent", reply.size)
         return t.op, reply, undo
     except BaseException:
         if undo is not None:
-            undo()
+            undo(False)  # nothing of it was sent
         raise

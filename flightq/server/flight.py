@@ -259,19 +259,34 @@ class Server(fl.FlightServerBase):
             self._stopper.start()
         self._stopper.join(timeout=deadline)
         if self._stopper.is_alive():
+            # Its segments and watchdog go once the last call has ended, not never.
+            stopper = self._stopper
+
+            def late() -> None:
+                stopper.join()
+                self._finish(deadline)
+
+            threading.Thread(target=late, name="flightq-stop-late", daemon=True).start()
             return False
-        if self._thread is not None:
-            self._thread.join(timeout=deadline)
+        self._finish(deadline)
+        return True
+
+    def _finish(self, deadline: float) -> None:
+        # Once Flight's shutdown returned: no call runs that needs what goes here.
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=deadline)
             self._thread = None
         self.idle.stop()
-        if self._shm_pool is not None:
-            self._shm_pool.close()
-        if self._store_hold is not None:
+        with self._shm_lock:  # stop() again and the late finisher: each goes once
+            pool, self._shm_pool = self._shm_pool, None
+            hold, self._store_hold = self._store_hold, None
+        if pool is not None:
+            pool.close()
+        if hold is not None:
             from .. import shm as _shm
 
-            _shm.STORES.let_go(*self._store_hold)
-            self._store_hold = None
-        return True
+            _shm.STORES.let_go(*hold)
 
     def _restore(self, path: str | os.PathLike[str]) -> None:
         from .snapshot import read_snapshot
@@ -453,7 +468,7 @@ class Server(fl.FlightServerBase):
 
     def _answer(
         self, t: Ticket, context: fl.ServerCallContext | None, count: bool = True
-    ) -> tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[[], None] | None]:
+    ) -> tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[..., None] | None]:
         """A read's answer: its schema, its batches, and for a claim what gives the rows
         back should the answer not reach the client (None for a get or a scan). The one
         path of every read, per call (DoGet) or on the request stream (which counts the
@@ -471,7 +486,7 @@ class Server(fl.FlightServerBase):
 
     def _claim_answer(
         self, t: ClaimTicket, context: fl.ServerCallContext | None, count: bool
-    ) -> tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[[], None]]:
+    ) -> tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[..., None]]:
         name, task = t.partition, t.task
         cancelled = context.is_cancelled if context is not None else None
         part, rows, names, lease = self.store.claim(
@@ -498,9 +513,11 @@ class Server(fl.FlightServerBase):
                 {**(schema.metadata or {}), CLAIM_METADATA: grant.to_wire()}
             )
         except BaseException:
-            self.store.unclaim(name, lease)
+            self.store.unclaim(name, lease, sent=False)
             raise
-        return schema, batches, lambda: self.store.unclaim(name, lease)
+        # ``undo()``: the answer broke off on its way (a delivery, counted: a consumer that
+        # dies reading a poison row must not get it for ever); ``undo(False)``: it never left.
+        return schema, batches, lambda sent=True: self.store.unclaim(name, lease, sent)
 
     def _assemble(
         self, t: Ticket, part: Partition, rows: list[Row], names: list[str], count: bool = True
@@ -560,6 +577,7 @@ class Server(fl.FlightServerBase):
                 counters=self.counters,
                 closing=lambda: self.store.closing,
                 watch=lambda writes: self.idle.reads(context, writes),
+                patient=lambda: self.idle.patient(context),
             )
             return
         SessionCommand.parse(raw)
@@ -648,9 +666,11 @@ class Server(fl.FlightServerBase):
     # ------------------------------------------------------------------ DoAction
 
     def list_actions(self, context: fl.ServerCallContext) -> list[tuple[str, str]]:
+        self.idle.entered(context)
         return [(kind, spec.doc) for kind, spec in ACTIONS.items()]
 
     def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> Iterator[bytes]:
+        self.idle.entered(context)
         return iter([self._guard(self._do_action, action)])
 
     def _do_action(self, action: fl.Action) -> bytes:
@@ -689,6 +709,7 @@ class Server(fl.FlightServerBase):
     def list_flights(
         self, context: fl.ServerCallContext, criteria: bytes
     ) -> Iterator[fl.FlightInfo]:
+        self.idle.entered(context)
         for p in self.store.partitions():
             try:
                 yield self._info(p.name)
@@ -698,6 +719,7 @@ class Server(fl.FlightServerBase):
     def get_flight_info(
         self, context: fl.ServerCallContext, descriptor: fl.FlightDescriptor
     ) -> fl.FlightInfo:
+        self.idle.entered(context)
         if descriptor.descriptor_type == fl.DescriptorType.PATH and descriptor.path:
             name = self._guard(_path_name, descriptor.path[0])
         else:

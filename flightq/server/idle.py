@@ -35,6 +35,7 @@ elsewhere the watch logs once that idle timeouts are unavailable and cuts nothin
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
@@ -62,8 +63,8 @@ DEFAULT_IDLE_TIMEOUT = 60.0
 MIDDLEWARE_KEY = "flightq.idle"
 
 _WATCHED = (fl.FlightMethod.DO_PUT, fl.FlightMethod.DO_GET, fl.FlightMethod.DO_EXCHANGE)
-#: Peers of ended calls remembered (the most recent ones).
-_ENDED_KEPT = 4096
+#: Connections remembered as ones a handler ran a call of (the most recent ones).
+_SEEN_KEPT = 16384
 #: The state column of an established connection in /proc/net/tcp.
 _ESTABLISHED = "01"
 T = TypeVar("T")
@@ -82,7 +83,10 @@ class _Call(fl.ServerMiddleware):
         #: DoExchange reaches its handler once its first message arrived).
         self.started = time.monotonic()
         self.entered = False
-        self.noted = False
+        #: Whether its wait is one by design (a request stream's wait for the next
+        #: request): cut only while the server stops.
+        self.patient = False
+        self.noted = False  # logged as not cuttable
 
     def call_completed(self, exception: Any) -> None:
         self._watch._forget(self)
@@ -122,13 +126,16 @@ class IdleWatch(fl.ServerMiddlewareFactory):
             )
         self.timeout = float(timeout) if timeout else None
         self._limit = self.timeout  # lowered while the server stops (hurry)
+        self._hurried = False
         self.port = 0  # the server's port, set once it listens
         self._on_cut = on_cut
         self._lock = threading.Lock()
         self._calls: set[_Call] = set()
-        #: Peers whose calls ended lately, with when (a connection between two calls of
-        #: its client is not cut for another's call that never started).
-        self._ended: dict[str, float] = {}
+        #: Connections (host, port) a handler ran a call of, most recent last: never cut
+        #: for another's call that never started (a client between two calls).
+        self._seen: dict[tuple[str, int], None] = {}
+        #: Connections seen by the watchdog carrying no handled call, since when.
+        self._unknown: dict[tuple[str, int], float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.available = sys.platform.startswith("linux")
@@ -149,13 +156,6 @@ class IdleWatch(fl.ServerMiddlewareFactory):
     def _forget(self, call: _Call) -> None:
         with self._lock:
             self._calls.discard(call)
-            if call.peer is not None:
-                self._ended[call.peer] = time.monotonic()
-                if len(self._ended) > 4 * _ENDED_KEPT:  # forget the oldest
-                    for peer, _ in sorted(self._ended.items(), key=lambda kv: kv[1])[
-                        : len(self._ended) - _ENDED_KEPT
-                    ]:
-                        del self._ended[peer]
 
     def _call(self, context: fl.ServerCallContext | None) -> _Call | None:
         if context is None or self.timeout is None:
@@ -164,12 +164,23 @@ class IdleWatch(fl.ServerMiddlewareFactory):
         if isinstance(call, _Call) and call.peer is None:
             call.peer = context.peer()
             call.entered = True
+            self._saw(call.peer)
         return call if isinstance(call, _Call) else None
 
+    def _saw(self, peer: str) -> None:
+        where = _where(peer)
+        if where is not None:
+            with self._lock:
+                self._seen.pop(where, None)
+                self._seen[where] = None
+                if len(self._seen) > _SEEN_KEPT:  # forget the oldest
+                    del self._seen[next(iter(self._seen))]
+
     def entered(self, context: fl.ServerCallContext | None) -> None:
-        """A handler runs the call of ``context``: its first message came (every
-        handler of a watched method calls this first)."""
-        self._call(context)
+        """A handler runs the call of ``context``: its first message came, and its
+        connection is one a handler ran a call of (every handler calls this first)."""
+        if self._call(context) is None and context is not None and self.timeout is not None:
+            self._saw(context.peer())  # a call the watch does not follow (DoAction, ...)
 
     # -------------------------------------------------------------- handler hooks
 
@@ -186,6 +197,21 @@ class IdleWatch(fl.ServerMiddlewareFactory):
         writer blocks while the client does not read."""
         call = self._call(context)
         return iter(batches) if call is None else _sends(call, iter(batches))
+
+    @contextlib.contextmanager
+    def patient(self, context: fl.ServerCallContext | None) -> Iterator[None]:
+        """Around a wait on the client that is by design (a request stream waiting for
+        its next request): never cut, except once the server stops (:meth:`hurry`), when
+        it would hold the shutdown for as long as the client keeps its stream open."""
+        call = self._call(context)
+        if call is None:
+            yield
+            return
+        call.patient, call.waiting_since = True, time.monotonic()
+        try:
+            yield
+        finally:
+            call.patient, call.waiting_since = False, None
 
     # -------------------------------------------------------------- the watchdog
 
@@ -209,6 +235,7 @@ class IdleWatch(fl.ServerMiddlewareFactory):
         for the calls in flight, and a stream stalled by its client would never end."""
         if self.timeout is not None:
             self._limit = min(self.timeout, max(seconds, 0.05))
+            self._hurried = True
 
     def stop(self) -> None:
         """Stop the watchdog thread."""
@@ -229,6 +256,7 @@ class IdleWatch(fl.ServerMiddlewareFactory):
                     and c.peer is not None
                     and c.waiting_since is not None
                     and now - c.waiting_since >= limit
+                    and (self._hurried or not c.patient)
                 ]
             self._cut_unstarted(now, limit)
             for call in due:
@@ -252,20 +280,20 @@ class IdleWatch(fl.ServerMiddlewareFactory):
 
     def _cut_unstarted(self, now: float, limit: float) -> None:
         """Cut the connections a call that never sent its first message may be on: those
-        with no live call and none ended within ``limit`` (see the module docstring)."""
+        no handler ever ran a call of, seen so for ``limit`` (see the module docstring)."""
         with self._lock:
-            stalled = [
-                c for c in self._calls if not c.entered and not c.cut and now - c.started >= limit
-            ]
+            stalled = [c for c in self._calls if not c.entered and now - c.started >= limit]
             if not stalled:
+                self._unknown.clear()
                 return
-            live = {c.peer for c in self._calls if c.peer is not None}
-            live.update(p for p, t in self._ended.items() if now - t < limit)
-        busy = {w for w in (_parse_peer(p) for p in live) if w is not None}
+            seen = set(self._seen)
+        conns = {(_norm(h), p) for h, p in _connections(self.port)}
+        unknown = {w: self._unknown.get(w, now) for w in conns - seen}
+        self._unknown = unknown
         cut = 0
-        for host, port in _connections(self.port):
-            if any(port == bp and _same_host(host, bh) for bh, bp in busy):
-                continue
+        for (host, port), since in unknown.items():
+            if now - since < limit:
+                continue  # new: its first call may be on its way to a handler
             peer = f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
             try:
                 found = cut_connection(self.port, peer)
@@ -275,25 +303,37 @@ class IdleWatch(fl.ServerMiddlewareFactory):
             if found:
                 cut += 1
                 log.warning(
-                    "cut the connection of %s: it carries no live call while a call has "
-                    "waited %.1f s for its first message (idle_timeout)",
+                    "cut the connection of %s: no call on it reached a handler, and a call "
+                    "has waited %.1f s for its first message (idle_timeout)",
                     peer,
-                    limit,
+                    now - since + limit,
                 )
                 if self._on_cut is not None:
                     self._on_cut(peer)
         for c in stalled:
-            # Its connection was among those cut, or carries a live call: either way it
-            # is looked at again only after another ``limit`` (its clock starts over), so
-            # that innocent idle connections are cut at most once per limit for it.
-            c.started = now
-            if not cut and not c.noted:
-                c.noted = True
-                log.warning(
-                    "a call has waited %.1f s for its first message on a connection that "
-                    "also carries live calls: not cut (it holds one of max_calls)",
-                    now - c.started,
-                )
+            if cut or c.noted or now - c.started < 3 * limit:
+                continue
+            c.noted = True
+            log.warning(
+                "a call has waited %.1f s for its first message on a connection that also "
+                "carried handled calls: not cut (it holds one of max_calls)",
+                now - c.started,
+            )
+
+
+def _norm(host: str) -> str:
+    """``host`` as one spelling (an IPv4-mapped IPv6 address as IPv4)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    return str(getattr(ip, "ipv4_mapped", None) or ip)
+
+
+def _where(peer: str) -> tuple[str, int] | None:
+    """(host, port) of a gRPC peer, the host as :func:`_norm` spells it."""
+    parsed = _parse_peer(peer)
+    return None if parsed is None else (_norm(parsed[0]), parsed[1])
 
 
 def _connections(local_port: int) -> list[tuple[str, int]]:

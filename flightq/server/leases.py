@@ -227,6 +227,26 @@ class Progress:
         self.version += 1
         return ready, dead
 
+    def unclaim(self, lease: Lease) -> int:
+        """Undo ``lease`` as if it had never been taken (its answer never left the
+        server): its rows go back to the front of the ready order, in their order, their
+        delivery not counted. Returns the rows made ready."""
+        st = self.tasks[lease.task]
+        keys = self.held(lease, None)
+        for k in keys:
+            del st.leased[k]
+            n = st.deliveries.get(k, 0) - 1
+            if n > 0:
+                st.deliveries[k] = n
+                st.redelivered -= 1  # the take counted it as a redelivery
+            else:
+                st.deliveries.pop(k, None)
+        if keys:
+            st.ready = {**dict.fromkeys(keys), **st.ready}
+        self.settle(lease)
+        self.version += 1
+        return len(keys)
+
     def find(self, claim: str) -> Lease | None:
         """A lease by its claim's id: holding rows, or ended recently."""
         return self.leases.get(claim) or self.ended.get(claim)

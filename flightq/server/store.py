@@ -744,13 +744,18 @@ class Store:
             if not tasks:
                 del self._waiting[name]
 
-    def unclaim(self, name: str, lease: Lease) -> None:
-        """Undo a claim whose rows never reached the consumer: they are ready again, no
-        failure counted."""
+    def unclaim(self, name: str, lease: Lease, sent: bool = True) -> None:
+        """Undo a claim whose rows never reached the consumer whole: they are ready again,
+        no failure counted. ``sent``: its answer broke off on its way, a delivery (the
+        rows go behind the ready ones); else it never left: back where they were, no
+        delivery counted."""
         with self._changed:
             p = self._parts.get(name)
             if p is not None and p.progress.leases.get(lease.id) is lease:
-                p.progress.release(lease, None)
+                if sent:
+                    p.progress.release(lease, None)
+                else:
+                    p.progress.unclaim(lease)
                 self._changed.notify_all()
 
     def scan(self, name: str) -> tuple[Partition, list[Row], list[str]]:

@@ -207,6 +207,23 @@ def test_a_stopping_server_is_not_held_by_an_idle_stream() -> None:
         c.close()
 
 
+def test_a_stopping_server_cuts_a_plain_clients_stream_that_waits_for_its_next_request() -> None:
+    # A plain client need not close its stream: the wait for its next request is cut once
+    # the server stops (never before), and what the server held goes with it.
+    srv = flightq.Server().start()
+    plain, _writer, _reader = _open(srv.location)
+    try:
+        time.sleep(0.5)
+        assert srv.counters.snapshot()["idle_cuts"] == 0  # waiting by design: never cut
+        started = time.monotonic()
+        assert srv.stop(deadline=4.0)
+        assert time.monotonic() - started < 4.0
+        assert srv.counters.snapshot()["idle_cuts"] == 1
+        assert srv.shm_pool is None  # let go with the rest
+    finally:
+        plain.close()
+
+
 def test_idle_stream_closes_and_reopens(pair: tuple[flightq.Client, flightq.Client]) -> None:
     streamed, _ = pair
     streamed.create_partition("i", TEXT, tasks=["train"])

@@ -168,3 +168,19 @@ def test_the_store_refuses_leases_that_are_not_positive_and_unknown_claims_and_s
     with pytest.raises(flightq.NotFoundError, match=r"is not open"):
         store.claim("p", "train", 1, None, 0.0, session=sid)
     assert store.dead_letters("p", "train", 10) == ([], [], [], 0)
+
+
+def test_an_unclaimed_lease_leaves_its_rows_where_they_were_and_uncounted():
+    # A claim whose answer never left the server (too large for the request stream, or a
+    # stream that broke): its rows go back to the front, their delivery not counted.
+    p, keys = _progress(4)
+    st = p.tasks["train"]
+    first = _take(p, keys[:2])
+    assert p.release(first, None) == (2, 0)  # delivered once, back behind the others
+    assert list(st.ready) == keys[2:] + keys[:2]
+    second = _take(p, [keys[2], keys[0]])
+    assert st.deliveries[keys[0]] == 2 and st.redelivered == 1
+    assert p.unclaim(second) == 2
+    assert list(st.ready) == [keys[2], keys[0], keys[3], keys[1]]
+    assert st.deliveries == {keys[0]: 1, keys[1]: 1} and st.redelivered == 0
+    assert p.find(second.id) is second and not p.held(second, None)
