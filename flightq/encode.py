@@ -323,7 +323,7 @@ def _encode_tensor_few(
         return None
     token = f.role == "token"
     views: list[np.ndarray] = []
-    shapes: list[tuple[int, ...]] = []
+    shapes: list[tuple[int, ...] | None] = []
     for i, x in enumerate(rows):
         a = _plain_view(x)
         if a is None or _NUMPY_TAG.get(a.dtype) != f.dtype:
@@ -338,8 +338,8 @@ def _encode_tensor_few(
         views.append(a)
         shapes.append(shape)
     if token:
-        for i, shape in enumerate(shapes):
-            seq[i] = shape[0]
+        for i, a in enumerate(views):
+            seq[i] = a.shape[0]
     sizes = [a.nbytes for a in views]
     lengths = np.array(sizes, dtype=np.int64)
     offsets = np.array([0, *itertools.accumulate(sizes)], dtype=np.int64)

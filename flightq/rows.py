@@ -82,7 +82,7 @@ def columns_of(columns: Any, schema: Schema | None = None, keys: Any = None) -> 
     return _PerRow({name: _column(name, v, schema) for name, v in columns.items()})
 
 
-class _PerRow(dict):  # type: ignore[type-arg]
+class _PerRow(dict[str, Any]):
     """Columns :func:`columns_of` has taken apart: given again, they pass as they are."""
 
 
