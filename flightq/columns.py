@@ -149,8 +149,14 @@ def _decoded_base(
     """
     dt = f.dt
     if f.codec is RAW:
+        bufs = payloads.buffers()
         offs = binary_offsets(payloads)
-        data = payloads.buffers()[2]
+        data = bufs[2]
+        if len(offs) <= _FEW + 1:  # a few rows: Python's arithmetic beats numpy's calls
+            at = offs.tolist()
+            lo, size = at[0], dt.itemsize
+            base = column_base(data if data is not None else b"", lo, at[-1], dt, as_)
+            return base, np.array([(o - lo) // size for o in at[:-1]], dtype=np.int64)
         base = column_base(data if data is not None else b"", int(offs[0]), int(offs[-1]), dt, as_)
         return base, (offs[:-1] - offs[0]) // dt.itemsize
     assert shapes is not None  # compressed payloads are sized by their shapes
@@ -219,9 +225,8 @@ class TensorColumn(Column):
             and (f.role == "token" or bool((offs[1:] - offs[:-1] == 1).all()))
         )
         present = None if f.codec is RAW else self.shapes
-        keys = rb.column(KEY)
         self._base, self._elem = _decoded_base(
-            f, self.payload, present, as_, lambda i: str(keys[i].as_py())
+            f, self.payload, present, as_, lambda i: str(rb.column(KEY)[i].as_py())
         )
 
     @property

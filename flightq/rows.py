@@ -67,8 +67,10 @@ def columns_of(columns: Any, schema: Schema | None = None, keys: Any = None) -> 
         For a TensorDict without a batch dimension, a nested TensorDict entry, or a
         ``__key__`` entry that differs from ``keys``.
     """
+    if type(columns) is _PerRow:
+        return columns  # taken apart already (a put passes its columns on, layer by layer)
     if is_tensordict(columns):
-        return _from_tensordict(columns, schema, keys)
+        return _PerRow(_from_tensordict(columns, schema, keys))
     if not isinstance(columns, Mapping):
         raise EncodeError(
             f"columns are a mapping of field name to per-row data, or a TensorDict; got "
@@ -76,8 +78,12 @@ def columns_of(columns: Any, schema: Schema | None = None, keys: Any = None) -> 
             actual=type(columns).__name__,
         )
     if not any(is_nested(v) or _non_tensor(v) for v in columns.values()):
-        return columns
-    return {name: _column(name, v, schema) for name, v in columns.items()}
+        return _PerRow(columns)
+    return _PerRow({name: _column(name, v, schema) for name, v in columns.items()})
+
+
+class _PerRow(dict[str, Any]):
+    """Columns :func:`columns_of` has taken apart: given again, they pass as they are."""
 
 
 def _from_tensordict(td: Any, schema: Schema | None, keys: Any) -> dict[str, Any]:

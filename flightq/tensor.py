@@ -410,11 +410,14 @@ def column_base(buf: Any, start: int, stop: int, dt: DType, as_: str) -> Any:
         ``"numpy"`` or ``"torch"``.
     """
     nbytes = stop - start
+    # Views are read-only even over a mutable buffer (a batch encoded in this process).
     if nbytes == 0:
         arr = np.empty(0, dtype=dt.storage)
-    else:
+    elif nbytes % dt.itemsize == 0:  # the elements at once: what the views below give
+        arr = np.frombuffer(buf, dtype=_view_dtype(dt), count=nbytes // dt.itemsize, offset=start)
+        arr.flags.writeable = False
+    else:  # not whole elements: the view below refuses it, as it always did
         arr = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=start)
-        # Views are read-only even over a mutable buffer (a batch encoded in this process).
         arr.flags.writeable = False
         arr = arr.view(dt.storage)
         if dt.native_numpy:
@@ -436,6 +439,20 @@ def column_base(buf: Any, start: int, stop: int, dt: DType, as_: str) -> Any:
     if not dt.native_numpy:
         t = t.view(dt.torch())
     return t
+
+
+#: Per dtype, the numpy dtype :func:`column_base` views elements as (native byte order
+#: where numpy has the dtype; bfloat16 and float8 as their little-endian storage).
+_VIEW_DTYPES: dict[str, np.dtype] = {}
+
+
+def _view_dtype(dt: DType) -> np.dtype:
+    got = _VIEW_DTYPES.get(dt.name)
+    if got is None:
+        got = _VIEW_DTYPES[dt.name] = (
+            dt.storage.newbyteorder("=") if dt.native_numpy else dt.storage
+        )
+    return got
 
 
 def row_view(base: Any, elem_offset: int, shape: tuple[int, ...], copy: bool) -> Any:

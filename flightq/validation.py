@@ -485,6 +485,9 @@ def validate(
         return keys[i]
 
     n = batch.num_rows
+    few = _few_rows(plan, batch) if n <= _FEW else None
+    if few is not None:
+        return Checked(carried, keys, list(plan.present), *few)
     seq = np.full(n, -1, dtype=np.int64)
     nbytes = np.zeros(n, dtype=np.int64)
     for c in plan.columns:
@@ -737,6 +740,24 @@ def _few_one_dim_rows(
     """:func:`_one_dim_rows` for a few rows, over Python lists: on a handful of values each
     numpy operation costs more than the loop it replaces. Same checks, same contract (a
     null dim, like any other fault, is left to the full check, which names it)."""
+    got = _few_dims(f, shapes, col)
+    if got is None:
+        return None
+    dims, sent = got
+    out = np.array(sent, dtype=np.int64)
+    if f.role == "token":
+        known = seq.tolist()
+        if all(k < 0 for k in known):
+            return np.array(dims, dtype=np.int64), out  # the first token field sets S
+        if dims != known:
+            return None
+    return seq, out
+
+
+def _few_dims(f: Field, shapes: pa.Array, col: pa.Array) -> tuple[list[int], list[int]] | None:
+    """Each row's one dim and payload bytes, where every row of a raw token or tensor
+    column has one dim that its payload's length matches (and the declaration allows);
+    None where any does not."""
     if f.shape is not None and len(f.shape) != 1:
         return None
     itemsize = f.dt.itemsize
@@ -756,14 +777,38 @@ def _few_one_dim_rows(
             return None
         dims.append(d)
         sent.append(got)
-    out = np.array(sent, dtype=np.int64)
-    if f.role == "token":
-        known = seq.tolist()
-        if all(k < 0 for k in known):
-            return np.array(dims, dtype=np.int64), out  # the first token field sets S
-        if dims != known:
+    return dims, sent
+
+
+def _few_rows(plan: _Plan, batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray] | None:
+    """The sequence lengths and bytes per row :func:`validate`'s column loop finds, for a
+    few rows whose every token and tensor column takes :func:`_few_dims` (no nulls, no
+    media, raw payloads, one dim per row), over Python lists; None where any does not,
+    and the column loop then runs (and names the fault)."""
+    n = batch.num_rows
+    seq: list[int] | None = None
+    nbytes = [0] * n
+    for c in plan.columns:
+        if c.shape < 0:
+            continue
+        f = c.f
+        if f.role == "media" or f.codec is not RAW:
             return None
-    return seq, out
+        col, shapes = batch.column(c.payload), batch.column(c.shape)
+        if col.null_count or shapes.null_count:
+            return None
+        got = _few_dims(f, shapes, col)
+        if got is None:
+            return None
+        dims, sent = got
+        if f.role == "token":
+            if seq is None:
+                seq = dims  # the first token field sets S
+            elif dims != seq:
+                return None
+        nbytes = [a + b for a, b in zip(nbytes, sent, strict=True)]
+    lens = np.full(n, -1, dtype=np.int64) if seq is None else np.array(seq, dtype=np.int64)
+    return lens, np.array(nbytes, dtype=np.int64)
 
 
 def _all(valid: np.ndarray | None, n: int) -> np.ndarray:

@@ -48,6 +48,8 @@ def has_cuda(columns: Mapping[str, Any]) -> bool:
         return False
     import torch
 
+    if not torch.cuda.is_initialized():
+        return False  # a process holds no CUDA tensor before torch initialises CUDA in it
     T = torch.Tensor
     for v in columns.values():
         if isinstance(v, T):

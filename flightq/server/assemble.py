@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import msgpack
 import pyarrow as pa
 
-from ..layout import KEY, MEDIA_TYPE, SHAPE_SUFFIX, TAGS, arrow_schema
+from ..layout import KEY, SHAPE_SUFFIX, TAGS, arrow_schema
 from .media import media_column, row_copies
 from .partition import Partition, Piece, Row
 
@@ -48,7 +48,10 @@ def assemble(
     """
     schema = arrow_schema(p.schema, fields)
     cols = [n for n in schema.names if n not in (KEY, TAGS)]
-    media = [c for c in cols if schema.field(c).type == MEDIA_TYPE]
+    # A media field's payload column is named as the field (its shapes column is no
+    # dictionary): found from the roles, not by building each column's Arrow field.
+    roles = {f.name: f.role for f in p.schema.fields}
+    media = [c for c in cols if roles.get(c) == "media"]
     if media:
         return schema, _media_batches(rows, fields, schema, cols, media, max_bytes)
 
@@ -71,8 +74,9 @@ def assemble(
         if not rows:
             yield pa.RecordBatch.from_pylist([], schema=schema)
             return
-        if not coalesce:
-            for lo, hi in runs():
+        spans = list(runs())
+        if not coalesce or len(spans) == 1:  # one slice goes as it is either way
+            for lo, hi in spans:
                 yield sliced(lo, hi)
             return
         limit = min(COALESCED_BYTES, max_bytes)
@@ -80,7 +84,7 @@ def assemble(
         pending: list[pa.RecordBatch] = []
         pending_keys: set[str] = set()
         held = 0
-        for lo, hi in runs():
+        for lo, hi in spans:
             batch = sliced(lo, hi)
             # What the slice carries: only the fields asked for, and the images of all its
             # rows (a row's size counts a shared image on the group's first row only).

@@ -162,9 +162,11 @@ class DictionaryUse:
         ResourceExhaustedError
             If a dictionary it replaces has an entry no row used.
         """
-        for name, col in zip(batch.schema.names, batch.columns, strict=True):
-            if col.type != MEDIA_TYPE:
-                continue
+        schema = batch.schema
+        found = _media_columns(schema, keep=metadata_bytes(schema) <= MAX_METADATA_BYTES)
+        names = schema.names if found else []
+        for i in found:  # not every column of the batch built to find them
+            name, col = names[i], batch.column(i)
             entries = col.values.dictionary
             offsets = entries.buffers()[1]
             ident = (offsets.address if offsets is not None else 0, len(entries))

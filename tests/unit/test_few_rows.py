@@ -162,3 +162,51 @@ def test_scalar_rows_as_0d_tensors_encode_as_plain_values() -> None:
     wrong = [torch.tensor(v, dtype=torch.int64) for v in values]  # the general path refuses
     with pytest.raises(FlightqError, match="expected a int32 scalar, got int64"):
         encode_module.encode(TEXT, {**cols, "input_lengths": wrong}, ["a", "b"])
+
+
+def _odd_rows() -> dict[str, dict]:
+    """Columns a few-row encode must hand to the per-row path: what it cannot take as a
+    plain view, and what the per-row path refuses."""
+    ids = np.arange(6, dtype=np.int64)
+    return {
+        "non-contiguous": {"input_ids": [ids[::2]]},
+        "big-endian": {"input_ids": [ids.astype(">i8")]},
+        "empty": {"input_ids": [ids[:0]]},
+        "rank 2": {"input_ids": [ids.reshape(2, 3)]},
+        "0-d": {"input_ids": [ids[0]]},
+        "wrong dtype": {"input_ids": [ids.astype(np.int32)]},
+        "token lengths differ": {"input_ids": [ids], "token_mask": [ids[:4].copy()]},
+        "scalar wrong dtype": {"input_ids": [ids], "input_lengths": np.array([6], np.int64)},
+        "scalar big-endian": {"input_ids": [ids], "input_lengths": np.array([6], ">i4")},
+        "scalar 2-d": {"input_ids": [ids], "input_lengths": np.array([[6]], np.int32)},
+        "scalar bool": {"input_ids": [ids], "truncated": np.array([True])},
+        "scalar values": {"input_ids": [ids], "total_reward": [0.5]},
+    }
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("case", sorted(_odd_rows()))
+def test_odd_few_rows_encode_or_fail_as_the_per_row_path(
+    monkeypatch: pytest.MonkeyPatch, lib: str, case: str
+) -> None:
+    if lib == "torch" and "big-endian" in case:
+        pytest.skip("torch holds no big-endian tensors")
+    cols = {
+        k: v if not isinstance(v, list) else [as_lib(np.asarray(x), lib) for x in v]
+        for k, v in _odd_rows()[case].items()
+    }
+
+    def run() -> pa.RecordBatch | FlightqError:
+        try:
+            return encode_module.encode(TEXT, cols, ["g0_0"])
+        except FlightqError as e:
+            return e
+
+    few = run()
+    with monkeypatch.context() as m:
+        _array_paths(m)
+        arrays = run()
+    if isinstance(arrays, FlightqError):
+        assert type(few) is type(arrays) and str(few) == str(arrays)
+    else:
+        assert isinstance(few, pa.RecordBatch) and few.equals(arrays, check_metadata=True)
