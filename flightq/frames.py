@@ -169,7 +169,9 @@ def parse_frame(buf: pa.Buffer | None, what: str, *, check: bool = False) -> Fra
     """A frame's header, schema and record batches (zero-copy slices of ``buf``).
 
     ``check=True`` (a server reading a client's batches) also runs Arrow's full
-    validation of each batch: its offsets must stay inside its buffers.
+    validation of each batch: its offsets must stay inside its buffers; and the batches
+    are read from a copy of their own bytes, so that storing them keeps nothing else of
+    the frame alive.
 
     Raises
     ------
@@ -224,14 +226,16 @@ def parse_frame(buf: pa.Buffer | None, what: str, *, check: bool = False) -> Fra
             if len(lengths) != 1:
                 raise ProtocolError(f"{what}: an 'ipc' body is one Arrow IPC stream")
             check_stream(buf.slice(at), what)  # before Arrow decodes (and inflates) it
-            table = pa.ipc.open_stream(buf.slice(at)).read_all()
+            body = _own(buf.slice(at)) if check else buf.slice(at)
+            table = pa.ipc.open_stream(body).read_all()
             schema, batches = table.schema, table.to_batches()
         else:
             schema = _SCHEMAS.read(buf.slice(at, schema_len).to_pybytes())
             at += schema_len
             batches = []
             for length in lengths:
-                message = pa.ipc.read_message(buf.slice(at, length))
+                piece = buf.slice(at, length)
+                message = pa.ipc.read_message(_own(piece) if check else piece)
                 check_message(message, what)
                 batches.append(pa.ipc.read_record_batch(message, schema))
                 at += length
@@ -246,3 +250,10 @@ def parse_frame(buf: pa.Buffer | None, what: str, *, check: bool = False) -> Fra
 
 def _length(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_FRAME_BYTES
+
+
+def _own(piece: pa.Buffer) -> pa.Buffer:
+    """A copy of ``piece`` in a buffer of its own: batches a server stores are slices of
+    the buffer they were read from, and the rest of the frame (its header, the schema,
+    anything a client padded it with) would live, uncounted, as long as they do."""
+    return pa.py_buffer(piece.to_pybytes())

@@ -42,6 +42,7 @@ __all__ = [
     "ROW_OVERHEAD",
     "check_batch",
     "DictionaryUse",
+    "underlying_bytes",
     "metadata_bytes",
     "row_costs",
     "tags_size",
@@ -217,6 +218,31 @@ def tags_size(tags: Any) -> int:
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
     return total
+
+
+def underlying_bytes(batches: Sequence[pa.RecordBatch]) -> int:
+    """Bytes of the distinct memory blocks the buffers of ``batches`` are slices of (a
+    request-stream frame, a Flight message's body): what holding them keeps alive,
+    whatever of it the batches reference."""
+    tops: dict[int, int] = {}
+
+    def walk(arr: pa.Array) -> None:
+        for b in arr.buffers():
+            if b is None:
+                continue
+            while b.parent is not None:
+                b = b.parent
+            tops[b.address] = b.size
+        if pa.types.is_dictionary(arr.type):
+            walk(arr.dictionary)
+        values = getattr(arr, "values", None)
+        if isinstance(values, pa.DictionaryArray):
+            walk(values.dictionary)
+
+    for batch in batches:
+        for col in batch.columns:
+            walk(col)
+    return sum(tops.values())
 
 
 def row_costs(

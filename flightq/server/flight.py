@@ -59,7 +59,7 @@ from ..registry import SchemaRegistry
 from ..schema import diff_schemas
 from .actions import HANDLERS, ActionContext
 from .assemble import assemble
-from .budget import DictionaryUse, check_batch
+from .budget import DictionaryUse, check_batch, underlying_bytes
 from .exchange import serve_requests
 from .idle import DEFAULT_IDLE_TIMEOUT, MIDDLEWARE_KEY, IdleWatch
 from .limits import DEFAULT_MAX_CALLS, DEFAULT_MAX_SESSIONS, CallLimits
@@ -370,6 +370,7 @@ class Server(fl.FlightServerBase):
         command: bytes,
         source: Callable[[PutCommand, str], Iterator[tuple[pa.RecordBatch, pa.Buffer | None]]],
         context: fl.ServerCallContext | None,
+        extra: int = 0,
     ) -> int:
         """One put, all or nothing: ``command`` parsed, the batches ``source`` gives checked
         and stored (or its part staged); returns the rows stored. The one path of every
@@ -385,7 +386,7 @@ class Server(fl.FlightServerBase):
         pieces: list[Any] = []
         try:
             try:
-                self._put_pieces(cmd, source(cmd, f"put to {name!r}"), context, pieces)
+                self._put_pieces(cmd, source(cmd, f"put to {name!r}"), context, pieces, extra)
             except BaseException as e:
                 if staged is not None:  # the other parts fail with it
                     self._staging.fail(name, staged[0], staged[2], e)
@@ -410,6 +411,7 @@ class Server(fl.FlightServerBase):
         source: Iterator[tuple[pa.RecordBatch, pa.Buffer | None]],
         context: fl.ServerCallContext | None,
         pieces: list[Any],
+        extra: int = 0,
     ) -> None:
         """One put stream's record batches, each checked against the partition's schema
         and its caps (:mod:`flightq.server.budget`), appended to ``pieces`` as they come
@@ -436,6 +438,9 @@ class Server(fl.FlightServerBase):
                 self.counters.add("bytes_received", size)
                 piece = media_piece(part, data, claims, what, budget, self._hashed)
                 piece.epoch = part.epoch
+                if extra and data.num_rows:  # bytes held with the batches: on its rows
+                    piece.held = piece.held + -(-extra // data.num_rows)
+                    extra = 0
                 media.add(data)
                 self.store.reserve(name, piece, reserved, cmd.timeout)
                 reserved += piece.reserved
@@ -606,8 +611,11 @@ class Server(fl.FlightServerBase):
             return ((b, None) for b in batches)
 
         # No cancel check (grpc's costs a third of a millisecond): the frame arrived whole,
-        # its lengths checked, so the stream cannot have been cut short mid-put.
-        return self._store_put(command, source, None)
+        # its lengths checked, so the stream cannot have been cut short mid-put. The rows
+        # keep the whole frame alive (their buffers are slices of it): what the batches do
+        # not reference (its header, schema, any padding) counts on them too.
+        extra = underlying_bytes(batches) - sum(b.get_total_buffer_size() for b in batches)
+        return self._store_put(command, source, None, max(extra, 0))
 
     def _hashed(self, nbytes: int) -> None:
         """Count media bytes hashed to resolve a put (flightq.server.media)."""

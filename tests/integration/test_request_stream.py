@@ -33,6 +33,7 @@ from flightq.errors import (
 )
 from flightq.frames import MAX_FRAME_BYTES, pack_frame, parse_frame
 from flightq.protocol import ErrorDetail, GetTicket, PutCommand, RequestsCommand
+from flightq.server.budget import underlying_bytes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -421,6 +422,35 @@ def test_hostile_put_cannot_overfill_the_budget() -> None:
         finally:
             c.close()
         assert client.stats()["partitions"]["b"]["rows"] == 0
+
+
+def test_stored_rows_keep_nothing_else_of_their_frame_alive() -> None:
+    # A frame padded to 1 MiB (an unknown header key) stores a one-row batch read from a
+    # copy of its own bytes: the pad is not held, and what is held is counted.
+    budget = 8 << 20
+    with (
+        flightq.Server(memory_budget=budget) as srv,
+        flightq.connect(srv.location, [TEXT], timeout=TIMEOUT) as client,
+    ):
+        client.create_partition("pad", TEXT, tasks=["train"])
+        c, writer, reader = _open(srv.location)
+        try:
+            for i in range(16):  # 16 MiB of frames through an 8 MiB budget
+                batch = flightq.encode(
+                    flightq.SchemaRegistry.default().get(TEXT), text_columns([f"r{i}"]), [f"r{i}"]
+                )
+                cmd = PutCommand(partition="pad", rows=1, timeout=0.2).to_wire()
+                frame = pack_frame(
+                    {"op": "put", "cmd": cmd, "pad": b"\0" * (1 << 20)}, batch.schema, [batch]
+                )
+                assert "ok" in _ask(writer, reader, frame).header
+        finally:
+            c.close()
+        part = srv.store.partition("pad")
+        batches = {id(pc.batch): pc.batch for r in part.rows.values() for pc, _ in r.cells.values()}
+        kept = underlying_bytes(list(batches.values()))
+        assert len(part.rows) == 16 and kept < 16 * 64 << 10  # no pad among them
+        assert kept <= client.stats()["partitions"]["pad"]["held"]
 
 
 def test_mutated_put_frames_are_refused_or_stored_whole(
