@@ -197,14 +197,18 @@ class PinnedPool:
             for e in events:
                 e.synchronize()
             return
+        evicted = []
         with self._lock:
             self._free.append((buf, list(events)))
             while sum(b.numel() for b, _ in self._free) > self.max_cached_bytes:
                 self._free.sort(key=lambda x: x[0].numel())
-                old, evs = self._free.pop(0)
-                for e in evs:
-                    e.synchronize()
-                del old
+                evicted.append(self._free.pop(0))
+        # Outside the lock: another thread's take or give never waits on these copies.
+        while evicted:
+            old, evs = evicted.pop()
+            for e in evs:
+                e.synchronize()
+            del old  # its last reference: the finalizer gives its bytes back to the cap
 
     def stream(self, device: Any) -> Any:
         """The side stream this pool copies on for ``device`` (a ``torch.device``)."""

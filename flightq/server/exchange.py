@@ -88,7 +88,7 @@ def serve_requests(
                 raise UnavailableError("the server is shutting down; retry on another server")
             try:
                 kind, reply, undo = _handle(chunk, context, put, answer, counters)
-            except (FlightqError, pa.ArrowException):
+            except (FlightqError, fl.FlightError):  # typed, or the transport's own
                 raise
             except Exception as e:  # hostile bytes deep in Arrow: refused, the stream lives
                 log.warning(
