@@ -254,8 +254,8 @@ def row_costs(
     """Per row of a validated batch, the bytes the budget counts while it is stored:
     ``payload`` (per row, from validation) plus the row's share of the batch's other Arrow
     buffers and schema metadata, its key, its tags twice (the put's decoded map and the
-    row's: ``tag_sizes`` per row, :func:`tags_size` of its decoded tags, 0 for none), and
-    :data:`ROW_OVERHEAD`."""
+    row's: ``tag_sizes`` per row, :func:`tags_size` of its decoded tags, 0 for none; rows
+    sharing one decoded map each count it whole), and :data:`ROW_OVERHEAD`."""
     n = batch.num_rows
     if n == 0:
         return np.zeros(0, dtype=np.int64)

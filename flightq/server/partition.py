@@ -289,46 +289,73 @@ def _decode_tags(
     piece_batch: pa.RecordBatch, keys: list[str], limit: int | None
 ) -> tuple[list[dict[str, Any] | None], np.ndarray]:
     """Each row's tags decoded, and what the budget counts of them per row (their Python
-    objects' size, :func:`tags_size`; 0 for none or an empty map)."""
-    out: list[dict[str, Any] | None] = []
+    objects' size, :func:`tags_size`; 0 for none or an empty map).
+
+    Each distinct value is decoded and measured once: the rows of a prompt group share
+    their tags' bytes, and share the map they decode to (nothing changes a stored map in
+    place). Each row still counts the map whole, as if it held its own. Errors are those
+    of decoding row by row: the first row (in order) whose tags are not a msgpack map, or
+    past ``limit``, is named.
+    """
+    col = piece_batch.column(TAGS)
+    n = len(col)
+    if n == 0:
+        return [], np.zeros(0, dtype=np.int64)
+    coded = col.dictionary_encode()  # distinct values in order of first use
+    index = coded.indices
+    at = (index.fill_null(-1) if index.null_count else index).to_numpy().astype(np.int64)
+    maps: list[dict[str, Any] | None] = []
     sizes: list[int] = []
-    # Equal bytes decode to equal objects of equal size: the rows of a prompt group share
-    # their tags' bytes, so each distinct map is walked once.
-    known: dict[bytes, int] = {}
-    size = 0
-    for k, b in zip(keys, pylist(piece_batch.column(TAGS)), strict=True):
-        if b is None:
-            out.append(None)
-            sizes.append(0)
-            continue
+    bad: tuple[int, Any, Exception | None] | None = None  # (value, what it is, error)
+    for j, b in enumerate(pylist(coded.dictionary)):
         try:
             t = msgpack.unpackb(b, raw=False)
         except Exception as e:  # hostile bytes raise assorted errors
-            raise EncodeError(
-                f"tags of row {k!r} are not valid msgpack: {e}", field=TAGS, key=k
-            ) from e
+            bad = (j, None, e)
+            break
         if not isinstance(t, dict):
+            bad = (j, t, None)
+            break
+        maps.append(t)
+        sizes.append(tags_size(t))
+    if bad is not None:
+        j, t, err = bad
+        first = int(np.argmax(at == j))  # the first row with these bytes
+        _check_tag_limit(at[:first], sizes, keys, limit)
+        k = keys[first]
+        if err is not None:
             raise EncodeError(
-                f"tags of row {k!r} must be a msgpack map, got {type(t).__name__}",
-                field=TAGS,
-                key=k,
-                actual=type(t).__name__,
-            )
-        s = known.get(b)
-        if s is None:
-            s = known[b] = tags_size(t)
-        size += s
-        if limit is not None and size > limit:
-            raise ResourceExhaustedError(
-                f"the tags of a record batch take more than {limit} bytes as Python "
-                f"objects (at row {k!r}), more than the server's whole memory budget",
-                field=TAGS,
-                key=k,
-                expected=limit,
-            )
-        out.append(t)
-        sizes.append(s if t else 0)  # an empty map is stored as no tags
-    return out, np.asarray(sizes, dtype=np.int64)
+                f"tags of row {k!r} are not valid msgpack: {err}", field=TAGS, key=k
+            ) from err
+        raise EncodeError(
+            f"tags of row {k!r} must be a msgpack map, got {type(t).__name__}",
+            field=TAGS,
+            key=k,
+            actual=type(t).__name__,
+        )
+    _check_tag_limit(at, sizes, keys, limit)
+    counted = np.array([s if t else 0 for t, s in zip(maps, sizes, strict=True)] + [0])
+    maps.append(None)  # index -1: a row without tags
+    return list(map(maps.__getitem__, at.tolist())), counted[at]
+
+
+def _check_tag_limit(at: np.ndarray, sizes: list[int], keys: list[str], limit: int | None) -> None:
+    """Refuse rows whose tags (distinct map ``at[i]`` per row, -1 none; ``sizes`` each
+    map's) add up past ``limit``, naming the row where they first do."""
+    if limit is None or not len(at):
+        return
+    each = np.array([*sizes, 0], dtype=np.int64)[at]
+    total = np.cumsum(each)
+    if total[-1] <= limit:
+        return
+    i = int(np.argmax(total > limit))
+    raise ResourceExhaustedError(
+        f"the tags of a record batch take more than {limit} bytes as Python "
+        f"objects (at row {keys[i]!r}), more than the server's whole memory budget",
+        field=TAGS,
+        key=keys[i],
+        expected=limit,
+    )
 
 
 def make_piece(batch: pa.RecordBatch, checked: Checked, limit: int | None = None) -> Piece:

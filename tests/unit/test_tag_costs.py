@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+import msgpack
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -17,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flightq import SchemaRegistry, encode
-from flightq.errors import ResourceExhaustedError
+from flightq.errors import EncodeError, ResourceExhaustedError
 from flightq.server.budget import ROW_OVERHEAD, metadata_bytes, tags_size
 from flightq.server.partition import make_piece
 from flightq.validation import validate
@@ -68,3 +69,67 @@ def test_the_batch_bound_counts_every_row_even_when_rows_share_bytes() -> None:
     with pytest.raises(ResourceExhaustedError, match=r"at row 'g15'") as e:
         make_piece(rb, checked, 16 * one - 1)
     assert e.value.key == "g15"
+
+
+def _row_by_row(values: list[bytes | None], keys: list[str], limit: int | None) -> str | None:
+    """The first refusal decoding the rows in order gives (its message's start), or None."""
+    total = 0
+    for k, b in zip(keys, values, strict=True):
+        if b is None:
+            continue
+        try:
+            t = msgpack.unpackb(b, raw=False)
+        except Exception:
+            return f"tags of row {k!r} are not valid msgpack"
+        if not isinstance(t, dict):
+            return f"tags of row {k!r} must be a msgpack map, got {type(t).__name__}"
+        total += tags_size(t)
+        if limit is not None and total > limit:
+            return (
+                f"the tags of a record batch take more than {limit} bytes as Python "
+                f"objects (at row {k!r})"
+            )
+    return None
+
+
+_BYTES = [
+    msgpack.packb({"weight_version": 0, "prompt_idx": 1}),
+    msgpack.packb({"prompt_idx": 2, "note": "x" * 40}),
+    msgpack.packb({}),
+    msgpack.packb([1, 2]),  # not a map
+    b"\xc1",  # not msgpack
+    msgpack.packb({"a": 1})[:-1],  # truncated
+    None,
+]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, len(_BYTES) - 1), min_size=1, max_size=24),
+    st.one_of(st.none(), st.integers(0, 3000)),
+)
+def test_tags_are_refused_at_the_first_row_that_fails_as_row_by_row(
+    picks: list[int], limit: int | None
+) -> None:
+    values = [_BYTES[p] for p in picks]
+    keys = [f"r{i}" for i in range(len(values))]
+    rb = encode(TEXT, {"input_ids": [np.arange(2)] * len(keys)}, keys)
+    rb = rb.set_column(1, rb.schema.field(1), pa.array(values, type=pa.binary()))
+    checked = validate(rb, TEXT)
+    want = _row_by_row(values, keys, limit)
+    if want is None:
+        piece = make_piece(rb, checked, limit)
+        assert piece.tags == [None if b is None else msgpack.unpackb(b) for b in values]
+        return
+    with pytest.raises((EncodeError, ResourceExhaustedError)) as e:
+        make_piece(rb, checked, limit)
+    assert str(e.value).startswith(want)
+
+
+def test_rows_with_equal_tag_bytes_share_one_decoded_map() -> None:
+    tags = [{"prompt_idx": i // 4} for i in range(8)]
+    keys = [f"r{i}" for i in range(8)]
+    rb = encode(TEXT, {"input_ids": [np.arange(2)] * 8}, keys, tags)
+    piece = make_piece(rb, validate(rb, TEXT), None)
+    assert piece.tags == tags
+    assert piece.tags[0] is piece.tags[3] and piece.tags[3] is not piece.tags[4]

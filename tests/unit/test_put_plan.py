@@ -1,0 +1,87 @@
+"""A put's plan (``plan_put``) of rows that are all new: the rows it builds and what it refuses.
+
+A generator's put creates every row it carries; its plan builds them in bulk. Each row
+must still be exactly what the definition says (its group, a cell per field it carries
+pointing at its record batch and index, its tags, sequence length and byte counts), and
+a refusal must name the first row that fails, as planning row by row does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from flightq import SchemaRegistry, encode
+from flightq.errors import MissingFieldError
+from flightq.server.partition import Partition, make_piece
+from flightq.server.putplan import plan_put
+from flightq.validation import validate
+
+TEXT = SchemaRegistry.default().get("rollout_text@1")
+
+
+def _piece(keys: list[str], lens: list[int], tags: list | None = None, sparse: bool = False):
+    cols: dict = {"input_ids": [np.arange(n, dtype=np.int64) for n in lens]}
+    if sparse:  # an optional field some rows lack
+        cols["generation_logprobs"] = [
+            None if i % 2 else np.zeros(n, dtype=np.float32) for i, n in enumerate(lens)
+        ]
+    rb = encode(TEXT, cols, keys, tags)
+    return make_piece(rb, validate(rb, TEXT), None)
+
+
+@pytest.mark.parametrize("group_size", [None, 4])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_new_rows_are_planned_as_defined(group_size: int | None, sparse: bool) -> None:
+    p = Partition("p", TEXT, ("train",), group_size)
+    p.next_group = 3  # groups taken by earlier puts
+    tags = [{"prompt_idx": i // 4} if i % 3 else None for i in range(8)]
+    pieces = [
+        _piece([f"a{i}" for i in range(8)], [i + 1 for i in range(8)], tags, sparse),
+        _piece([f"b{i}" for i in range(4)], [5] * 4),
+    ]
+    plan = plan_put(p, pieces, False, None, p.writes)
+    assert plan.new == [*(f"a{i}" for i in range(8)), *(f"b{i}" for i in range(4))]
+    assert list(plan.ready) == plan.new and list(plan.rows) == plan.new
+    n = 0
+    for pc in pieces:
+        ck = pc.checked
+        for i, k in enumerate(ck.keys):
+            row = plan.rows[k]
+            assert row.key == k
+            assert row.group == 3 + (n // group_size if group_size else n)
+            carried = [f for f in ck.fields if pc.valid(f) is None or pc.valid(f)[i]]
+            assert list(row.cells) == carried
+            assert all(cell[0] is pc and cell[1] == i for cell in row.cells.values())
+            assert row.tags == (pc.tags[i] or {})
+            assert (row.seq_len, row.nbytes, row.held) == (
+                int(ck.seq_lens[i]),
+                int(ck.nbytes[i]),
+                int(pc.held[i]),
+            )
+            n += 1
+    assert plan.nbytes == int(sum(pc.checked.nbytes.sum() for pc in pieces))
+    assert plan.held == plan.need == int(sum(pc.held.sum() for pc in pieces))
+
+
+def test_a_new_row_with_a_required_field_null_is_named() -> None:
+    p = Partition("p", TEXT, ("train",), None)
+    rb = encode(TEXT, {"input_ids": [np.arange(2)] * 4}, ["k0", "k1", "k2", "k3"])
+    nulls = pa.array([b"\x00" * 16, None, None, b"\x00" * 16], type=pa.large_binary())
+    shapes = pa.array([[2], None, None, [2]], type=pa.list_(pa.int64()))
+    i = rb.schema.get_field_index("input_ids")
+    rb = rb.set_column(i, rb.schema.field(i), nulls)
+    rb = rb.set_column(i + 1, rb.schema.field(i + 1), shapes)
+    piece = make_piece(rb, validate(rb, TEXT), None)
+    null = r"row key 'k1': required field 'input_ids' is null"
+    with pytest.raises(MissingFieldError, match=null):
+        plan_put(p, [piece], False, None, p.writes)
+
+
+def test_new_rows_lacking_a_required_field_name_the_first() -> None:
+    p = Partition("p", TEXT, ("train",), None)
+    rb = encode(TEXT, {"total_reward": np.ones(3, dtype=np.float32)}, ["x", "y", "z"])
+    piece = make_piece(rb, validate(rb, TEXT), None)
+    with pytest.raises(MissingFieldError, match=r"row key 'x' is new in partition 'p' and lacks"):
+        plan_put(p, [piece], False, None, p.writes)
