@@ -15,6 +15,7 @@ one put each still travel with their shared image once per answer batch.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 
 import msgpack
@@ -25,6 +26,8 @@ from .media import media_column, row_copies
 from .partition import Partition, Piece, Row
 
 __all__ = ["assemble", "SMALL_RUN_BYTES", "COALESCED_BYTES"]
+
+_HOME = operator.attrgetter("home")
 
 #: Slices smaller than this are copied together when an answer coalesces.
 SMALL_RUN_BYTES = 1 << 20
@@ -108,16 +111,21 @@ def assemble(
         """Rows ``[lo, hi)`` as slices of the stored batches."""
         run = rows[lo:hi]
         n = hi - lo
+        first = run[0]
+        whole = _one_piece(first, fields, schema)
+        if whole is not None and all(map(_HOME, run)):
+            # Rows as one put made them, with its schema (a get of what a put wrote): the
+            # stored batch's slice, keys and tags included (the rows' tags are its own).
+            pc, idx = whole
+            return pc.batch.slice(idx, n)
         pack = msgpack.Packer(use_bin_type=True).pack  # one packer: a third of packb's cost
         arrays: list[pa.Array] = [
             pa.array([r.key for r in run], type=pa.utf8()),
             pa.array([pack(r.tags) if r.tags else None for r in run], type=pa.binary()),
         ]
-        first = run[0]
-        whole = _one_piece(first, fields, schema)
         if whole is not None:
-            # Every cell from one stored batch with the answer's schema (a get of what one
-            # put wrote): slice it whole, a third of assembling the same columns one by one.
+            # Every cell from one stored batch with the answer's schema: slice it whole, a
+            # third of assembling the same columns one by one.
             pc, idx = whole
             out = pc.batch.slice(idx, n).set_column(0, schema.field(0), arrays[0])
             return out.set_column(1, schema.field(1), arrays[1])
@@ -222,6 +230,9 @@ def _one_piece(row: Row, fields: list[str], schema: pa.Schema) -> tuple[Piece, i
 
 
 def _continues(prev: Row, row: Row, fields: list[str]) -> bool:
+    a, b = prev.home, row.home
+    if a is not None and b is not None and a[0] is b[0] and b[1] == a[1] + 1:
+        return True  # consecutive rows of one piece as a put made them: every field goes on
     for f in fields:
         a, b = prev.cells.get(f), row.cells.get(f)
         if a is None and b is None:

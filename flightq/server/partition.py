@@ -111,6 +111,11 @@ class Row:
     nbytes: int = 0
     #: Bytes the memory budget counts for the row (payload and what holding it costs).
     held: int = 0
+    #: The piece and index holding every field of the row, where the row has every field
+    #: that piece carries and its tags are that piece's (a row as a put created it); None
+    #: otherwise. Rows with consecutive homes in one piece are one slice of it, keys and
+    #: tags included (:mod:`flightq.server.assemble`).
+    home: tuple[Piece, int] | None = None
 
 
 @dataclass

@@ -181,6 +181,7 @@ def plan_put(
                     seq_lens[i],
                     nbytes[i],
                     held[i],
+                    cell if len(fields) == len(ck.fields) else None,
                 )
                 new.append(k)
                 continue
@@ -264,10 +265,11 @@ def _new_rows(
     n = len(pc.checked.keys)
     at = np.arange(first, first + n)
     groups = (group + (at // g if g else at)).tolist()
-    cells = map(dict.fromkeys, itertools.repeat(fields, n), zip(itertools.repeat(pc), range(n)))
+    homes = list(zip(itertools.repeat(pc), range(n)))
+    cells = map(dict.fromkeys, itertools.repeat(fields, n), homes)
     # The piece's maps, never changed in place (rows of a group may share one).
     tags = [t or {} for t in pc.tags]
-    return list(map(Row, pc.checked.keys, groups, cells, tags, seq_lens, nbytes, held))
+    return list(map(Row, pc.checked.keys, groups, cells, tags, seq_lens, nbytes, held, homes))
 
 
 def replays(p: Partition, pieces: Iterable[Piece]) -> bool:
