@@ -26,7 +26,16 @@ import pyarrow as pa
 
 from .tensor import Bulk
 
-__all__ = ["Sink", "CopyNow", "DeferredFills", "COPY", "allocate", "copy_payloads"]
+__all__ = [
+    "Sink",
+    "CopyNow",
+    "DeferredFills",
+    "COPY",
+    "allocate",
+    "copy_payloads",
+    "copy_bulk",
+    "bulk_buffers",
+]
 
 
 class Sink(abc.ABC):
@@ -56,7 +65,7 @@ class CopyNow(Sink):
 
     def bulk(self, bulk: Bulk, present: list[int], offsets: np.ndarray) -> pa.Buffer:
         data, buf = allocate(int(offsets[-1]))
-        bulk.copy_into(buf)
+        copy_bulk(bulk, buf)
         return data
 
 
@@ -92,7 +101,7 @@ class DeferredFills(Sink):
 
     def bulk(self, bulk: Bulk, present: list[int], offsets: np.ndarray) -> pa.Buffer:
         data, buf = allocate(int(offsets[-1]))
-        self._jobs.append(functools.partial(bulk.copy_into, buf))
+        self._jobs.append(functools.partial(copy_bulk, bulk, buf))
         return data
 
     def end_batch(self) -> None:
@@ -123,6 +132,36 @@ def copy_payloads(buf: np.ndarray, payloads: list[Any], offsets: np.ndarray) -> 
     for p, lo, hi in zip(payloads, offsets[:-1], offsets[1:], strict=True):
         if hi > lo:
             buf[lo:hi] = np.frombuffer(p, dtype=np.uint8)
+
+
+def copy_bulk(bulk: Bulk, out: np.ndarray) -> None:
+    """Copy a bulk column's bytes into ``out`` (:meth:`flightq.tensor.Bulk.copy_into`);
+    torch tensors straight from their memory, read now.
+
+    Each tensor's memory as an Arrow buffer, written end to end by one C loop: a third of
+    the cost of viewing each through numpy (``Tensor.numpy`` detaches and wraps it).
+
+    Raises
+    ------
+    EncodeError
+        If a tensor changed size since it was checked.
+    """
+    memory = bulk.memory() if len(out) else None
+    if memory is None:
+        bulk.copy_into(out)
+        return
+    writer = pa.FixedSizeBufferWriter(pa.py_buffer(out))
+    writer.writelines(list(map(pa.foreign_buffer, *memory)))
+
+
+def bulk_buffers(bulk: Bulk) -> list[Any] | None:
+    """A bulk column's tensors as buffers over their memory, each holding its tensor
+    (:meth:`flightq.tensor.Bulk.byte_views`, torch tensors as Arrow buffers); None where
+    their memory is not their value."""
+    memory = bulk.memory()
+    if memory is None:
+        return bulk.byte_views()
+    return list(map(pa.foreign_buffer, *memory, bulk.tensors))
 
 
 def _in_place(payloads: list[Any], lengths: np.ndarray) -> pa.Buffer | None:

@@ -250,8 +250,8 @@ class Bulk:
     ranks: np.ndarray
     dims: np.ndarray
     dtype: str
-    #: No torch tensor needs grad or is a conjugate or negative view: every one's memory
-    #: is its value, and ``Tensor.numpy`` takes it as it is.
+    #: No torch tensor is a negative (or conjugate) view: every one's memory is its value,
+    #: ``nbytes`` from its data pointer (CPU, strided, contiguous: checked).
     plain: bool = True
 
     @property
@@ -262,7 +262,11 @@ class Bulk:
         return [tuple(dims[e - r : e]) for r, e in zip(self.ranks.tolist(), ends, strict=True)]
 
     def copy_into(self, out: np.ndarray) -> None:
-        """Copy every tensor's bytes, in order, into ``out`` (uint8, ``nbytes.sum()`` long)."""
+        """Copy every tensor's bytes, in order, into ``out`` (uint8, ``nbytes.sum()`` long).
+
+        A sink that knows Arrow copies torch tensors from :meth:`memory` instead (faster;
+        :func:`flightq.sink.copy_bulk`).
+        """
         if not len(out):
             return
         x = self.tensors[0]
@@ -274,24 +278,47 @@ class Bulk:
         dt = DTYPES[self.dtype]
         if dt.native_numpy and self.plain:
             # numpy's concatenate of many small tensors copies faster than torch.cat.
-            views = list(map(torch.Tensor.numpy, self.tensors))
+            views = list(map(_numpy_view, self.tensors))
             np.concatenate(views, axis=None, out=out.view(dt.storage))
             return
         flat = [t.reshape(-1) for t in self.tensors]
         with torch.no_grad():  # cat resolves conjugate and negative views as to_bytes does
             torch.cat(flat, out=torch.from_numpy(out).view(x.dtype))
 
+    def memory(self) -> tuple[list[int], list[int]] | None:
+        """Where each torch tensor's bytes are: its data pointer and byte length, read now
+        (a copy made later reads them then); None for numpy arrays and for torch tensors
+        that are negative views (their memory is not their value).
+
+        Raises
+        ------
+        EncodeError
+            If a tensor's size changed since it was checked (resized meanwhile).
+        """
+        ts = self.tensors
+        if isinstance(ts[0], np.ndarray) or not self.plain:
+            return None
+        import torch
+
+        sizes = list(map(_NBYTES, ts))
+        checked = self.nbytes.tolist()
+        if sizes != checked:
+            i = next(i for i, (a, b) in enumerate(zip(sizes, checked, strict=True)) if a != b)
+            raise EncodeError(
+                f"tensor {i} of a column changed size during the put ({checked[i]} bytes, "
+                f"then {sizes[i]}); leave tensors unchanged until put returns"
+            )
+        return list(map(torch.Tensor.data_ptr, ts)), sizes
+
     def byte_views(self) -> list[np.ndarray] | None:
         """Each tensor's bytes as a flat uint8 view of its memory (no copy), or None for
-        torch tensors that need grad or are conjugate or negative views (their memory is
-        not their value, or numpy may not view it)."""
+        torch tensors that are negative views (their memory is not their value)."""
         x = self.tensors[0]
         if isinstance(x, np.ndarray):
             return [t.reshape(-1).view(np.uint8) for t in self.tensors]
-
         if not self.plain:
             return None
-        return [_torch_bytes(t).numpy() for t in self.tensors]
+        return [_torch_bytes(t.detach()).numpy() for t in self.tensors]
 
 
 def bulk_to_bytes(xs: Sequence[Any]) -> Bulk | None:
@@ -361,22 +388,21 @@ def _torch_bulk(xs: Sequence[Any]) -> Bulk | None:
         tag = from_torch(dt)
     except DTypeError:
         return None
-    if DTYPES[tag].native_numpy:
-        # Tensor.numpy refuses what would need normalising (another device or layout, a
-        # tensor needing grad, a conjugate or negative view): one pass checks all of that
-        # and leaves numpy views, which the numpy checks and copies take as they are.
-        try:
-            views = list(map(T.numpy, xs))
-        except (TypeError, RuntimeError, ValueError, NotImplementedError):
-            views = None
-        if views is not None:
-            return _numpy_bulk(views)
+    # One pass per property, each a C-level map: the memory of a CPU, strided, contiguous
+    # tensor (nested ones aside) is its bytes, from its data pointer.
     if not all(map(_IS_CPU, xs)) or set(map(_LAYOUT, xs)) != {torch.strided}:
         return None
-    if not all(map(T.is_contiguous, xs)):
+    if any(map(_IS_NESTED, xs)) or not all(map(T.is_contiguous, xs)):
         return None
-    plain = not (any(map(_REQUIRES_GRAD, xs)) or any(map(T.is_conj, xs)) or any(map(T.is_neg, xs)))
-    nbytes, ranks, dims = _layout(xs, xs[0].element_size())
+    # flightq has no complex dtype, so no conjugate view: the negative bit is the one way
+    # a tensor's memory differs from its value (``x.conj().imag``).
+    plain = not any(map(T.is_neg, xs))
+    n, itemsize = len(xs), xs[0].element_size()
+    ranks = np.fromiter(map(T.dim, xs), np.int64, n)
+    if (ranks == 1).all():  # 1-D rows (token fields): a length each, no torch.Size built
+        dims = np.fromiter(map(T.numel, xs), np.int64, n)
+        return Bulk(xs, dims * itemsize, ranks, dims, tag, plain)
+    nbytes, ranks, dims = _layout(xs, itemsize)
     return Bulk(xs, nbytes, ranks, dims, tag, plain)
 
 
@@ -386,7 +412,12 @@ _NBYTES = operator.attrgetter("nbytes")
 _C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
 _IS_CPU = operator.attrgetter("is_cpu")
 _LAYOUT = operator.attrgetter("layout")
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_IS_NESTED = operator.attrgetter("is_nested")
+
+
+def _numpy_view(t: Any) -> np.ndarray:
+    """A checked CPU tensor's numpy view (detached: a tensor needing grad has one too)."""
+    return t.detach().numpy()
 
 
 #: Set once torch has given (and flightq silenced) its once-per-process warning about

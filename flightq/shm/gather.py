@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..sink import CopyNow
+from ..sink import CopyNow, bulk_buffers
 from ..tensor import Bulk
 
 # --------------------------------------------------------------------------- gathering
@@ -56,7 +56,7 @@ class ShmGather(CopyNow):
         return self._placeholder(payloads, offsets)
 
     def bulk(self, bulk: Bulk, present: list[int], offsets: np.ndarray) -> pa.Buffer:
-        views = bulk.byte_views() if int(offsets[-1]) >= _GATHER_MIN else None
+        views = bulk_buffers(bulk) if int(offsets[-1]) >= _GATHER_MIN else None
         if views is None:
             return super().bulk(bulk, present, offsets)
         payloads: list[Any] = views

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from flightq import Field, Schema, decode
 from flightq.dtypes import DTYPES
 from flightq.errors import FlightqError
+from flightq.sink import bulk_buffers, copy_bulk
 from flightq.tensor import bulk_to_bytes, to_bytes
 
 encode_module = importlib.import_module("flightq.encode")  # the package exports encode()
@@ -167,9 +168,16 @@ def test_bulk_describes_its_tensors(case: tuple[Schema, list[str], dict[str, Any
         assert bulk.nbytes.tolist() == [len(e.data) for e in encoded]
         assert bulk.ranks.tolist() == [len(e.shape) for e in encoded]
         assert {e.dtype for e in encoded} == {bulk.dtype}
+        want = b"".join(e.data.tobytes() for e in encoded)
         out = np.empty(int(bulk.nbytes.sum()), dtype=np.uint8)
         bulk.copy_into(out)
-        assert out.tobytes() == b"".join(e.data.tobytes() for e in encoded)
+        assert out.tobytes() == want
+        out[:] = 0
+        copy_bulk(bulk, out)  # torch tensors straight from their memory
+        assert out.tobytes() == want
+        views = bulk_buffers(bulk)
+        if views is not None:
+            assert b"".join(bytes(memoryview(v).cast("B")) for v in views) == want
 
 
 @pytest.mark.torch
@@ -177,8 +185,8 @@ def test_torch_rows_that_need_normalising_leave_the_bulk_path(torch: Any) -> Non
     plain = [torch.arange(3), torch.arange(2)]
     assert bulk_to_bytes(plain) is not None
     grad = [torch.zeros(3, requires_grad=True), torch.zeros(2)]
-    bulk = bulk_to_bytes(grad)  # viewed through the careful path: copied, not viewed
-    assert bulk is None or not bulk.plain
+    bulk = bulk_to_bytes(grad)  # a tensor needing grad: its memory is its value
+    assert bulk is not None and bulk.plain
     assert bulk_to_bytes([torch.arange(3), torch.arange(4)[::2]]) is None
     assert bulk_to_bytes([torch.zeros(2, dtype=torch.bfloat16)] * 2) is not None
     neg = torch.zeros(3)._neg_view()

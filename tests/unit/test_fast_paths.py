@@ -8,6 +8,7 @@ precise errors. Decoding every row at once gives the same views as row by row.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
 
@@ -18,7 +19,8 @@ from helpers_wire import LIBS, as_lib
 
 from flightq import SchemaRegistry, decode, encode
 from flightq.chunks import encode_chunks
-from flightq.errors import DTypeError, ShapeError
+from flightq.errors import DTypeError, EncodeError, ShapeError
+from flightq.sink import copy_bulk
 from flightq.tensor import bulk_to_bytes, to_bytes
 
 encode_module = importlib.import_module("flightq.encode")  # the package exports encode()
@@ -142,21 +144,36 @@ def test_bulk_copy_waits_for_the_fill_when_deferred(lib: str) -> None:
         ("float32", False),
         ("bool", False),
         ("int32", False),
-        ("float32", True),  # requires grad: copied by torch, detached
-        ("bfloat16", False),  # no numpy dtype: copied by torch
+        ("float32", True),  # requires grad: its memory is its value all the same
+        ("bfloat16", False),  # no numpy dtype: copied from memory, or by torch
+        ("neg", False),  # a negative view: its memory is not its value, copied by torch
     ],
 )
 def test_bulk_copy_of_torch_rows_lays_their_bytes_end_to_end(
     dtype: str, grad: bool, torch: ModuleType
 ) -> None:
     rng = np.random.default_rng(3)
-    dt = getattr(torch, dtype)
+    dt = getattr(torch, "float32" if dtype == "neg" else dtype)
     rows = [torch.from_numpy(rng.random(n) * 50).to(dt) for n in (5, 0, 11, 1)]
     if grad:
         rows = [r.requires_grad_() for r in rows]
+    if dtype == "neg":
+        rows[2] = rows[2]._neg_view()
     bulk = bulk_to_bytes(rows)
     assert bulk is not None
-    out = np.empty(int(bulk.nbytes.sum()), dtype=np.uint8)
-    bulk.copy_into(out)
+    assert bulk.plain == (dtype != "neg")
     want = b"".join(bytes(to_bytes(r).data) for r in rows)  # the per-row conversion
-    assert out.tobytes() == want
+    for copy in (bulk.copy_into, functools.partial(copy_bulk, bulk)):
+        out = np.zeros(int(bulk.nbytes.sum()), dtype=np.uint8)
+        copy(out)
+        assert out.tobytes() == want
+
+
+def test_a_torch_row_resized_before_its_deferred_copy_is_refused(torch: ModuleType) -> None:
+    rows = [torch.arange(n, dtype=torch.int64) for n in (4, 6, 3)]
+    fills: list = []
+    encode_chunks(TEXT, {"input_ids": rows}, KEYS, max_bytes=2**20, fills=fills)
+    rows[1].resize_(50)  # its memory may have moved: the copy must not read the old size
+    with pytest.raises(EncodeError, match=r"tensor 1 of a column changed size during the put"):
+        for fill in fills:
+            fill()
