@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 import pyarrow as pa
 
 from .chunks import encode_chunks, row_nbytes, split_batch
@@ -238,6 +239,53 @@ class Received:
         )
 
 
+#: Rows past which a batch's tags are decoded once per distinct value.
+_FEW = 8
+#: Values a shallow copy of a decoded map shares safely with the map it copies.
+_IMMUTABLE = (str, int, float, bool, bytes, type(None))
+_TAG_ERRORS = (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError)
+
+
+def _tags_by_value(col: pa.Array, keys: list[str]) -> list[dict[str, Any]]:
+    """Each row's tags (``{}`` for none), each distinct value decoded once: the rows of a
+    prompt group carry equal bytes. Each row gets its own map (a caller may change one
+    row's): a copy of the decoded one where its values are immutable, else decoded again.
+
+    Raises
+    ------
+    DecodeError
+        Naming the first row whose tags are not msgpack, or not a map.
+    """
+    coded = col.dictionary_encode()  # distinct values in order of first use
+    index = coded.indices
+    at = (index.fill_null(-1) if index.null_count else index).to_numpy()
+    values = coded.dictionary.to_pylist()
+    maps: list[dict[str, Any]] = []
+    for j, b in enumerate(values):
+        try:
+            t = msgpack.unpackb(b, raw=False)
+        except _TAG_ERRORS as e:
+            k = keys[int(np.argmax(at == j))]  # the first row with these bytes
+            raise DecodeError(
+                f"tags of row {k!r} are not valid msgpack: {e}", field=TAGS, key=k
+            ) from e
+        if not isinstance(t, dict):
+            k = keys[int(np.argmax(at == j))]
+            raise DecodeError(
+                f"tags of row {k!r} are not a map", field=TAGS, key=k, actual=type(t).__name__
+            )
+        maps.append(t)
+    shallow = [all(type(v) in _IMMUTABLE for v in t.values()) for t in maps]
+    maps.append({})  # index -1: a row without tags
+    picks = at.tolist()
+    if all(shallow):
+        return list(map(dict, map(maps.__getitem__, picks)))
+    return [
+        dict(maps[j]) if j < 0 or shallow[j] else msgpack.unpackb(values[j], raw=False)
+        for j in picks
+    ]
+
+
 def join(parts: Sequence[Batch]) -> Batch:
     """Decoded parts (of one stream, or of several in order) as one batch of their class.
 
@@ -358,6 +406,8 @@ class Batch:
         """Per-row tag dicts (empty where a row has none)."""
         if self._tags is None and self._parts is not None:
             self._tags = [t for p in self._parts for t in p.tags]
+        if self._tags is None and self.record_batch.num_rows > _FEW:
+            self._tags = _tags_by_value(self.record_batch.column(TAGS), self.keys)
         if self._tags is None:
             out: list[dict[str, Any]] = []
             for i, b in enumerate(self.record_batch.column(TAGS).to_pylist()):

@@ -290,6 +290,11 @@ def put_keys(pieces: list[Piece]) -> set[str]:
     return unique
 
 
+#: Rows up to which a batch's tags are decoded row by row (Arrow's dictionary of
+#: distinct values costs more than it saves there).
+_FEW = 8
+
+
 def _decode_tags(
     piece_batch: pa.RecordBatch, keys: list[str], limit: int | None
 ) -> tuple[list[dict[str, Any] | None], np.ndarray]:
@@ -298,50 +303,87 @@ def _decode_tags(
 
     Each distinct value is decoded and measured once: the rows of a prompt group share
     their tags' bytes, and share the map they decode to (nothing changes a stored map in
-    place). Each row still counts the map whole, as if it held its own. Errors are those
-    of decoding row by row: the first row (in order) whose tags are not a msgpack map, or
-    past ``limit``, is named.
+    place). Each row still counts the map whole, as if it held its own. The first row (in
+    order) whose tags are not a msgpack map, or take the batch's past ``limit``, is named.
     """
     col = piece_batch.column(TAGS)
-    n = len(col)
-    if n == 0:
-        return [], np.zeros(0, dtype=np.int64)
+    if len(col) <= _FEW:
+        return _tags_row_by_row(pylist(col), keys, limit)
     coded = col.dictionary_encode()  # distinct values in order of first use
     index = coded.indices
     at = (index.fill_null(-1) if index.null_count else index).to_numpy().astype(np.int64)
     maps: list[dict[str, Any] | None] = []
     sizes: list[int] = []
-    bad: tuple[int, Any, Exception | None] | None = None  # (value, what it is, error)
     for j, b in enumerate(pylist(coded.dictionary)):
         try:
             t = msgpack.unpackb(b, raw=False)
-        except Exception as e:  # hostile bytes raise assorted errors
-            bad = (j, None, e)
-            break
+        except Exception:  # hostile bytes raise assorted errors
+            t = None
         if not isinstance(t, dict):
-            bad = (j, t, None)
-            break
+            # Refused at the first row with these bytes, unless earlier rows pass the limit.
+            first = int(np.argmax(at == j))
+            _check_tag_limit(at[:first], sizes, keys, limit)
+            t = _tags_map(b, keys[first])  # raises, naming that row
         maps.append(t)
         sizes.append(tags_size(t))
-    if bad is not None:
-        j, t, err = bad
-        first = int(np.argmax(at == j))  # the first row with these bytes
-        _check_tag_limit(at[:first], sizes, keys, limit)
-        k = keys[first]
-        if err is not None:
-            raise EncodeError(
-                f"tags of row {k!r} are not valid msgpack: {err}", field=TAGS, key=k
-            ) from err
+    _check_tag_limit(at, sizes, keys, limit)
+    counted = np.array([s if t else 0 for t, s in zip(maps, sizes, strict=True)] + [0])
+    maps.append(None)  # index -1: a row without tags
+    return list(map(maps.__getitem__, at.tolist())), counted[at]
+
+
+def _tags_row_by_row(
+    values: list[bytes | None], keys: list[str], limit: int | None
+) -> tuple[list[dict[str, Any] | None], np.ndarray]:
+    """:func:`_decode_tags` of a few rows, one at a time."""
+    out: list[dict[str, Any] | None] = []
+    sizes: list[int] = []
+    size = 0
+    for k, b in zip(keys, values, strict=True):
+        if b is None:
+            out.append(None)
+            sizes.append(0)
+            continue
+        t = _tags_map(b, k)
+        s = tags_size(t)
+        size += s
+        if limit is not None and size > limit:
+            raise _tags_past(limit, k)
+        out.append(t)
+        sizes.append(s if t else 0)  # an empty map is stored as no tags
+    return out, np.asarray(sizes, dtype=np.int64)
+
+
+def _tags_map(b: bytes, k: str) -> dict[str, Any]:
+    """The map the tags ``b`` of row ``k`` decode to.
+
+    Raises
+    ------
+    EncodeError
+        If ``b`` is not msgpack, or not a map.
+    """
+    try:
+        t = msgpack.unpackb(b, raw=False)
+    except Exception as e:  # hostile bytes raise assorted errors
+        raise EncodeError(f"tags of row {k!r} are not valid msgpack: {e}", field=TAGS, key=k) from e
+    if not isinstance(t, dict):
         raise EncodeError(
             f"tags of row {k!r} must be a msgpack map, got {type(t).__name__}",
             field=TAGS,
             key=k,
             actual=type(t).__name__,
         )
-    _check_tag_limit(at, sizes, keys, limit)
-    counted = np.array([s if t else 0 for t, s in zip(maps, sizes, strict=True)] + [0])
-    maps.append(None)  # index -1: a row without tags
-    return list(map(maps.__getitem__, at.tolist())), counted[at]
+    return t
+
+
+def _tags_past(limit: int, k: str) -> ResourceExhaustedError:
+    return ResourceExhaustedError(
+        f"the tags of a record batch take more than {limit} bytes as Python "
+        f"objects (at row {k!r}), more than the server's whole memory budget",
+        field=TAGS,
+        key=k,
+        expected=limit,
+    )
 
 
 def _check_tag_limit(at: np.ndarray, sizes: list[int], keys: list[str], limit: int | None) -> None:
@@ -351,16 +393,8 @@ def _check_tag_limit(at: np.ndarray, sizes: list[int], keys: list[str], limit: i
         return
     each = np.array([*sizes, 0], dtype=np.int64)[at]
     total = np.cumsum(each)
-    if total[-1] <= limit:
-        return
-    i = int(np.argmax(total > limit))
-    raise ResourceExhaustedError(
-        f"the tags of a record batch take more than {limit} bytes as Python "
-        f"objects (at row {keys[i]!r}), more than the server's whole memory budget",
-        field=TAGS,
-        key=keys[i],
-        expected=limit,
-    )
+    if total[-1] > limit:
+        raise _tags_past(limit, keys[int(np.argmax(total > limit))])
 
 
 def make_piece(batch: pa.RecordBatch, checked: Checked, limit: int | None = None) -> Piece:

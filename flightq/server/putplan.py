@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 __all__ = ["PutPlan", "plan_put", "replays"]
 
 _MISSING = object()
+#: Rows up to which a piece's new rows are built one by one (numpy costs more there).
+_FEW = 8
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,7 @@ def plan_put(
         held = pylist(pc.held) if len(pc.held) else nbytes
         nbytes_in += sum(nbytes)
         held_in += sum(held)
-        if not sparse and not any(mine):
+        if not sparse and len(mine) > _FEW and not any(mine):
             # Every row new with every field: the rows built in a few C-level passes.
             first = len(new)
             made = _new_rows(pc, dense, group, g, first, seq_lens, nbytes, held)

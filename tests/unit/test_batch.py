@@ -6,6 +6,7 @@ import math
 from types import ModuleType
 from typing import Any
 
+import msgpack
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -900,3 +901,35 @@ def test_views_of_a_shared_image_behave_as_views_of_one_that_is_not_shared(
     # Refused ("output of a function that returns multiple views") for views made together
     # by one multi-output op such as unbind.
     first.mul_(torch.ones((), requires_grad=True))
+
+
+def _many_rows(tags: list) -> pa.RecordBatch:
+    keys = [f"r{i}" for i in range(len(tags))]
+    return flightq.encode(shipped(TEXT), {"input_ids": [np.arange(2)] * len(keys)}, keys, tags)
+
+
+def test_tags_shared_by_many_rows_read_as_each_rows_own_map() -> None:
+    # Past a few rows each distinct value is decoded once; every row still gets a map of
+    # its own, so changing one row's tags (or a list inside them) changes no other row's.
+    tags = [{"prompt_idx": i // 4, "ids": [i // 4]} if i % 3 else {"w": i // 4} for i in range(16)]
+    tags[5] = None
+    out = flightq.decode(_many_rows(tags), as_="numpy").tags
+    assert out == [t or {} for t in tags]
+    assert len({id(t) for t in out}) == len(out)
+    out[1]["prompt_idx"] = 99
+    out[1]["ids"].append(7)
+    assert out[2] == {"prompt_idx": 0, "ids": [0]} and out[3] == {"w": 0}
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [(b"\xc1", "are not valid msgpack: "), (b"\x93\x01\x02\x03", "are not a map")],
+)
+def test_many_rows_tags_are_refused_at_the_first_bad_row(bad: bytes, message: str) -> None:
+    good = msgpack.packb({"prompt_idx": 1})
+    values = [good] * 5 + [None, bad, good, bad] + [good] * 3
+    rb = replace_column(_many_rows([None] * 12), "__tags__", pa.array(values, pa.binary()))
+    for as_ in OUTPUTS:
+        with pytest.raises(DecodeError, match=f"tags of row 'r6' {message}") as e:
+            _ = flightq.decode(rb, as_=as_).tags
+        assert e.value.key == "r6"

@@ -36,13 +36,13 @@ def _piece(keys: list[str], lens: list[int], tags: list | None = None, sparse: b
 def test_new_rows_are_planned_as_defined(group_size: int | None, sparse: bool) -> None:
     p = Partition("p", TEXT, ("train",), group_size)
     p.next_group = 3  # groups taken by earlier puts
-    tags = [{"prompt_idx": i // 4} if i % 3 else None for i in range(8)]
-    pieces = [
-        _piece([f"a{i}" for i in range(8)], [i + 1 for i in range(8)], tags, sparse),
+    tags = [{"prompt_idx": i // 4} if i % 3 else None for i in range(12)]
+    pieces = [  # rows built in bulk (past a few rows, every field present), and one by one
+        _piece([f"a{i}" for i in range(12)], [i + 1 for i in range(12)], tags, sparse),
         _piece([f"b{i}" for i in range(4)], [5] * 4),
     ]
     plan = plan_put(p, pieces, False, None, p.writes)
-    assert plan.new == [*(f"a{i}" for i in range(8)), *(f"b{i}" for i in range(4))]
+    assert plan.new == [*(f"a{i}" for i in range(12)), *(f"b{i}" for i in range(4))]
     assert list(plan.ready) == plan.new and list(plan.rows) == plan.new
     n = 0
     for pc in pieces:
@@ -54,6 +54,8 @@ def test_new_rows_are_planned_as_defined(group_size: int | None, sparse: bool) -
             carried = [f for f in ck.fields if pc.valid(f) is None or pc.valid(f)[i]]
             assert list(row.cells) == carried
             assert all(cell[0] is pc and cell[1] == i for cell in row.cells.values())
+            # A home only where the row has every field of its piece (not one it lacks).
+            assert row.home == ((pc, i) if carried == list(ck.fields) else None)
             assert row.tags == (pc.tags[i] or {})
             assert (row.seq_len, row.nbytes, row.held) == (
                 int(ck.seq_lens[i]),

@@ -127,9 +127,9 @@ def test_tags_are_refused_at_the_first_row_that_fails_as_row_by_row(
 
 
 def test_rows_with_equal_tag_bytes_share_one_decoded_map() -> None:
-    tags = [{"prompt_idx": i // 4} for i in range(8)]
-    keys = [f"r{i}" for i in range(8)]
-    rb = encode(TEXT, {"input_ids": [np.arange(2)] * 8}, keys, tags)
+    tags = [{"prompt_idx": i // 4} for i in range(16)]
+    keys = [f"r{i}" for i in range(16)]
+    rb = encode(TEXT, {"input_ids": [np.arange(2)] * 16}, keys, tags)
     piece = make_piece(rb, validate(rb, TEXT), None)
     assert piece.tags == tags
     assert piece.tags[0] is piece.tags[3] and piece.tags[3] is not piece.tags[4]
