@@ -256,10 +256,9 @@ def _tags_by_value(col: pa.Array, keys: list[str]) -> list[dict[str, Any]]:
     DecodeError
         Naming the first row whose tags are not msgpack, or not a map.
     """
-    coded = col.dictionary_encode()  # distinct values in order of first use
-    index = coded.indices
-    at = (index.fill_null(-1) if index.null_count else index).to_numpy()
-    values = coded.dictionary.to_pylist()
+    seen: dict[bytes, int] = {}  # each distinct value's number, in order of first use
+    at = np.array([-1 if b is None else seen.setdefault(b, len(seen)) for b in col.to_pylist()])
+    values = list(seen)
     maps: list[dict[str, Any]] = []
     for j, b in enumerate(values):
         try:

@@ -306,15 +306,16 @@ def _decode_tags(
     place). Each row still counts the map whole, as if it held its own. The first row (in
     order) whose tags are not a msgpack map, or take the batch's past ``limit``, is named.
     """
-    col = piece_batch.column(TAGS)
-    if len(col) <= _FEW:
-        return _tags_row_by_row(pylist(col), keys, limit)
-    coded = col.dictionary_encode()  # distinct values in order of first use
-    index = coded.indices
-    at = (index.fill_null(-1) if index.null_count else index).to_numpy().astype(np.int64)
+    values = pylist(piece_batch.column(TAGS))
+    if len(values) <= _FEW:
+        return _tags_row_by_row(values, keys, limit)
+    # Each distinct value's number, in order of first use (a dict, not Arrow's dictionary
+    # encoding: its hash table stays in Arrow's pool, which rows of distinct tags grow).
+    seen: dict[bytes, int] = {}
+    at = np.array([-1 if b is None else seen.setdefault(b, len(seen)) for b in values])
     maps: list[dict[str, Any] | None] = []
     sizes: list[int] = []
-    for j, b in enumerate(pylist(coded.dictionary)):
+    for j, b in enumerate(seen):
         try:
             t = msgpack.unpackb(b, raw=False)
         except Exception:  # hostile bytes raise assorted errors
