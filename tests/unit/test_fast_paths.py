@@ -170,9 +170,10 @@ def test_bulk_copy_of_torch_rows_lays_their_bytes_end_to_end(
 
 
 def test_a_torch_row_resized_before_its_deferred_copy_is_refused(torch: ModuleType) -> None:
-    rows = [torch.arange(n, dtype=torch.int64) for n in (4, 6, 3)]
+    rows = [torch.arange(n % 5 + 2, dtype=torch.int64) for n in range(12)]  # the bulk path
     fills: list = []
-    encode_chunks(TEXT, {"input_ids": rows}, KEYS, max_bytes=2**20, fills=fills)
+    keys = [f"k{i}" for i in range(12)]
+    encode_chunks(TEXT, {"input_ids": rows}, keys, max_bytes=2**20, fills=fills)
     rows[1].resize_(50)  # its memory may have moved: the copy must not read the old size
     with pytest.raises(EncodeError, match=r"tensor 1 of a column changed size during the put"):
         for fill in fills:
