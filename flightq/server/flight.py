@@ -438,6 +438,11 @@ class Server(fl.FlightServerBase):
                 self.counters.add("bytes_received", size)
                 piece = media_piece(part, data, claims, what, budget, self._hashed)
                 piece.epoch = part.epoch
+                if context is not None and cmd.shm is None:
+                    # Per call, a batch is a slice of its Flight message: what the message
+                    # holds beyond the batch (its header; any gaps a client left between
+                    # buffers) lives as long as the rows do, and counts on them.
+                    extra += max(underlying_bytes([data]) - data.get_total_buffer_size(), 0)
                 if extra and data.num_rows:  # bytes held with the batches: on its rows
                     piece.held = piece.held + -(-extra // data.num_rows)
                     extra = 0

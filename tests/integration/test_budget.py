@@ -14,6 +14,7 @@ import time
 
 import msgpack
 import numpy as np
+import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
 from helpers_budget import VLM, action, empty_maps, media_batch, with_keys, with_tags
@@ -299,3 +300,35 @@ def test_stats_and_inspect_report_what_the_budget_counts_beside_the_payload(caps
             f"({tools.human_bytes(q['bytes'])} payload, {tools.human_bytes(q['held'])} held)"
             in (capsys.readouterr().out)
         )
+
+
+def test_a_put_whose_message_holds_more_than_its_batch_counts_what_it_holds() -> None:
+    # A hand-written FlightData whose one-row batch leaves 32 MiB between two buffers:
+    # Arrow reads the batch, the server would hold the message whole, gap included.
+    grpc = pytest.importorskip("grpc", reason="needs grpcio to write FlightData by hand")
+    from helpers_flightdata import flight_data, gapped, schema_header
+
+    batch = text_batch(["a"])
+    header, body = gapped(batch, 32 << 20)
+    assert pa.ipc.read_record_batch(
+        pa.ipc.read_message(
+            pa.py_buffer(b"\xff\xff\xff\xff" + len(header).to_bytes(4, "little") + header + body)
+        ),
+        batch.schema,
+    ).equals(batch)  # the same batch to Arrow
+    messages = [
+        flight_data(schema_header(batch.schema), command=put_command("p", rows=1).command),
+        flight_data(header, body),
+    ]
+    with flightq.Server(memory_budget=16 << 20) as srv, flightq.connect(srv.location) as c:
+        c.create_partition("p", "rollout_text@1", tasks=["t"])
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            call = channel.stream_stream("/arrow.flight.protocol.FlightService/DoPut")
+            with pytest.raises(grpc.RpcError) as e:
+                list(call(iter(messages), timeout=30))
+        assert "ResourceExhaustedError" in e.value.details()
+        assert "whole memory budget" in e.value.details()
+        p = c.stats()["partitions"]["p"]
+        assert (p["rows"], p["held"]) == (0, 0)
+        c.put("p", ["b"], {"input_ids": [np.arange(3)]})  # the server serves on
+        assert c.get("p", ["b"], as_="numpy").keys == ["b"]
