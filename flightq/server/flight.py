@@ -359,7 +359,7 @@ class Server(fl.FlightServerBase):
         writer: fl.FlightMetadataWriter,
         context: fl.ServerCallContext | None = None,
     ) -> None:
-        def source(cmd: PutCommand, what: str) -> Iterator[tuple[pa.RecordBatch, Any]]:
+        def source(cmd: PutCommand, what: str) -> Iterator[Incoming]:
             return self._put_source(cmd, reader, context, what)
 
         n = self._store_put(_command(descriptor, PutCommand.WHAT), source, context)
@@ -368,9 +368,8 @@ class Server(fl.FlightServerBase):
     def _store_put(
         self,
         command: bytes,
-        source: Callable[[PutCommand, str], Iterator[tuple[pa.RecordBatch, pa.Buffer | None]]],
+        source: Callable[[PutCommand, str], Iterator[Incoming]],
         context: fl.ServerCallContext | None,
-        extra: int = 0,
     ) -> int:
         """One put, all or nothing: ``command`` parsed, the batches ``source`` gives checked
         and stored (or its part staged); returns the rows stored. The one path of every
@@ -386,7 +385,7 @@ class Server(fl.FlightServerBase):
         pieces: list[Any] = []
         try:
             try:
-                self._put_pieces(cmd, source(cmd, f"put to {name!r}"), context, pieces, extra)
+                self._put_pieces(cmd, source(cmd, f"put to {name!r}"), context, pieces)
             except BaseException as e:
                 if staged is not None:  # the other parts fail with it
                     self._staging.fail(name, staged[0], staged[2], e)
@@ -408,10 +407,9 @@ class Server(fl.FlightServerBase):
     def _put_pieces(
         self,
         cmd: PutCommand,
-        source: Iterator[tuple[pa.RecordBatch, pa.Buffer | None]],
+        source: Iterator[Incoming],
         context: fl.ServerCallContext | None,
         pieces: list[Any],
-        extra: int = 0,
     ) -> None:
         """One put stream's record batches, each checked against the partition's schema
         and its caps (:mod:`flightq.server.budget`), appended to ``pieces`` as they come
@@ -423,7 +421,7 @@ class Server(fl.FlightServerBase):
         media = DictionaryUse(what)
         got = reserved = 0
         try:
-            for data, claims in source:
+            for data, claims, extra in source:
                 # All its buffers (cheap); exact referenced bytes only where that matters.
                 size = data.get_total_buffer_size()
                 if size > self.max_put_batch_bytes and data.nbytes > self.max_put_batch_bytes:
@@ -438,14 +436,8 @@ class Server(fl.FlightServerBase):
                 self.counters.add("bytes_received", size)
                 piece = media_piece(part, data, claims, what, budget, self._hashed)
                 piece.epoch = part.epoch
-                if context is not None and cmd.shm is None:
-                    # Per call, a batch is a slice of its Flight message: what the message
-                    # holds beyond the batch (its header; any gaps a client left between
-                    # buffers) lives as long as the rows do, and counts on them.
-                    extra += max(underlying_bytes([data]) - data.get_total_buffer_size(), 0)
-                if extra and data.num_rows:  # bytes held with the batches: on its rows
+                if extra and data.num_rows:  # held with the batch beyond it: on its rows
                     piece.held = piece.held + -(-extra // data.num_rows)
-                    extra = 0
                 media.add(data)
                 self.store.reserve(name, piece, reserved, cmd.timeout)
                 reserved += piece.reserved
@@ -607,20 +599,17 @@ class Server(fl.FlightServerBase):
         """A put on the request stream: the DoPut path over the frame's batches (which
         claim nothing of their media: payloads filed under their hints, as through shm)."""
 
-        def source(cmd: PutCommand, what: str) -> Iterator[tuple[pa.RecordBatch, Any]]:
+        def source(cmd: PutCommand, what: str) -> Iterator[Incoming]:
             if cmd.shm is not None:
                 raise ProtocolError(
                     f"{what}: a put through shared memory goes per call (DoPut), not on "
                     "the request stream"
                 )
-            return ((b, None) for b in batches)
+            return _first_holds(batches)  # copies of their own bytes (frames.parse_frame)
 
         # No cancel check (grpc's costs a third of a millisecond): the frame arrived whole,
-        # its lengths checked, so the stream cannot have been cut short mid-put. The rows
-        # keep the whole frame alive (their buffers are slices of it): what the batches do
-        # not reference (its header, schema, any padding) counts on them too.
-        extra = underlying_bytes(batches) - sum(b.get_total_buffer_size() for b in batches)
-        return self._store_put(command, source, None, max(extra, 0))
+        # its lengths checked, so the stream cannot have been cut short mid-put.
+        return self._store_put(command, source, None)
 
     def _hashed(self, nbytes: int) -> None:
         """Count media bytes hashed to resolve a put (flightq.server.media)."""
@@ -634,12 +623,15 @@ class Server(fl.FlightServerBase):
         reader: fl.MetadataRecordBatchReader,
         context: fl.ServerCallContext | None,
         what: str,
-    ) -> Iterator[tuple[pa.RecordBatch, pa.Buffer | None]]:
+    ) -> Iterator[Incoming]:
         """A put's record batches and their app metadata (the media digests they claim):
         from the stream, or mapped from a shm segment (no digests: the server hashes)."""
         ref = cmd.shm
         if ref is None:  # each read waits on the client: watched for a stall
-            return self.idle.reads(context, ((chunk.data, chunk.app_metadata) for chunk in reader))
+            # A batch is a slice of its Flight message: what the message holds beyond it
+            # (its header; any gaps a client left between buffers) lives as long as it does.
+            chunks = self.idle.reads(context, (chunk for chunk in reader))
+            return ((c.data, c.app_metadata, _beyond([c.data])) for c in chunks)
         from .. import shm
 
         if self.shm_dir is None:
@@ -647,7 +639,7 @@ class Server(fl.FlightServerBase):
         if context is not None:
             shm.check_peer(context.peer(), what)
         batches = shm.read(ref.to_dict(), self.shm_dir, what, populate=False)
-        return ((b, None) for b in batches)
+        return _first_holds(batches)  # the server's copy of the segment, all of it
 
     def _shm_reply(
         self,
@@ -742,6 +734,26 @@ class Server(fl.FlightServerBase):
             )
             name = scan.partition
         return self._guard(self._info, name)
+
+
+#: A put's record batch as it comes in: the batch, the media digests it claims (its app
+#: metadata), and the bytes its memory holds beyond the batch's own buffers.
+Incoming = tuple[pa.RecordBatch, Any, int]
+
+
+def _beyond(batches: list[pa.RecordBatch]) -> int:
+    """Bytes the memory blocks under ``batches`` hold beyond their buffers (a Flight
+    message's header, a frame's schema, a shared-memory copy's stream framing, and
+    whatever gaps a client left): counted on their rows, for as long as they hold it."""
+    return max(underlying_bytes(batches) - sum(b.get_total_buffer_size() for b in batches), 0)
+
+
+def _first_holds(batches: list[pa.RecordBatch]) -> Iterator[Incoming]:
+    """``batches`` read from one block of memory, what it holds beyond them counted on the
+    first (a block is freed only with the last batch, so this is an upper bound)."""
+    extra = _beyond(batches)
+    for i, b in enumerate(batches):
+        yield b, None, extra if i == 0 else 0
 
 
 def _stream(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> fl.FlightDataStream:
