@@ -340,6 +340,25 @@ def _connections(local_port: int) -> list[tuple[str, int]]:
     """(remote host, remote port) of every established TCP connection in this network
     namespace whose local port is ``local_port`` (the server's side of them)."""
     out = []
+    for family, cols in _tcp_table():
+        if len(cols) < 4 or cols[3] != _ESTABLISHED:
+            continue
+        local, remote = cols[1].rsplit(":", 1), cols[2].rsplit(":", 1)
+        if int(local[1], 16) != local_port:
+            continue
+        raw = bytes.fromhex(remote[0])
+        # /proc prints each 32-bit word of the address in host (little-endian) order.
+        addr = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+        try:
+            host = socket.inet_ntop(family, addr)
+        except (OSError, ValueError):
+            continue
+        out.append((host, int(remote[1], 16)))
+    return out
+
+
+def _tcp_table() -> Iterator[tuple[int, list[str]]]:
+    """(address family, columns) of each line of this network namespace's TCP tables."""
     for path, family in (
         ("/proc/self/net/tcp", socket.AF_INET),
         ("/proc/self/net/tcp6", socket.AF_INET6),
@@ -350,21 +369,7 @@ def _connections(local_port: int) -> list[tuple[str, int]]:
         except OSError:
             continue
         for line in lines:
-            cols = line.split()
-            if len(cols) < 4 or cols[3] != _ESTABLISHED:
-                continue
-            local, remote = cols[1].rsplit(":", 1), cols[2].rsplit(":", 1)
-            if int(local[1], 16) != local_port:
-                continue
-            raw = bytes.fromhex(remote[0])
-            # /proc prints each 32-bit word of the address in host (little-endian) order.
-            addr = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-            try:
-                host = socket.inet_ntop(family, addr)
-            except (OSError, ValueError):
-                continue
-            out.append((host, int(remote[1], 16)))
-    return out
+            yield family, line.split()
 
 
 def _reads(call: _Call, it: Iterator[T]) -> Iterator[T]:
@@ -412,19 +417,12 @@ def _inodes(local_port: int, remote_port: int) -> list[int]:
     to ``remote_port`` (both sides of a loopback connection may be listed; the caller
     checks which one it holds)."""
     out = []
-    for path in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        try:
-            with open(path) as f:
-                lines = f.readlines()[1:]
-        except OSError:
+    for _, cols in _tcp_table():
+        if len(cols) < 10:
             continue
-        for line in lines:
-            cols = line.split()
-            if len(cols) < 10:
-                continue
-            local, remote = cols[1].rsplit(":", 1)[1], cols[2].rsplit(":", 1)[1]
-            if int(local, 16) == local_port and int(remote, 16) == remote_port:
-                out.append(int(cols[9]))
+        local, remote = cols[1].rsplit(":", 1)[1], cols[2].rsplit(":", 1)[1]
+        if int(local, 16) == local_port and int(remote, 16) == remote_port:
+            out.append(int(cols[9]))
     return out
 
 
