@@ -207,6 +207,16 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--schemas", help="schema folder (default: the shipped schemas)")
     sv.add_argument("--memory-budget", type=int, default=None, help="bytes the store may hold")
     sv.add_argument(
+        "--memory-cap",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="limit on the process's data segment (RLIMIT_DATA): an allocation past it fails "
+        "and its call is refused, ResourceExhaustedError (default: its size at start + 4x "
+        "the budget, or the host's memory without one, + thread stacks + 2 GiB; 0: none; "
+        "Linux)",
+    )
+    sv.add_argument(
         "--max-batch-bytes",
         type=int,
         default=None,

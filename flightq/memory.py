@@ -20,7 +20,14 @@ import os
 import platform
 import sys
 
-__all__ = ["keep_freed_memory", "exec_with_one_arena", "collect_rarely", "GC_THRESHOLDS"]
+__all__ = [
+    "keep_freed_memory",
+    "exec_with_one_arena",
+    "collect_rarely",
+    "GC_THRESHOLDS",
+    "memory_cap",
+    "cap_memory",
+]
 
 #: Thresholds of Python's cyclic garbage collector in a server (:func:`collect_rarely`).
 GC_THRESHOLDS = (50_000, 20, 100)
@@ -110,3 +117,72 @@ def collect_rarely() -> tuple[int, int, int]:
     # waits a switch interval each time it needs the GIL back: 1 ms instead of 5.
     sys.setswitchinterval(SWITCH_INTERVAL)
     return GC_THRESHOLDS
+
+
+#: Times the memory budget that :func:`memory_cap` allows above the server's start (the
+#: RSS promise of docs/reliability.md is 3x).
+CAP_BUDGET_FACTOR = 4
+#: Address space above that which the allocators reserve without using it: mimalloc
+#: (Arrow's default pool) reserves arenas of 1 GiB, gRPC and Python their own.
+CAP_SLACK = 2 * 2**30
+#: Threads beside the calls and sessions: gRPC's pollers, the idle watch, the exporter.
+CAP_SPARE_THREADS = 32
+
+
+def _vm_data() -> int:
+    """This process's data segment (private writable mappings), the size RLIMIT_DATA caps."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmData in /proc/self/status")
+
+
+def _host_memory() -> int:
+    """The memory this process may use at most: the host's, or its cgroup's if smaller."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            text = f.read().strip()
+        if text.isdigit():
+            limit = min(limit, int(text))
+    except OSError:
+        pass
+    return limit
+
+
+def memory_cap(budget: int | None, threads: int) -> int | None:
+    """The data-segment limit ``flightq serve`` sets on itself unless told otherwise.
+
+    Arrow inflates a per-call DoPut's IPC-compressed bodies to the sizes they declare
+    before the server sees them (docs/reliability.md): a few MiB of zstd can ask for more
+    than the host has. Under a limit on its data segment (``RLIMIT_DATA``) that allocation
+    fails at once, the put is refused with ``ResourceExhaustedError`` and the server
+    serves on; without one the kernel kills a process when the pages run out. The limit:
+    the data segment at the time of the call, plus :data:`CAP_BUDGET_FACTOR` times the
+    memory budget (the host's memory where there is no budget), plus a thread stack for
+    each of ``threads`` (calls and sessions at once) and :data:`CAP_SPARE_THREADS`, plus
+    :data:`CAP_SLACK`. Returns None where Linux's ``/proc`` is absent.
+    """
+    if sys.platform != "linux":
+        return None
+    import resource
+
+    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    if stack == resource.RLIM_INFINITY or stack <= 0:
+        stack = 32 * 2**20  # glibc's thread stack when the stack limit is unlimited
+    room = _host_memory() if budget is None else CAP_BUDGET_FACTOR * budget
+    return _vm_data() + room + (threads + CAP_SPARE_THREADS) * stack + CAP_SLACK
+
+
+def cap_memory(limit: int) -> int:
+    """Limit this process's data segment to ``limit`` bytes (``RLIMIT_DATA``, soft; never
+    above the hard limit); returns the limit that took. Process-wide: ``flightq serve``
+    calls it for itself, a process that embeds a server decides for itself."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    return limit

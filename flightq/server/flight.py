@@ -32,12 +32,13 @@ import pyarrow.flight as fl
 from ..errors import (
     FlightqError,
     ProtocolError,
+    ResourceExhaustedError,
     SchemaMismatchError,
     UnavailableError,
     UnknownSchemaError,
 )
 from ..layout import DEFAULT_BATCH_BYTES
-from ..memory import collect_rarely, keep_freed_memory
+from ..memory import cap_memory, collect_rarely, keep_freed_memory, memory_cap
 from ..protocol import (
     ACTIONS,
     CLAIM_METADATA,
@@ -336,6 +337,14 @@ class Server(fl.FlightServerBase):
                 e,
             )
             raise to_flight_error(e) from None
+        except MemoryError as e:  # an allocation past the process's cap (flightq serve)
+            self.counters.refused("ResourceExhaustedError")
+            log.warning("refused a call that needed more memory than the cap: %s", e)
+            raise to_flight_error(
+                ResourceExhaustedError(
+                    f"the server could not take the memory this call needs ({e})"
+                )
+            ) from None
         finally:
             self.counters.observe(call_kind(fn.__name__, args), time.perf_counter() - started)
 
@@ -443,6 +452,12 @@ class Server(fl.FlightServerBase):
                 reserved += piece.reserved
                 pieces.append(piece)
             media.finish()
+        except MemoryError as e:  # Arrow's own allocation past the cap (flightq serve)
+            raise ResourceExhaustedError(
+                f"put to {name!r}: a record batch needs more memory than the server may "
+                f"take ({e}); nothing was stored. Arrow inflates IPC-compressed bodies to "
+                "the size they declare before any check: send uncompressed record batches"
+            ) from e
         except pa.ArrowException as e:
             raise ProtocolError(
                 f"put to {name!r}: the stream broke off or is malformed: {e}"
@@ -827,13 +842,27 @@ def _malloc_report(kept: bool) -> dict[str, Any]:
     return {"arena_max": os.environ.get("MALLOC_ARENA_MAX"), "keep_freed_memory": kept}
 
 
+def _cap(args: argparse.Namespace, server: Server) -> int | None:
+    """Cap this process's data segment as ``--memory-cap`` says (None: the default of
+    :func:`flightq.memory.memory_cap`; 0: no cap); returns the cap set, or None."""
+    asked = getattr(args, "memory_cap", None)
+    if asked == 0:
+        return None
+    if asked is None:
+        limits = server.limits
+        asked = memory_cap(server.store.memory_budget, limits.max_calls + limits.max_sessions)
+    return None if asked is None else cap_memory(asked)
+
+
 def serve_forever(args: argparse.Namespace) -> int:
     """``flightq serve``: run a server in the foreground until SIGINT or SIGTERM.
 
     The process tunes its own allocator (:mod:`flightq.memory`) and says so on its JSON
     startup line: ``"malloc": {"arena_max": ..., "keep_freed_memory": ...}``, and runs the
     cyclic garbage collector rarely (:func:`flightq.memory.collect_rarely`; ``"gc"``: its
-    thresholds).
+    thresholds). Once it listens it caps its own data segment (``--memory-cap``; by default
+    :func:`flightq.memory.memory_cap`), so that no message can make it allocate past the
+    cap (``"memory_cap"``: the bytes, or null).
     """
     malloc = _malloc_report(keep_freed_memory())
     gc_thresholds = collect_rarely()
@@ -887,7 +916,11 @@ def serve_forever(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _handler)
     signal.signal(signal.SIGINT, _handler)
     server.start()
-    started = {"listening": server.location, "schemas": [s.ref for s in server.registry]}
+    started: dict[str, Any] = {
+        "listening": server.location,
+        "schemas": [s.ref for s in server.registry],
+        "memory_cap": _cap(args, server),
+    }
     if getattr(args, "metrics_port", None) is not None:
         from .exporter import serve_metrics
 

@@ -3,8 +3,10 @@
 Arrow's reader inflates a compressed body buffer to the size the buffer declares: a few
 KiB of zstd can ask the reader for gigabytes. flightq compresses cells (field codecs,
 checked), never IPC bodies, so wherever the server decodes IPC bytes itself (request
-stream frames, a put through shared memory) it refuses compressed ones first. Real
-``flightq serve`` processes; their memory high-water mark is read from /proc.
+stream frames, a put through shared memory) it refuses compressed ones first. A per-call
+DoPut is decoded by Flight before the server sees it: there ``flightq serve``'s cap on its
+own data segment makes the inflating allocation fail, and the put is refused typed. Real
+``flightq serve`` processes; their memory high-water mark and limits are read from /proc.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
 from fixtures_dataplane import TEXT, TIMEOUT, cli_server, text_columns
+from helpers_reliability import plain_error
 
 import flightq
 from flightq.errors import ProtocolError
@@ -116,3 +119,58 @@ def test_the_check_reads_headers_only_and_passes_uncompressed_streams() -> None:
     _, _, stream = _compressed_text_batch("zstd")
     with pytest.raises(ProtocolError, match=r"test: an Arrow IPC record batch has a compressed"):
         check_stream(pa.py_buffer(stream), "test")
+
+
+def _data_limit(pid: int) -> int | None:
+    """The soft ``RLIMIT_DATA`` of process ``pid`` (None: unlimited)."""
+    with open(f"/proc/{pid}/limits") as f:
+        line = next(x for x in f if x.startswith("Max data size"))
+    soft = line.split()[3]
+    return None if soft == "unlimited" else int(soft)
+
+
+def _bomb_batch(nbytes: int) -> pa.RecordBatch:
+    """A one-row text batch (key ``x``) whose ``input_ids`` payload is ``nbytes`` of
+    zeros, mapped lazily (untouched pages cost this process nothing)."""
+    batch = flightq.encode(flightq.SchemaRegistry.default().get(TEXT), text_columns(["x"]), ["x"])
+    i = batch.schema.get_field_index("input_ids")
+    offsets = pa.py_buffer(np.array([0, nbytes], np.int64))
+    cell = pa.LargeBinaryArray.from_buffers(
+        pa.large_binary(), 1, [None, offsets, pa.py_buffer(np.zeros(nbytes, np.uint8))]
+    )
+    return batch.set_column(i, batch.schema.field(i), cell.cast(batch.schema.field(i).type))
+
+
+def test_a_per_call_put_that_inflates_past_the_servers_cap_is_refused_typed() -> None:
+    limits = ("--memory-budget", str(64 * 2**20), "--max-calls", "8", "--max-sessions", "8")
+    with cli_server(*limits) as (location, proc):
+        cap = _data_limit(proc.pid)
+        assert cap is not None  # flightq serve caps itself by default
+        with flightq.connect(location, timeout=TIMEOUT) as c:
+            c.create_partition("p", TEXT, tasks=["t"])
+        bomb = _bomb_batch(cap + 2**30)  # a few hundred KiB of zstd on the wire
+        before = _hwm_mib(proc.pid)
+        client = fl.connect(location)
+        put = PutCommand(partition="p", rows=1, timeout=1.0).to_wire()
+        options = fl.FlightCallOptions(write_options=pa.ipc.IpcWriteOptions(compression="zstd"))
+        writer, _ = client.do_put(fl.FlightDescriptor.for_command(put), bomb.schema, options)
+        with pytest.raises(fl.FlightError) as raised:
+            writer.write_batch(bomb)
+            writer.done_writing()
+            writer.close()
+        kind, message = plain_error(raised.value)
+        assert kind == "ResourceExhaustedError", message
+        assert "put to 'p'" in message and "uncompressed record batches" in message
+        client.close()
+        assert _hwm_mib(proc.pid) - before < 100  # the inflating allocation never took
+        with flightq.connect(location, timeout=TIMEOUT) as c:
+            assert c.stats()["partitions"]["p"]["rows"] == 0  # nothing half-stored
+            c.put("p", ["a"], text_columns(["a"]))  # the server serves on
+            assert c.get("p", ["a"], as_="numpy").keys == ["a"]
+
+
+def test_the_memory_cap_is_the_one_asked_for_or_none() -> None:
+    with cli_server("--memory-cap", str(48 * 2**30)) as (_, proc):
+        assert _data_limit(proc.pid) == 48 * 2**30
+    with cli_server("--memory-cap", "0") as (_, proc):
+        assert _data_limit(proc.pid) is None
