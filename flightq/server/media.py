@@ -20,6 +20,7 @@ the last one is (clear, drop, overwrite). See ``docs/protocol.md``, "Media sent 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -406,14 +407,23 @@ def cell_copies(pc: Piece, f: str, i: int) -> Iterator[Copy]:
     copies = pc.media.get(f)
     if not copies:
         return iter(())
+    rows = pc.copies_of_rows.get(f)
+    if rows is None:
+        rows = pc.copies_of_rows[f] = _copies_of_rows(pc, f, copies)
+    return iter(rows[i])
+
+
+def _copies_of_rows(pc: Piece, f: str, copies: list[Copy]) -> list[tuple[Copy, ...]]:
+    # One pass over the column's offsets and entry indices for all its rows.
     col = pc.batch.column(f)
-    outer = col.offsets
-    a, b = outer[i].as_py(), outer[i + 1].as_py()
-    if a == b:
-        return iter(())
-    idx = col.values.indices.slice(a, b - a).to_numpy(zero_copy_only=False)
-    pos = pc.media_index[f][idx]
-    return (copies[k] for k in dict.fromkeys(pos.tolist()))
+    # Offsets index the whole child array, as ``values`` gives it, sliced batch or not.
+    outer = col.offsets.to_numpy(zero_copy_only=False).tolist()
+    idx = col.values.indices.to_numpy(zero_copy_only=False)
+    pos = pc.media_index[f][idx].tolist() if len(idx) else []
+    out: list[tuple[Copy, ...]] = []
+    for a, b in itertools.pairwise(outer):
+        out.append(tuple(copies[k] for k in dict.fromkeys(pos[a:b])))
+    return out
 
 
 def acquire(p: Partition, copies: Iterable[Copy]) -> None:

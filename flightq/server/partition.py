@@ -75,6 +75,9 @@ class Piece:
     epoch: int = 0
     _valid: dict[str, list[bool] | None] = field(default_factory=dict, repr=False)
     _nbytes: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    #: Per media column, per row, the distinct copies the row's cell uses (made on first
+    #: use: every answer of a row with media asks for them).
+    copies_of_rows: dict[str, list[tuple[Copy, ...]]] = field(default_factory=dict, repr=False)
 
     def valid(self, f: str) -> list[bool] | None:
         """Per row whether the batch carries field ``f``; None when every row does."""
