@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import errno
 import fcntl
+import functools
 import ipaddress
 import mmap
 import os
@@ -90,8 +91,10 @@ def is_local(location: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
+@functools.lru_cache(maxsize=256)
 def _peer_is_local(peer: str) -> bool:
-    # gRPC peers read "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000" or "unix:..."
+    # gRPC peers read "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000" or "unix:..."; asked on
+    # every call through shared memory (a few microseconds of parsing each time).
     kind, _, addr = peer.partition(":")
     if kind == "unix":
         return True
