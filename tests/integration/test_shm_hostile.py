@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
 from fixtures_dataplane import TIMEOUT, assert_rows_match
@@ -279,3 +280,39 @@ def test_a_segment_shrunk_under_its_announcement_is_refused_and_nothing_is_store
     finally:
         own.close()
     assert client.stats()["partitions"]["p"]["rows"] == 0
+
+
+def _framed(header: bytes, body: bytes = b"") -> bytes:
+    """One IPC stream message: continuation marker, header length, header padded to 8."""
+    header += b"\0" * (-(8 + len(header)) % 8)
+    return b"\xff\xff\xff\xff" + len(header).to_bytes(4, "little") + header + body
+
+
+def test_a_segment_whose_batch_leaves_a_gap_counts_the_gap_against_the_budget(shm_dir):
+    # The writer's stream places a one-row batch's last buffer 32 MiB after the others:
+    # Arrow reads the same batch, and the server's copy of the segment holds the gap too.
+    from helpers_flightdata import gapped, schema_header
+
+    rb = flightq.encode(
+        flightq.SchemaRegistry.default().get("rollout_text@1"),
+        {"input_ids": [np.arange(4)], "input_lengths": np.array([4], np.int32)},
+        ["a"],
+    )
+    header, body = gapped(rb, 32 << 20)
+    stream = _framed(schema_header(rb.schema)) + _framed(header, body) + b"\xff\xff\xff\xff\0\0\0\0"
+    with pa.ipc.open_stream(stream) as r:
+        assert r.read_next_batch().equals(rb)  # the same batch to Arrow
+    budget = flightq.Server(memory_budget=16 << 20, shm=shm_dir)
+    with budget as srv, flightq.connect(srv.location, timeout=TIMEOUT) as c:
+        c.create_partition("p", "rollout_text@1", tasks=["t"])
+        own = shm.SegmentPool(shm_dir)
+        try:
+            ref = own.write_bytes([(0, stream)], len(stream), "test")
+            with pytest.raises(fl.FlightError, match=r"ResourceExhaustedError: .* whole memory"):
+                plain_shm_put(srv.location, ref)
+        finally:
+            own.close()
+        p = c.stats()["partitions"]["p"]
+        assert (p["rows"], p["held"]) == (0, 0)  # nothing half-stored
+        c.put("p", ["b"], {"input_ids": [np.arange(3)]})  # the server serves on
+        assert c.get("p", ["b"], as_="numpy").keys == ["b"]
