@@ -216,14 +216,23 @@ class Partition:
             return plan.replay
         if self.media_fields:
             self._count_media(plan.rows)
-        self.rows.update(plan.rows)
+        # Into a partition holding no row, the plan's dicts are adopted whole: a million
+        # entries copied here would keep the lock (and the GIL) for a tenth of a second.
+        fresh = bool(plan.fresh) and not self.rows
+        if fresh:
+            self.rows = plan.rows
+        else:
+            self.rows.update(plan.rows)
         self.nbytes += plan.nbytes
         self.held += plan.held
         for pc in plan.damaged:
             pc.damaged = True
         for pc in plan.pieces:
             pc.stored = True
-        self.progress.added(plan.ready)  # built outside the lock by the plan
+        if fresh:
+            self.progress.adopt(plan.fresh)
+        else:
+            self.progress.added(plan.ready)  # built outside the lock by the plan
         if plan.put_id is not None:
             self.recent_puts[plan.put_id] = len(plan.keys)
             while len(self.recent_puts) > RECENT_PUTS:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import ConflictError, MissingFieldError, ShapeError
-from ..layout import in_slices, pylist
+from ..layout import in_slices, mapped, pylist
 
 if TYPE_CHECKING:
     from .partition import Partition, Piece, Row
@@ -57,6 +57,10 @@ class PutPlan:
     #: index gains.
     new: list[str] = field(default_factory=list)
     ready: dict[str, None] = field(default_factory=dict)
+    #: Where the partition held no row when planned: per task, a ready index of the new
+    #: rows of its own (``ready`` the first), which the commit adopts whole instead of
+    #: copying each entry under the store's lock; else empty.
+    fresh: tuple[dict[str, None], ...] = ()
     #: The rows to store, by key: new rows, and new versions of the rows it changes.
     rows: dict[str, Row] = field(default_factory=dict)
     #: Change in the partition's payload bytes and in what the budget counts for it.
@@ -101,7 +105,7 @@ def plan_put(
         ck = pc.checked
         missing = [f for f in required if f not in ck.fields]
         holes = [f for f in required if f in ck.fields and pc.valid(f)]
-        mine: list[Row | None] = list(map(rows.get, ck.keys))
+        mine: list[Row | None] = mapped(rows.get, ck.keys)
         olds.append(mine)
         if not any(mine):  # every row new (a generator's put): the checks in bulk
             _check_new(pc, missing, holes, name)
@@ -166,7 +170,8 @@ def plan_put(
             # Every row new with every field: the rows built in a few C-level passes.
             first = len(new)
             made = _new_rows(pc, dense, group, g, first, seq_lens, nbytes, held)
-            out.update(zip(ck.keys, made, strict=True))
+            for ks, rs in zip(in_slices(ck.keys), in_slices(made), strict=True):
+                out.update(zip(ks, rs, strict=True))
             new.extend(ck.keys)
             continue
         for i, (k, old) in enumerate(zip(ck.keys, mine, strict=True)):
@@ -211,9 +216,9 @@ def plan_put(
                 old.nbytes - freed + nbytes[i],
                 old.held - freed + held[i],
             )
-    ready: dict[str, None] = {}
-    for part in in_slices(new):
-        ready.update(dict.fromkeys(part))
+    ready = _index(new)
+    # An empty partition (a fresh one, or cleared) takes the plan's dicts as they are.
+    fresh = (ready, *(_index(new) for _ in p.tasks[1:])) if not rows and len(new) > _FEW else ()
     return PutPlan(
         pieces,
         keys,
@@ -221,12 +226,21 @@ def plan_put(
         seen,
         new=new,
         ready=ready,
+        fresh=fresh,
         rows=out,
         nbytes=nbytes_in - gone,
         held=held_in - gone,
         need=held_in,
         damaged=list(damaged.values()),
     )
+
+
+def _index(keys: list[str]) -> dict[str, None]:
+    """``dict.fromkeys(keys)``, built a slice at a time (:func:`~flightq.layout.in_slices`)."""
+    out: dict[str, None] = {}
+    for part in in_slices(keys):
+        out.update(dict.fromkeys(part))
+    return out
 
 
 def _check_new(pc: Piece, missing: list[str], holes: list[str], partition: str) -> None:
@@ -266,8 +280,10 @@ def _new_rows(
 
     n = len(pc.checked.keys)
     at = np.arange(first, first + n)
-    groups = (group + (at // g if g else at)).tolist()
-    homes = list(zip(itertools.repeat(pc), range(n)))
+    groups = pylist(group + (at // g if g else at))
+    homes: list[tuple[Piece, int]] = []
+    for part in in_slices(range(n)):
+        homes.extend(zip(itertools.repeat(pc), part))
     cells = map(dict.fromkeys, itertools.repeat(fields, n), homes)
     # The piece's maps, never changed in place (rows of a group may share one).
     tags = [t or {} for t in pc.tags]
