@@ -92,7 +92,13 @@ def plan_put(
     """
     from .partition import Row
 
-    keys = [k for pc in pieces for k in pc.checked.keys]
+    # One piece's own list where there is one: a copy of a million keys is one more
+    # list for the garbage collector to walk.
+    keys = (
+        pieces[0].checked.keys
+        if len(pieces) == 1
+        else [k for pc in pieces for k in pc.checked.keys]
+    )
     if put_id is not None and put_id in p.recent_puts:
         return PutPlan(pieces, keys, put_id, seen, replay=p.recent_puts[put_id])
     if not overwrite and replays(p, pieces):
@@ -105,9 +111,11 @@ def plan_put(
         ck = pc.checked
         missing = [f for f in required if f not in ck.fields]
         holes = [f for f in required if f in ck.fields and pc.valid(f)]
-        mine: list[Row | None] = mapped(rows.get, ck.keys)
+        # Into an empty partition every row is new (a row stored meanwhile is a write the
+        # journal names: the plan is made again).
+        mine: list[Row | None] = mapped(rows.get, ck.keys) if rows else [None] * len(ck.keys)
         olds.append(mine)
-        if not any(mine):  # every row new (a generator's put): the checks in bulk
+        if not rows or not any(mine):  # every row new (a generator's put): the checks in bulk
             _check_new(pc, missing, holes, name)
             n_new += len(mine)
             continue
@@ -166,13 +174,16 @@ def plan_put(
         held = pylist(pc.held) if len(pc.held) else nbytes
         nbytes_in += sum(nbytes)
         held_in += sum(held)
-        if not sparse and len(mine) > _FEW and not any(mine):
+        if not sparse and len(mine) > _FEW and (not rows or not any(mine)):
             # Every row new with every field: the rows built in a few C-level passes.
             first = len(new)
             made = _new_rows(pc, dense, group, g, first, seq_lens, nbytes, held)
             for ks, rs in zip(in_slices(ck.keys), in_slices(made), strict=True):
                 out.update(zip(ks, rs, strict=True))
-            new.extend(ck.keys)
+            if len(pieces) == 1:
+                new = ck.keys  # its own list, as ``keys``
+            else:
+                new.extend(ck.keys)
             continue
         for i, (k, old) in enumerate(zip(ck.keys, mine, strict=True)):
             cell = (pc, i)

@@ -40,7 +40,7 @@ from ..errors import (
 from ..schema import Schema
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskState
 from .media import grouped_by_media, waiting_homes
-from .partition import Partition, Piece, Row, put_keys
+from .partition import Partition, Piece, PutKeys, Row, put_keys
 from .putplan import plan_put
 
 __all__ = ["Store"]
@@ -436,10 +436,14 @@ class Store:
                 try:
                     plan = plan_put(p, pieces, overwrite, put_id, seen)
                 except FlightqError:
+                    if p.writes != seen:
+                        keys.set()  # for the check below: built here, not under the lock
                     with self._lock:  # refused on what it read: is that still so?
                         if not self._stale(name, p, seen, keys):
                             raise
                     continue
+                if p.writes != seen:
+                    keys.set()  # as above
             with self._changed:
                 if locked:
                     p = self._get(name)
@@ -471,10 +475,12 @@ class Store:
                 return n
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _stale(self, name: str, p: Partition, seen: int, keys: set[str]) -> bool:
+    def _stale(self, name: str, p: Partition, seen: int, keys: PutKeys) -> bool:
         # With the lock held: whether a plan of ``p`` from write count ``seen`` may no
         # longer hold (the partition was dropped or replaced, or a write touched ``keys``).
-        return self._parts.get(name) is not p or p.touched(seen, keys)
+        if self._parts.get(name) is not p:
+            return True
+        return p.writes != seen and p.touched(seen, keys.set())
 
     def clear(self, name: str, keys: Sequence[str] | None, put_id: str | None = None) -> int:
         """Remove rows (all when ``keys`` is None). Returns how many were removed. A

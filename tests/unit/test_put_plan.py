@@ -13,8 +13,9 @@ import pyarrow as pa
 import pytest
 
 from flightq import SchemaRegistry, encode, layout
-from flightq.errors import MissingFieldError
-from flightq.server.partition import Partition, make_piece
+from flightq.errors import EncodeError, MissingFieldError
+from flightq.server import partition
+from flightq.server.partition import Partition, make_piece, put_keys
 from flightq.server.putplan import plan_put
 from flightq.validation import validate
 
@@ -122,3 +123,16 @@ def test_mapped_is_map_over_slices(monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = list(range(10)), [str(i) for i in range(10)]
     assert layout.mapped(lambda x, y: (x, y), a, b) == list(zip(a, b, strict=True))
     assert layout.mapped(str, []) == []
+
+
+@pytest.mark.parametrize("slice_", [4, 1 << 15])  # counted by Arrow, and in a set
+def test_a_key_repeating_across_a_puts_batches_is_named(
+    monkeypatch: pytest.MonkeyPatch, slice_: int
+) -> None:
+    monkeypatch.setattr(partition, "SLICE", slice_)
+    a, b = [f"a{i}" for i in range(6)], [f"b{i}" for i in range(3)]
+    keys = put_keys([_piece(a, [2] * 6), _piece(b, [2] * 3)])
+    assert keys.set() == set(a + b)
+    with pytest.raises(EncodeError, match=r"duplicate row key 'a4' within one put"):
+        put_keys([_piece(a, [2] * 6), _piece(["b0", "a4", "b1"], [2] * 3)])
+    assert put_keys([_piece(a, [2] * 6)]).set() == set(a)  # one batch: checked by validation
