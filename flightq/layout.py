@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ from .schema import Field, Schema
 __all__ = [
     "SLICE",
     "in_slices",
+    "mapped",
     "pylist",
     "DEFAULT_BATCH_BYTES",
     "MAX_PAYLOAD_BYTES",
@@ -244,6 +245,19 @@ def pylist(array: pa.Array | np.ndarray) -> list[Any]:
     for i in range(0, n, SLICE):
         part = array[i : i + SLICE]
         out.extend(part.to_pylist() if isinstance(part, pa.Array) else part.tolist())
+    return out
+
+
+def mapped(fn: Callable[..., Any], *columns: Sequence[Any]) -> list[Any]:
+    """``list(map(fn, *columns))`` over equally long sequences, a slice at a time: one
+    call over a million items keeps the GIL for tens of milliseconds even where ``fn`` is
+    a C function (a dict lookup, a tuple), and every other thread of a server waits."""
+    n = len(columns[0]) if columns else 0
+    if n <= SLICE:
+        return list(map(fn, *columns))
+    out: list[Any] = []
+    for i in range(0, n, SLICE):
+        out.extend(map(fn, *(c[i : i + SLICE] for c in columns)))
     return out
 
 

@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from ..errors import ResourceExhaustedError
 from ..frames import SchemaMemo
-from ..layout import KEY, MEDIA_TYPE, TAGS, binary_offsets
+from ..layout import KEY, MEDIA_TYPE, TAGS, binary_offsets, mapped
 
 __all__ = [
     "MAX_KEY_BYTES",
@@ -267,6 +267,6 @@ def row_costs(
         rest -= batch.column(i).values.dictionary.get_total_buffer_size()
     share = -(-max(rest, 0) // n)
     out = payload.astype(np.int64) + (share + ROW_OVERHEAD)
-    out += np.fromiter(map(sys.getsizeof, keys), dtype=np.int64, count=n)
+    out += np.asarray(mapped(sys.getsizeof, keys), dtype=np.int64)
     out += 2 * tag_sizes
     return out

@@ -119,6 +119,17 @@ class Progress:
             st.ready.update(ready)
         self.version += 1
 
+    def adopt(self, readies: Sequence[dict[str, None]]) -> None:
+        """New rows of a partition that held none: ``readies`` holds, per task in order,
+        a ``dict.fromkeys`` of them that the task's ready index becomes (no other holds
+        it)."""
+        for st, ready in zip(self.tasks.values(), readies, strict=True):
+            if st.ready:
+                st.ready.update(ready)
+            else:
+                st.ready = ready
+        self.version += 1
+
     def removed(self, keys: Iterable[str]) -> None:
         """Rows cleared: forgotten by every task (their leases end for them)."""
         for k in keys:

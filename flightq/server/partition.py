@@ -23,9 +23,20 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 import pyarrow as pa
+from pyarrow.compute import unique as arrow_unique
 
 from ..errors import EncodeError, ResourceExhaustedError
-from ..layout import MEDIA_TYPE, TAGS, binary_offsets, in_slices, media_row_bytes, pylist
+from ..layout import (
+    KEY,
+    MEDIA_TYPE,
+    SLICE,
+    TAGS,
+    binary_offsets,
+    in_slices,
+    mapped,
+    media_row_bytes,
+    pylist,
+)
 from ..schema import Schema
 from ..validation import Checked
 from .budget import row_costs, tags_size
@@ -35,7 +46,7 @@ if TYPE_CHECKING:
     from .media import Copy
     from .putplan import PutPlan
 
-__all__ = ["Piece", "Row", "Partition", "make_piece", "put_keys"]
+__all__ = ["Piece", "Row", "Partition", "PutKeys", "make_piece", "put_keys"]
 
 #: Put ids remembered per partition (for idempotent retries).
 RECENT_PUTS = 4096
@@ -219,14 +230,23 @@ class Partition:
             return plan.replay
         if self.media_fields:
             self._count_media(plan.rows)
-        self.rows.update(plan.rows)
+        # Into a partition holding no row, the plan's dicts are adopted whole: a million
+        # entries copied here would keep the lock (and the GIL) for a tenth of a second.
+        fresh = bool(plan.fresh) and not self.rows
+        if fresh:
+            self.rows = plan.rows
+        else:
+            self.rows.update(plan.rows)
         self.nbytes += plan.nbytes
         self.held += plan.held
         for pc in plan.damaged:
             pc.damaged = True
         for pc in plan.pieces:
             pc.stored = True
-        self.progress.added(plan.ready)  # built outside the lock by the plan
+        if fresh:
+            self.progress.adopt(plan.fresh)
+        else:
+            self.progress.added(plan.ready)  # built outside the lock by the plan
         if plan.put_id is not None:
             self.recent_puts[plan.put_id] = len(plan.keys)
             while len(self.recent_puts) > RECENT_PUTS:
@@ -274,7 +294,24 @@ class Partition:
         release(self, lost)
 
 
-def put_keys(pieces: list[Piece]) -> set[str]:
+class PutKeys:
+    """Every row key of a put, checked not to repeat (:func:`put_keys`), as a set built
+    only when first asked for: a set of a million keys costs each garbage collection that
+    walks it tens of milliseconds of the GIL, and a put asks for it only when a write of
+    its partition landed while it planned (:meth:`Partition.touched`)."""
+
+    def __init__(self, pieces: list[Piece], unique: set[str] | None = None) -> None:
+        self._pieces = pieces
+        self._unique = unique
+
+    def set(self) -> set[str]:
+        """The keys, as a set."""
+        if self._unique is None:
+            self._unique = _key_set(self._pieces)
+        return self._unique
+
+
+def put_keys(pieces: list[Piece]) -> PutKeys:
     """Every row key of a put.
 
     Raises
@@ -282,14 +319,28 @@ def put_keys(pieces: list[Piece]) -> set[str]:
     EncodeError
         If a key repeats within the put.
     """
-    keys = [k for pc in pieces for k in pc.checked.keys]
-    unique: set[str] = set()
-    for part in in_slices(keys):
-        unique.update(part)
-    if len(unique) != len(keys):
+    if len(pieces) <= 1:  # validation refused a key repeating within its batch
+        return PutKeys(pieces)
+    n = sum(len(pc.checked.keys) for pc in pieces)
+    unique: set[str] | None = None
+    if n <= SLICE:
+        unique = _key_set(pieces)
+        distinct = len(unique)
+    else:  # counted by Arrow, which lets go of the GIL, and leaves no set behind
+        distinct = len(arrow_unique(pa.chunked_array([pc.batch.column(KEY) for pc in pieces])))
+    if distinct != n:
         seen: set[str] = set()
+        keys = (k for pc in pieces for k in pc.checked.keys)
         dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
         raise EncodeError(f"duplicate row key {dup!r} within one put", key=dup)
+    return PutKeys(pieces, unique)
+
+
+def _key_set(pieces: list[Piece]) -> set[str]:
+    unique: set[str] = set()
+    for pc in pieces:
+        for part in in_slices(pc.checked.keys):
+            unique.update(part)
     return unique
 
 
@@ -309,13 +360,22 @@ def _decode_tags(
     place). Each row still counts the map whole, as if it held its own. The first row (in
     order) whose tags are not a msgpack map, or take the batch's past ``limit``, is named.
     """
-    values = pylist(piece_batch.column(TAGS))
+    col = piece_batch.column(TAGS)
+    if len(col) > _FEW and col.null_count == len(col):  # no row has tags
+        return [None] * len(col), np.zeros(len(col), dtype=np.int64)
+    values = pylist(col)
     if len(values) <= _FEW:
         return _tags_row_by_row(values, keys, limit)
     # Each distinct value's number, in order of first use (a dict, not Arrow's dictionary
-    # encoding: its hash table stays in Arrow's pool, which rows of distinct tags grow).
+    # encoding: its hash table stays in Arrow's pool, which rows of distinct tags grow),
+    # a slice at a time (:func:`~flightq.layout.pylist`).
     seen: dict[bytes, int] = {}
-    at = np.array([-1 if b is None else seen.setdefault(b, len(seen)) for b in values])
+    at = np.concatenate(
+        [
+            np.array([-1 if b is None else seen.setdefault(b, len(seen)) for b in part], np.int64)
+            for part in in_slices(values)
+        ]
+    )
     maps: list[dict[str, Any] | None] = []
     sizes: list[int] = []
     for j, b in enumerate(seen):
@@ -333,7 +393,7 @@ def _decode_tags(
     _check_tag_limit(at, sizes, keys, limit)
     counted = np.array([s if t else 0 for t, s in zip(maps, sizes, strict=True)] + [0])
     maps.append(None)  # index -1: a row without tags
-    return list(map(maps.__getitem__, at.tolist())), counted[at]
+    return mapped(maps.__getitem__, pylist(at)), counted[at]
 
 
 def _tags_row_by_row(

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import ConflictError, MissingFieldError, ShapeError
-from ..layout import in_slices, pylist
+from ..layout import in_slices, mapped, pylist
 
 if TYPE_CHECKING:
     from .partition import Partition, Piece, Row
@@ -57,6 +57,10 @@ class PutPlan:
     #: index gains.
     new: list[str] = field(default_factory=list)
     ready: dict[str, None] = field(default_factory=dict)
+    #: Where the partition held no row when planned: per task, a ready index of the new
+    #: rows of its own (``ready`` the first), which the commit adopts whole instead of
+    #: copying each entry under the store's lock; else empty.
+    fresh: tuple[dict[str, None], ...] = ()
     #: The rows to store, by key: new rows, and new versions of the rows it changes.
     rows: dict[str, Row] = field(default_factory=dict)
     #: Change in the partition's payload bytes and in what the budget counts for it.
@@ -88,7 +92,13 @@ def plan_put(
     """
     from .partition import Row
 
-    keys = [k for pc in pieces for k in pc.checked.keys]
+    # One piece's own list where there is one: a copy of a million keys is one more
+    # list for the garbage collector to walk.
+    keys = (
+        pieces[0].checked.keys
+        if len(pieces) == 1
+        else [k for pc in pieces for k in pc.checked.keys]
+    )
     if put_id is not None and put_id in p.recent_puts:
         return PutPlan(pieces, keys, put_id, seen, replay=p.recent_puts[put_id])
     if not overwrite and replays(p, pieces):
@@ -101,9 +111,11 @@ def plan_put(
         ck = pc.checked
         missing = [f for f in required if f not in ck.fields]
         holes = [f for f in required if f in ck.fields and pc.valid(f)]
-        mine: list[Row | None] = list(map(rows.get, ck.keys))
+        # Into an empty partition every row is new (a row stored meanwhile is a write the
+        # journal names: the plan is made again).
+        mine: list[Row | None] = mapped(rows.get, ck.keys) if rows else [None] * len(ck.keys)
         olds.append(mine)
-        if not any(mine):  # every row new (a generator's put): the checks in bulk
+        if not rows or not any(mine):  # every row new (a generator's put): the checks in bulk
             _check_new(pc, missing, holes, name)
             n_new += len(mine)
             continue
@@ -162,12 +174,16 @@ def plan_put(
         held = pylist(pc.held) if len(pc.held) else nbytes
         nbytes_in += sum(nbytes)
         held_in += sum(held)
-        if not sparse and len(mine) > _FEW and not any(mine):
+        if not sparse and len(mine) > _FEW and (not rows or not any(mine)):
             # Every row new with every field: the rows built in a few C-level passes.
             first = len(new)
             made = _new_rows(pc, dense, group, g, first, seq_lens, nbytes, held)
-            out.update(zip(ck.keys, made, strict=True))
-            new.extend(ck.keys)
+            for ks, rs in zip(in_slices(ck.keys), in_slices(made), strict=True):
+                out.update(zip(ks, rs, strict=True))
+            if len(pieces) == 1:
+                new = ck.keys  # its own list, as ``keys``
+            else:
+                new.extend(ck.keys)
             continue
         for i, (k, old) in enumerate(zip(ck.keys, mine, strict=True)):
             cell = (pc, i)
@@ -211,9 +227,9 @@ def plan_put(
                 old.nbytes - freed + nbytes[i],
                 old.held - freed + held[i],
             )
-    ready: dict[str, None] = {}
-    for part in in_slices(new):
-        ready.update(dict.fromkeys(part))
+    ready = _index(new)
+    # An empty partition (a fresh one, or cleared) takes the plan's dicts as they are.
+    fresh = (ready, *(_index(new) for _ in p.tasks[1:])) if not rows and len(new) > _FEW else ()
     return PutPlan(
         pieces,
         keys,
@@ -221,12 +237,21 @@ def plan_put(
         seen,
         new=new,
         ready=ready,
+        fresh=fresh,
         rows=out,
         nbytes=nbytes_in - gone,
         held=held_in - gone,
         need=held_in,
         damaged=list(damaged.values()),
     )
+
+
+def _index(keys: list[str]) -> dict[str, None]:
+    """``dict.fromkeys(keys)``, built a slice at a time (:func:`~flightq.layout.in_slices`)."""
+    out: dict[str, None] = {}
+    for part in in_slices(keys):
+        out.update(dict.fromkeys(part))
+    return out
 
 
 def _check_new(pc: Piece, missing: list[str], holes: list[str], partition: str) -> None:
@@ -266,8 +291,10 @@ def _new_rows(
 
     n = len(pc.checked.keys)
     at = np.arange(first, first + n)
-    groups = (group + (at // g if g else at)).tolist()
-    homes = list(zip(itertools.repeat(pc), range(n)))
+    groups = pylist(group + (at // g if g else at))
+    homes: list[tuple[Piece, int]] = []
+    for part in in_slices(range(n)):
+        homes.extend(zip(itertools.repeat(pc), part))
     cells = map(dict.fromkeys, itertools.repeat(fields, n), homes)
     # The piece's maps, never changed in place (rows of a group may share one).
     tags = [t or {} for t in pc.tags]

@@ -6,10 +6,13 @@ and applies each put (:mod:`flightq.server.partition`); serving rows is
 :mod:`flightq.server.assemble`.
 
 The store holds the one lock, the waiting and the memory budget. Every mutation happens
-under the lock, after all checks pass, so a put is all or nothing. Claims, and puts waiting
-for room, wait on a condition variable that puts, clears and resets notify; the claims
-waiting right now are counted per partition and task, and the puts waiting for room per
-partition (:meth:`Store.stats`).
+under the lock, after all checks pass, so a put is all or nothing. Puts waiting for room
+wait on a condition variable that every change notifies; each waiting claim on a condition
+of its own, which every change notifies too, except a put: a put wakes only the claims on
+its partition that its ready rows may now serve (as many ready rows as they take), so a
+put beside many waiting claims wakes none that would only wait again. The claims waiting
+right now are counted per partition and task, and the puts waiting for room per partition
+(:meth:`Store.stats`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from ..errors import (
 from ..schema import Schema
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskState
 from .media import grouped_by_media, waiting_homes
-from .partition import Partition, Piece, Row, put_keys
+from .partition import Partition, Piece, PutKeys, Row, put_keys
 from .putplan import plan_put
 
 __all__ = ["Store"]
@@ -57,8 +60,10 @@ class Store:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._parts: dict[str, Partition] = {}
-        #: Claims waiting for rows right now: partition name -> task -> count.
+        #: Claims waiting for rows right now: partition name -> task -> count, and each
+        #: one (a put wakes only those its partition's ready rows may serve).
         self._waiting: dict[str, dict[str, int]] = {}
+        self._claims: dict[str, dict[_Waiter, None]] = {}
         #: Puts waiting for room (memory budget, row limit) right now: partition -> count.
         self._waiting_puts: dict[str, int] = {}
         #: Consumer sessions open right now (:meth:`open_session`).
@@ -67,11 +72,28 @@ class Store:
         self._pending = 0
         self._closing = False
 
+    def _wake(self) -> None:
+        """Wake every waiting put and claim to look again. With the lock."""
+        self._changed.notify_all()
+        for waiters in self._claims.values():
+            for w in waiters:
+                w.changed.notify()
+
+    def _wake_claims(self, name: str, p: Partition) -> None:
+        """Wake the claims waiting on partition ``name`` (now ``p``) that its ready rows
+        may now serve, after a put to it: a put changes no other partition, and a claim
+        finds nothing in fewer ready rows than it takes (:func:`_may_serve`). With the
+        lock."""
+        for w in self._claims.get(name, ()):
+            st = p.progress.tasks.get(w.task)
+            if st is None or _may_serve(st, w.batch_size, p.group_size):
+                w.changed.notify()
+
     def close(self) -> None:
         """Refuse new waits and wake every waiting claim and put (server shutdown)."""
         with self._changed:
             self._closing = True
-            self._changed.notify_all()
+            self._wake()
 
     @property
     def closing(self) -> bool:
@@ -245,14 +267,14 @@ class Store:
                 )
             for p in parts:
                 self._parts[p.name] = p
-            self._changed.notify_all()
+            self._wake()
 
     def drop(self, name: str) -> None:
         """Remove a partition and its rows."""
         with self._changed:
             self._get(name)
             del self._parts[name]
-            self._changed.notify_all()
+            self._wake()
 
     # ------------------------------------------------------------------ writes
 
@@ -291,7 +313,7 @@ class Store:
                 freed, pc.reserved = freed + pc.reserved, 0
             if freed:
                 self._pending -= freed
-                self._changed.notify_all()
+                self._wake()
 
     def _wait_for_rows(self, name: str, new: int, timeout: float) -> bool:
         """Wait until the partition's row limit has room for a put's ``new`` rows; returns
@@ -414,10 +436,14 @@ class Store:
                 try:
                     plan = plan_put(p, pieces, overwrite, put_id, seen)
                 except FlightqError:
+                    if p.writes != seen:
+                        keys.set()  # for the check below: built here, not under the lock
                     with self._lock:  # refused on what it read: is that still so?
                         if not self._stale(name, p, seen, keys):
                             raise
                     continue
+                if p.writes != seen:
+                    keys.set()  # as above
             with self._changed:
                 if locked:
                     p = self._get(name)
@@ -444,14 +470,17 @@ class Store:
                 for pc in pieces:  # stored: counted by the rows from now on
                     self._pending -= pc.reserved
                     pc.reserved = 0
-                self._changed.notify_all()
+                self._changed.notify_all()  # puts waiting for room (budget, row limit)
+                self._wake_claims(name, p)
                 return n
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _stale(self, name: str, p: Partition, seen: int, keys: set[str]) -> bool:
+    def _stale(self, name: str, p: Partition, seen: int, keys: PutKeys) -> bool:
         # With the lock held: whether a plan of ``p`` from write count ``seen`` may no
         # longer hold (the partition was dropped or replaced, or a write touched ``keys``).
-        return self._parts.get(name) is not p or p.touched(seen, keys)
+        if self._parts.get(name) is not p:
+            return True
+        return p.writes != seen and p.touched(seen, keys.set())
 
     def clear(self, name: str, keys: Sequence[str] | None, put_id: str | None = None) -> int:
         """Remove rows (all when ``keys`` is None). Returns how many were removed. A
@@ -492,7 +521,7 @@ class Store:
                     p.progress.settle(lease)
             if put_id is not None:
                 p.recent_puts.pop(put_id, None)
-            self._changed.notify_all()
+            self._wake()
             return n
 
     def reset(self, name: str, task: str, keys: Sequence[str] | None) -> int:
@@ -505,7 +534,7 @@ class Store:
             if keys is not None:
                 _known(p, keys)
             n = p.progress.reset(task, keys, p.rows)
-            self._changed.notify_all()
+            self._wake()
             return n
 
     # ------------------------------------------------------------------ leases
@@ -513,7 +542,7 @@ class Store:
     def _expire(self, p: Partition) -> None:
         # With the lock held: end the partition's leases past their time.
         if p.progress.expire(time.monotonic()):
-            self._changed.notify_all()
+            self._wake()
 
     def _lease(self, p: Partition, claim: str) -> Lease:
         lease = p.progress.find(claim)
@@ -545,7 +574,7 @@ class Store:
             rows = p.rows
             born = {k: r.group for k in lease.keys if (r := rows.get(k)) is not None}
             out = p.progress.ack(lease, keys, born)
-            self._changed.notify_all()
+            self._wake()
             return out
 
     def nack(
@@ -566,7 +595,7 @@ class Store:
             lease = self._lease(p, claim)
             _of_lease(p, lease, keys)
             out = p.progress.nack(lease, keys, failed)
-            self._changed.notify_all()
+            self._wake()
             return out
 
     def dead_letters(
@@ -599,7 +628,7 @@ class Store:
             self._sessions.discard(sid)
             n = sum(p.progress.session_ended(sid) for p in self._parts.values())
             if n:
-                self._changed.notify_all()
+                self._wake()
             return n
 
     # ------------------------------------------------------------------ reads
@@ -688,7 +717,7 @@ class Store:
                     key=session[:64],
                     partition=name,
                 )
-            waiting = False
+            waiter: _Waiter | None = None  # once it waits
             seen = -1  # the partition's progress version last looked at
             try:
                 while True:
@@ -724,23 +753,28 @@ class Store:
                             actual=ready,
                             partition=name,
                         )
-                    if not waiting:
-                        waiting = True
+                    if waiter is None:
+                        waiter = _Waiter(threading.Condition(self._lock), task, batch_size)
+                        self._claims.setdefault(name, {})[waiter] = None
                         tasks = self._waiting.setdefault(name, {})
                         tasks[task] = tasks.get(task, 0) + 1
                     # Until a change, the next lease expiry or the deadline (in chunks when
                     # inf or huge); a caller that may go away is polled more often.
                     wake = min(left, p.progress.next_expiry - now + 0.001)
-                    self._changed.wait(min(wake, 3600.0 if cancelled is None else _POLL))
+                    waiter.changed.wait(min(wake, 3600.0 if cancelled is None else _POLL))
             finally:
-                if waiting:
-                    self._stop_waiting(name, task)
+                if waiter is not None:
+                    self._stop_waiting(name, waiter)
 
-    def _stop_waiting(self, name: str, task: str) -> None:
+    def _stop_waiting(self, name: str, waiter: _Waiter) -> None:
+        claims = self._claims[name]
+        del claims[waiter]
+        if not claims:
+            del self._claims[name]
         tasks = self._waiting[name]
-        tasks[task] -= 1
-        if not tasks[task]:
-            del tasks[task]
+        tasks[waiter.task] -= 1
+        if not tasks[waiter.task]:
+            del tasks[waiter.task]
             if not tasks:
                 del self._waiting[name]
 
@@ -756,7 +790,7 @@ class Store:
                     p.progress.release(lease, None)
                 else:
                     p.progress.unclaim(lease)
-                self._changed.notify_all()
+                self._wake()
 
     def scan(self, name: str) -> tuple[Partition, list[Row], list[str]]:
         """Every row not yet cleared, and the union of the fields they carry."""
@@ -834,6 +868,16 @@ class Store:
         # With the lock held: one partition and what waits on it right now.
         p = self._get(name)
         return _describe(p, self._waiting.get(name, {}), self._waiting_puts.get(name, 0), detail)
+
+
+class _Waiter:
+    """A claim waiting for rows, woken through ``changed`` (a condition on the store's
+    lock); equal only to itself."""
+
+    __slots__ = ("batch_size", "changed", "task")
+
+    def __init__(self, changed: threading.Condition, task: str, batch_size: int) -> None:
+        self.changed, self.task, self.batch_size = changed, task, batch_size
 
 
 #: Most names an error lists: other partitions are never listed wholesale (they may be
@@ -942,7 +986,7 @@ def _ready(p: Partition, task: str, need: Sequence[str], limit: int | None) -> l
     st = p.progress.tasks[task]
     ready = st.ready
     g = p.group_size
-    if limit is not None and len(ready) < limit and not (g and _maybe_remnant(st, g)):
+    if limit is not None and not _may_serve(st, limit, g):
         return None
     rows = p.rows
     out: list[Row] = []
@@ -983,6 +1027,12 @@ def _ready(p: Partition, task: str, need: Sequence[str], limit: int | None) -> l
         if took:
             return out
     return out if limit is None else None
+
+
+def _may_serve(st: TaskState, limit: int, g: int | None) -> bool:
+    """Whether the task's ready rows may serve a claim of ``limit`` (:func:`_ready` finds
+    none otherwise): as many ready rows, or, grouped, perhaps a remnant."""
+    return len(st.ready) >= limit or bool(g and _maybe_remnant(st, g))
 
 
 def _maybe_remnant(st: TaskState, g: int) -> bool:

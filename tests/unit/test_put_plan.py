@@ -12,9 +12,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from flightq import SchemaRegistry, encode
-from flightq.errors import MissingFieldError
-from flightq.server.partition import Partition, make_piece
+from flightq import SchemaRegistry, encode, layout
+from flightq.errors import EncodeError, MissingFieldError
+from flightq.server import partition
+from flightq.server.partition import Partition, make_piece, put_keys
 from flightq.server.putplan import plan_put
 from flightq.validation import validate
 
@@ -87,3 +88,51 @@ def test_new_rows_lacking_a_required_field_name_the_first() -> None:
     piece = make_piece(rb, validate(rb, TEXT), None)
     with pytest.raises(MissingFieldError, match=r"row key 'x' is new in partition 'p' and lacks"):
         plan_put(p, [piece], False, None, p.writes)
+
+
+def test_a_put_into_an_empty_partition_gives_each_task_an_index_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def rows_of(p: Partition) -> list[tuple]:
+        return [
+            (r.key, r.group, list(r.cells), r.seq_len, r.nbytes, r.held) for r in p.rows.values()
+        ]
+
+    keys = [f"a{i}" for i in range(12)]
+    whole = Partition("p", TEXT, ("train", "eval"), None)
+    whole.commit(plan_put(whole, [_piece(keys, [3] * 12)], False, None, 0))
+    monkeypatch.setattr(layout, "SLICE", 5)  # every bulk step of the plan in slices
+    p = Partition("p", TEXT, ("train", "eval"), None)
+    plan = plan_put(p, [_piece(keys, [3] * 12)], False, None, p.writes)
+    assert len(plan.fresh) == 2 and plan.fresh[0] is not plan.fresh[1]
+    p.commit(plan)
+    assert p.rows is plan.rows and rows_of(p) == rows_of(whole)  # adopted, built alike
+    train, other = p.progress.tasks["train"], p.progress.tasks["eval"]
+    p.progress.take("train", ["a0", "a1"], 60.0, 0.0, None, [0, 1])
+    assert list(train.ready) == keys[2:] and list(other.ready) == keys
+    more = [f"b{i}" for i in range(9)]
+    plan = plan_put(p, [_piece(more, [2] * 9)], False, None, p.writes)
+    assert plan.fresh == ()  # the partition holds rows: merged into its dicts
+    p.commit(plan)
+    assert list(p.rows) == keys + more
+    assert list(train.ready) == keys[2:] + more and list(other.ready) == keys + more
+
+
+def test_mapped_is_map_over_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(layout, "SLICE", 3)
+    a, b = list(range(10)), [str(i) for i in range(10)]
+    assert layout.mapped(lambda x, y: (x, y), a, b) == list(zip(a, b, strict=True))
+    assert layout.mapped(str, []) == []
+
+
+@pytest.mark.parametrize("slice_", [4, 1 << 15])  # counted by Arrow, and in a set
+def test_a_key_repeating_across_a_puts_batches_is_named(
+    monkeypatch: pytest.MonkeyPatch, slice_: int
+) -> None:
+    monkeypatch.setattr(partition, "SLICE", slice_)
+    a, b = [f"a{i}" for i in range(6)], [f"b{i}" for i in range(3)]
+    keys = put_keys([_piece(a, [2] * 6), _piece(b, [2] * 3)])
+    assert keys.set() == set(a + b)
+    with pytest.raises(EncodeError, match=r"duplicate row key 'a4' within one put"):
+        put_keys([_piece(a, [2] * 6), _piece(["b0", "a4", "b1"], [2] * 3)])
+    assert put_keys([_piece(a, [2] * 6)]).set() == set(a)  # one batch: checked by validation
