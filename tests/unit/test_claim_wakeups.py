@@ -137,3 +137,17 @@ def test_a_claim_that_nothing_serves_still_times_out() -> None:
     store.declare("p", TEXT, ["train"], None)
     with pytest.raises(ClaimTimeoutError, match="0 rows ready"):
         store.claim("p", "train", 1, None, 0.05)
+
+
+@pytest.mark.parametrize("tasks", [[], ["train"], ["train", "ref"]])
+def test_a_large_put_into_an_empty_partition_of_any_task_count_is_stored(tasks):
+    # The plan's ready indexes (one per declared task) are adopted whole; a partition
+    # with no tasks has none to adopt.
+    store = Store()
+    store.declare("p", TEXT, tasks, None)
+    keys = [f"k{i}" for i in range(20)]
+    _put(store, "p", keys)
+    assert len(store.scan("p")[1]) == 20
+    for t in tasks:
+        _, rows, _, _ = store.claim("p", t, 20, None, 1.0)
+        assert sorted(r.key for r in rows) == sorted(keys)
