@@ -243,9 +243,7 @@ class Partition:
             pc.damaged = True
         for pc in plan.pieces:
             pc.stored = True
-        # The plan made one index per declared task (a partition of no task has none);
-        # otherwise the rows join the ready indexes the usual way.
-        if fresh and len(plan.fresh) == len(self.progress.tasks) == len(self.tasks):
+        if fresh:
             self.progress.adopt(plan.fresh)
         else:
             self.progress.added(plan.ready)  # built outside the lock by the plan

@@ -228,8 +228,13 @@ def plan_put(
                 old.held - freed + held[i],
             )
     ready = _index(new)
-    # An empty partition (a fresh one, or cleared) takes the plan's dicts as they are.
-    fresh = (ready, *(_index(new) for _ in p.tasks[1:])) if not rows and len(new) > _FEW else ()
+    # An empty partition (a fresh one, or cleared) takes the plan's dicts as they are: one
+    # ready index per task (a partition of no task merges its rows as usual).
+    fresh = (
+        (ready, *(_index(new) for _ in p.tasks[1:]))
+        if p.tasks and not rows and len(new) > _FEW
+        else ()
+    )
     return PutPlan(
         pieces,
         keys,
