@@ -52,6 +52,7 @@ from flightq.protocol import (
     SessionCommand,
     SessionReply,
 )
+from flightq.sharding.router import Router
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -700,11 +701,25 @@ def test_a_doexchange_with_a_wrong_command_is_refused_and_the_server_serves_on(
 # --------------------------------------------------------------------------- other clients
 
 
+def _groups_on_each_shard(locations: list[str], per_shard: int) -> list[str]:
+    """Keys of ``per_shard`` groups of two on each shard (placement follows the ports)."""
+    router = Router(locations)
+    taken: dict[int, list[str]] = {i: [] for i in range(len(locations))}
+    for p in range(10_000):
+        group = [f"p{p}_g0", f"p{p}_g1"]
+        shard = router.shard_of(group[0])
+        if len(taken[shard]) < 2 * per_shard:
+            taken[shard] += group
+        if all(len(t) == 2 * per_shard for t in taken.values()):
+            return [k for t in taken.values() for k in t]
+    raise AssertionError(f"no balanced groups over {locations}")
+
+
 def test_a_sharded_claim_acks_and_gives_back_on_every_shard():
-    keys = text_keys(8, 2)
     with contextlib.ExitStack() as stack:
         servers = stack.enter_context(inproc_shards(2))
         locations = [s.location for s in servers]
+        keys = _groups_on_each_shard(locations, 4)
         c = stack.enter_context(flightq.connect_sharded(locations, [TEXT], timeout=SOON))
         shards = [stack.enter_context(flightq.connect(loc, [TEXT])) for loc in locations]
         c.create_partition("s", TEXT, tasks=["train"], group_size=2, lease=600.0)
