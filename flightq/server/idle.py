@@ -136,6 +136,9 @@ class IdleWatch(fl.ServerMiddlewareFactory):
         self._seen: dict[tuple[str, int], None] = {}
         #: Connections seen by the watchdog carrying no handled call, since when.
         self._unknown: dict[tuple[str, int], float] = {}
+        #: Once the server stops: the connections on its port then, the only ones it may
+        #: still cut by elimination.
+        self._owned: set[tuple[str, int]] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.available = sys.platform.startswith("linux")
@@ -235,6 +238,11 @@ class IdleWatch(fl.ServerMiddlewareFactory):
         for the calls in flight, and a stream stalled by its client would never end."""
         if self.timeout is not None:
             self._limit = min(self.timeout, max(seconds, 0.05))
+            # A stopping server takes no new connection: one on its port from now on is
+            # another server's (a new one may listen there once this one's listener closed),
+            # and is never cut by elimination here.
+            if self.available and self.port and self._owned is None:
+                self._owned = {(_norm(h), p) for h, p in _connections(self.port)}
             self._hurried = True
 
     def stop(self) -> None:
@@ -288,6 +296,8 @@ class IdleWatch(fl.ServerMiddlewareFactory):
                 return
             seen = set(self._seen)
         conns = {(_norm(h), p) for h, p in _connections(self.port)}
+        if self._owned is not None:
+            conns &= self._owned
         unknown = {w: self._unknown.get(w, now) for w in conns - seen}
         self._unknown = unknown
         cut = 0
