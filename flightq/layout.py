@@ -229,7 +229,7 @@ def row_sums(per_segment: np.ndarray, outer: np.ndarray) -> np.ndarray:
 
 
 #: Items per slice of a bulk conversion (:func:`pylist`, :func:`in_slices`).
-SLICE = 1 << 15
+SLICE = 1 << 13
 
 
 def pylist(array: pa.Array | np.ndarray) -> list[Any]:
