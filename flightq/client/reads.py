@@ -47,6 +47,10 @@ def distinct_nbytes(batches: Iterable[pa.RecordBatch]) -> int:
     return sum(size for _, size in seen)
 
 
+#: Most rows of a get whose size is not known yet that tries the request stream.
+UNKNOWN_STREAM_ROWS = 16
+
+
 class RowSizes:
     """Per partition, the payload bytes per row of its last answer. Thread-safe."""
 
@@ -226,9 +230,16 @@ class Reader:
         else:
             return None
         per_row = self.sizes.per_row(ticket.partition)
-        if per_row is None or rows * per_row >= self.stream_max_bytes:
+        if per_row is None:
+            # A partition's first get of a few rows tries the stream too: it is answered
+            # there if it fits in stream_max_bytes, else the server says so at once and the
+            # get goes per call (a consumer never blocked by data calls that fill
+            # max_calls). A claim's rows would be taken and given back: it waits to learn.
+            if not isinstance(ticket, GetTicket) or rows > UNKNOWN_STREAM_ROWS:
+                return None
+        elif rows * per_row >= self.stream_max_bytes:
             return None
-        got = self.requests.read(ticket, what, timeout)
+        got = self.requests.read(ticket, what, timeout, self.stream_max_bytes)
         if got is None:
             return None
         if grant is not None and not grant:

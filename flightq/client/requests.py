@@ -103,11 +103,16 @@ class Requests:
         got = self._call(frame, what, timeout)
         return None if got is None else PutAck.parse(got.header["ok"]).rows
 
-    def read(self, ticket: Ticket, what: str, timeout: float | None) -> Frame | None:
+    def read(
+        self, ticket: Ticket, what: str, timeout: float | None, max_bytes: int | None = None
+    ) -> Frame | None:
         """A get or claim on the stream: the answer's schema and record batches, or None
-        where it must go per call (the stream is busy or not open, or the answer is too
-        large for it: a claim's rows were given back)."""
-        return self._call(pack_frame({"op": "read", "cmd": ticket.to_wire()}), what, timeout)
+        where it must go per call (the stream is busy or not open, or the answer is larger
+        than ``max_bytes`` or than a frame: a claim's rows were given back)."""
+        header: dict[str, Any] = {"op": "read", "cmd": ticket.to_wire()}
+        if max_bytes is not None:
+            header["max"] = int(max_bytes)
+        return self._call(pack_frame(header), what, timeout)
 
     def _call(self, frame: pa.Buffer, what: str, timeout: float | None) -> Frame | None:
         if self._closed or not self._lock.acquire(blocking=False):
@@ -151,7 +156,8 @@ class Requests:
             if self._fired:  # cancelled just after its answer came: keep that, not it
                 self._drop()
             got = parse_frame(chunk.app_metadata, what)
-            self.served += 1
+            if "retry" not in got.header:  # a read too large for the stream is not served
+                self.served += 1
         finally:
             self._lock.release()
         if "error" in got.header:

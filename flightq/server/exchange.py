@@ -147,10 +147,16 @@ def _handle(
     if op != "read":
         raise ProtocolError(f"{what}: unknown op {op!r}; expected 'put' or 'read'")
     t = parse_ticket(cmd)
+    # The most payload bytes the client takes on the stream (more: it reads per call).
+    asked = frame.header.get("max")
+    if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int)):
+        raise ProtocolError(f"{what}: a read's 'max' must be an int, got {type(asked).__name__}")
     schema, batches, undo = answer(t, context, False)
     try:
         out = list(batches)
         limit = MAX_FRAME_BYTES - _FRAME_SLACK
+        if asked is not None:
+            limit = max(0, min(limit, asked))
         # All the buffers bound the bytes from above (cheap); a slice's exact bytes
         # (``nbytes``, tens of µs a batch) only where that bound is over the limit.
         if sum(b.get_total_buffer_size() for b in out) > limit:

@@ -850,7 +850,7 @@ def _cap(args: argparse.Namespace, server: Server) -> int | None:
         return None
     if asked is None:
         limits = server.limits
-        asked = memory_cap(server.store.memory_budget, limits.max_calls + limits.max_sessions)
+        asked = memory_cap(server.store.memory_budget, 2 * (limits.max_calls + limits.max_sessions))
     return None if asked is None else cap_memory(asked)
 
 

@@ -8,7 +8,12 @@ its client's whole life.
 
 So the server counts them, in server middleware that runs before any handler: sessions
 against ``max_sessions``, every other call against ``max_calls``, each on its own count so
-that sessions can never starve data calls (nor the other way round). A client's request
+that sessions can never starve data calls (nor the other way round). Calls of one request
+message (DoAction, GetFlightInfo, ListFlights, ...) are counted against ``max_calls`` on a
+count of their own: streams a client stalls never starve another client's control calls
+(its schema check, a partition's description); such a call takes its slot only once its
+request message is in (gRPC runs its handler then), so a client cannot stall one. A
+client's request
 stream (:mod:`flightq.server.exchange`, a DoExchange whose call carries the header
 :data:`STREAM_HEADER`) also holds a thread for as long as it is open: those are counted
 against ``max_sessions`` too, on a third count, so that a consumer's own request stream
@@ -65,7 +70,7 @@ class CallLimits(fl.ServerMiddlewareFactory):
                 raise ProtocolError(f"{what} must be an int >= 1, got {n!r}", actual=n)
         self.max_calls, self.max_sessions = max_calls, max_sessions
         self._lock = threading.Lock()
-        self._counts = {"calls": 0, "sessions": 0, "streams": 0}
+        self._counts = {"calls": 0, "actions": 0, "sessions": 0, "streams": 0}
 
     def __repr__(self) -> str:
         return f"CallLimits(max_calls={self.max_calls}, max_sessions={self.max_sessions})"
@@ -75,17 +80,22 @@ class CallLimits(fl.ServerMiddlewareFactory):
         with self._lock:
             return self._counts["calls"], self._counts["sessions"]
 
+    def actions(self) -> int:
+        """Actions and other one-message calls in flight (bounded by ``max_calls``)."""
+        with self._lock:
+            return self._counts["actions"]
+
     def streams(self) -> int:
         """Request streams open (each also bounded by ``max_sessions``)."""
         with self._lock:
             return self._counts["streams"]
 
     def start_call(self, info: fl.CallInfo, headers: dict[str, Any]) -> fl.ServerMiddleware:
-        kind = "calls"
+        kind = "actions" if info.method in _ONE_MESSAGE else "calls"
         if info.method == fl.FlightMethod.DO_EXCHANGE:
             name, value = STREAM_HEADER
             kind = "streams" if value in headers.get(name, ()) else "sessions"
-        limit = self.max_calls if kind == "calls" else self.max_sessions
+        limit = self.max_calls if kind in ("calls", "actions") else self.max_sessions
         with self._lock:
             n = self._counts[kind]
             if n >= limit:
@@ -98,8 +108,23 @@ class CallLimits(fl.ServerMiddlewareFactory):
             self._counts[kind] -= 1
 
 
+#: Calls of one request message (an action, a listing, a lookup): counted apart from the
+#: data streams (DoPut, DoGet), so that stalled streams never starve a client's control
+#: calls (its schema check, a partition's description, stats).
+_ONE_MESSAGE = frozenset(
+    {
+        fl.FlightMethod.DO_ACTION,
+        fl.FlightMethod.LIST_ACTIONS,
+        fl.FlightMethod.GET_FLIGHT_INFO,
+        fl.FlightMethod.GET_SCHEMA,
+        fl.FlightMethod.LIST_FLIGHTS,
+        fl.FlightMethod.HANDSHAKE,
+    }
+)
+
+
 def _busy(n: int, limit: int, what: str) -> ResourceExhaustedError:
-    option = "max_calls" if what == "calls" else "max_sessions"
+    option = "max_calls" if what in ("calls", "actions") else "max_sessions"
     shown = "request streams" if what == "streams" else what
     return ResourceExhaustedError(
         f"server busy: {n} {shown} in flight, its limit ({option}={limit}); retry shortly, "

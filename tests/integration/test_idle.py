@@ -212,11 +212,11 @@ def test_sigterm_stops_the_server_while_a_stalled_stream_is_open() -> None:
         with flightq.connect(location, timeout=TIMEOUT) as c:
             c.create_partition("p", TEXT, tasks=["t"])
 
-        def busy() -> bool:  # the stall holds the one slot: it is on the server
+        def busy() -> bool:  # the stall holds the one data-call slot: it is on the server
             try:
-                flightq.connect(location, timeout=TIMEOUT).close()
-            except flightq.ResourceExhaustedError:
-                return True
+                plain_put(location, put_command("p", rows=1), [text_batch(["x"])])
+            except fl.FlightError as e:
+                return "server busy" in str(e)
             return False
 
         with _stalled_puts(location, 1):

@@ -9,6 +9,7 @@ answers a valid request. Every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -73,11 +74,12 @@ def test_put_get_claim_match_per_call(
     assert streamed.requests.served == served + 1  # the put took the stream
     assert per_call.put("b", keys, cols, tags=tags) == len(keys)
     assert per_call.requests.served == 0
-    # A partition's first get goes per call (its size unknown); later ones on the stream.
-    first = streamed.get("a", keys[::-1], as_="numpy")
+    # A partition's first get of a few rows tries the stream (its size unknown), as do
+    # the later ones its size predicts small.
     served = streamed.requests.served
+    first = streamed.get("a", keys[::-1], as_="numpy")
     again = streamed.get("a", keys[::-1], as_="numpy")
-    assert streamed.requests.served == served + 1
+    assert streamed.requests.served == served + 2
     want = per_call.get("b", keys[::-1], as_="numpy")
     assert _numpy(first) == _numpy(again) == _numpy(want)
     assert again.keys == want.keys and again.tags == want.tags
@@ -191,9 +193,53 @@ def test_large_puts_and_reads_go_per_call(pair: tuple[flightq.Client, flightq.Cl
     cols = {"input_ids": [np.arange(200_000, dtype=np.int64)] * 2}  # 3.2 MB
     served = streamed.requests.served
     assert streamed.put("big", keys, cols) == 2
+    # Its size unknown, the first get tries the stream: the server answers that it is
+    # larger than the client takes there, and it goes per call. Known large now: per call.
     assert streamed.get("big", keys, as_="numpy").keys == keys
-    assert streamed.get("big", keys, as_="numpy").keys == keys  # known large now: still per call
+    assert streamed.get("big", keys, as_="numpy").keys == keys
     assert streamed.requests.served == served
+    # Nor does a first get of more rows than a guess is worth try it.
+    many = [f"m{i}" for i in range(17)]
+    streamed.create_partition("many", TEXT, tasks=["train"])
+    streamed.put("many", many, text_columns(many))
+    served = streamed.requests.served
+    assert streamed.get("many", many, as_="numpy").keys == many
+    assert streamed.requests.served == served
+
+
+def test_a_first_get_takes_the_stream_while_data_calls_fill_max_calls() -> None:
+    # Stalled puts hold every data-call slot: a new client's one-row put and get still
+    # go through, on its request stream, which is counted apart from the data calls.
+    with flightq.Server(max_calls=4) as srv:
+        with flightq.connect(srv.location, [TEXT], timeout=TIMEOUT) as c:
+            c.create_partition("p", TEXT, tasks=["train"])
+        schema = flightq.encode(
+            flightq.SchemaRegistry.default().get(TEXT), text_columns(["x"]), ["x"]
+        ).schema
+        plain = [fl.connect(srv.location) for _ in range(4)]
+        stalled = [
+            p.do_put(fl.FlightDescriptor.for_command(PutCommand("p", rows=1).to_wire()), schema)
+            for p in plain
+        ]
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while srv.limits.in_flight()[0] < 4:
+                assert time.monotonic() < deadline, "the stalled puts never reached the server"
+                time.sleep(0.02)
+            with flightq.connect(srv.location, [TEXT], timeout=TIMEOUT) as late:
+                assert late.put("p", ["a"], text_columns(["a"])) == 1
+                got = late.get("p", ["a"], as_="numpy")
+                assert got.keys == ["a"] and got.received is not None
+                assert late.requests.served == 2  # both on the stream
+                late.stream_max_bytes = 0  # per call from here on: a data call, refused
+                with pytest.raises(ResourceExhaustedError, match="server busy: 4 calls"):
+                    late.get("p", ["a"], as_="numpy")
+        finally:
+            for w, _ in stalled:
+                with contextlib.suppress(fl.FlightError):  # refused: 0 of the rows announced
+                    w.close()
+            for p in plain:
+                p.close()
 
 
 def test_a_stopping_server_is_not_held_by_an_idle_stream() -> None:
