@@ -242,7 +242,8 @@ def test_a_budget_refusal_stores_nothing_and_leaves_the_copies_counted_right():
     step = _step()
     image = step.columns["pixel_values"][0][0].nbytes
     with flightq.Server(memory_budget=image + (256 << 10)) as srv:
-        c = flightq.connect(srv.location)
+        # A put waits for room for most of its timeout before it is refused: a short one.
+        c = flightq.connect(srv.location, timeout=3.0)
         c.create_partition("p", step.schema, tasks=["train"])
         _put_rows(c, "p", step, [0, 1])  # group 0: one image, two rows
         held = c.stats()["partitions"]["p"]["bytes"]
