@@ -33,12 +33,15 @@ from ..frames import Frame, pack_frame, parse_frame
 from ..protocol import ErrorDetail, PutAck, PutCommand, RequestsCommand, Ticket, from_flight_error
 from .transport import Transport
 
-__all__ = ["Requests", "IDLE_CLOSE_S", "RETRY_OPEN_S"]
+__all__ = ["Requests", "IDLE_CLOSE_S", "OPEN_S", "RETRY_OPEN_S"]
 
 #: Seconds without a request after which the stream is closed.
 IDLE_CLOSE_S = 1.0
 #: Seconds before a server that refused the stream is asked again.
 RETRY_OPEN_S = 10.0
+#: Most seconds the stream's greeting may take when it opens (less where the call's
+#: timeout is shorter).
+OPEN_S = 5.0
 #: Seconds between the watchdog's looks at the open request (deadline, idleness).
 _TICK_S = 0.1
 #: Seconds an answer may take beyond the call's timeout before the stream is cancelled.
@@ -118,7 +121,8 @@ class Requests:
         if self._closed or not self._lock.acquire(blocking=False):
             return None
         try:
-            stream = self._open()
+            wait = self._transport.timeout if timeout is None else timeout
+            stream = self._open(wait)
             if stream is None:
                 return None
             try:
@@ -175,8 +179,10 @@ class Requests:
 
     # ------------------------------------------------------------------ the stream
 
-    def _open(self) -> _Stream | None:
-        """The open stream, opened now if it is not (None: the server refuses it)."""
+    def _open(self, wait: float) -> _Stream | None:
+        """The open stream, opened now if it is not (None: the server refuses it, or its
+        greeting did not come within ``wait`` seconds, 1 to :data:`OPEN_S`: a server
+        that stalls is then asked per call, with the call's own deadline)."""
         if self._stream is not None:
             return self._stream
         now = time.monotonic()
@@ -184,13 +190,29 @@ class Requests:
             return None
         desc = fl.FlightDescriptor.for_command(RequestsCommand().to_wire())
         flight = self._transport.connection()
+        greeted = threading.Lock()  # taken by the greeting or by the timer, whichever first
+        timer: threading.Timer | None = None
         try:
             writer, reader = flight.do_exchange(desc, options=_OPTIONS)
+
+            def too_late() -> None:
+                if greeted.acquire(blocking=False):
+                    with contextlib.suppress(Exception):
+                        reader.cancel()
+
+            timer = threading.Timer(min(max(wait, 1.0), OPEN_S), too_late)
+            timer.daemon = True
+            timer.start()
             hello = reader.read_chunk()
+            if not greeted.acquire(blocking=False):  # cancelled as it came: not this one
+                raise StopIteration
             parse_frame(hello.app_metadata, "request stream").header["ok"]
         except (*_FOREIGN, StopIteration, FlightqError, KeyError):
             self._refused_until = now + RETRY_OPEN_S
             return None
+        finally:
+            if timer is not None:
+                timer.cancel()
         self._stream = _Stream(writer, reader)
         self._last = now
         if self._watchdog is None:
