@@ -339,6 +339,23 @@ def _header(h: dict[str, Any], body: bytes = b"") -> bytes:
     return len(head).to_bytes(4, "little") + head + body
 
 
+def test_a_read_larger_than_the_clients_bound_is_answered_retry(
+    server: flightq.Server, client: flightq.Client
+) -> None:
+    client.create_partition("m", TEXT, tasks=["train"])
+    client.put("m", ["k"], text_columns(["k"]))
+    ticket = GetTicket(partition="m", keys=["k"]).to_wire()
+    c, writer, reader = _open(server.location)
+    try:
+        small = _ask(writer, reader, pack_frame({"op": "read", "cmd": ticket, "max": 1}))
+        assert small.header["retry"] > 1 and not small.batches
+        whole = _ask(writer, reader, pack_frame({"op": "read", "cmd": ticket, "max": 1 << 20}))
+        assert "ok" in whole.header and whole.batches[0].num_rows == 1
+    finally:
+        writer.close()
+        c.close()
+
+
 def test_hostile_frames_are_refused_and_the_stream_serves_on(
     server: flightq.Server, client: flightq.Client
 ) -> None:
@@ -357,6 +374,13 @@ def test_hostile_frames_are_refused_and_the_stream_serves_on(
         (_header({"op": "frob", "cmd": b""}), ProtocolError, "unknown op"),
         (_header({"op": "read", "cmd": "text"}), ProtocolError, "'cmd' must be bytes"),
         (_header({"op": "read", "cmd": b"\x93"}), ProtocolError, "ticket"),
+        (
+            _header(
+                {"op": "read", "cmd": GetTicket(partition="h", keys=["k"]).to_wire(), "max": "1"}
+            ),
+            ProtocolError,
+            "'max' must be an int",
+        ),
         (_header({"op": "get", "cmd": b""}, b"tail"), ProtocolError, "carries no body"),
         # Lying sizes: more body announced than sent, and less.
         (
