@@ -74,6 +74,8 @@ __all__ = [
     "SessionCommand",
     "RequestsCommand",
     "SessionReply",
+    "SessionBeat",
+    "MIN_SILENCE",
     "Health",
     "HealthReply",
     "CheckSchemas",
@@ -119,6 +121,8 @@ MAX_BODY = 64 * 2**20
 MAX_PUT_PARTS = 16
 #: Largest finite seconds value a message may carry (one day); a claim may say ``inf``.
 MAX_SECONDS = 86400.0
+#: Shortest silence a consumer session may ask the server to end it after (seconds).
+MIN_SILENCE = 0.5
 #: Most rows one claim may ask for.
 MAX_CLAIM_ROWS = 1 << 20
 #: The key of a claim answer's schema metadata that carries its :class:`ClaimGrant`.
@@ -220,6 +224,16 @@ def _seconds(inf: bool, positive: bool = False) -> Check:
         return float(v)
 
     return check
+
+
+def _silence(v: Any, key: str, what: str) -> float:
+    """A consumer session's silence: seconds in [MIN_SILENCE, MAX_SECONDS]."""
+    got = _seconds(inf=False)(v, key, what)
+    if got < MIN_SILENCE:
+        raise ProtocolError(
+            f"{what}: {key!r} must be at least {MIN_SILENCE:g} seconds, got {got:g}"
+        )
+    return got
 
 
 def _bool(v: Any, key: str, what: str) -> bool:
@@ -540,7 +554,20 @@ class SessionCommand(Message):
     """The DoExchange descriptor's command that opens a consumer session."""
 
     WHAT: ClassVar[str] = "session command"
+    #: Seconds without a :class:`SessionBeat` after which the server ends the session
+    #: as if its client had gone (a dead host, a cut link); None: the session ends only
+    #: when its stream does. The server agrees in :class:`SessionReply`.
+    silence: float | None = _field(_optional(_silence), None, omit=None)
     op: str = _field(_const("session"), "session")
+
+
+@dataclasses.dataclass(**_FROZEN)
+class SessionBeat(Message):
+    """What a consumer session's client sends (as app metadata, no record batch) to say
+    it is alive, when the server agreed to a silence."""
+
+    WHAT: ClassVar[str] = "session beat"
+    op: str = _field(_const("beat"), "beat")
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -558,6 +585,9 @@ class SessionReply(Message):
 
     WHAT: ClassVar[str] = "session reply"
     session: str = _field(_str(64))
+    #: The silence the server ends the session after (the one asked for); None: it
+    #: watches no beats (it has no idle watch running), and the client sends none.
+    silence: float | None = _field(_optional(_silence), None, omit=None)
 
 
 @dataclasses.dataclass(**_FROZEN)

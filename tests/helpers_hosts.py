@@ -44,11 +44,14 @@ def _crc(ids: Any, px: Any) -> int:
     return zlib.crc32(px.tobytes(), zlib.crc32(ids.tobytes()))
 
 
-def _connect(st: dict[str, Any], locations: list[str], timeout: float) -> None:
-    """A sharded client with flightq's default keepalive (a quarter of ``timeout``)."""
+def _connect(st: dict[str, Any], locations: list[str], timeout: float, **kw: Any) -> None:
+    """A sharded client with flightq's default keepalive (a quarter of ``timeout``);
+    ``kw`` as :func:`flightq.connect` takes them (``session_timeout``)."""
     import flightq
 
-    st["c"] = flightq.connect_sharded(locations, ["rollout_vlm@1"], timeout=timeout, poll=0.05)
+    st["c"] = flightq.connect_sharded(
+        locations, ["rollout_vlm@1"], timeout=timeout, poll=0.05, **kw
+    )
 
 
 def _create(st: dict[str, Any], partition: str, **kw: Any) -> None:

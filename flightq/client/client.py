@@ -46,6 +46,8 @@ from ..errors import (
 from ..layout import DEFAULT_BATCH_BYTES
 from ..memory import keep_freed_memory as _keep_freed_memory
 from ..protocol import (
+    MAX_SECONDS,
+    MIN_SILENCE,
     Ack,
     CheckSchemas,
     ClaimGrant,
@@ -74,7 +76,7 @@ from ..tensordicts import tensordict_reads
 from .interface import PutReceipt
 from .reads import Reader
 from .requests import Requests
-from .session import Session
+from .session import DEFAULT_SESSION_TIMEOUT, Session
 from .streams import (
     DEFAULT_STREAMS,
     MIN_STREAM_BYTES,
@@ -121,6 +123,22 @@ def resolve_schemas(
     return out
 
 
+def _session_silence(seconds: Any) -> float | None:
+    """``session_timeout`` checked: seconds in [MIN_SILENCE, MAX_SECONDS], or None (0: None)."""
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise ValueError(f"session_timeout must be seconds or None, got {seconds!r}")
+    if seconds == 0:
+        return None
+    if not MIN_SILENCE <= seconds <= MAX_SECONDS:
+        raise ValueError(
+            f"session_timeout must be {MIN_SILENCE:g} to {MAX_SECONDS:g} seconds "
+            f"(0 or None: off), got {seconds!r}"
+        )
+    return float(seconds)
+
+
 def connect(
     location: str,
     schemas: Iterable[str | Schema] = (),
@@ -133,6 +151,7 @@ def connect(
     put_streams: int | None = None,
     min_stream_bytes: int = MIN_STREAM_BYTES,
     keep_freed_memory: bool = False,
+    session_timeout: float | None = DEFAULT_SESSION_TIMEOUT,
     **flight_kwargs: Any,
 ) -> Client:
     """Connect to a server and check the schema versions this process was built for.
@@ -177,6 +196,15 @@ def connect(
         mapped, never touch it. Worth it for a process that moves steps again and again:
         a W1 get (8.3 MB) took 1.15x less time with it (median of 10 fresh processes
         each), a full-size W2 get 1.2-1.5x (figures: :func:`flightq.keep_freed_memory`).
+    session_timeout:
+        Seconds after which the server ends this client's consumer session when it hears
+        nothing from it (15 s), giving back the rows its claims hold: what brings rows
+        back from a consumer whose host died or whose link was cut, which the server
+        cannot see close. A daemon thread beats 10 times per timeout (at most every
+        second; a few bytes each) while a session is open. At least 0.5 s: a process
+        stopped (``SIGSTOP``) or frozen for longer loses its claims as a dead one would.
+        None or 0: no beats, and such rows come back after their lease. A server whose
+        idle watch is off (``idle_timeout=0``) asks for no beats.
     **flight_kwargs:
         ``token="..."`` for a server that requires a bearer token; ``tls_root_certs``
         (PEM bytes) for a ``grpc+tls://`` server; anything else ``FlightClient`` takes.
@@ -212,6 +240,7 @@ def connect(
         put_streams=put_streams,
         min_stream_bytes=min_stream_bytes,
         keep_freed_memory=keep_freed_memory,
+        session_timeout=session_timeout,
         **flight_kwargs,
     )
     try:
@@ -247,8 +276,10 @@ class Client:
         put_streams: int | None = None,
         min_stream_bytes: int = MIN_STREAM_BYTES,
         keep_freed_memory: bool = False,
+        session_timeout: float | None = DEFAULT_SESSION_TIMEOUT,
         **flight_kwargs: Any,
     ) -> None:
+        silence = _session_silence(session_timeout)
         gets = DEFAULT_STREAMS if get_streams is None else get_streams
         self.put_streams = DEFAULT_STREAMS if put_streams is None else put_streams
         if gets < 1 or self.put_streams < 1:
@@ -290,7 +321,7 @@ class Client:
             requests=self._requests,
         )
         #: Ends this client's leases when it goes (opened by the first claim).
-        self._session = Session(self._transport)
+        self._session = Session(self._transport, silence)
         self._segments: Any = None
         if self.shm_dir is not None:
             from ..shm.client import ClientSegments

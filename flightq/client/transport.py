@@ -271,11 +271,12 @@ class Transport:
             raise from_flight_error(e, what) from e
 
     def session(
-        self, timeout: float | None = None
-    ) -> tuple[fl.FlightStreamWriter, fl.FlightStreamReader, str]:
+        self, timeout: float | None = None, silence: float | None = None
+    ) -> tuple[fl.FlightStreamWriter, fl.FlightStreamReader, SessionReply]:
         """Open a consumer session: a DoExchange stream without a deadline, held open
-        until closed; returns its writer, its reader and the server's session id (read
-        within ``timeout``).
+        until closed; returns its writer, its reader and the server's reply (its session
+        id, and whether it ends the session after ``silence`` seconds without a beat),
+        read within ``timeout``.
 
         Raises
         ------
@@ -283,7 +284,7 @@ class Transport:
             The server's error, the transport's, or no session id.
         """
         what = f"open a session on {self.location}"
-        desc = fl.FlightDescriptor.for_command(SessionCommand().to_wire())
+        desc = fl.FlightDescriptor.for_command(SessionCommand(silence=silence).to_wire())
         try:
             # No deadline: the stream lives as long as the client.
             writer, reader = self._main.do_exchange(desc, options=fl.FlightCallOptions())
@@ -310,7 +311,14 @@ class Transport:
             if not answered:
                 raise FlightqTimeoutError(f"{what}: timed out waiting for the session id")
             raise FlightqError(f"{what}: the server sent no session id")
-        return writer, reader, SessionReply.parse(first[0].app_metadata).session
+        try:
+            reply = SessionReply.parse(first[0].app_metadata)
+        except FlightqError:
+            with contextlib.suppress(Exception):
+                reader.cancel()
+                writer.close()
+            raise
+        return writer, reader, reply
 
     def list_flights(self, timeout: float | None = None) -> list[str]:
         """The names of the partitions the server lists (ListFlights)."""

@@ -49,6 +49,7 @@ from ..protocol import (
     PutCommand,
     RequestsCommand,
     ScanTicket,
+    SessionBeat,
     SessionCommand,
     SessionReply,
     Ticket,
@@ -92,6 +93,8 @@ DEFAULT_MAX_BATCH_BYTES = DEFAULT_BATCH_BYTES
 DEFAULT_MAX_PUT_BATCH_BYTES = 2**30
 #: Seconds between checks that a consumer session's client is still there.
 _SESSION_POLL = 0.05
+#: Largest beat a consumer session's client may send (bytes of app metadata).
+_MAX_BEAT_BYTES = 64
 
 
 class Server(fl.FlightServerBase):
@@ -139,8 +142,10 @@ class Server(fl.FlightServerBase):
     idle_timeout:
         Seconds a put stream or an answer may wait on its client (no record batch
         arriving, or none taken) before the server cuts that client's connection, which
-        ends every call on it (:mod:`flightq.server.idle`; Linux only). Consumer sessions
-        are never timed out. None or 0: never.
+        ends every call on it (:mod:`flightq.server.idle`; Linux only). A consumer
+        session is not timed out by it: one whose client beats ends after the silence its
+        client asked for (``session_timeout``). None or 0: never, and sessions are not
+        watched for beats.
     **kwargs:
         Passed to ``pyarrow.flight.FlightServerBase``, e.g. ``tls_certificates`` (see
         :func:`flightq.auth.tls_certificates`) with a ``grpc+tls://`` location.
@@ -597,16 +602,54 @@ class Server(fl.FlightServerBase):
                 patient=lambda: self.idle.patient(context),
             )
             return
-        SessionCommand.parse(raw)
+        cmd = SessionCommand.parse(raw)
+        # Beats are watched only where a silent session can be ended: by the watchdog.
+        silence = cmd.silence if cmd.silence is not None and self.idle.watching else None
         sid = self.store.open_session()
         try:
-            writer.write_metadata(pa.py_buffer(SessionReply(session=sid).to_wire()))
-            # The client sends nothing: it cancels the call to end the session, or its
-            # process or connection goes away, which cancels it too.
-            while not context.is_cancelled() and not self.store.closing:
-                time.sleep(_SESSION_POLL)
+            reply = SessionReply(session=sid, silence=silence)
+            writer.write_metadata(pa.py_buffer(reply.to_wire()))
+            if silence is None:
+                # The client sends nothing: it cancels the call to end the session, or
+                # its process or connection goes away, which cancels it too.
+                while not context.is_cancelled() and not self.store.closing:
+                    time.sleep(_SESSION_POLL)
+            else:
+                self._beats(context, reader, sid, silence)
         finally:
             self.store.end_session(sid)
+
+    def _beats(
+        self,
+        context: fl.ServerCallContext,
+        reader: fl.MetadataRecordBatchReader,
+        sid: str,
+        silence: float,
+    ) -> None:
+        """Read a beating session's beats until its stream ends, the server stops, or
+        the watch finds it silent for ``silence`` seconds (it then ends the session and
+        cuts the connection, which ends the read)."""
+        beats = self.idle.heartbeats(context, silence, lambda: self.store.end_session(sid))
+        what = "consumer session"
+        while not self.store.closing:
+            try:
+                chunk = reader.read_chunk()
+            except StopIteration:
+                return  # the client closed its side
+            except fl.FlightError:
+                return  # cancelled, or its connection was cut
+            except pa.ArrowException as e:
+                raise ProtocolError(f"{what}: unreadable message: {e}") from e
+            if chunk.data is not None:
+                raise ProtocolError(f"{what}: a session carries beats only, not record batches")
+            meta = chunk.app_metadata
+            if meta is None or meta.size > _MAX_BEAT_BYTES:
+                size = "none" if meta is None else f"{meta.size} bytes"
+                raise ProtocolError(
+                    f"{what}: a beat is app metadata of at most {_MAX_BEAT_BYTES} bytes, got {size}"
+                )
+            SessionBeat.parse(meta)
+            beats.heard()
 
     def _stream_put(
         self, command: bytes, batches: list[pa.RecordBatch], context: fl.ServerCallContext

@@ -28,9 +28,14 @@ against ``max_calls``).
 
 A cut ends the whole connection, and gRPC carries all of one client's calls over one
 connection: a legitimate client's other calls on it fail with ``UnavailableError`` and its
-consumer session ends (its claims' rows go back to ready); its next call reconnects. A
-consumer session waits on its client by design and is never watched itself. Linux only:
-elsewhere the watch logs once that idle timeouts are unavailable and cuts nothing.
+consumer session ends (its claims' rows go back to ready); its next call reconnects.
+
+A consumer session waits on its client by design: it is watched only when its client
+beats (:meth:`IdleWatch.heartbeats`), against the silence the client asked for instead of
+``timeout``. A session silent that long has lost its client (its host died, its link was
+cut: the server sees no end of a half-open connection): the watch ends the session first
+(its claims' rows go back to ready), then cuts its connection. Linux only: elsewhere the
+watch logs once that idle timeouts are unavailable and cuts nothing.
 """
 
 from __future__ import annotations
@@ -87,6 +92,10 @@ class _Call(fl.ServerMiddleware):
         #: request): cut only while the server stops.
         self.patient = False
         self.noted = False  # logged as not cuttable
+        #: A beating consumer session's silence (its own limit), and what ends the
+        #: session when it passes.
+        self.limit: float | None = None
+        self.on_silent: Callable[[], Any] | None = None
 
     def call_completed(self, exception: Any) -> None:
         self._watch._forget(self)
@@ -216,6 +225,26 @@ class IdleWatch(fl.ServerMiddlewareFactory):
         finally:
             call.patient, call.waiting_since = False, None
 
+    @property
+    def watching(self) -> bool:
+        """Whether the watchdog runs (it is on, on Linux, and started): only then can a
+        silent consumer session be ended."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def heartbeats(
+        self, context: fl.ServerCallContext | None, silence: float, on_silent: Callable[[], Any]
+    ) -> _Beats:
+        """Watch the consumer session of ``context`` for beats: once none was heard for
+        ``silence`` seconds (or, while the server stops, for its hurried limit), call
+        ``on_silent`` (which ends the session) and cut the connection. Call
+        :meth:`_Beats.heard` on each beat."""
+        call = self._call(context)
+        beats = _Beats(call)
+        if call is not None:
+            call.limit, call.on_silent = silence, on_silent
+            call.waiting_since = time.monotonic()
+        return beats
+
     # -------------------------------------------------------------- the watchdog
 
     def start(self) -> None:
@@ -252,26 +281,49 @@ class IdleWatch(fl.ServerMiddlewareFactory):
             self._thread.join(timeout=5.0)
             self._thread = None
 
+    def _every(self) -> float:
+        """Seconds between two looks: a quarter of the shortest limit, 0.05 to 1."""
+        with self._lock:
+            limits = [c.limit for c in self._calls if c.limit is not None]
+        shortest = min([self._limit or 1.0, *limits])
+        return min(max(shortest / 4, 0.05), 1.0)
+
+    def _limit_of(self, call: _Call, limit: float) -> float | None:
+        """How long ``call`` may wait on its client now (None: for ever)."""
+        if call.limit is not None:  # a beating session: its own silence
+            return min(call.limit, limit) if self._hurried else call.limit
+        return limit if self._hurried or not call.patient else None
+
     def _run(self) -> None:
-        while not self._stop.wait(min(max((self._limit or 1.0) / 4, 0.05), 1.0)):
+        while not self._stop.wait(self._every()):
             limit, now = self._limit, time.monotonic()
             assert limit is not None
             with self._lock:
-                due = [
-                    c
-                    for c in self._calls
-                    if not c.cut
-                    and c.peer is not None
-                    and c.waiting_since is not None
-                    and now - c.waiting_since >= limit
-                    and (self._hurried or not c.patient)
-                ]
+                due = []
+                for c in self._calls:
+                    if c.cut or c.peer is None or c.waiting_since is None:
+                        continue
+                    mine = self._limit_of(c, limit)
+                    if mine is not None and now - c.waiting_since >= mine:
+                        due.append((c, mine))
             self._cut_unstarted(now, limit)
-            for call in due:
+            for call, mine in due:
                 peer, since = call.peer, call.waiting_since
-                if peer is None or since is None or now - since < limit:
+                if peer is None or since is None or now - since < mine:
                     continue  # it made progress meanwhile
                 call.cut = True
+                if call.on_silent is not None:
+                    # A silent session: its rows go back now, whether or not the cut
+                    # finds its connection.
+                    try:
+                        call.on_silent()
+                    except Exception:  # the watch goes on
+                        log.exception("ending a silent consumer session from %s", peer)
+                    log.warning(
+                        "ended the consumer session of %s: no beat for %.1f s (its silence)",
+                        peer,
+                        now - since,
+                    )
                 try:
                     found = cut_connection(self.port, peer)
                 except OSError as e:
@@ -329,6 +381,23 @@ class IdleWatch(fl.ServerMiddlewareFactory):
                 "carried handled calls: not cut (it holds one of max_calls)",
                 now - c.started,
             )
+
+
+class _Beats:
+    """A beating consumer session's watch (:meth:`IdleWatch.heartbeats`)."""
+
+    def __init__(self, call: _Call | None) -> None:
+        self._call = call
+
+    def heard(self) -> None:
+        """A beat came: the session's silence starts again."""
+        if self._call is not None:
+            self._call.waiting_since = time.monotonic()
+
+    @property
+    def silent(self) -> bool:
+        """Whether the watch found the session silent (and ended it)."""
+        return self._call is not None and self._call.cut
 
 
 def _norm(host: str) -> str:

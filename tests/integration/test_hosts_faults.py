@@ -198,9 +198,9 @@ def test_held_rows_come_back_after_the_lease_when_a_link_fails_and_at_once_when_
     with Agent(bed.hosts[3].ns) as other:
         other("connect", locations, FAST)
         # A link that fails leaves the server's end of the connection open (it sends
-        # nothing on an idle session, and has no keepalive of its own), so the session
-        # does not end, not even once the link is back: the lease does, on the server,
-        # LEASE seconds after the claim, whatever the link.
+        # nothing on an idle session, and has no keepalive of its own): the lease, or the
+        # session's beats falling silent (test below), end the claim. Here the lease
+        # (LEASE seconds after the claim) comes first: the session_timeout is 15 s.
         a("create", "held-lease", lease=LEASE)
         put = a("put", "held-lease", "h", 2)
         a("claim", "held-lease", len(put), FAST)
@@ -237,6 +237,44 @@ def test_held_rows_come_back_after_the_lease_when_a_link_fails_and_at_once_when_
         f"\nredelivered: lease {LEASE:g}s, link down: {by_lease:.2f}s after the claim; "
         f"consumer killed, link up: {by_session:.2f}s after the kill"
     )
+
+
+#: The session_timeout of the cut-off consumer below (seconds).
+SILENCE = 3.0
+
+
+def test_a_consumer_cut_off_by_its_link_gives_its_rows_back_after_its_session_timeout(
+    bed: hosts.Testbed, shards: list[hosts.Server]
+) -> None:
+    """Prints how long the rows took to come back (``pytest -s``): docs/deploy.md."""
+    locations = [s.location for s in shards]
+    with Agent(bed.hosts[0].ns) as cut, Agent(bed.hosts[3].ns) as other:
+        cut("connect", locations, FAST, session_timeout=SILENCE)
+        other("connect", locations, FAST)
+        # The default lease (600 s): only the session's silence can end this claim soon.
+        cut("create", "held-beats")
+        put = cut("put", "held-beats", "b", 2)
+        cut("claim", "held-beats", len(put), FAST)
+        bed.link_down(0)  # the consumer's host: its beats stop reaching the shards
+        down = time.monotonic()
+        try:
+            got = other("claim", "held-beats", len(put), 30.0)
+            by_beats = time.monotonic() - down
+            assert sorted(got) == sorted(put)
+            assert set(other("deliveries").values()) == {2}
+            assert other("ack") == len(put)
+        finally:
+            bed.link_up(0)
+        # Back on its link, the cut-off consumer's late ack acknowledges nothing, and
+        # it claims again (a new session on each shard).
+        assert _until(lambda: cut("ack")) == 0
+        put = _until(lambda: cut("put", "held-beats", "c", 1))
+        assert sorted(cut("claim", "held-beats", len(put), FAST)) == sorted(put)
+        assert cut("ack") == len(put)
+    # About one silence after the link went down (the shards look every 0.75 s), far
+    # below the lease.
+    assert SILENCE * 0.8 < by_beats < SILENCE + 10, f"{by_beats:.2f}s"
+    print(f"\nredelivered: session_timeout {SILENCE:g}s, link down: {by_beats:.2f}s after it")
 
 
 def test_a_shard_killed_and_restarted_from_its_snapshot_serves_the_same_client_again(
