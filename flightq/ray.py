@@ -39,13 +39,20 @@ class _ShardServer:
     """The body of one shard actor: a flightq server serving in a background thread."""
 
     def __init__(
-        self, host: str | None, port: int, schemas: str | None, memory_budget: int | None
+        self,
+        host: str | None,
+        port: int,
+        schemas: str | None,
+        memory_budget: int | None,
+        cap: int | None = None,
     ) -> None:
-        from .memory import keep_freed_memory
+        from .memory import cap_memory, collect_rarely, keep_freed_memory, memory_cap
         from .registry import SchemaRegistry
         from .server.flight import Server
 
-        keep_freed_memory()  # the actor's process is the server's own, as with flightq serve
+        # The actor's process is the server's own: tuned as flightq serve tunes itself.
+        keep_freed_memory()
+        collect_rarely()
         if host is None:
             host = _ray().util.get_node_ip_address()
         if ":" in host and not host.startswith("["):
@@ -54,6 +61,14 @@ class _ShardServer:
         self.server = Server(
             f"grpc://{host}:{port}", registry=registry, memory_budget=memory_budget
         ).start()
+        if cap is None:  # the default of flightq serve (0: no cap)
+            limits = self.server.limits
+            cap = memory_cap(memory_budget, 2 * (limits.max_calls + limits.max_sessions))
+        #: The data-segment cap set on the actor's process (None: none).
+        self.cap = cap_memory(cap) if cap else None
+
+    def memory_cap(self) -> int | None:
+        return self.cap
 
     def location(self) -> str:
         return self.server.location
@@ -96,6 +111,7 @@ def start_shards(
     port: int = 0,
     schemas: str | None = None,
     memory_budget: int | None = None,
+    memory_cap: int | None = None,
     strategy: str = "SPREAD",
     timeout: float = 120.0,
 ) -> Shards:
@@ -116,6 +132,12 @@ def start_shards(
         A schema folder present on every node (default: the shipped schemas).
     memory_budget:
         Payload bytes each shard may hold (see :class:`flightq.Server`).
+    memory_cap:
+        Bytes each shard actor's process caps its data segment at (``RLIMIT_DATA``), as
+        ``flightq serve --memory-cap`` does: a put whose compressed IPC body would
+        inflate past it is refused with ResourceExhaustedError instead of filling the
+        node. None: the default of :func:`flightq.memory.memory_cap` (from the budget and
+        the call limits); 0: no cap.
     strategy:
         Placement-group strategy: ``"SPREAD"`` (one per node when there are enough nodes,
         else packed) or ``"STRICT_SPREAD"`` (one per node, or fail).
@@ -163,7 +185,7 @@ def start_shards(
                     scheduling_strategy=placed,
                     # As `flightq serve` runs (flightq.memory): one malloc arena.
                     runtime_env={"env_vars": {"MALLOC_ARENA_MAX": "1"}},
-                ).remote(host, port, schemas, memory_budget)
+                ).remote(host, port, schemas, memory_budget, memory_cap)
             )
         locations = ray.get([a.location.remote() for a in actors], timeout=timeout)
         nodes = ray.get([a.node_id.remote() for a in actors], timeout=timeout)

@@ -12,6 +12,7 @@ import msgpack
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as fl
+from fixtures_dataplane import TEXT, text_columns
 from helpers_wire import replace_column
 
 import flightq
@@ -19,6 +20,9 @@ import flightq
 __all__ = [
     "VLM",
     "action",
+    "bomb_batch",
+    "data_limit",
+    "hwm_mib",
     "empty_maps",
     "media_batch",
     "with_keys",
@@ -68,3 +72,30 @@ def empty_maps(nbytes: int) -> bytes:
     each on the wire and a Python dict each once decoded (the costliest tags per byte)."""
     n = max(nbytes - 10, 0)
     return b"\x81\xa1t\xdd" + n.to_bytes(4, "big") + b"\x80" * n
+
+
+def hwm_mib(pid: int) -> int:
+    """The high-water mark of process ``pid``'s resident memory (MiB)."""
+    with open(f"/proc/{pid}/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) // 1024
+
+
+def data_limit(pid: int) -> int | None:
+    """The soft ``RLIMIT_DATA`` of process ``pid`` (None: unlimited)."""
+    with open(f"/proc/{pid}/limits") as f:
+        line = next(x for x in f if x.startswith("Max data size"))
+    soft = line.split()[3]
+    return None if soft == "unlimited" else int(soft)
+
+
+def bomb_batch(nbytes: int) -> pa.RecordBatch:
+    """A one-row text batch (key ``x``) whose ``input_ids`` payload is ``nbytes`` of
+    zeros, mapped lazily (untouched pages cost this process nothing)."""
+    batch = flightq.encode(flightq.SchemaRegistry.default().get(TEXT), text_columns(["x"]), ["x"])
+    i = batch.schema.get_field_index("input_ids")
+    offsets = pa.py_buffer(np.array([0, nbytes], np.int64))
+    cell = pa.LargeBinaryArray.from_buffers(
+        pa.large_binary(), 1, [None, offsets, pa.py_buffer(np.zeros(nbytes, np.uint8))]
+    )
+    return batch.set_column(i, batch.schema.field(i), cell.cast(batch.schema.field(i).type))

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
 from fixtures_dataplane import TEXT, TIMEOUT, cli_server, text_columns
+from helpers_budget import bomb_batch, data_limit, hwm_mib
 from helpers_reliability import plain_error
 
 import flightq
@@ -34,12 +35,6 @@ pytestmark = pytest.mark.skipif(
 
 #: Zeros a bomb inflates to (400 MB), from about 12 KiB of zstd.
 BOMB_VALUES = 50_000_000
-
-
-def _hwm_mib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        line = next(x for x in f if x.startswith("VmHWM:"))
-    return int(line.split()[1]) // 1024
 
 
 def _compressed_text_batch(codec: str) -> tuple[bytes, bytes, bytes]:
@@ -88,7 +83,7 @@ def test_a_compressed_request_stream_frame_is_refused_before_it_is_inflated(code
     with cli_server() as (location, proc):
         with flightq.connect(location, timeout=TIMEOUT) as c:
             c.create_partition("p", TEXT, tasks=["t"])
-        before = _hwm_mib(proc.pid)
+        before = hwm_mib(proc.pid)
         client = fl.connect(location)
         writer, reader = client.do_exchange(
             fl.FlightDescriptor.for_command(RequestsCommand().to_wire())
@@ -101,7 +96,7 @@ def test_a_compressed_request_stream_frame_is_refused_before_it_is_inflated(code
             assert type(e) is ProtocolError and "compressed body" in str(e), e
         writer.done_writing()
         client.close()
-        assert _hwm_mib(proc.pid) - before < 100  # never inflated (400 MB if it were)
+        assert hwm_mib(proc.pid) - before < 100  # never inflated (400 MB if it were)
         with flightq.connect(location, timeout=TIMEOUT) as c:
             assert c.stats()["partitions"]["p"]["rows"] == 0
             c.put("p", ["a"], text_columns(["a"]))  # the server serves on
@@ -121,35 +116,15 @@ def test_the_check_reads_headers_only_and_passes_uncompressed_streams() -> None:
         check_stream(pa.py_buffer(stream), "test")
 
 
-def _data_limit(pid: int) -> int | None:
-    """The soft ``RLIMIT_DATA`` of process ``pid`` (None: unlimited)."""
-    with open(f"/proc/{pid}/limits") as f:
-        line = next(x for x in f if x.startswith("Max data size"))
-    soft = line.split()[3]
-    return None if soft == "unlimited" else int(soft)
-
-
-def _bomb_batch(nbytes: int) -> pa.RecordBatch:
-    """A one-row text batch (key ``x``) whose ``input_ids`` payload is ``nbytes`` of
-    zeros, mapped lazily (untouched pages cost this process nothing)."""
-    batch = flightq.encode(flightq.SchemaRegistry.default().get(TEXT), text_columns(["x"]), ["x"])
-    i = batch.schema.get_field_index("input_ids")
-    offsets = pa.py_buffer(np.array([0, nbytes], np.int64))
-    cell = pa.LargeBinaryArray.from_buffers(
-        pa.large_binary(), 1, [None, offsets, pa.py_buffer(np.zeros(nbytes, np.uint8))]
-    )
-    return batch.set_column(i, batch.schema.field(i), cell.cast(batch.schema.field(i).type))
-
-
 def test_a_per_call_put_that_inflates_past_the_servers_cap_is_refused_typed() -> None:
     limits = ("--memory-budget", str(64 * 2**20), "--max-calls", "8", "--max-sessions", "8")
     with cli_server(*limits) as (location, proc):
-        cap = _data_limit(proc.pid)
+        cap = data_limit(proc.pid)
         assert cap is not None  # flightq serve caps itself by default
         with flightq.connect(location, timeout=TIMEOUT) as c:
             c.create_partition("p", TEXT, tasks=["t"])
-        bomb = _bomb_batch(cap + 2**30)  # a few hundred KiB of zstd on the wire
-        before = _hwm_mib(proc.pid)
+        bomb = bomb_batch(cap + 2**30)  # a few hundred KiB of zstd on the wire
+        before = hwm_mib(proc.pid)
         client = fl.connect(location)
         put = PutCommand(partition="p", rows=1, timeout=1.0).to_wire()
         options = fl.FlightCallOptions(write_options=pa.ipc.IpcWriteOptions(compression="zstd"))
@@ -162,7 +137,7 @@ def test_a_per_call_put_that_inflates_past_the_servers_cap_is_refused_typed() ->
         assert kind == "ResourceExhaustedError", message
         assert "put to 'p'" in message and "uncompressed record batches" in message
         client.close()
-        assert _hwm_mib(proc.pid) - before < 100  # the inflating allocation never took
+        assert hwm_mib(proc.pid) - before < 100  # the inflating allocation never took
         with flightq.connect(location, timeout=TIMEOUT) as c:
             assert c.stats()["partitions"]["p"]["rows"] == 0  # nothing half-stored
             c.put("p", ["a"], text_columns(["a"]))  # the server serves on
@@ -171,6 +146,6 @@ def test_a_per_call_put_that_inflates_past_the_servers_cap_is_refused_typed() ->
 
 def test_the_memory_cap_is_the_one_asked_for_or_none() -> None:
     with cli_server("--memory-cap", str(48 * 2**30)) as (_, proc):
-        assert _data_limit(proc.pid) == 48 * 2**30
+        assert data_limit(proc.pid) == 48 * 2**30
     with cli_server("--memory-cap", "0") as (_, proc):
-        assert _data_limit(proc.pid) is None
+        assert data_limit(proc.pid) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
+import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
 
@@ -12,9 +13,13 @@ import flightq
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'flightq[ray]')")
 
+from fixtures_dataplane import TEXT, text_columns  # noqa: E402
 from fixtures_shard import run_w1_writeback  # noqa: E402
+from helpers_budget import bomb_batch, data_limit, hwm_mib  # noqa: E402
+from helpers_reliability import plain_error  # noqa: E402
 
 import flightq.ray as fray  # noqa: E402
+from flightq.protocol import PutCommand  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,3 +67,42 @@ def test_start_shards_refuses_what_cannot_be_placed(local_ray: None) -> None:
         fray.start_shards(1, num_cpus=0)
     with pytest.raises(TimeoutError, match="could not place 2 shards"):
         fray.start_shards(2, num_cpus=1, strategy="STRICT_SPREAD", timeout=2)
+
+
+def test_a_shard_actor_caps_its_memory_and_refuses_a_put_that_inflates_past_it(
+    local_ray: None,
+) -> None:
+    # As flightq serve: a per-call put whose compressed IPC body would inflate past the
+    # cap is refused typed, nothing stored, and the actor serves on.
+    budget = 64 * 2**20
+    with fray.start_shards(1, num_cpus=0.5, host="127.0.0.1", memory_budget=budget) as shards:
+        (actor,), (location,) = shards.actors, shards.locations
+        pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+        cap = data_limit(pid)
+        assert cap is not None and cap == ray.get(actor.memory_cap.remote())
+        with flightq.connect(location, timeout=30) as c:
+            c.create_partition("p", TEXT, tasks=["t"])
+            before = hwm_mib(pid)
+            plain = fl.connect(location)
+            put = PutCommand(partition="p", rows=1, timeout=1.0).to_wire()
+            bomb = bomb_batch(cap + 2**30)  # a few hundred KiB of zstd on the wire
+            options = fl.FlightCallOptions(write_options=pa.ipc.IpcWriteOptions(compression="zstd"))
+            writer, _ = plain.do_put(fl.FlightDescriptor.for_command(put), bomb.schema, options)
+            with pytest.raises(fl.FlightError) as raised:
+                writer.write_batch(bomb)
+                writer.done_writing()
+                writer.close()
+            plain.close()
+            kind, message = plain_error(raised.value)
+            assert kind == "ResourceExhaustedError", message
+            assert hwm_mib(pid) - before < 100  # the inflating allocation never took
+            assert c.stats()["partitions"]["p"]["rows"] == 0  # nothing half-stored
+            c.put("p", ["a"], text_columns(["a"]))  # the shard serves on
+            assert c.get("p", ["a"], as_="numpy").keys == ["a"]
+
+
+def test_a_shard_actor_with_memory_cap_0_sets_none(local_ray: None) -> None:
+    with fray.start_shards(1, num_cpus=0.5, host="127.0.0.1", memory_cap=0) as shards:
+        (actor,) = shards.actors
+        pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+        assert data_limit(pid) is None and ray.get(actor.memory_cap.remote()) is None
