@@ -36,6 +36,8 @@ BEATS_PER_SILENCE = 10
 MAX_BEAT_INTERVAL = 1.0
 
 _BEAT = pa.py_buffer(SessionBeat().to_wire())
+#: Longest a close waits for a beat being written (seconds).
+_CLOSE_WAIT = 1.0
 
 
 def beat_interval(silence: float) -> float:
@@ -124,8 +126,14 @@ class Session:
         # the cancel, which is expected.
         with contextlib.suppress(Exception):
             reader.cancel()
-        with self._write, contextlib.suppress(Exception):
-            writer.close()
+        # A beat blocked on a dead link (its window full) holds the lock until keepalive
+        # drops the connection: close never waits for that, and leaves the writer to it.
+        if self._write.acquire(timeout=_CLOSE_WAIT):
+            try:
+                with contextlib.suppress(Exception):
+                    writer.close()
+            finally:
+                self._write.release()
 
     def close(self) -> None:
         """End the session: the server ends its claims' leases (unacknowledged rows are

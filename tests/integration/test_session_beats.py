@@ -28,7 +28,7 @@ import msgpack
 import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
-from fixtures_dataplane import ROOT, TEXT, TIMEOUT, python_env, text_columns
+from fixtures_dataplane import ROOT, TEXT, TIMEOUT, cli_server, python_env, text_columns
 from helpers_reliability import plain_error
 from helpers_waiting import stat_until
 
@@ -396,3 +396,22 @@ def test_beats_on_a_session_opened_without_a_silence_harm_nothing(plain, client)
     assert _leased(client) == 2
     _end(writer, reader)
     stat_until(client, "p", "leased", {"train": 0}, timeout=SOON)
+
+
+def test_closing_a_beating_client_of_a_frozen_server_returns_at_once():
+    # The server is SIGSTOPped: its socket takes the beats without reading them. Closing
+    # the client never waits for the connection's keepalive (30 s at a 60 s timeout).
+    with cli_server() as (location, proc):
+        c = flightq.connect(location, [TEXT], timeout=60.0, session_timeout=SILENCE)
+        try:
+            _declare(c, 2)
+            _claim(c, 2)
+            assert c.session.beating
+            os.kill(proc.pid, signal.SIGSTOP)
+            time.sleep(3 * SILENCE)  # 30 beats into the frozen server's socket
+            start = time.monotonic()
+            c.close()
+            assert time.monotonic() - start < 10.0
+            assert not c.session.beating
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
