@@ -46,9 +46,9 @@ class _ShardServer:
         memory_budget: int | None,
         cap: int | None = None,
     ) -> None:
-        from .memory import cap_memory, collect_rarely, keep_freed_memory, memory_cap
+        from .memory import collect_rarely, keep_freed_memory
         from .registry import SchemaRegistry
-        from .server.flight import Server
+        from .server.flight import Server, cap_own_memory
 
         # The actor's process is the server's own: tuned as flightq serve tunes itself.
         keep_freed_memory()
@@ -61,11 +61,8 @@ class _ShardServer:
         self.server = Server(
             f"grpc://{host}:{port}", registry=registry, memory_budget=memory_budget
         ).start()
-        if cap is None:  # the default of flightq serve (0: no cap)
-            limits = self.server.limits
-            cap = memory_cap(memory_budget, 2 * (limits.max_calls + limits.max_sessions))
         #: The data-segment cap set on the actor's process (None: none).
-        self.cap = cap_memory(cap) if cap else None
+        self.cap = cap_own_memory(self.server, cap)
 
     def memory_cap(self) -> int | None:
         return self.cap

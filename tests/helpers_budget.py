@@ -21,6 +21,7 @@ __all__ = [
     "VLM",
     "action",
     "bomb_batch",
+    "put_bomb",
     "data_limit",
     "hwm_mib",
     "empty_maps",
@@ -99,3 +100,23 @@ def bomb_batch(nbytes: int) -> pa.RecordBatch:
         pa.large_binary(), 1, [None, offsets, pa.py_buffer(np.zeros(nbytes, np.uint8))]
     )
     return batch.set_column(i, batch.schema.field(i), cell.cast(batch.schema.field(i).type))
+
+
+def put_bomb(location: str, partition: str, nbytes: int) -> fl.FlightError:
+    """A per-call DoPut with plain ``pyarrow.flight`` of :func:`bomb_batch` (``nbytes``)
+    in a zstd-compressed IPC body, a few hundred KiB on the wire; returns the error the
+    server answered it with (the test fails if it answered none)."""
+    from flightq.protocol import PutCommand
+
+    bomb = bomb_batch(nbytes)
+    put = PutCommand(partition=partition, rows=1, timeout=1.0).to_wire()
+    options = fl.FlightCallOptions(write_options=pa.ipc.IpcWriteOptions(compression="zstd"))
+    with fl.connect(location) as client:
+        writer, _ = client.do_put(fl.FlightDescriptor.for_command(put), bomb.schema, options)
+        try:
+            writer.write_batch(bomb)
+            writer.done_writing()
+            writer.close()
+        except fl.FlightError as e:
+            return e
+    raise AssertionError(f"a put of {nbytes} inflated bytes to {location} was not refused")

@@ -303,22 +303,17 @@ class Transport:
                 raise first[0]
         except _FOREIGN as e:
             raise from_flight_error(e, what) from e
-        answered = bool(first)
-        if not answered or first[0].app_metadata is None:
+        try:
+            if not first:
+                raise FlightqTimeoutError(f"{what}: timed out waiting for the session id")
+            if first[0].app_metadata is None:
+                raise FlightqError(f"{what}: the server sent no session id")
+            return writer, reader, SessionReply.parse(first[0].app_metadata)
+        except FlightqError:
             with contextlib.suppress(Exception):
                 reader.cancel()  # never wait on a server that does not answer
                 writer.close()
-            if not answered:
-                raise FlightqTimeoutError(f"{what}: timed out waiting for the session id")
-            raise FlightqError(f"{what}: the server sent no session id")
-        try:
-            reply = SessionReply.parse(first[0].app_metadata)
-        except FlightqError:
-            with contextlib.suppress(Exception):
-                reader.cancel()
-                writer.close()
             raise
-        return writer, reader, reply
 
     def list_flights(self, timeout: float | None = None) -> list[str]:
         """The names of the partitions the server lists (ListFlights)."""

@@ -885,10 +885,11 @@ def _malloc_report(kept: bool) -> dict[str, Any]:
     return {"arena_max": os.environ.get("MALLOC_ARENA_MAX"), "keep_freed_memory": kept}
 
 
-def _cap(args: argparse.Namespace, server: Server) -> int | None:
-    """Cap this process's data segment as ``--memory-cap`` says (None: the default of
-    :func:`flightq.memory.memory_cap`; 0: no cap); returns the cap set, or None."""
-    asked = getattr(args, "memory_cap", None)
+def cap_own_memory(server: Server, asked: int | None) -> int | None:
+    """Cap the data segment of this process, which is ``server``'s own (``flightq serve``,
+    a shard actor), at ``asked`` bytes (None: the default of
+    :func:`flightq.memory.memory_cap`, from its budget and call limits; 0: no cap);
+    returns the cap set, or None."""
     if asked == 0:
         return None
     if asked is None:
@@ -962,7 +963,7 @@ def serve_forever(args: argparse.Namespace) -> int:
     started: dict[str, Any] = {
         "listening": server.location,
         "schemas": [s.ref for s in server.registry],
-        "memory_cap": _cap(args, server),
+        "memory_cap": cap_own_memory(server, getattr(args, "memory_cap", None)),
     }
     if getattr(args, "metrics_port", None) is not None:
         from .exporter import serve_metrics

@@ -394,11 +394,6 @@ class _Beats:
         if self._call is not None:
             self._call.waiting_since = time.monotonic()
 
-    @property
-    def silent(self) -> bool:
-        """Whether the watch found the session silent (and ended it)."""
-        return self._call is not None and self._call.cut
-
 
 def _norm(host: str) -> str:
     """``host`` as one spelling (an IPv4-mapped IPv6 address as IPv4)."""

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
 from fixtures_dataplane import TEXT, TIMEOUT, cli_server, text_columns
-from helpers_budget import bomb_batch, data_limit, hwm_mib
+from helpers_budget import data_limit, hwm_mib, put_bomb
 from helpers_reliability import plain_error
 
 import flightq
@@ -123,20 +123,10 @@ def test_a_per_call_put_that_inflates_past_the_servers_cap_is_refused_typed() ->
         assert cap is not None  # flightq serve caps itself by default
         with flightq.connect(location, timeout=TIMEOUT) as c:
             c.create_partition("p", TEXT, tasks=["t"])
-        bomb = bomb_batch(cap + 2**30)  # a few hundred KiB of zstd on the wire
         before = hwm_mib(proc.pid)
-        client = fl.connect(location)
-        put = PutCommand(partition="p", rows=1, timeout=1.0).to_wire()
-        options = fl.FlightCallOptions(write_options=pa.ipc.IpcWriteOptions(compression="zstd"))
-        writer, _ = client.do_put(fl.FlightDescriptor.for_command(put), bomb.schema, options)
-        with pytest.raises(fl.FlightError) as raised:
-            writer.write_batch(bomb)
-            writer.done_writing()
-            writer.close()
-        kind, message = plain_error(raised.value)
+        kind, message = plain_error(put_bomb(location, "p", cap + 2**30))
         assert kind == "ResourceExhaustedError", message
         assert "put to 'p'" in message and "uncompressed record batches" in message
-        client.close()
         assert hwm_mib(proc.pid) - before < 100  # the inflating allocation never took
         with flightq.connect(location, timeout=TIMEOUT) as c:
             assert c.stats()["partitions"]["p"]["rows"] == 0  # nothing half-stored

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
 
@@ -15,11 +14,10 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'flig
 
 from fixtures_dataplane import TEXT, text_columns  # noqa: E402
 from fixtures_shard import run_w1_writeback  # noqa: E402
-from helpers_budget import bomb_batch, data_limit, hwm_mib  # noqa: E402
+from helpers_budget import data_limit, hwm_mib, put_bomb  # noqa: E402
 from helpers_reliability import plain_error  # noqa: E402
 
 import flightq.ray as fray  # noqa: E402
-from flightq.protocol import PutCommand  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,17 +81,7 @@ def test_a_shard_actor_caps_its_memory_and_refuses_a_put_that_inflates_past_it(
         with flightq.connect(location, timeout=30) as c:
             c.create_partition("p", TEXT, tasks=["t"])
             before = hwm_mib(pid)
-            plain = fl.connect(location)
-            put = PutCommand(partition="p", rows=1, timeout=1.0).to_wire()
-            bomb = bomb_batch(cap + 2**30)  # a few hundred KiB of zstd on the wire
-            options = fl.FlightCallOptions(write_options=pa.ipc.IpcWriteOptions(compression="zstd"))
-            writer, _ = plain.do_put(fl.FlightDescriptor.for_command(put), bomb.schema, options)
-            with pytest.raises(fl.FlightError) as raised:
-                writer.write_batch(bomb)
-                writer.done_writing()
-                writer.close()
-            plain.close()
-            kind, message = plain_error(raised.value)
+            kind, message = plain_error(put_bomb(location, "p", cap + 2**30))
             assert kind == "ResourceExhaustedError", message
             assert hwm_mib(pid) - before < 100  # the inflating allocation never took
             assert c.stats()["partitions"]["p"]["rows"] == 0  # nothing half-stored
