@@ -74,10 +74,14 @@ def test_calls_touching_the_dead_shard_raise_unavailable_naming_it(
 def test_claims_skip_the_dead_shard_while_the_others_have_rows(killed: dict[str, Any]) -> None:
     c = killed["client"]
     alive, _ = _split(c, killed["put"]["keys"], killed["dead"])
+    # The shards' ports, drawn at random, place the groups: the live shards may hold as
+    # few as one of the 12 (two, with ports 35157, 34061 and 37707).
+    claims = min(3, len(alive) // 2)
+    assert claims >= 1, "every group landed on the killed shard"
     got: list[str] = []
-    for _ in range(3):  # the start shard rotates: the dead one comes first once
+    for _ in range(claims):  # the start shard rotates: the dead one comes first once
         got += c.claim("rows", "train", 2, timeout=FAST).keys
-    assert set(got) <= set(alive) and len(set(got)) == 6
+    assert set(got) <= set(alive) and len(set(got)) == 2 * claims
 
 
 def test_a_claim_that_needs_the_dead_shard_gives_back_what_it_took(
