@@ -33,6 +33,8 @@ from .protocol import MAX_BODY, pack, unpack
 
 __all__ = [
     "MAX_FRAME_BYTES",
+    "STREAM_ACK_ROWS",
+    "STREAM_ACTIONS",
     "STREAM_MAX_BYTES",
     "Frame",
     "SchemaMemo",
@@ -45,6 +47,14 @@ __all__ = [
 MAX_FRAME_BYTES = 4 << 20
 #: Payload bytes a put sends, or a read is expected to answer, at most to take the stream.
 STREAM_MAX_BYTES = 1 << 20
+#: The actions a client may send on the stream (op ``"act"``): the small, frequent ones of
+#: a training loop. Each reply is a few integers, except an ack's list of rows lost to
+#: another claim, which a client keeps within a frame by sending on the stream only acks
+#: of claims of up to :data:`STREAM_ACK_ROWS` rows.
+STREAM_ACTIONS = frozenset({"ack", "nack", "clear", "reset"})
+#: Largest claim (rows) whose ack a client sends on the stream: the keys it may name as
+#: lost (at most 1 KiB each) fit in a frame.
+STREAM_ACK_ROWS = 1024
 #: Parsed schemas kept per process, by their IPC bytes (their message is a few KiB).
 _SCHEMA_CACHE = 256
 #: Largest schema (IPC bytes) kept in the cache: well above any flightq schema with its

@@ -49,6 +49,7 @@ from .layout import (
     schema_of,
     shape_type,
 )
+from .protocol import CLAIM_METADATA
 from .schema import Field, Schema, diff_schemas
 
 __all__ = ["Checked", "validate", "shape_products"]
@@ -283,6 +284,8 @@ class _Plan:
 #: subsets). Every batch of a stream, and every put of a partition, carries the same one.
 #: A bounded memo of a pure function: it changes no result, only how often one is computed.
 _PLANS: dict[bytes, list[_Plan]] = {}
+#: The plans held, and the metadata bytes of their schemas (bounded by the caps above).
+_HELD = {"plans": 0, "bytes": 0}
 _PLANS_LOCK = threading.Lock()
 
 
@@ -292,8 +295,16 @@ def _meta_bytes(arrow: pa.Schema) -> int:
 
 
 def _plan(arrow: pa.Schema) -> _Plan:
-    """The checked layout of ``arrow`` (cached; Arrow schemas compare in C++, metadata too)."""
+    """The checked layout of ``arrow`` (cached; Arrow schemas compare in C++, metadata too).
+
+    A claim's answer carries its grant (:data:`~flightq.protocol.CLAIM_METADATA`) in its
+    schema's metadata, different for every claim and no part of the layout: it is left out,
+    so that every claim of a partition finds one plan (each claim missing the memo cost a
+    W4 claim 5 ms: a new plan, and a full memo searched and trimmed).
+    """
     meta = arrow.metadata or {}
+    if CLAIM_METADATA in meta:
+        arrow = arrow.with_metadata({k: v for k, v in meta.items() if k != CLAIM_METADATA})
     fp = meta.get(META_FINGERPRINT, b"")
     with _PLANS_LOCK:
         bucket = _PLANS.pop(fp, None)
@@ -305,14 +316,15 @@ def _plan(arrow: pa.Schema) -> _Plan:
     p = _make_plan(arrow)
     with _PLANS_LOCK:
         _PLANS.setdefault(fp, []).append(p)
-        plans = [q for b in _PLANS.values() for q in b]
-        count, size = len(plans), sum(_meta_bytes(q.arrow) for q in plans)
-        while count > _MAX_PLANS or size > _MAX_PLAN_BYTES:
+        _HELD["plans"] += 1
+        _HELD["bytes"] += _meta_bytes(arrow)
+        while _HELD["plans"] > _MAX_PLANS or _HELD["bytes"] > _MAX_PLAN_BYTES:
             oldest = next(iter(_PLANS))
             gone = _PLANS[oldest].pop(0)
             if not _PLANS[oldest]:
                 del _PLANS[oldest]
-            count, size = count - 1, size - _meta_bytes(gone.arrow)
+            _HELD["plans"] -= 1
+            _HELD["bytes"] -= _meta_bytes(gone.arrow)
     return p
 
 

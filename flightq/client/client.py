@@ -43,6 +43,7 @@ from ..errors import (
     SchemaMismatchError,
     UnknownSchemaError,
 )
+from ..frames import STREAM_ACK_ROWS
 from ..layout import DEFAULT_BATCH_BYTES
 from ..memory import keep_freed_memory as _keep_freed_memory
 from ..protocol import (
@@ -61,6 +62,7 @@ from ..protocol import (
     Health,
     Inspect,
     ListKeys,
+    Message,
     Nack,
     PutCommand,
     RegisterSchema,
@@ -498,7 +500,7 @@ class Client:
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> int:
         """Remove rows (all when ``keys`` is None); returns how many."""
         ks = None if keys is None else list(keys)
-        n = int(self._transport.action(Clear(partition=partition, keys=ks)).cleared)
+        n = int(self._act(Clear(partition=partition, keys=ks)).cleared)
         if ks is None:
             self._forget_media(partition)  # it holds none now: send the next put's bare
         return n
@@ -506,7 +508,22 @@ class Client:
     def reset(self, partition: str, task: str, keys: Sequence[str] | None = None) -> int:
         """Make rows claimable again for ``task`` (all when ``keys`` is None)."""
         ks = None if keys is None else list(keys)
-        return int(self._transport.action(Reset(partition=partition, task=task, keys=ks)).reset)
+        return int(self._act(Reset(partition=partition, task=task, keys=ks)).reset)
+
+    def _act(self, request: Message, rows: int = 0) -> Any:
+        """A small action of a training loop (ack, nack, clear, reset): on the request
+        stream where it is free and the request small (its body under
+        ``stream_max_bytes``; an ack of a claim of ``rows`` up to
+        :data:`~flightq.frames.STREAM_ACK_ROWS`, whose reply then fits in a frame), else
+        per call."""
+        limit = self._reader.stream_max_bytes
+        if limit and rows <= STREAM_ACK_ROWS:
+            wire = request.to_wire()
+            if len(wire) < limit:
+                got = self._requests.action(request, wire)
+                if got is not None:
+                    return got
+        return self._transport.action(request)
 
     def drop(self, partition: str) -> None:
         """Remove a partition and its rows."""
@@ -874,10 +891,8 @@ class Client:
         with contextlib.suppress(FlightqError):
             if isinstance(error, FlightqError) and key is not None:
                 with contextlib.suppress(NotFoundError):  # not one of the claim's rows
-                    self._transport.action(
-                        Nack(partition=partition, claim=claim, keys=[key], failed=True)
-                    )
-            self._transport.action(Nack(partition=partition, claim=claim))
+                    self._act(Nack(partition=partition, claim=claim, keys=[key], failed=True))
+            self._act(Nack(partition=partition, claim=claim))
 
     def _settle(self, claim: Claim, error: BaseException | None) -> None:
         if error is None:
@@ -903,7 +918,7 @@ class Client:
         """
         c = _claim_of(claim)
         ks = None if keys is None else list(keys)
-        reply = self._transport.action(Ack(partition=c.partition, claim=c.id, keys=ks))
+        reply = self._act(Ack(partition=c.partition, claim=c.id, keys=ks), rows=len(c.keys))
         if reply.lost:
             shown = ", ".join(repr(k) for k in reply.lost[:10])
             more = f" and {len(reply.lost) - 10} more" if len(reply.lost) > 10 else ""
@@ -934,9 +949,7 @@ class Client:
         """
         c = _claim_of(claim)
         ks = None if keys is None else list(keys)
-        reply = self._transport.action(
-            Nack(partition=c.partition, claim=c.id, keys=ks, failed=failed)
-        )
+        reply = self._act(Nack(partition=c.partition, claim=c.id, keys=ks, failed=failed))
         return int(reply.released) + int(reply.dead)
 
     def dead_letters(self, partition: str, task: str, limit: int = 1000) -> dict[str, Any]:

@@ -1,12 +1,13 @@
-"""A client's request stream: its small puts, gets and claims on one held DoExchange.
+"""A client's request stream: its small puts, gets, claims and acks on one held DoExchange.
 
 Two calls per round trip cost a W4 put and get about 1.3 ms of gRPC call setup on two
 cores; the same two operations as messages on a stream already open cost about 0.7 ms.
 So a :class:`~flightq.Client` sends an operation here when it is small (a put of less
 than ``stream_max_bytes`` payload bytes, a read the partition's last answer predicts that
-small) and no other thread of the client is using the stream: it is used by one call at
-a time, and a second call at the same time goes per call rather than waiting. Everything
-else (large transfers, shared memory, device reads, parallel streams) goes per call.
+small; an ack, nack, clear or reset) and no other thread of the client is using the
+stream: it is used by one call at a time, and a second call at the same time goes per
+call rather than waiting. Everything else (large transfers, shared memory, device reads,
+parallel streams) goes per call.
 
 The stream opens on the first small operation, and closes after a second without one
 (so that a stopping server is never held by an idle client); the next one opens it
@@ -14,7 +15,8 @@ again. A server that refuses it (an older one, or one at its ``max_sessions``) i
 again after a while, each operation going per call meanwhile. A request the stream
 could not send goes per call; one sent but not answered (the link broke, or no answer
 within the call's timeout, after which the stream is cancelled) fails as a per-call
-operation would.
+operation would; a put sent again per call after its stream ended is taken as a replay,
+but an action, which may have run, is not sent again: it fails with UnavailableError.
 """
 
 from __future__ import annotations
@@ -30,8 +32,16 @@ import pyarrow.flight as fl
 
 from ..errors import FlightqError, FlightqTimeoutError, UnavailableError
 from ..frames import Frame, pack_frame, parse_frame
-from ..protocol import ErrorDetail, PutAck, PutCommand, RequestsCommand, Ticket, from_flight_error
-from .transport import Transport
+from ..protocol import (
+    ErrorDetail,
+    Message,
+    PutAck,
+    PutCommand,
+    RequestsCommand,
+    Ticket,
+    from_flight_error,
+)
+from .transport import Transport, action_spec
 
 __all__ = ["Requests", "IDLE_CLOSE_S", "OPEN_S", "RETRY_OPEN_S"]
 
@@ -117,7 +127,30 @@ class Requests:
             header["max"] = int(max_bytes)
         return self._call(pack_frame(header), what, timeout)
 
-    def _call(self, frame: pa.Buffer, what: str, timeout: float | None) -> Frame | None:
+    def action(self, request: Message, wire: bytes | None = None) -> Any:
+        """An action (one of ``flightq.server.exchange.STREAM_ACTIONS``) on the stream: its
+        parsed reply, or None where it must go per call (the stream is busy or not open,
+        or the server could not send its reply in a frame). ``wire``: the request's bytes,
+        if the caller has them already.
+
+        Raises
+        ------
+        UnavailableError
+            If the stream broke after the request went out: it may have run, so it is not
+            sent again.
+        """
+        name, spec = action_spec(request)
+        cmd = request.to_wire() if wire is None else wire
+        frame = pack_frame({"op": "act", "type": name, "cmd": cmd})
+        got = self._call(frame, f"{name} on {self._transport.location}", None, again=False)
+        return None if got is None else spec.reply.parse(got.header["ok"])
+
+    def _call(
+        self, frame: pa.Buffer, what: str, timeout: float | None, again: bool = True
+    ) -> Frame | None:
+        """The answer to ``frame``, or None where the request must go per call. ``again``:
+        the request may go per call after the stream broke with it sent (a put: a
+        replay)."""
         if self._closed or not self._lock.acquire(blocking=False):
             return None
         try:
@@ -148,9 +181,9 @@ class Requests:
                 # typed if the server is gone. A put the old stream had stored is the
                 # same record batches again, so the server takes it as a replay.
                 if isinstance(e, StopIteration):
-                    return None
+                    return None  # the server's handler had returned: it never read it
                 err = from_flight_error(e, what)
-                if isinstance(err, UnavailableError):
+                if isinstance(err, UnavailableError) and again:
                     return None
                 raise err from e
             finally:

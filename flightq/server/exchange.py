@@ -1,4 +1,4 @@
-"""The request stream: one client's small puts, gets and claims over one DoExchange.
+"""The request stream: one client's small puts, gets, claims and acks over one DoExchange.
 
 A per-call put and get cost two gRPC calls' setup each round trip (about 1.3 ms on two
 cores); on a stream held open they cost two messages (about 0.7 ms). So a
@@ -6,10 +6,12 @@ cores); on a stream held open they cost two messages (about 0.7 ms). So a
 and sends its small operations there, each a frame (:mod:`flightq.frames`) answered by one
 frame, in order. Each request goes the same way as its per-call twin: the server's put
 path (every check, all or nothing, put id replays, the memory budget), its read path (the
-same answer, a claim's lease), and errors as the same typed error, carried in the answer's
-frame (``{"error": ErrorDetail}``) instead of a Flight status, so the stream keeps
-serving. The stream is one Flight call: authentication ran when it opened, and it counts
-as one session (``max_sessions``).
+same answer, a claim's lease), the handlers of the actions in
+:data:`~flightq.frames.STREAM_ACTIONS` (ack, nack, clear, reset: the same request and
+reply messages), and errors as the same typed error, carried in the answer's frame
+(``{"error": ErrorDetail}``) instead of a Flight status, so the stream keeps serving.
+The stream is one Flight call: authentication ran when it opened, and it counts as one
+session (``max_sessions``).
 
 The handler blocks reading the next request; it returns when the client ends the stream
 (the client closes it after a second idle, so a stopping server is not held for long),
@@ -29,7 +31,7 @@ import pyarrow as pa
 import pyarrow.flight as fl
 
 from ..errors import FlightqError, ProtocolError, UnavailableError
-from ..frames import MAX_FRAME_BYTES, pack_frame, parse_frame
+from ..frames import MAX_FRAME_BYTES, STREAM_ACTIONS, pack_frame, parse_frame
 from ..protocol import ErrorDetail, PutAck, Ticket, parse_ticket
 from .metrics import Counters
 
@@ -46,6 +48,7 @@ Put = Callable[[bytes, list[pa.RecordBatch], Any], int]
 Answer = Callable[
     [Ticket, Any, bool], tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[..., None] | None]
 ]
+Act = Callable[[str, bytes], bytes]
 
 
 def serve_requests(
@@ -55,6 +58,7 @@ def serve_requests(
     *,
     put: Put,
     answer: Answer,
+    act: Act,
     counters: Counters,
     closing: Callable[[], bool],
     watch: Callable[[Iterator[None]], Iterator[None]] = iter,
@@ -64,8 +68,9 @@ def serve_requests(
 
     ``put(command, batches, context)`` stores a put and returns its rows; ``answer(ticket,
     context, count)`` gives a read's schema, batches and, for a claim, what gives its rows
-    back (``count=False``: the stream counts the bytes it sends). ``watch`` marks the
-    write of each answer as a wait on the client (:meth:`IdleWatch.reads
+    back (``count=False``: the stream counts the bytes it sends); ``act(type, body)`` runs
+    an action of :data:`~flightq.frames.STREAM_ACTIONS` and gives its reply's bytes.
+    ``watch`` marks the write of each answer as a wait on the client (:meth:`IdleWatch.reads
     <flightq.server.idle.IdleWatch.reads>`): a client that stops reading its answers has
     its connection cut; the wait for its next request is by design, cut only once the
     server stops (``patient``, :meth:`IdleWatch.patient
@@ -87,7 +92,7 @@ def serve_requests(
             if closing():
                 raise UnavailableError("the server is shutting down; retry on another server")
             try:
-                kind, reply, undo = _handle(chunk, context, put, answer, counters)
+                kind, reply, undo = _handle(chunk, context, put, answer, act, counters)
             except (FlightqError, fl.FlightError):  # typed, or the transport's own
                 raise
             except Exception as e:  # hostile bytes deep in Arrow: refused, the stream lives
@@ -126,7 +131,12 @@ def serve_requests(
 
 
 def _handle(
-    chunk: fl.FlightStreamChunk, context: Any, put: Put, answer: Answer, counters: Counters
+    chunk: fl.FlightStreamChunk,
+    context: Any,
+    put: Put,
+    answer: Answer,
+    act: Act,
+    counters: Counters,
 ) -> tuple[str, pa.Buffer, Callable[..., None] | None]:
     """One request: its kind (for the latency histogram), its answer's frame, and what
     gives a claim's rows back."""
@@ -144,8 +154,21 @@ def _handle(
         n = put(cmd, frame.batches, context)
         counters.add("puts")
         return "put", pack_frame({"ok": PutAck(rows=n).to_wire()}), None
+    if op == "act":
+        kind = frame.header.get("type")
+        if kind not in STREAM_ACTIONS:
+            raise ProtocolError(
+                f"{what}: action {kind!r} goes per call (DoAction); the stream takes "
+                f"{sorted(STREAM_ACTIONS)}"
+            )
+        body = act(kind, cmd)
+        if len(body) > MAX_FRAME_BYTES - _FRAME_SLACK:
+            # An ack naming more lost rows than a frame holds (a client past
+            # STREAM_ACK_ROWS): it ran; acking again per call is harmless and answers.
+            return f"action:{kind}", pack_frame({"retry": len(body)}), None
+        return f"action:{kind}", pack_frame({"ok": body}), None
     if op != "read":
-        raise ProtocolError(f"{what}: unknown op {op!r}; expected 'put' or 'read'")
+        raise ProtocolError(f"{what}: unknown op {op!r}; expected 'put', 'read' or 'act'")
     t = parse_ticket(cmd)
     # The most payload bytes the client takes on the stream (more: it reads per call).
     asked = frame.header.get("max")

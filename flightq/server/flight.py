@@ -596,6 +596,7 @@ class Server(fl.FlightServerBase):
                 writer,
                 put=self._stream_put,
                 answer=self._answer,
+                act=lambda kind, body: self._do_action(fl.Action(kind, body)),
                 counters=self.counters,
                 closing=lambda: self.store.closing,
                 watch=lambda writes: self.idle.reads(context, writes),

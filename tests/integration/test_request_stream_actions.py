@@ -1,0 +1,265 @@
+"""Acks, nacks, clears and resets on the request stream.
+
+A training loop's small actions travel as frames (op ``"act"``) on the client's held
+DoExchange. Each is checked against its per-call twin (a client with
+``stream_max_bytes = 0``): the same reply, the same state on the server, the same typed
+error with the same message. Hostile frames are written with plain ``pyarrow.flight``;
+after each refusal the same stream still answers. Real servers on loopback port 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import pyarrow as pa
+import pyarrow.flight as fl
+import pytest
+from fixtures_dataplane import TEXT, TIMEOUT, text_columns, text_keys
+
+import flightq
+import flightq.validation as validation
+from flightq.errors import FlightqError, LeaseExpiredError, NotFoundError, ProtocolError
+from flightq.frames import STREAM_ACK_ROWS, STREAM_ACTIONS, pack_frame, parse_frame
+from flightq.protocol import (
+    Ack,
+    AckReply,
+    ClaimGrant,
+    ClaimTicket,
+    Clear,
+    ClearReply,
+    ErrorDetail,
+    RequestsCommand,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(name="pair")
+def pair_fixture(server: flightq.Server) -> Iterator[tuple[flightq.Client, flightq.Client]]:
+    """Two clients of ``server``: one using the request stream, one per call only."""
+    with (
+        flightq.connect(server.location, [TEXT], timeout=TIMEOUT) as streamed,
+        flightq.connect(server.location, [TEXT], timeout=TIMEOUT) as per_call,
+    ):
+        per_call.stream_max_bytes = 0
+        yield streamed, per_call
+
+
+def _error(fn: Any) -> tuple[type[BaseException], str]:
+    with pytest.raises(FlightqError) as info:
+        fn()
+    return type(info.value), str(info.value)
+
+
+def _progress(c: flightq.Client, partition: str) -> dict[str, Any]:
+    st = c.inspect(partition)
+    return {k: st[k] for k in ("rows", "delivered", "acked", "leased", "dead", "ready")}
+
+
+def test_acks_nacks_clears_and_resets_take_the_stream_and_match_per_call(
+    pair: tuple[flightq.Client, flightq.Client],
+) -> None:
+    streamed, per_call = pair
+    keys = text_keys(4, 2)
+    cols = text_columns(keys)
+    for c, name in ((streamed, "s"), (per_call, "p")):
+        c.create_partition(name, TEXT, tasks=["train"], group_size=2)
+        c.put(name, keys, cols)
+    replies: dict[str, list[Any]] = {"s": [], "p": []}
+    for c, name in ((streamed, "s"), (per_call, "p")):
+        first = c.claim(name, "train", 2, timeout=TIMEOUT, as_="numpy")
+        served = c.requests.served
+        steps = [
+            lambda c=c, b=first: c.nack(b, [b.keys[0]]),  # one row back: it is ready again
+            lambda c=c, b=first: c.ack(b),  # the other acknowledged
+            lambda c=c, name=name: c.reset(name, "train", keys[2:4]),
+            lambda c=c, name=name: c.clear(name, keys[6:]),
+        ]
+        for step in steps:
+            replies[name].append(step())
+        taken = len(steps) if c is streamed else 0
+        assert c.requests.served == served + taken
+        replies[name].append(_progress(c, name))
+    assert replies["s"] == replies["p"]
+    assert replies["s"][:4] == [1, 1, 0, 2]
+
+
+def test_action_errors_on_the_stream_match_per_call_and_change_nothing(
+    pair: tuple[flightq.Client, flightq.Client],
+) -> None:
+    streamed, per_call = pair
+    keys = text_keys(2, 2)
+    streamed.create_partition("e", TEXT, tasks=["train"])
+    streamed.put("e", keys, text_columns(keys))
+    claim = streamed.claim("e", "train", 2, timeout=TIMEOUT, as_="numpy")
+    before = _progress(streamed, "e")
+    cases = [
+        lambda c: c.clear("e", [keys[0], "nope"]),  # one unknown key: nothing removed
+        lambda c: c.reset("e", "nope"),
+        lambda c: c.ack(claim, ["not-a-row-of-it"]),
+        lambda c: c.nack(claim, [keys[3]]),  # a row of the partition, not of the claim
+        lambda c: c.clear("gone", None),
+    ]
+    for case in cases:
+        served = streamed.requests.served
+        on_stream = _error(lambda case=case: case(streamed))
+        assert streamed.requests.served == served + 1, on_stream
+        assert on_stream == _error(lambda case=case: case(per_call))
+    assert _error(lambda: cases[0](streamed))[0] is NotFoundError
+    assert _progress(streamed, "e") == before
+    assert streamed.ack(claim) == 2  # the stream served on
+
+
+def test_an_ack_of_a_claim_over_stream_ack_rows_goes_per_call(client: flightq.Client) -> None:
+    n = STREAM_ACK_ROWS + 8
+    keys = [f"k{i}" for i in range(n)]
+    client.create_partition("big", TEXT, tasks=["train"])
+    client.put("big", keys, text_columns(keys))
+    claim = client.claim("big", "train", n, timeout=TIMEOUT, as_="numpy")
+    served = client.requests.served
+    assert client.ack(claim) == n
+    assert client.requests.served == served
+    small = client.claim  # a claim of a few rows: its ack takes the stream
+    client.put("big", ["x0", "x1"], text_columns(["x0", "x1"]))
+    few = small("big", "train", 2, timeout=TIMEOUT, as_="numpy")
+    served = client.requests.served
+    assert client.ack(few) == 2
+    assert client.requests.served == served + 1
+
+
+def test_a_late_ack_on_the_stream_names_the_rows_it_lost(client: flightq.Client) -> None:
+    keys = text_keys(1, 3)
+    client.create_partition("late", TEXT, tasks=["train"])
+    client.put("late", keys, text_columns(keys))
+    first = client.claim("late", "train", 3, timeout=TIMEOUT, lease=0.3, as_="numpy")
+    time.sleep(0.5)
+    again = client.claim("late", "train", 3, timeout=TIMEOUT, as_="numpy")
+    served = client.requests.served
+    with pytest.raises(LeaseExpiredError, match="0 rows were acknowledged") as info:
+        client.ack(first)
+    assert client.requests.served == served + 1
+    assert info.value.actual == 3
+    assert client.ack(again) == 3
+
+
+def _open(location: str) -> tuple[Any, Any, Any]:
+    c = fl.connect(location)
+    desc = fl.FlightDescriptor.for_command(RequestsCommand().to_wire())
+    writer, reader = c.do_exchange(desc)
+    assert parse_frame(reader.read_chunk().app_metadata, "hello").header["ok"] == b""
+    return c, writer, reader
+
+
+def _ask(writer: Any, reader: Any, frame: bytes | pa.Buffer) -> Any:
+    writer.write_metadata(pa.py_buffer(frame) if isinstance(frame, bytes) else frame)
+    return parse_frame(reader.read_chunk().app_metadata, "answer")
+
+
+def _header(h: dict[str, Any]) -> bytes:
+    head = msgpack.packb(h, use_bin_type=True)
+    return len(head).to_bytes(4, "little") + head
+
+
+def test_hostile_act_frames_are_refused_and_the_stream_serves_on(
+    server: flightq.Server, client: flightq.Client
+) -> None:
+    client.create_partition("h", TEXT, tasks=["train"])
+    client.put("h", ["k", "j"], text_columns(["k", "j"]))
+    clear = Clear(partition="h", keys=["j"]).to_wire()
+    hostile: list[tuple[bytes, type[FlightqError], str]] = [
+        (_header({"op": "act", "type": "drop", "cmd": b""}), ProtocolError, "goes per call"),
+        (_header({"op": "act", "type": "snapshot", "cmd": b""}), ProtocolError, "per call"),
+        (_header({"op": "act", "cmd": clear}), ProtocolError, "action None"),
+        (_header({"op": "act", "type": 7, "cmd": clear}), ProtocolError, "action 7"),
+        (_header({"op": "act", "type": "clear", "cmd": "text"}), ProtocolError, "must be bytes"),
+        (_header({"op": "act", "type": "clear", "cmd": b"\x93"}), ProtocolError, "clear"),
+        (
+            _header({"op": "act", "type": "clear", "cmd": msgpack.packb({"partition": 5})}),
+            ProtocolError,
+            "partition",
+        ),
+        (
+            _header({"op": "act", "type": "ack", "cmd": Ack(partition="h", claim="x").to_wire()}),
+            NotFoundError,
+            "claim",
+        ),
+    ]
+    c, writer, reader = _open(server.location)
+    try:
+        for frame, cls, match in hostile:
+            answer = _ask(writer, reader, frame)
+            assert "error" in answer.header, (frame, answer.header)
+            err = ErrorDetail.parse(answer.header["error"]).error()
+            assert isinstance(err, cls), (frame, err)
+            assert match in str(err), (frame, str(err))
+        ok = _ask(writer, reader, pack_frame({"op": "act", "type": "clear", "cmd": clear}))
+        assert ClearReply.parse(ok.header["ok"]).cleared == 1
+    finally:
+        writer.close()
+        c.close()
+    assert list(client.list_keys("h")) == ["k"]
+    assert set(STREAM_ACTIONS) == {"ack", "nack", "clear", "reset"}
+
+
+def test_an_ack_reply_larger_than_a_frame_is_answered_retry_after_it_ran(
+    server: flightq.Server, client: flightq.Client
+) -> None:
+    """An ack a client sends on the stream against the rule (a claim past STREAM_ACK_ROWS,
+    whose lost keys fill more than a frame): it ran, the answer says to ask per call, and
+    acking again per call names the lost rows."""
+    n = 4200
+    keys = [f"{i:06d}".ljust(1000, "k") for i in range(n)]  # 1000-byte keys: 4.2 MB lost
+    client.create_partition("wide", TEXT, tasks=["train"])
+    client.put("wide", keys, text_columns(keys))
+    ticket = ClaimTicket(partition="wide", task="train", batch_size=n, timeout=TIMEOUT, lease=0.3)
+    reader = client.transport.connection().do_get(fl.Ticket(ticket.to_wire()))
+    table = reader.read_all()
+    grant = ClaimGrant.parse(table.schema.metadata[b"flightq.claim"])
+    time.sleep(0.5)
+    again = client.claim("wide", "train", n, timeout=TIMEOUT, as_="numpy")
+    c, writer, stream = _open(server.location)
+    try:
+        ack = Ack(partition="wide", claim=grant.claim).to_wire()
+        answer = _ask(writer, stream, pack_frame({"op": "act", "type": "ack", "cmd": ack}))
+        assert answer.header.get("retry", 0) > 4 << 20, answer.header
+    finally:
+        writer.close()
+        c.close()
+    reply = AckReply.parse(
+        next(iter(client.transport.connection().do_action(fl.Action("ack", ack)))).body
+    )
+    assert reply.acked == 0 and len(reply.lost) == n
+    assert client.ack(again) == n
+
+
+def test_claims_of_one_partition_share_one_validation_plan(client: flightq.Client) -> None:
+    """Each claim's grant rides in its schema's metadata; the client's validation memo
+    keeps one plan for all of them, not one per claim (which filled it and cost every
+    claim a search and trim of 256 plans)."""
+    client.create_partition("plans", TEXT, tasks=["train"])
+    keys = text_keys(1, 1)
+    client.put("plans", keys, text_columns(keys))
+    client.ack(client.claim("plans", "train", 1, timeout=TIMEOUT, as_="numpy"))
+    held = validation._HELD["plans"]
+    for i in range(40):
+        k = [f"more{i}"]
+        client.put("plans", k, text_columns(k))
+        client.ack(client.claim("plans", "train", 1, timeout=TIMEOUT, as_="numpy"))
+    assert validation._HELD["plans"] == held
+
+
+def test_the_validation_memo_stays_within_its_caps_and_counts_what_it_holds() -> None:
+    schema = flightq.SchemaRegistry.default().get(TEXT)
+    keys = text_keys(1, 1)
+    batch = flightq.encode(schema, text_columns(keys), keys)
+    meta = dict(batch.schema.metadata)
+    for i in range(validation._MAX_PLANS + 40):
+        other = batch.replace_schema_metadata({**meta, b"x-extra": str(i).encode() * 50})
+        validation.validate(other, schema)
+    plans = [p for bucket in validation._PLANS.values() for p in bucket]
+    assert validation._HELD["plans"] == len(plans) <= validation._MAX_PLANS
+    assert validation._HELD["bytes"] == sum(validation._meta_bytes(p.arrow) for p in plans)
+    assert validation._HELD["bytes"] <= validation._MAX_PLAN_BYTES
