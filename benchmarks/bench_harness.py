@@ -209,3 +209,24 @@ def test_the_server_memory_benchmark_reads_a_real_servers_footprint_per_cycle() 
         assert 2 * image < cycle.held < 3 * image
         assert cycle.ratio == max(cycle.put_peak, cycle.get_peak) / cycle.held
     assert cycles[0].put_peak > cycles[0].held / 2  # the first put's rows are resident
+
+
+def test_the_trainer_loop_times_both_paths_and_the_stream_carries_every_operation(
+    capsys: Any,
+) -> None:
+    loop = _script("trainer_loop")
+    server = flightq.Server()
+    try:
+        streamed = loop.measure(server.location, 5, False, "s")
+        per_call = loop.measure(server.location, 5, True, "c")
+    finally:
+        server.shutdown()
+    for r in (streamed, per_call):
+        assert set(r["times"]) == {*loop.OPS, "loop"}
+        assert all(len(v) == 5 and min(v) > 0 for v in r["times"].values())
+    # Every put, claim and ack took the stream (the partition's first claim goes per
+    # call: its answer's size is not known yet); per call, none did.
+    assert streamed["served"] >= 3 * 5 - 1 and per_call["served"] == 0
+    assert loop.main(["--loops", "3", "--reps", "1", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "stream loop p50 / per-call loop p50" in out and "per call" in out
