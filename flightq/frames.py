@@ -36,6 +36,7 @@ __all__ = [
     "STREAM_ACK_ROWS",
     "STREAM_ACTIONS",
     "STREAM_MAX_BYTES",
+    "STREAM_READS",
     "Frame",
     "SchemaMemo",
     "pack_frame",
@@ -47,11 +48,14 @@ __all__ = [
 MAX_FRAME_BYTES = 4 << 20
 #: Payload bytes a put sends, or a read is expected to answer, at most to take the stream.
 STREAM_MAX_BYTES = 1 << 20
+#: The actions that only read (a reply too large for a frame is answered ``"retry"``, and
+#: asked again per call, or again after a broken stream, with the same answer).
+STREAM_READS = frozenset({"list_keys", "inspect", "stats", "describe", "dead_letters"})
 #: The actions a client may send on the stream (op ``"act"``): the small, frequent ones of
-#: a training loop. Each reply is a few integers, except an ack's list of rows lost to
-#: another claim, which a client keeps within a frame by sending on the stream only acks
-#: of claims of up to :data:`STREAM_ACK_ROWS` rows.
-STREAM_ACTIONS = frozenset({"ack", "nack", "clear", "reset"})
+#: a training loop. A reply that changes rows is a few integers, except an ack's list of
+#: rows lost to another claim, which a client keeps within a frame by sending on the stream
+#: only acks of claims of up to :data:`STREAM_ACK_ROWS` rows.
+STREAM_ACTIONS = frozenset({"ack", "nack", "clear", "reset"}) | STREAM_READS
 #: Largest claim (rows) whose ack a client sends on the stream: the keys it may name as
 #: lost (at most 1 KiB each) fit in a frame.
 STREAM_ACK_ROWS = 1024

@@ -67,6 +67,8 @@ WIRE_VERSION = "1"
 META_SCHEMA = b"flightq.schema"
 META_FINGERPRINT = b"flightq.fingerprint"
 META_WIRE = b"flightq.wire"
+#: A claim answer's grant (``flightq.protocol.ClaimGrant``): per answer, no part of its layout.
+META_CLAIM = b"flightq.claim"
 FIELD_DTYPE = b"flightq.dtype"
 FIELD_ROLE = b"flightq.role"
 FIELD_CODEC = b"flightq.codec"

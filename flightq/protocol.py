@@ -46,6 +46,7 @@ from .errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from .layout import META_CLAIM
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -126,7 +127,7 @@ MIN_SILENCE = 0.5
 #: Most rows one claim may ask for.
 MAX_CLAIM_ROWS = 1 << 20
 #: The key of a claim answer's schema metadata that carries its :class:`ClaimGrant`.
-CLAIM_METADATA = b"flightq.claim"
+CLAIM_METADATA = META_CLAIM
 #: Longest error message sent (UTF-8 bytes): the message travels twice in gRPC metadata
 #: (about 8 KiB in all; percent-encoding triples non-ASCII), and under the limit its class
 #: survives. A longer one is cut with ``... (N more bytes)``.

@@ -37,6 +37,7 @@ from .layout import (
     FIELD_DTYPE,
     KEY,
     MAX_PAYLOAD_BYTES,
+    META_CLAIM,
     META_FINGERPRINT,
     SHAPE_SUFFIX,
     TAGS,
@@ -49,7 +50,6 @@ from .layout import (
     schema_of,
     shape_type,
 )
-from .protocol import CLAIM_METADATA
 from .schema import Field, Schema, diff_schemas
 
 __all__ = ["Checked", "validate", "shape_products"]
@@ -297,14 +297,14 @@ def _meta_bytes(arrow: pa.Schema) -> int:
 def _plan(arrow: pa.Schema) -> _Plan:
     """The checked layout of ``arrow`` (cached; Arrow schemas compare in C++, metadata too).
 
-    A claim's answer carries its grant (:data:`~flightq.protocol.CLAIM_METADATA`) in its
+    A claim's answer carries its grant (:data:`~flightq.layout.META_CLAIM`) in its
     schema's metadata, different for every claim and no part of the layout: it is left out,
     so that every claim of a partition finds one plan (each claim missing the memo cost a
     W4 claim 5 ms: a new plan, and a full memo searched and trimmed).
     """
     meta = arrow.metadata or {}
-    if CLAIM_METADATA in meta:
-        arrow = arrow.with_metadata({k: v for k, v in meta.items() if k != CLAIM_METADATA})
+    if META_CLAIM in meta:
+        arrow = arrow.with_metadata({k: v for k, v in meta.items() if k != META_CLAIM})
     fp = meta.get(META_FINGERPRINT, b"")
     with _PLANS_LOCK:
         bucket = _PLANS.pop(fp, None)

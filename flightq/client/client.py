@@ -260,6 +260,10 @@ def connect(
     return client
 
 
+#: ``Client._act``'s rows for a reply that may name every row of a partition.
+_EVERY = 1 << 62
+
+
 class Client:
     """A connection to one flightq server. Thread-safe; use one per process.
 
@@ -416,7 +420,7 @@ class Client:
         with self._lock:
             s = self._schemas.get(partition)
         if s is None:
-            d = self._transport.action(Describe(partition=partition))
+            d = self._act(Describe(partition=partition))
             s = Schema.from_json(d.schema)
             with self._lock:
                 self._schemas[partition] = s
@@ -495,7 +499,7 @@ class Client:
 
     def describe(self, partition: str) -> dict[str, Any]:
         """A partition's declaration (schema JSON, fingerprint, tasks, group size)."""
-        return self._transport.action(Describe(partition=partition)).to_dict()
+        return self._act(Describe(partition=partition)).to_dict()
 
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> int:
         """Remove rows (all when ``keys`` is None); returns how many."""
@@ -511,10 +515,11 @@ class Client:
         return int(self._act(Reset(partition=partition, task=task, keys=ks)).reset)
 
     def _act(self, request: Message, rows: int = 0) -> Any:
-        """A small action of a training loop (ack, nack, clear, reset): on the request
-        stream where it is free and the request small (its body under
-        ``stream_max_bytes``; an ack of a claim of ``rows`` up to
-        :data:`~flightq.frames.STREAM_ACK_ROWS`, whose reply then fits in a frame), else
+        """A small action of a training loop (ack, nack, clear, reset, and the reads
+        list_keys, inspect, stats, describe, dead_letters): on the request stream where
+        it is free and the request small (its body under ``stream_max_bytes``, and the
+        rows its reply may name, ``rows``, up to :data:`~flightq.frames.STREAM_ACK_ROWS`:
+        an ack's lost keys or the keys listed, so that the reply fits in a frame), else
         per call."""
         limit = self._reader.stream_max_bytes
         if limit and rows <= STREAM_ACK_ROWS:
@@ -540,11 +545,11 @@ class Client:
 
     def stats(self) -> dict[str, Any]:
         """Rows, bytes and per-task progress of every partition."""
-        return self._transport.action(Stats()).to_dict()
+        return self._act(Stats()).to_dict()
 
     def inspect(self, partition: str) -> dict[str, Any]:
         """One partition: fields present, delivered and ready rows per task."""
-        return self._transport.action(Inspect(partition=partition)).to_dict()
+        return self._act(Inspect(partition=partition)).to_dict()
 
     def list_keys(
         self, partition: str, keys: Sequence[str] | None = None
@@ -559,7 +564,11 @@ class Client:
         NotFoundError
             Naming unknown keys (or the partition).
         """
-        r = self._transport.action(ListKeys(partition=partition, keys=_keys(keys)))
+        # Every row's keys and tags may be more than a frame holds: per call.
+        ks = _keys(keys)
+        r = self._act(
+            ListKeys(partition=partition, keys=ks), rows=_EVERY if ks is None else len(ks)
+        )
         return _rows_listed(r)
 
     # ------------------------------------------------------------------ data
@@ -956,9 +965,7 @@ class Client:
         """The rows of ``task`` given up on: ``{"keys", "why", "deliveries", "total"}``,
         the first ``limit`` of ``total``. They stay stored (:meth:`get` reads them) and
         :meth:`reset` makes them claimable again."""
-        return self._transport.action(
-            DeadLetters(partition=partition, task=task, limit=limit)
-        ).to_dict()
+        return self._act(DeadLetters(partition=partition, task=task, limit=limit)).to_dict()
 
     def snapshot(
         self, name: str, partition: str | None = None, timeout: float | None = None

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.flight as fl
 
 from ..errors import FlightqError, FlightqTimeoutError, UnavailableError
-from ..frames import Frame, pack_frame, parse_frame
+from ..frames import STREAM_READS, Frame, pack_frame, parse_frame
 from ..protocol import (
     ErrorDetail,
     Message,
@@ -136,13 +136,14 @@ class Requests:
         Raises
         ------
         UnavailableError
-            If the stream broke after the request went out: it may have run, so it is not
-            sent again.
+            If the stream broke after a request that changes rows went out: it may have
+            run, so it is not sent again (one that only reads goes per call).
         """
         name, spec = action_spec(request)
         cmd = request.to_wire() if wire is None else wire
         frame = pack_frame({"op": "act", "type": name, "cmd": cmd})
-        got = self._call(frame, f"{name} on {self._transport.location}", None, again=False)
+        where = f"{name} on {self._transport.location}"
+        got = self._call(frame, where, None, again=name in STREAM_READS)
         return None if got is None else spec.reply.parse(got.header["ok"])
 
     def _call(

@@ -163,8 +163,9 @@ def _handle(
             )
         body = act(kind, cmd)
         if len(body) > MAX_FRAME_BYTES - _FRAME_SLACK:
-            # An ack naming more lost rows than a frame holds (a client past
-            # STREAM_ACK_ROWS): it ran; acking again per call is harmless and answers.
+            # A read's large reply (a partition's keys and tags, every partition's
+            # stats): asked again per call. An ack naming more lost rows than a frame
+            # holds (a client past STREAM_ACK_ROWS): it ran; acking again is harmless.
             return f"action:{kind}", pack_frame({"retry": len(body)}), None
         return f"action:{kind}", pack_frame({"ok": body}), None
     if op != "read":

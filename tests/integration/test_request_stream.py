@@ -230,7 +230,9 @@ def test_a_first_get_takes_the_stream_while_data_calls_fill_max_calls() -> None:
                 assert late.put("p", ["a"], text_columns(["a"])) == 1
                 got = late.get("p", ["a"], as_="numpy")
                 assert got.keys == ["a"] and got.received is not None
-                assert late.requests.served == 2  # both on the stream
+                # The partition's description (for the put), the put and the get: all on
+                # the stream.
+                assert late.requests.served == 3
                 late.stream_max_bytes = 0  # per call from here on: a data call, refused
                 with pytest.raises(ResourceExhaustedError, match="server busy: 4 calls"):
                     late.get("p", ["a"], as_="numpy")

@@ -22,7 +22,7 @@ from fixtures_dataplane import TEXT, TIMEOUT, text_columns, text_keys
 import flightq
 import flightq.validation as validation
 from flightq.errors import FlightqError, LeaseExpiredError, NotFoundError, ProtocolError
-from flightq.frames import STREAM_ACK_ROWS, STREAM_ACTIONS, pack_frame, parse_frame
+from flightq.frames import STREAM_ACK_ROWS, STREAM_ACTIONS, STREAM_READS, pack_frame, parse_frame
 from flightq.protocol import (
     Ack,
     AckReply,
@@ -85,6 +85,57 @@ def test_acks_nacks_clears_and_resets_take_the_stream_and_match_per_call(
         replies[name].append(_progress(c, name))
     assert replies["s"] == replies["p"]
     assert replies["s"][:4] == [1, 1, 0, 2]
+
+
+def test_reads_of_rows_and_progress_take_the_stream_and_match_per_call(
+    pair: tuple[flightq.Client, flightq.Client],
+) -> None:
+    streamed, per_call = pair
+    keys = text_keys(3, 2)
+    streamed.create_partition("r", TEXT, tasks=["train"], group_size=2, max_failures=1)
+    streamed.put("r", keys, text_columns(keys), tags=[{"i": i} for i in range(len(keys))])
+    b = streamed.claim("r", "train", 2, timeout=TIMEOUT, as_="numpy")
+    streamed.nack(b, failed=True)  # its rows go to the dead letters
+    reads = [
+        lambda c: c.list_keys("r", keys),
+        lambda c: c.list_keys("r", keys[2:4]),
+        lambda c: c.inspect("r"),
+        lambda c: c.describe("r"),
+        lambda c: c.dead_letters("r", "train"),
+        lambda c: c.stats()["partitions"]["r"],
+    ]
+    for read in reads:
+        served = streamed.requests.served
+        got = read(streamed)
+        assert streamed.requests.served == served + 1
+        assert got == read(per_call)
+    assert streamed.dead_letters("r", "train")["keys"] == b.keys
+    errors = [lambda c: c.list_keys("r", ["nope"]), lambda c: c.inspect("gone")]
+    for case in errors:
+        served = streamed.requests.served
+        on_stream = _error(lambda case=case: case(streamed))
+        assert streamed.requests.served == served + 1
+        assert on_stream == _error(lambda case=case: case(per_call))
+        assert on_stream[0] is NotFoundError
+
+
+def test_a_read_whose_reply_exceeds_a_frame_is_asked_again_per_call(
+    client: flightq.Client,
+) -> None:
+    n = 600
+    keys = [f"t{i}" for i in range(n)]
+    client.create_partition("wide", TEXT, tasks=["train"])
+    tags = [{"note": "x" * 8000} for _ in range(n)]  # 4.8 MB of tags: more than a frame
+    client.put("wide", keys, text_columns(keys), tags=tags)
+    served = client.requests.served
+    listed = client.list_keys("wide", keys)
+    assert client.requests.served == served  # answered "retry": asked per call
+    assert list(listed) == keys and listed[keys[-1]]["tags"] == tags[-1]
+    assert list(client.list_keys("wide")) == keys  # every row: per call at once
+    assert client.requests.served == served
+    served = client.requests.served
+    assert list(client.list_keys("wide", keys[:3])) == keys[:3]  # small: on the stream
+    assert client.requests.served == served + 1
 
 
 def test_action_errors_on_the_stream_match_per_call_and_change_nothing(
@@ -201,7 +252,8 @@ def test_hostile_act_frames_are_refused_and_the_stream_serves_on(
         writer.close()
         c.close()
     assert list(client.list_keys("h")) == ["k"]
-    assert set(STREAM_ACTIONS) == {"ack", "nack", "clear", "reset"}
+    assert set(STREAM_ACTIONS) == {"ack", "nack", "clear", "reset", *STREAM_READS}
+    assert set(STREAM_READS) == {"list_keys", "inspect", "stats", "describe", "dead_letters"}
 
 
 def test_an_ack_reply_larger_than_a_frame_is_answered_retry_after_it_ran(
