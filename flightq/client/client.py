@@ -33,7 +33,7 @@ import pyarrow as pa
 from ..batch import Batch, Claim, check_as
 from ..chunks import encode_chunks
 from ..cuda import PinnedPool, resolve_device, stage
-from ..digest import BATCH_KEY, DigestCache, KnownMedia, MediaRefs
+from ..digest import DigestCache, KnownMedia, MediaRefs
 from ..errors import (
     FlightqError,
     LeaseExpiredError,
@@ -735,13 +735,10 @@ class Client:
         return PutReceipt(rows, "socket")
 
     def _small(self, batches: list[pa.RecordBatch]) -> bool:
-        """Whether a put over the socket takes the request stream: it is small, and claims
-        nothing of its media (references travel as a DoPut batch's app metadata: per
-        call)."""
+        """Whether a put over the socket takes the request stream: it is small (its media
+        references, where it claims any, travel in the frame's header)."""
         limit = self._reader.stream_max_bytes
-        if not limit or sum(b.get_total_buffer_size() for b in batches) >= limit:
-            return False
-        return not any(BATCH_KEY in (b.schema.metadata or {}) for b in batches)
+        return bool(limit) and sum(b.get_total_buffer_size() for b in batches) < limit
 
     def _small_put(self, batches: list[pa.RecordBatch], sink: Sink | None) -> bool:
         """Whether a put encoded for shm is better sent over the socket: it is small, and no

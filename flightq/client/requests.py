@@ -30,6 +30,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as fl
 
+from ..digest import split_claims
 from ..errors import FlightqError, FlightqTimeoutError, UnavailableError
 from ..frames import STREAM_READS, Frame, pack_frame, parse_frame
 from ..protocol import (
@@ -112,7 +113,15 @@ class Requests:
     ) -> int | None:
         """A put on the stream; returns the rows stored, or None where it must go per call
         (the stream is busy or not open, or broke before an answer)."""
-        frame = pack_frame({"op": "put", "cmd": cmd.to_wire()}, schema, batches)
+        header: dict[str, Any] = {"op": "put", "cmd": cmd.to_wire()}
+        split = [split_claims(b.schema) for b in batches]
+        if any(c is not None for _, c in split):
+            # The media digests each batch claims (a DoPut batch's app metadata) travel in
+            # the header; the batches go without them, under one schema.
+            header["claims"] = [None if c is None else c.to_pybytes() for _, c in split]
+            schema = split[0][0]
+            batches = [b.replace_schema_metadata(schema.metadata) for b in batches]
+        frame = pack_frame(header, schema, batches)
         got = self._call(frame, what, timeout)
         return None if got is None else PutAck.parse(got.header["ok"]).rows
 

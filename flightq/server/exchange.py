@@ -44,7 +44,7 @@ HELLO = {"ok": b"", "max_frame": MAX_FRAME_BYTES}
 #: Room an answer's frame needs beyond its batches (header, schema).
 _FRAME_SLACK = 64 << 10
 
-Put = Callable[[bytes, list[pa.RecordBatch], Any], int]
+Put = Callable[[bytes, list[pa.RecordBatch], list[bytes | None], Any], int]
 Answer = Callable[
     [Ticket, Any, bool], tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[..., None] | None]
 ]
@@ -66,7 +66,8 @@ def serve_requests(
 ) -> None:
     """Answer ``reader``'s requests in turn until the client ends the stream.
 
-    ``put(command, batches, context)`` stores a put and returns its rows; ``answer(ticket,
+    ``put(command, batches, claims, context)`` stores a put (``claims``: each batch's media
+    digests, as a DoPut batch's app metadata carries them) and returns its rows; ``answer(ticket,
     context, count)`` gives a read's schema, batches and, for a claim, what gives its rows
     back (``count=False``: the stream counts the bytes it sends); ``act(type, body)`` runs
     an action of :data:`~flightq.frames.STREAM_ACTIONS` and gives its reply's bytes.
@@ -151,7 +152,7 @@ def _handle(
     if not isinstance(cmd, bytes):
         raise ProtocolError(f"{what}: a request's 'cmd' must be bytes, got {type(cmd).__name__}")
     if op == "put":
-        n = put(cmd, frame.batches, context)
+        n = put(cmd, frame.batches, _claims(frame.header, len(frame.batches), what), context)
         counters.add("puts")
         return "put", pack_frame({"ok": PutAck(rows=n).to_wire()}), None
     if op == "act":
@@ -196,3 +197,23 @@ def _handle(
         if undo is not None:
             undo(False)  # nothing of it was sent
         raise
+
+
+def _claims(header: dict[str, Any], batches: int, what: str) -> list[bytes | None]:
+    """A put frame's ``"claims"``: per batch, the media digests it claims (what a DoPut
+    batch's app metadata carries: ``flightq.digest.pack_claims``), or None; all None
+    where the header has none."""
+    claims = header.get("claims")
+    if claims is None:
+        return [None] * batches
+    if (
+        not isinstance(claims, list)
+        or len(claims) != batches
+        or not all(c is None or isinstance(c, bytes) for c in claims)
+    ):
+        raise ProtocolError(
+            f"{what}: a put's 'claims' must list bytes or null for each of its {batches} "
+            f"record batches, got {type(claims).__name__}"
+            + (f" of {len(claims)}" if isinstance(claims, list) else "")
+        )
+    return claims

@@ -653,10 +653,15 @@ class Server(fl.FlightServerBase):
             beats.heard()
 
     def _stream_put(
-        self, command: bytes, batches: list[pa.RecordBatch], context: fl.ServerCallContext
+        self,
+        command: bytes,
+        batches: list[pa.RecordBatch],
+        claims: list[bytes | None],
+        context: fl.ServerCallContext,
     ) -> int:
-        """A put on the request stream: the DoPut path over the frame's batches (which
-        claim nothing of their media: payloads filed under their hints, as through shm)."""
+        """A put on the request stream: the DoPut path over the frame's batches, each with
+        the media digests it claims (``claims``; None: its payloads are filed under their
+        hints, as through shm)."""
 
         def source(cmd: PutCommand, what: str) -> Iterator[Incoming]:
             if cmd.shm is not None:
@@ -664,7 +669,8 @@ class Server(fl.FlightServerBase):
                     f"{what}: a put through shared memory goes per call (DoPut), not on "
                     "the request stream"
                 )
-            return _first_holds(batches)  # copies of their own bytes (frames.parse_frame)
+            # Copies of their own bytes (frames.parse_frame).
+            return _first_holds(batches, claims)
 
         # No cancel check (grpc's costs a third of a millisecond): the frame arrived whole,
         # its lengths checked, so the stream cannot have been cut short mid-put.
@@ -807,12 +813,16 @@ def _beyond(batches: list[pa.RecordBatch]) -> int:
     return max(underlying_bytes(batches) - sum(b.get_total_buffer_size() for b in batches), 0)
 
 
-def _first_holds(batches: list[pa.RecordBatch]) -> Iterator[Incoming]:
+def _first_holds(
+    batches: list[pa.RecordBatch], claims: list[bytes | None] | None = None
+) -> Iterator[Incoming]:
     """``batches`` read from one block of memory, what it holds beyond them counted on the
-    first (a block is freed only with the last batch, so this is an upper bound)."""
+    first (a block is freed only with the last batch, so this is an upper bound), each
+    with its claims (``claims[i]``, the media digests of batch i; None: none)."""
     extra = _beyond(batches)
     for i, b in enumerate(batches):
-        yield b, None, extra if i == 0 else 0
+        c = None if claims is None else claims[i]
+        yield b, None if c is None else pa.py_buffer(c), extra if i == 0 else 0
 
 
 def _stream(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> fl.FlightDataStream:

@@ -413,6 +413,37 @@ def test_hostile_frames_are_refused_and_the_stream_serves_on(
             ProtocolError,
             "lists of byte counts",
         ),
+        # Media claims that do not list bytes or null, one per record batch.
+        (
+            _header(
+                {
+                    "op": "put",
+                    "cmd": put_cmd,
+                    "body": "rb",
+                    "schema": len(schema_bytes),
+                    "batches": [len(rb_bytes)],
+                    "claims": [None, None],
+                },
+                schema_bytes + rb_bytes,
+            ),
+            ProtocolError,
+            "'claims' must list bytes or null for each of its 1 record batches, got list of 2",
+        ),
+        (
+            _header(
+                {
+                    "op": "put",
+                    "cmd": put_cmd,
+                    "body": "rb",
+                    "schema": len(schema_bytes),
+                    "batches": [len(rb_bytes)],
+                    "claims": ["text"],
+                },
+                schema_bytes + rb_bytes,
+            ),
+            ProtocolError,
+            "'claims' must list",
+        ),
         # Garbage where the IPC bytes should be, lengths right.
         (
             _header(
@@ -583,8 +614,9 @@ def test_small_media_reads_take_the_stream_and_match_per_call(
         served = streamed.requests.served
         streamed.put("sa", keys[:1], {k: v[:1] for k, v in cols.items()})
         assert streamed.requests.served == served + 1
-        streamed.put("sa", keys[1:], {k: v[1:] for k, v in cols.items()})  # a reference
-        assert streamed.requests.served == served + 1
+        # A reference to the image: on the stream too, its claim in the frame's header.
+        streamed.put("sa", keys[1:], {k: v[1:] for k, v in cols.items()})
+        assert streamed.requests.served == served + 2
         per_call.put("sb", keys, cols)
         streamed.get("sa", keys, as_="numpy")
         served = streamed.requests.served

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgpack
+import numpy as np
 import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
@@ -21,7 +22,14 @@ from fixtures_dataplane import TEXT, TIMEOUT, text_columns, text_keys
 
 import flightq
 import flightq.validation as validation
-from flightq.errors import FlightqError, LeaseExpiredError, NotFoundError, ProtocolError
+from flightq.digest import DIGEST_BYTES, HASH, pack_claims
+from flightq.errors import (
+    FlightqError,
+    LeaseExpiredError,
+    MediaDigestError,
+    NotFoundError,
+    ProtocolError,
+)
 from flightq.frames import STREAM_ACK_ROWS, STREAM_ACTIONS, STREAM_READS, pack_frame, parse_frame
 from flightq.protocol import (
     Ack,
@@ -31,6 +39,7 @@ from flightq.protocol import (
     Clear,
     ClearReply,
     ErrorDetail,
+    PutCommand,
     RequestsCommand,
 )
 
@@ -315,3 +324,34 @@ def test_the_validation_memo_stays_within_its_caps_and_counts_what_it_holds() ->
     assert validation._HELD["plans"] == len(plans) <= validation._MAX_PLANS
     assert validation._HELD["bytes"] == sum(validation._meta_bytes(p.arrow) for p in plans)
     assert validation._HELD["bytes"] <= validation._MAX_PLAN_BYTES
+
+
+def test_a_put_frame_whose_media_claim_lies_is_refused_whole(
+    server: flightq.Server, client: flightq.Client
+) -> None:
+    """A put on the stream claims a digest for its image that the image does not hash
+    to: MediaDigestError, nothing stored, and the stream serves on."""
+    vlm = "rollout_vlm@1"
+    client.create_partition("lie", vlm, tasks=["train"])
+    img = np.random.default_rng(3).standard_normal((8, 12), dtype=np.float32)
+    cols = {
+        "input_ids": [np.arange(5, dtype=np.int64)],
+        "pixel_values": [[img]],
+        "image_grid_thw": [[np.array([[1, 2, 4]], dtype=np.int64)]],
+    }
+    batch = flightq.encode(flightq.SchemaRegistry.default().get(vlm), cols, ["v0"])
+    cmd = PutCommand(partition="lie", rows=1, timeout=5.0).to_wire()
+    lie = pack_claims(HASH, {"pixel_values": [b"\x07" * DIGEST_BYTES]})
+    c, writer, reader = _open(server.location)
+    try:
+        frame = pack_frame({"op": "put", "cmd": cmd, "claims": [lie]}, batch.schema, [batch])
+        answer = _ask(writer, reader, frame)
+        err = ErrorDetail.parse(answer.header["error"]).error()
+        assert isinstance(err, MediaDigestError), err
+        assert server.store.partition("lie").nbytes == 0
+        ok = _ask(writer, reader, pack_frame({"op": "put", "cmd": cmd}, batch.schema, [batch]))
+        assert "ok" in ok.header
+    finally:
+        writer.close()
+        c.close()
+    assert list(client.list_keys("lie")) == ["v0"]
