@@ -13,7 +13,9 @@ Loads, each bounded in time (``--seconds``) or by the one put it makes:
 - ``put``: one put of ``--rows`` rows (1e6) to a fresh partition;
 - ``replay``: the same put again, identical (acknowledged, stores nothing);
 - ``stalled``: 300 DoPut streams that send their schema and then nothing;
-- ``flood``: 8 clients putting 1-row puts as fast as they can.
+- ``flood``: 8 clients putting 1-row puts as fast as they can;
+- ``inspect``: ``inspect`` of a partition of ``--rows`` rows (counted over every row), again
+  and again.
 
 Timing decides nothing here; the aim is a probe p99 under 50 ms on 2 cores.
 
@@ -37,7 +39,7 @@ import numpy as np
 __all__ = ["LOADS", "Probe", "main", "measure"]
 
 TEXT = "rollout_text@1"
-LOADS = ("claims", "put", "replay", "stalled", "flood")
+LOADS = ("claims", "put", "replay", "stalled", "flood", "inspect")
 #: Seconds any one call of a load may take before it is given up.
 _CALL_TIMEOUT = 120.0
 
@@ -98,6 +100,14 @@ def _load(location: str, load: str, seconds: float, rows: int, started: Any, don
             _stalled(location, seconds, started)
         elif load == "flood":
             _flood(location, seconds, started)
+        elif load == "inspect":
+            with flightq.connect(location, timeout=_CALL_TIMEOUT) as c:
+                c.create_partition("big-inspect", TEXT, tasks=["t"])
+                c.put_batch("big-inspect", _batch(rows), timeout=_CALL_TIMEOUT)
+                started.set()
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    assert c.inspect("big-inspect")["ready"] == {"t": rows}
         else:
             raise ValueError(f"unknown load {load!r}")
     finally:

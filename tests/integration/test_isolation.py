@@ -197,3 +197,40 @@ def test_each_call_gives_its_slot_back_when_it_ends() -> None:
         while srv.limits.in_flight() != (0, 0):  # a session ends once its handler sees it
             assert time.monotonic() < deadline
             time.sleep(0.02)
+
+
+def test_inspect_counts_a_snapshot_while_write_backs_add_cells() -> None:
+    """inspect counts fields and ready rows outside the store's lock, from a snapshot: a
+    write-back adding a field to rows meanwhile never breaks it, and each count lies
+    between the partition's state before and after."""
+    n = 4000
+    keys = [f"r{i}" for i in range(n)]
+    ids = [np.arange(3, dtype=np.int64)] * n
+    with (
+        flightq.Server() as srv,
+        flightq.connect(srv.location, [TEXT], timeout=30) as c,
+        flightq.connect(srv.location, [TEXT], timeout=30) as writer,
+    ):
+        c.create_partition("w", TEXT, tasks=["t"])
+        c.put("w", keys, {"input_ids": ids, "input_lengths": np.full(n, 3, np.int32)})
+        errors: list[BaseException] = []
+
+        def write_back() -> None:
+            try:
+                for i in range(0, n, 100):  # prev_logprobs lands on 100 rows at a time
+                    lp = [np.zeros(3, dtype=np.float32)] * 100
+                    writer.put("w", keys[i : i + 100], {"prev_logprobs": lp})
+            except BaseException as e:
+                errors.append(e)
+
+        t = threading.Thread(target=write_back, daemon=True)
+        t.start()
+        seen = []
+        while t.is_alive() or not seen:
+            d = c.inspect("w")
+            assert d["fields"]["input_ids"] == n and d["ready"] == {"t": n}
+            seen.append(d["fields"].get("prev_logprobs", 0))
+        t.join(30)
+        assert not errors, errors
+        assert seen == sorted(seen) and all(0 <= x <= n for x in seen)
+        assert c.inspect("w")["fields"]["prev_logprobs"] == n
