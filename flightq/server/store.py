@@ -864,6 +864,10 @@ class Store:
         ------
         NotFoundError
             Naming every unknown key.
+
+        The rows are picked under the store's lock, their tags and fields read outside it
+        (each row's in one C call: a put that merges tags or adds a cell meanwhile is seen
+        whole or not at all), so that listing a large partition stops no other call.
         """
         with self._lock:
             p = self._get(name)
@@ -872,14 +876,17 @@ class Store:
             else:
                 _known(p, keys)
                 rows = [p.rows[k] for k in keys]
-            names = [f.name for f in p.schema.fields if any(f.name in r.cells for r in rows)]
-            index = {n: i for i, n in enumerate(names)}
-            return {
-                "keys": [r.key for r in rows],
-                "tags": [dict(r.tags) for r in rows],
-                "fields": names,
-                "present": [sorted(index[f] for f in r.cells) for r in rows],
-            }
+        tags = [dict(r.tags) for r in rows]
+        cells = [tuple(r.cells) for r in rows]
+        have = set().union(*cells)
+        names = [f.name for f in p.schema.fields if f.name in have]
+        index = {n: i for i, n in enumerate(names)}
+        return {
+            "keys": [r.key for r in rows],
+            "tags": tags,
+            "fields": names,
+            "present": [sorted(index[f] for f in c) for c in cells],
+        }
 
     def _partition_stats(self, name: str, detail: bool) -> dict[str, Any]:
         # With the lock held: one partition and what waits on it right now.
