@@ -4,10 +4,11 @@ Two calls per round trip cost a W4 put and get about 1.3 ms of gRPC call setup o
 cores; the same two operations as messages on a stream already open cost about 0.7 ms.
 So a :class:`~flightq.Client` sends an operation here when it is small (a put of less
 than ``stream_max_bytes`` payload bytes, a read the partition's last answer predicts that
-small; an ack, nack, clear or reset) and no other thread of the client is using the
-stream: it is used by one call at a time, and a second call at the same time goes per
-call rather than waiting. Everything else (large transfers, shared memory, device reads,
-parallel streams) goes per call.
+small; an ack, nack, clear or reset; a list_keys, inspect, stats, describe or
+dead_letters) and no other thread of the client is using the stream: it is used by one
+call at a time, and a second call at the same time goes per call rather than waiting.
+Everything else (large transfers, shared memory, device reads, parallel streams) goes
+per call.
 
 The stream opens on the first small operation, and closes after a second without one
 (so that a stopping server is never held by an idle client); the next one opens it
@@ -16,7 +17,8 @@ again after a while, each operation going per call meanwhile. A request the stre
 could not send goes per call; one sent but not answered (the link broke, or no answer
 within the call's timeout, after which the stream is cancelled) fails as a per-call
 operation would; a put sent again per call after its stream ended is taken as a replay,
-but an action, which may have run, is not sent again: it fails with UnavailableError.
+and a read is asked again, but an action that changes rows, which may have run, is not
+sent again: it fails with UnavailableError.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ class Requests:
         return self._call(pack_frame(header), what, timeout)
 
     def action(self, request: Message, wire: bytes | None = None) -> Any:
-        """An action (one of ``flightq.server.exchange.STREAM_ACTIONS``) on the stream: its
+        """An action (one of :data:`~flightq.frames.STREAM_ACTIONS`) on the stream: its
         parsed reply, or None where it must go per call (the stream is busy or not open,
         or the server could not send its reply in a frame). ``wire``: the request's bytes,
         if the caller has them already.

@@ -811,7 +811,7 @@ class Store:
             for p in self._parts.values():
                 self._expire(p)
             return {
-                "partitions": {n: self._partition_stats(n, detail=False) for n in self._parts},
+                "partitions": {n: self._partition_stats(n) for n in self._parts},
                 "rows": sum(len(p.rows) for p in self._parts.values()),
                 "bytes": sum(p.nbytes for p in self._parts.values()),
                 "held": self._held(),
@@ -839,21 +839,26 @@ class Store:
 
         The counts over every row (fields present, ready rows) are taken from a snapshot
         made under the store's lock (copies of the row table and of each task's ready
-        and leased keys: a few ms for 1e6 rows) and counted without it, so that inspecting
+        and leased keys: a few ms for 1e6 rows; the rows themselves are shared, as a put
+        replaces a row and never edits one) and counted without it, so that inspecting
         a large partition never stops other clients' calls (counting 200 000 rows under
         the lock held it for 0.3 s). They are exact as of the snapshot."""
         with self._lock:
             p = self._get(name)
             self._expire(p)
-            d = self._partition_stats(name, detail=False)
-            snap = _Snapshot(p)
+            d = self._partition_stats(name)
+            rows = dict(p.rows)
+            tasks = {
+                t: types.SimpleNamespace(ready=list(st.ready), leased=list(st.leased))
+                for t, st in p.progress.tasks.items()
+            }
         counts = {f.name: 0 for f in p.schema.fields}
-        for r in snap.rows.values():
-            for f in tuple(r.cells):  # one C call: safe while a put adds a cell
+        for r in rows.values():
+            for f in r.cells:
                 counts[f] += 1
         d["fields"] = {k: v for k, v in counts.items() if v}
-        view: Any = snap  # what _ready reads of a partition
-        d["ready"] = {t: len(_ready(view, t, p.schema.required, None) or []) for t in p.tasks}
+        need, g = p.schema.required, p.group_size
+        d["ready"] = {t: len(_ready_in(rows, g, st, need, None) or []) for t, st in tasks.items()}
         return d
 
     def list_keys(self, name: str, keys: Sequence[str] | None) -> dict[str, Any]:
@@ -866,8 +871,8 @@ class Store:
             Naming every unknown key.
 
         The rows are picked under the store's lock, their tags and fields read outside it
-        (each row's in one C call: a put that merges tags or adds a cell meanwhile is seen
-        whole or not at all), so that listing a large partition stops no other call.
+        (a put replaces a row, with new maps of cells and tags, and never edits one), so
+        that listing a large partition stops no other call.
         """
         with self._lock:
             p = self._get(name)
@@ -877,7 +882,7 @@ class Store:
                 _known(p, keys)
                 rows = [p.rows[k] for k in keys]
         tags = [dict(r.tags) for r in rows]
-        cells = [tuple(r.cells) for r in rows]
+        cells = [r.cells for r in rows]
         have = set().union(*cells)
         names = [f.name for f in p.schema.fields if f.name in have]
         index = {n: i for i, n in enumerate(names)}
@@ -888,28 +893,10 @@ class Store:
             "present": [sorted(index[f] for f in c) for c in cells],
         }
 
-    def _partition_stats(self, name: str, detail: bool) -> dict[str, Any]:
+    def _partition_stats(self, name: str) -> dict[str, Any]:
         # With the lock held: one partition and what waits on it right now.
         p = self._get(name)
-        return _describe(p, self._waiting.get(name, {}), self._waiting_puts.get(name, 0), detail)
-
-
-class _Snapshot:
-    """What :func:`_ready` reads of a partition, copied under the store's lock: the row
-    table, and each task's ready and leased keys (the rows themselves are shared; their
-    cells are only ever added to or replaced)."""
-
-    class _Task:
-        def __init__(self, ready: Any, leased: Any) -> None:
-            self.ready, self.leased = ready, leased
-
-    def __init__(self, p: Partition) -> None:
-        self.rows = dict(p.rows)
-        self.group_size = p.group_size
-        tasks = {
-            t: self._Task(list(st.ready), list(st.leased)) for t, st in p.progress.tasks.items()
-        }
-        self.progress = types.SimpleNamespace(tasks=tasks)
+        return _describe(p, self._waiting.get(name, {}), self._waiting_puts.get(name, 0))
 
 
 class _Waiter:
@@ -1025,12 +1012,17 @@ def _ready(p: Partition, task: str, need: Sequence[str], limit: int | None) -> l
 
     It walks the task's ready index only, and not at all when the index holds fewer rows
     than ``limit`` (and, grouped, no remnant can be in it)."""
-    st = p.progress.tasks[task]
+    return _ready_in(p.rows, p.group_size, p.progress.tasks[task], need, limit)
+
+
+def _ready_in(
+    rows: dict[str, Row], g: int | None, st: Any, need: Sequence[str], limit: int | None
+) -> list[Row] | None:
+    """:func:`_ready` over a row table, a group size and a task's state (its ``ready``
+    and ``leased`` keys; a copy of them, for :meth:`Store.inspect`)."""
     ready = st.ready
-    g = p.group_size
     if limit is not None and not _may_serve(st, limit, g):
         return None
-    rows = p.rows
     out: list[Row] = []
     if not g:
         for k in ready:
@@ -1083,9 +1075,7 @@ def _maybe_remnant(st: TaskState, g: int) -> bool:
     return bool(len(st.ready) % g or st.done or st.dead)
 
 
-def _describe(
-    p: Partition, waiting: dict[str, int], waiting_puts: int, detail: bool
-) -> dict[str, Any]:
+def _describe(p: Partition, waiting: dict[str, int], waiting_puts: int) -> dict[str, Any]:
     d: dict[str, Any] = {
         "schema": p.schema.ref,
         "fingerprint": p.schema.fingerprint,
@@ -1102,13 +1092,6 @@ def _describe(
         "waiting": {t: waiting.get(t, 0) for t in p.tasks},
         "waiting_puts": waiting_puts,
     }
-    if detail:
-        counts = {f.name: 0 for f in p.schema.fields}
-        for r in p.rows.values():
-            for f in r.cells:
-                counts[f] += 1
-        d["fields"] = {k: v for k, v in counts.items() if v}
-        d["ready"] = {t: len(_ready(p, t, p.schema.required, None) or []) for t in p.tasks}
     return d
 
 

@@ -12,15 +12,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import msgpack
 import numpy as np
-import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
 from fixtures_dataplane import TEXT, TIMEOUT, raw, text_columns, text_keys
+from helpers_stream import ask, error_of, open_stream, raw_frame, refusal
 
 import flightq
 from flightq.errors import (
@@ -33,31 +32,14 @@ from flightq.errors import (
     SchemaMismatchError,
 )
 from flightq.frames import MAX_FRAME_BYTES, pack_frame, parse_frame
-from flightq.protocol import ErrorDetail, GetTicket, PutCommand, RequestsCommand
+from flightq.protocol import GetTicket, PutCommand
 from flightq.server.budget import underlying_bytes
 
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(name="pair")
-def pair_fixture(server: flightq.Server) -> Iterator[tuple[flightq.Client, flightq.Client]]:
-    """Two clients of ``server``: one using the request stream, one per call only."""
-    with (
-        flightq.connect(server.location, [TEXT], timeout=TIMEOUT) as streamed,
-        flightq.connect(server.location, [TEXT], timeout=TIMEOUT) as per_call,
-    ):
-        per_call.stream_max_bytes = 0
-        yield streamed, per_call
-
-
 def _numpy(batch: flightq.Batch) -> dict[str, list[Any]]:
     return {f: [None if x is None else raw(x) for x in batch[f]] for f in batch.fields}
-
-
-def _error(fn: Any) -> tuple[type[BaseException], str]:
-    with pytest.raises(FlightqError) as info:
-        fn()
-    return type(info.value), str(info.value)
 
 
 def test_put_get_claim_match_per_call(
@@ -115,18 +97,18 @@ def test_errors_match_per_call(pair: tuple[flightq.Client, flightq.Client]) -> N
     ]
     for case in cases:
         served = streamed.requests.served
-        on_stream = _error(lambda case=case: case(streamed))
+        on_stream = error_of(lambda case=case: case(streamed))
         assert streamed.requests.served == served + 1, on_stream
-        assert on_stream == _error(lambda case=case: case(per_call))
-    assert _error(lambda: streamed.get("e", ["nope"], as_="numpy"))[0] is NotFoundError
-    assert _error(lambda: streamed.put("e", keys, other_cols))[0] is ConflictError
+        assert on_stream == error_of(lambda case=case: case(per_call))
+    assert error_of(lambda: streamed.get("e", ["nope"], as_="numpy"))[0] is NotFoundError
+    assert error_of(lambda: streamed.put("e", keys, other_cols))[0] is ConflictError
     # A batch encoded for another schema: refused by the server's validation.
     other = flightq.SchemaRegistry.default().get("rollout_vlm@1")
     batch = flightq.encode(other, {"input_ids": [np.arange(3)]}, ["x"])
     served = streamed.requests.served
-    refused = _error(lambda: streamed.put_batch("e", batch))
+    refused = error_of(lambda: streamed.put_batch("e", batch))
     assert streamed.requests.served == served + 1
-    assert refused == _error(lambda: per_call.put_batch("e", batch))
+    assert refused == error_of(lambda: per_call.put_batch("e", batch))
     assert refused[0] is SchemaMismatchError
     # The stream kept serving through every refusal.
     assert streamed.get("e", keys, as_="numpy").keys == keys
@@ -149,7 +131,7 @@ def test_blocking_claim_on_the_stream_times_out_typed(
     done: list[Any] = []
     waiter = threading.Thread(
         target=lambda: done.append(
-            _error(lambda: streamed.claim("w", "train", 1, timeout=2.0, as_="numpy"))
+            error_of(lambda: streamed.claim("w", "train", 1, timeout=2.0, as_="numpy"))
         )
     )
     waiter.start()
@@ -260,7 +242,7 @@ def test_a_stopping_server_cuts_a_plain_clients_stream_that_waits_for_its_next_r
     # A plain client need not close its stream: the wait for its next request is cut once
     # the server stops (never before), and what the server held goes with it.
     srv = flightq.Server().start()
-    plain, _writer, _reader = _open(srv.location)
+    plain, _writer, _reader = open_stream(srv.location)
     try:
         time.sleep(0.5)
         assert srv.counters.snapshot()["idle_cuts"] == 0  # waiting by design: never cut
@@ -316,42 +298,17 @@ def test_refused_stream_falls_back_per_call() -> None:
 # --------------------------------------------------------------------------- hostile
 
 
-def _open(location: str) -> tuple[Any, Any, Any]:
-    c = fl.connect(location)
-    desc = fl.FlightDescriptor.for_command(RequestsCommand().to_wire())
-    writer, reader = c.do_exchange(desc)
-    hello = parse_frame(reader.read_chunk().app_metadata, "hello")
-    assert hello.header["ok"] == b""
-    return c, writer, reader
-
-
-def _ask(writer: Any, reader: Any, frame: bytes | pa.Buffer) -> Any:
-    writer.write_metadata(pa.py_buffer(frame) if isinstance(frame, bytes) else frame)
-    return parse_frame(reader.read_chunk().app_metadata, "answer")
-
-
-def _refusal(answer: Any) -> tuple[type[FlightqError], str]:
-    assert "error" in answer.header, answer.header
-    e = ErrorDetail.parse(answer.header["error"]).error()
-    return type(e), str(e)
-
-
-def _header(h: dict[str, Any], body: bytes = b"") -> bytes:
-    head = msgpack.packb(h, use_bin_type=True)
-    return len(head).to_bytes(4, "little") + head + body
-
-
 def test_a_read_larger_than_the_clients_bound_is_answered_retry(
     server: flightq.Server, client: flightq.Client
 ) -> None:
     client.create_partition("m", TEXT, tasks=["train"])
     client.put("m", ["k"], text_columns(["k"]))
     ticket = GetTicket(partition="m", keys=["k"]).to_wire()
-    c, writer, reader = _open(server.location)
+    c, writer, reader = open_stream(server.location)
     try:
-        small = _ask(writer, reader, pack_frame({"op": "read", "cmd": ticket, "max": 1}))
+        small = ask(writer, reader, pack_frame({"op": "read", "cmd": ticket, "max": 1}))
         assert small.header["retry"] > 1 and not small.batches
-        whole = _ask(writer, reader, pack_frame({"op": "read", "cmd": ticket, "max": 1 << 20}))
+        whole = ask(writer, reader, pack_frame({"op": "read", "cmd": ticket, "max": 1 << 20}))
         assert "ok" in whole.header and whole.batches[0].num_rows == 1
     finally:
         writer.close()
@@ -368,25 +325,31 @@ def test_hostile_frames_are_refused_and_the_stream_serves_on(
     put_cmd = PutCommand(partition="h", rows=1, timeout=1.0).to_wire()
     rb_bytes = batch.serialize().to_pybytes()
     schema_bytes = batch.schema.serialize().to_pybytes()
+
+    def rb_put(**extra: Any) -> bytes:
+        """The put of ``batch`` as an "rb" frame, with ``extra`` header keys."""
+        head = {"op": "put", "cmd": put_cmd, "body": "rb", "schema": len(schema_bytes)}
+        return raw_frame({**head, "batches": [len(rb_bytes)], **extra}, schema_bytes + rb_bytes)
+
     hostile: list[tuple[bytes, type[FlightqError], str]] = [
         (b"\x01\x00", ProtocolError, "too short"),
         (b"\xff\xff\xff\x7fjunk", ProtocolError, "announces a header"),
-        (_header({"op": "read"})[:6], ProtocolError, "announces a header"),
+        (raw_frame({"op": "read"})[:6], ProtocolError, "announces a header"),
         (b"\x04\x00\x00\x00\xc1\xc1\xc1\xc1", ProtocolError, "msgpack"),
-        (_header({"op": "frob", "cmd": b""}), ProtocolError, "unknown op"),
-        (_header({"op": "read", "cmd": "text"}), ProtocolError, "'cmd' must be bytes"),
-        (_header({"op": "read", "cmd": b"\x93"}), ProtocolError, "ticket"),
+        (raw_frame({"op": "frob", "cmd": b""}), ProtocolError, "unknown op"),
+        (raw_frame({"op": "read", "cmd": "text"}), ProtocolError, "'cmd' must be bytes"),
+        (raw_frame({"op": "read", "cmd": b"\x93"}), ProtocolError, "ticket"),
         (
-            _header(
+            raw_frame(
                 {"op": "read", "cmd": GetTicket(partition="h", keys=["k"]).to_wire(), "max": "1"}
             ),
             ProtocolError,
             "'max' must be an int",
         ),
-        (_header({"op": "get", "cmd": b""}, b"tail"), ProtocolError, "carries no body"),
+        (raw_frame({"op": "get", "cmd": b""}, b"tail"), ProtocolError, "carries no body"),
         # Lying sizes: more body announced than sent, and less.
         (
-            _header(
+            raw_frame(
                 {
                     "op": "put",
                     "cmd": put_cmd,
@@ -400,7 +363,7 @@ def test_hostile_frames_are_refused_and_the_stream_serves_on(
             "body bytes",
         ),
         (
-            _header(
+            raw_frame(
                 {
                     "op": "put",
                     "cmd": put_cmd,
@@ -415,38 +378,14 @@ def test_hostile_frames_are_refused_and_the_stream_serves_on(
         ),
         # Media claims that do not list bytes or null, one per record batch.
         (
-            _header(
-                {
-                    "op": "put",
-                    "cmd": put_cmd,
-                    "body": "rb",
-                    "schema": len(schema_bytes),
-                    "batches": [len(rb_bytes)],
-                    "claims": [None, None],
-                },
-                schema_bytes + rb_bytes,
-            ),
+            rb_put(claims=[None, None]),
             ProtocolError,
             "'claims' must list bytes or null for each of its 1 record batches, got list of 2",
         ),
-        (
-            _header(
-                {
-                    "op": "put",
-                    "cmd": put_cmd,
-                    "body": "rb",
-                    "schema": len(schema_bytes),
-                    "batches": [len(rb_bytes)],
-                    "claims": ["text"],
-                },
-                schema_bytes + rb_bytes,
-            ),
-            ProtocolError,
-            "'claims' must list",
-        ),
+        (rb_put(claims=["text"]), ProtocolError, "'claims' must list"),
         # Garbage where the IPC bytes should be, lengths right.
         (
-            _header(
+            raw_frame(
                 {
                     "op": "put",
                     "cmd": put_cmd,
@@ -460,19 +399,19 @@ def test_hostile_frames_are_refused_and_the_stream_serves_on(
             "do not parse",
         ),
         (
-            _header({"op": "put", "cmd": put_cmd, "body": "ipc", "batches": [32]}, b"\x07" * 32),
+            raw_frame({"op": "put", "cmd": put_cmd, "body": "ipc", "batches": [32]}, b"\x07" * 32),
             ProtocolError,
             "do not parse",
         ),
         # A frame over the stream's limit.
         (
-            _header({"op": "put", "cmd": put_cmd}, b"\x00" * (MAX_FRAME_BYTES + 1)),
+            raw_frame({"op": "put", "cmd": put_cmd}, b"\x00" * (MAX_FRAME_BYTES + 1)),
             ResourceExhaustedError,
             "exceeds the request stream's limit",
         ),
         # A put through shared memory belongs per call.
         (
-            _header(
+            raw_frame(
                 {
                     "op": "put",
                     "cmd": msgpack.packb(
@@ -484,21 +423,21 @@ def test_hostile_frames_are_refused_and_the_stream_serves_on(
             "",
         ),
     ]
-    c, writer, reader = _open(server.location)
+    c, writer, reader = open_stream(server.location)
     try:
         for frame, kind, match in hostile:
-            got = _refusal(_ask(writer, reader, frame))
+            got = refusal(ask(writer, reader, frame))
             assert got[0] is kind and match in got[1], (frame[:40], got)
-            ok = _ask(writer, reader, get)  # the stream still serves
+            ok = ask(writer, reader, get)  # the stream still serves
             assert "ok" in ok.header and [b.num_rows for b in ok.batches] == [1]
         # A record batch instead of a frame: refused, and the stream serves on.
         writer.begin(batch.schema)
         writer.write_batch(batch)
-        got = _refusal(parse_frame(reader.read_chunk().app_metadata, "answer"))
+        got = refusal(parse_frame(reader.read_chunk().app_metadata, "answer"))
         assert got[0] is ProtocolError and "metadata-only" in got[1]
-        assert "ok" in _ask(writer, reader, get).header
+        assert "ok" in ask(writer, reader, get).header
         # A valid put on the stream is stored, all or nothing, as per call.
-        ok = _ask(writer, reader, pack_frame({"op": "put", "cmd": put_cmd}, batch.schema, [batch]))
+        ok = ask(writer, reader, pack_frame({"op": "put", "cmd": put_cmd}, batch.schema, [batch]))
         assert ok.header["ok"] and set(client.list_keys("h")) == {"k", "x"}
         writer.done_writing()
     finally:
@@ -516,10 +455,10 @@ def test_hostile_put_cannot_overfill_the_budget() -> None:
         cols = {"input_ids": [np.arange(20_000, dtype=np.int64)] * 4}  # 640 KB
         batch = flightq.encode(flightq.SchemaRegistry.default().get(TEXT), cols, keys)
         cmd = PutCommand(partition="b", rows=4, timeout=0.2).to_wire()
-        c, writer, reader = _open(srv.location)
+        c, writer, reader = open_stream(srv.location)
         try:
-            got = _refusal(
-                _ask(writer, reader, pack_frame({"op": "put", "cmd": cmd}, batch.schema, [batch]))
+            got = refusal(
+                ask(writer, reader, pack_frame({"op": "put", "cmd": cmd}, batch.schema, [batch]))
             )
             assert got[0] is ResourceExhaustedError, got
         finally:
@@ -536,7 +475,7 @@ def test_stored_rows_keep_nothing_else_of_their_frame_alive() -> None:
         flightq.connect(srv.location, [TEXT], timeout=TIMEOUT) as client,
     ):
         client.create_partition("pad", TEXT, tasks=["train"])
-        c, writer, reader = _open(srv.location)
+        c, writer, reader = open_stream(srv.location)
         try:
             for i in range(16):  # 16 MiB of frames through an 8 MiB budget
                 batch = flightq.encode(
@@ -546,7 +485,7 @@ def test_stored_rows_keep_nothing_else_of_their_frame_alive() -> None:
                 frame = pack_frame(
                     {"op": "put", "cmd": cmd, "pad": b"\0" * (1 << 20)}, batch.schema, [batch]
                 )
-                assert "ok" in _ask(writer, reader, frame).header
+                assert "ok" in ask(writer, reader, frame).header
         finally:
             c.close()
         part = srv.store.partition("pad")
@@ -568,18 +507,18 @@ def test_mutated_put_frames_are_refused_or_stored_whole(
     ).to_pybytes()
     get = pack_frame({"op": "read", "cmd": GetTicket(partition="m", keys=["x"]).to_wire()})
     rng = np.random.default_rng(7)
-    c, writer, reader = _open(server.location)
+    c, writer, reader = open_stream(server.location)
     outcomes: dict[str, int] = {}
     try:
         for _ in range(150):
             frame = bytearray(valid)
             for i in rng.integers(4, len(frame), size=int(rng.integers(1, 8))):
                 frame[int(i)] = int(rng.integers(0, 256))
-            got = _ask(writer, reader, bytes(frame))
-            kind = "ok" if "ok" in got.header else _refusal(got)[0].__name__
+            got = ask(writer, reader, bytes(frame))
+            kind = "ok" if "ok" in got.header else refusal(got)[0].__name__
             outcomes[kind] = outcomes.get(kind, 0) + 1
             # Whatever was stored is a whole, valid row; the stream serves on.
-            answer = _ask(writer, reader, get)
+            answer = ask(writer, reader, get)
             if "ok" in answer.header:
                 assert [b.num_rows for b in answer.batches] == [1]
                 client.clear("m")
@@ -593,8 +532,8 @@ def test_small_media_reads_take_the_stream_and_match_per_call(
     server: flightq.Server,
 ) -> None:
     # A put of new media claims nothing of it and takes the stream; one referencing media
-    # sent before goes per call (references travel as DoPut batch metadata). A read of
-    # media takes the stream, its dictionary columns as one Arrow IPC stream body.
+    # sent before takes it too, its claims in the frame's header. A read of media takes
+    # the stream, its dictionary columns as one Arrow IPC stream body.
     vlm = "rollout_vlm@1"
     rng = np.random.default_rng(5)
     img = rng.standard_normal((16, 24), dtype=np.float32)

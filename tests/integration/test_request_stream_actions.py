@@ -10,15 +10,14 @@ after each refusal the same stream still answers. Real servers on loopback port 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import msgpack
 import numpy as np
-import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
 from fixtures_dataplane import TEXT, TIMEOUT, text_columns, text_keys
+from helpers_stream import ask, error_of, open_stream, raw_frame
 
 import flightq
 import flightq.validation as validation
@@ -30,7 +29,7 @@ from flightq.errors import (
     NotFoundError,
     ProtocolError,
 )
-from flightq.frames import STREAM_ACK_ROWS, STREAM_ACTIONS, STREAM_READS, pack_frame, parse_frame
+from flightq.frames import STREAM_ACK_ROWS, STREAM_ACTIONS, STREAM_READS, pack_frame
 from flightq.protocol import (
     Ack,
     AckReply,
@@ -40,27 +39,9 @@ from flightq.protocol import (
     ClearReply,
     ErrorDetail,
     PutCommand,
-    RequestsCommand,
 )
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(name="pair")
-def pair_fixture(server: flightq.Server) -> Iterator[tuple[flightq.Client, flightq.Client]]:
-    """Two clients of ``server``: one using the request stream, one per call only."""
-    with (
-        flightq.connect(server.location, [TEXT], timeout=TIMEOUT) as streamed,
-        flightq.connect(server.location, [TEXT], timeout=TIMEOUT) as per_call,
-    ):
-        per_call.stream_max_bytes = 0
-        yield streamed, per_call
-
-
-def _error(fn: Any) -> tuple[type[BaseException], str]:
-    with pytest.raises(FlightqError) as info:
-        fn()
-    return type(info.value), str(info.value)
 
 
 def _progress(c: flightq.Client, partition: str) -> dict[str, Any]:
@@ -122,9 +103,9 @@ def test_reads_of_rows_and_progress_take_the_stream_and_match_per_call(
     errors = [lambda c: c.list_keys("r", ["nope"]), lambda c: c.inspect("gone")]
     for case in errors:
         served = streamed.requests.served
-        on_stream = _error(lambda case=case: case(streamed))
+        on_stream = error_of(lambda case=case: case(streamed))
         assert streamed.requests.served == served + 1
-        assert on_stream == _error(lambda case=case: case(per_call))
+        assert on_stream == error_of(lambda case=case: case(per_call))
         assert on_stream[0] is NotFoundError
 
 
@@ -165,10 +146,10 @@ def test_action_errors_on_the_stream_match_per_call_and_change_nothing(
     ]
     for case in cases:
         served = streamed.requests.served
-        on_stream = _error(lambda case=case: case(streamed))
+        on_stream = error_of(lambda case=case: case(streamed))
         assert streamed.requests.served == served + 1, on_stream
-        assert on_stream == _error(lambda case=case: case(per_call))
-    assert _error(lambda: cases[0](streamed))[0] is NotFoundError
+        assert on_stream == error_of(lambda case=case: case(per_call))
+    assert error_of(lambda: cases[0](streamed))[0] is NotFoundError
     assert _progress(streamed, "e") == before
     assert streamed.ack(claim) == 2  # the stream served on
 
@@ -205,24 +186,6 @@ def test_a_late_ack_on_the_stream_names_the_rows_it_lost(client: flightq.Client)
     assert client.ack(again) == 3
 
 
-def _open(location: str) -> tuple[Any, Any, Any]:
-    c = fl.connect(location)
-    desc = fl.FlightDescriptor.for_command(RequestsCommand().to_wire())
-    writer, reader = c.do_exchange(desc)
-    assert parse_frame(reader.read_chunk().app_metadata, "hello").header["ok"] == b""
-    return c, writer, reader
-
-
-def _ask(writer: Any, reader: Any, frame: bytes | pa.Buffer) -> Any:
-    writer.write_metadata(pa.py_buffer(frame) if isinstance(frame, bytes) else frame)
-    return parse_frame(reader.read_chunk().app_metadata, "answer")
-
-
-def _header(h: dict[str, Any]) -> bytes:
-    head = msgpack.packb(h, use_bin_type=True)
-    return len(head).to_bytes(4, "little") + head
-
-
 def test_hostile_act_frames_are_refused_and_the_stream_serves_on(
     server: flightq.Server, client: flightq.Client
 ) -> None:
@@ -230,32 +193,32 @@ def test_hostile_act_frames_are_refused_and_the_stream_serves_on(
     client.put("h", ["k", "j"], text_columns(["k", "j"]))
     clear = Clear(partition="h", keys=["j"]).to_wire()
     hostile: list[tuple[bytes, type[FlightqError], str]] = [
-        (_header({"op": "act", "type": "drop", "cmd": b""}), ProtocolError, "goes per call"),
-        (_header({"op": "act", "type": "snapshot", "cmd": b""}), ProtocolError, "per call"),
-        (_header({"op": "act", "cmd": clear}), ProtocolError, "action None"),
-        (_header({"op": "act", "type": 7, "cmd": clear}), ProtocolError, "action 7"),
-        (_header({"op": "act", "type": "clear", "cmd": "text"}), ProtocolError, "must be bytes"),
-        (_header({"op": "act", "type": "clear", "cmd": b"\x93"}), ProtocolError, "clear"),
+        (raw_frame({"op": "act", "type": "drop", "cmd": b""}), ProtocolError, "goes per call"),
+        (raw_frame({"op": "act", "type": "snapshot", "cmd": b""}), ProtocolError, "per call"),
+        (raw_frame({"op": "act", "cmd": clear}), ProtocolError, "action None"),
+        (raw_frame({"op": "act", "type": 7, "cmd": clear}), ProtocolError, "action 7"),
+        (raw_frame({"op": "act", "type": "clear", "cmd": "text"}), ProtocolError, "must be bytes"),
+        (raw_frame({"op": "act", "type": "clear", "cmd": b"\x93"}), ProtocolError, "clear"),
         (
-            _header({"op": "act", "type": "clear", "cmd": msgpack.packb({"partition": 5})}),
+            raw_frame({"op": "act", "type": "clear", "cmd": msgpack.packb({"partition": 5})}),
             ProtocolError,
             "partition",
         ),
         (
-            _header({"op": "act", "type": "ack", "cmd": Ack(partition="h", claim="x").to_wire()}),
+            raw_frame({"op": "act", "type": "ack", "cmd": Ack(partition="h", claim="x").to_wire()}),
             NotFoundError,
             "claim",
         ),
     ]
-    c, writer, reader = _open(server.location)
+    c, writer, reader = open_stream(server.location)
     try:
         for frame, cls, match in hostile:
-            answer = _ask(writer, reader, frame)
+            answer = ask(writer, reader, frame)
             assert "error" in answer.header, (frame, answer.header)
             err = ErrorDetail.parse(answer.header["error"]).error()
             assert isinstance(err, cls), (frame, err)
             assert match in str(err), (frame, str(err))
-        ok = _ask(writer, reader, pack_frame({"op": "act", "type": "clear", "cmd": clear}))
+        ok = ask(writer, reader, pack_frame({"op": "act", "type": "clear", "cmd": clear}))
         assert ClearReply.parse(ok.header["ok"]).cleared == 1
     finally:
         writer.close()
@@ -281,10 +244,10 @@ def test_an_ack_reply_larger_than_a_frame_is_answered_retry_after_it_ran(
     grant = ClaimGrant.parse(table.schema.metadata[b"flightq.claim"])
     time.sleep(0.5)
     again = client.claim("wide", "train", n, timeout=TIMEOUT, as_="numpy")
-    c, writer, stream = _open(server.location)
+    c, writer, stream = open_stream(server.location)
     try:
         ack = Ack(partition="wide", claim=grant.claim).to_wire()
-        answer = _ask(writer, stream, pack_frame({"op": "act", "type": "ack", "cmd": ack}))
+        answer = ask(writer, stream, pack_frame({"op": "act", "type": "ack", "cmd": ack}))
         assert answer.header.get("retry", 0) > 4 << 20, answer.header
     finally:
         writer.close()
@@ -342,14 +305,14 @@ def test_a_put_frame_whose_media_claim_lies_is_refused_whole(
     batch = flightq.encode(flightq.SchemaRegistry.default().get(vlm), cols, ["v0"])
     cmd = PutCommand(partition="lie", rows=1, timeout=5.0).to_wire()
     lie = pack_claims(HASH, {"pixel_values": [b"\x07" * DIGEST_BYTES]})
-    c, writer, reader = _open(server.location)
+    c, writer, reader = open_stream(server.location)
     try:
         frame = pack_frame({"op": "put", "cmd": cmd, "claims": [lie]}, batch.schema, [batch])
-        answer = _ask(writer, reader, frame)
+        answer = ask(writer, reader, frame)
         err = ErrorDetail.parse(answer.header["error"]).error()
         assert isinstance(err, MediaDigestError), err
         assert server.store.partition("lie").nbytes == 0
-        ok = _ask(writer, reader, pack_frame({"op": "put", "cmd": cmd}, batch.schema, [batch]))
+        ok = ask(writer, reader, pack_frame({"op": "put", "cmd": cmd}, batch.schema, [batch]))
         assert "ok" in ok.header
     finally:
         writer.close()
