@@ -194,6 +194,9 @@ def run_demo(steps: int = 3, workload: str = "W1") -> int:
             if p.is_alive():
                 p.terminate()
         ok = trained == steps and all(p.exitcode == 0 for p in procs)
+        for p in procs:
+            if p.exitcode != 0:
+                print(f"flightq demo: {p.name} exited with code {p.exitcode}")
         with flightq.connect(srv.location, [SCHEMA]) as c:
             received = c.stats()["counters"]["bytes_received"]
     wall = time.perf_counter() - t_start

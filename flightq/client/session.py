@@ -73,6 +73,14 @@ class _Beater:
     def stop(self) -> None:
         self._stop.set()
 
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the thread to end. A close joins it so the
+        thread never outlives its client: a daemon thread that lets go of the stream's
+        writer while the interpreter shuts down aborts the process (the writer's C++
+        destructor cannot take the GIL back then)."""
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
 
 class Session:
     """One consumer session on ``transport``'s server, opened on first use, that asks the
@@ -134,6 +142,8 @@ class Session:
                     writer.close()
             finally:
                 self._write.release()
+            if beater is not None:
+                beater.join(_CLOSE_WAIT)
 
     def close(self) -> None:
         """End the session: the server ends its claims' leases (unacknowledged rows are

@@ -415,3 +415,17 @@ def test_closing_a_beating_client_of_a_frozen_server_returns_at_once():
             assert not c.session.beating
         finally:
             os.kill(proc.pid, signal.SIGCONT)
+
+
+def test_closing_a_client_ends_its_beat_thread_before_it_returns(server):
+    # A beat thread left to end on its own may drop the stream's writer while the
+    # interpreter shuts down; the writer's C++ destructor then cannot take the GIL back and
+    # the process aborts ("terminate called without an active exception", exit -6).
+    for _ in range(5):
+        with flightq.connect(server.location, [TEXT], timeout=TIMEOUT, session_timeout=30) as c:
+            _declare(c, 2)
+            c.ack(_claim(c, 2))
+            assert c.session.beating
+            c.drop("p")
+        beats = [t for t in threading.enumerate() if t.name == "flightq-session-beat"]
+        assert beats == []
