@@ -7,6 +7,7 @@ markdown and chart.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -230,3 +231,12 @@ def test_the_trainer_loop_times_both_paths_and_the_stream_carries_every_operatio
     assert loop.main(["--loops", "3", "--reps", "1", "--warmup", "1"]) == 0
     out = capsys.readouterr().out
     assert "stream loop p50 / per-call loop p50" in out and "per call" in out
+
+
+def test_the_isolation_benchmark_runs_the_wait_for_load_to_its_end() -> None:
+    # Imported by name, not loaded from its path: its loads run in spawned processes.
+    isolation = importlib.import_module("isolation")
+    base, probe = isolation.measure(["wait-for"], 1.0, 5000)
+    assert base.load.startswith("none") and probe.load == "wait-for"
+    assert len(base.latencies) > 0 and len(probe.latencies) > 0
+    assert "exit" not in probe.note, probe.note  # the load's child ended cleanly

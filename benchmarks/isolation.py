@@ -10,6 +10,8 @@ Loads, each bounded in time (``--seconds``) or by the one put it makes:
 
 - ``claims``: 40 claims of 2**20 rows (the most a ticket may ask) waiting on ``probe``
   itself, which gains a row with every probe put;
+- ``wait-for``: 40 claims of 1024 rows waiting for ``prev_logprobs`` on a partition of up
+  to 200 000 rows that lack it, while a worker writes it back to one row again and again;
 - ``put``: one put of ``--rows`` rows (1e6) to a fresh partition;
 - ``replay``: the same put again, identical (acknowledged, stores nothing);
 - ``stalled``: 300 DoPut streams that send their schema and then nothing;
@@ -31,7 +33,7 @@ import contextlib
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -39,7 +41,7 @@ import numpy as np
 __all__ = ["LOADS", "Probe", "main", "measure"]
 
 TEXT = "rollout_text@1"
-LOADS = ("claims", "put", "replay", "stalled", "flood", "inspect")
+LOADS = ("claims", "wait-for", "put", "replay", "stalled", "flood", "inspect")
 #: Seconds any one call of a load may take before it is given up.
 _CALL_TIMEOUT = 120.0
 
@@ -100,6 +102,8 @@ def _load(location: str, load: str, seconds: float, rows: int, started: Any, don
             _stalled(location, seconds, started)
         elif load == "flood":
             _flood(location, seconds, started)
+        elif load == "wait-for":
+            _wait_for(location, seconds, min(rows, 200_000), started)
         elif load == "inspect":
             with flightq.connect(location, timeout=_CALL_TIMEOUT) as c:
                 c.create_partition("big-inspect", TEXT, tasks=["t"])
@@ -116,6 +120,33 @@ def _load(location: str, load: str, seconds: float, rows: int, started: Any, don
 
 
 def _claims(location: str, seconds: float, started: Any) -> None:
+    with _waiting(location, seconds, "probe", 2**20, ()):
+        started.set()
+
+
+def _wait_for(location: str, seconds: float, rows: int, started: Any) -> None:
+    """40 claims of 1024 rows wait for a column that none of ``rows`` ready rows carries
+    yet, while a logprob worker writes it back to one row over and over."""
+    import flightq
+
+    with flightq.connect(location, timeout=_CALL_TIMEOUT) as c:
+        c.create_partition("big-wait", TEXT, tasks=["t"])
+        c.put_batch("big-wait", _batch(rows), timeout=_CALL_TIMEOUT)
+        with _waiting(location, seconds, "big-wait", 1024, ("prev_logprobs",)):
+            started.set()
+            lp = {"prev_logprobs": [np.zeros(4, np.float32)]}
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:  # each write-back may serve every waiting claim
+                c.put("big-wait", ["big0"], lp, overwrite=True)
+
+
+@contextlib.contextmanager
+def _waiting(
+    location: str, seconds: float, partition: str, rows: int, wait_for: tuple[str, ...]
+) -> Iterator[None]:
+    """40 claims of ``rows`` rows of ``partition`` (task ``t``), each in a thread of its
+    own, waiting up to ``seconds`` (a timeout is expected): the block runs once all wait
+    (or after 30 s); the claims' other errors are raised after it."""
     import flightq
 
     errors: list[BaseException] = []
@@ -123,7 +154,7 @@ def _claims(location: str, seconds: float, started: Any) -> None:
     def wait() -> None:
         with flightq.connect(location, timeout=seconds + 30) as c:
             try:
-                c.claim("probe", "t", 2**20, timeout=seconds, as_="numpy")
+                c.claim(partition, "t", rows, wait_for=wait_for, timeout=seconds, as_="numpy")
             except flightq.ClaimTimeoutError:
                 pass
             except BaseException as e:
@@ -136,7 +167,7 @@ def _claims(location: str, seconds: float, started: Any) -> None:
         deadline = time.monotonic() + 30
         while c.stats()["waiting_claims"] < 40 and time.monotonic() < deadline:
             time.sleep(0.05)
-    started.set()
+    yield
     for t in threads:
         t.join(seconds + 60)
     if errors:

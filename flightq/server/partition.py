@@ -45,6 +45,7 @@ from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Progress
 if TYPE_CHECKING:
     from .media import Copy
     from .putplan import PutPlan
+    from .readiness import Complete
 
 __all__ = ["Piece", "Row", "Partition", "PutKeys", "make_piece", "put_keys"]
 
@@ -165,6 +166,9 @@ class Partition:
     journal: deque[tuple[int, Sequence[str] | None]] = field(default_factory=deque, repr=False)
     _journaled: int = field(default=0, repr=False)
     _groups: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: Per set of fields some claim needs beyond the required ones, the keys of the rows
+    #: that carry them all (:mod:`flightq.server.readiness`).
+    complete: dict[frozenset[str], Complete] = field(default_factory=dict, repr=False)
     #: This partition among those ever made under its name (:data:`_EPOCHS`).
     epoch: int = field(default_factory=lambda: next(_EPOCHS), repr=False)
 
@@ -198,17 +202,26 @@ class Partition:
     def touched(self, seen: int, keys: set[str]) -> bool:
         """Whether a write since write count ``seen`` may have touched one of ``keys`` (True
         also when the journal no longer reaches back that far). With the store's lock."""
+        written = self.written_since(seen)
+        return written is None or any(not keys.isdisjoint(w) for w in written)
+
+    def written_since(self, seen: int) -> list[Sequence[str]] | None:
+        """The keys of each write since write count ``seen``, newest first; None when the
+        journal no longer reaches back that far or one of them may have written any row.
+        With the store's lock."""
         if self.writes == seen:
-            return False
+            return []
         journal = self.journal
         if not journal or journal[0][0] > seen + 1:
-            return True
+            return None
+        out: list[Sequence[str]] = []
         for n, written in reversed(journal):
             if n <= seen:
                 break
-            if written is None or not keys.isdisjoint(written):
-                return True
-        return False
+            if written is None:
+                return None
+            out.append(written)
+        return out
 
     def wrote(self, keys: Sequence[str] | None) -> None:
         """Count a write of rows ``keys`` (None: possibly every row) in the journal that

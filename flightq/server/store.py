@@ -43,6 +43,7 @@ from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskSt
 from .media import grouped_by_media, waiting_homes
 from .partition import Partition, Piece, PutKeys, Row, put_keys
 from .putplan import plan_put
+from .readiness import complete_keys, count_ready, may_serve, maybe_remnant, ready_rows
 
 __all__ = ["Store"]
 
@@ -83,12 +84,26 @@ class Store:
     def _wake_claims(self, name: str, p: Partition) -> None:
         """Wake the claims waiting on partition ``name`` (now ``p``) that its ready rows
         may now serve, after a put to it: a put changes no other partition, and a claim
-        finds nothing in fewer ready rows than it takes (:func:`_may_serve`). With the
+        finds nothing in fewer ready rows than it takes
+        (:func:`~flightq.server.readiness.may_serve`), counting only those that carry the
+        fields it waits for (each count made once per task and set of fields). With the
         lock."""
+        g = p.group_size
+        counts: dict[tuple[str, tuple[str, ...]], int] = {}
         for w in self._claims.get(name, ()):
             st = p.progress.tasks.get(w.task)
-            if st is None or _may_serve(st, w.batch_size, p.group_size):
+            if st is None:
                 w.changed.notify()
+                continue
+            if not may_serve(st, w.batch_size, g):
+                continue
+            if not (g and st.ready and maybe_remnant(st, g)):
+                n = counts.get((w.task, w.need))
+                if n is None:
+                    n = counts[w.task, w.need] = count_ready(st, complete_keys(p, w.need))
+                if n < w.batch_size:
+                    continue
+            w.changed.notify()
 
     def close(self) -> None:
         """Refuse new waits and wake every waiting claim and put (server shutdown)."""
@@ -719,7 +734,7 @@ class Store:
                     partition=name,
                 )
             waiter: _Waiter | None = None  # once it waits
-            seen = -1  # the partition's progress version last looked at
+            seen = (0, -1)  # the partition (its epoch) and its progress version last looked at
             try:
                 while True:
                     self._check_open(f"claim from {name!r}")
@@ -731,9 +746,10 @@ class Store:
                         )
                     p = self._get(name)  # the partition may have been dropped meanwhile
                     self._expire(p)
-                    if p.progress.version != seen:
-                        seen = p.progress.version
-                        picked = _ready(p, task, need, batch_size)
+                    if (p.epoch, p.progress.version) != seen:
+                        seen = (p.epoch, p.progress.version)
+                        complete = complete_keys(p, need)
+                        picked = ready_rows(p.rows, g, p.progress.tasks[task], complete, batch_size)
                         if picked is not None:
                             picked = grouped_by_media(p, picked)  # each image once
                             now = time.monotonic()
@@ -745,7 +761,7 @@ class Store:
                     now = time.monotonic()
                     left = deadline - now
                     if left <= 0:
-                        ready = len(_ready(p, task, need, None) or [])
+                        ready = count_ready(p.progress.tasks[task], complete_keys(p, need))
                         raise ClaimTimeoutError(
                             f"claim of {batch_size} rows for task {task!r} from partition "
                             f"{name!r} timed out after {timeout:g}s: {ready} rows ready with "
@@ -755,7 +771,7 @@ class Store:
                             partition=name,
                         )
                     if waiter is None:
-                        waiter = _Waiter(threading.Condition(self._lock), task, batch_size)
+                        waiter = _Waiter(threading.Condition(self._lock), task, batch_size, need)
                         self._claims.setdefault(name, {})[waiter] = None
                         tasks = self._waiting.setdefault(name, {})
                         tasks[task] = tasks.get(task, 0) + 1
@@ -857,8 +873,8 @@ class Store:
             for f in r.cells:
                 counts[f] += 1
         d["fields"] = {k: v for k, v in counts.items() if v}
-        need, g = p.schema.required, p.group_size
-        d["ready"] = {t: len(_ready_in(rows, g, st, need, None) or []) for t, st in tasks.items()}
+        g = p.group_size
+        d["ready"] = {t: len(ready_rows(rows, g, st, None, None) or []) for t, st in tasks.items()}
         return d
 
     def list_keys(self, name: str, keys: Sequence[str] | None) -> dict[str, Any]:
@@ -903,10 +919,12 @@ class _Waiter:
     """A claim waiting for rows, woken through ``changed`` (a condition on the store's
     lock); equal only to itself."""
 
-    __slots__ = ("batch_size", "changed", "task")
+    __slots__ = ("batch_size", "changed", "need", "task")
 
-    def __init__(self, changed: threading.Condition, task: str, batch_size: int) -> None:
-        self.changed, self.task, self.batch_size = changed, task, batch_size
+    def __init__(
+        self, changed: threading.Condition, task: str, batch_size: int, need: tuple[str, ...]
+    ) -> None:
+        self.changed, self.task, self.batch_size, self.need = changed, task, batch_size, need
 
 
 #: Most names an error lists: other partitions are never listed wholesale (they may be
@@ -1000,79 +1018,6 @@ def _fields_for(p: Partition, rows: list[Row], fields: Sequence[str] | None) -> 
         out.append(name)
     order = {f.name: i for i, f in enumerate(p.schema.fields)}
     return sorted(dict.fromkeys(out), key=order.__getitem__)
-
-
-def _ready(p: Partition, task: str, need: Sequence[str], limit: int | None) -> list[Row] | None:
-    """The first ready rows (whole groups if grouped), or None if fewer than ``limit``.
-
-    In a grouped partition a group whose other rows are settled for the task (acknowledged,
-    dead or cleared) and none leased is a remnant: its ready rows go out together, after
-    the whole groups, and a claim that holds one returns even when short of ``limit``, so
-    nothing is stranded by a group acked in part.
-
-    It walks the task's ready index only, and not at all when the index holds fewer rows
-    than ``limit`` (and, grouped, no remnant can be in it)."""
-    return _ready_in(p.rows, p.group_size, p.progress.tasks[task], need, limit)
-
-
-def _ready_in(
-    rows: dict[str, Row], g: int | None, st: Any, need: Sequence[str], limit: int | None
-) -> list[Row] | None:
-    """:func:`_ready` over a row table, a group size and a task's state (its ``ready``
-    and ``leased`` keys; a copy of them, for :meth:`Store.inspect`)."""
-    ready = st.ready
-    if limit is not None and not _may_serve(st, limit, g):
-        return None
-    out: list[Row] = []
-    if not g:
-        for k in ready:
-            r = rows[k]
-            if all(f in r.cells for f in need):
-                out.append(r)
-                if limit is not None and len(out) == limit:
-                    return out
-        return out if limit is None else None
-    groups: dict[int, list[Row]] = {}
-    for k in ready:
-        r = rows[k]
-        members = groups.setdefault(r.group, [])
-        members.append(r)
-        if len(members) == g and all(all(f in m.cells for f in need) for m in members):
-            out.extend(members)
-            if limit is not None and len(out) == limit:
-                return out
-    partial = [m for m in groups.values() if len(m) < g]
-    if partial:
-        # Whole groups are leased whole, so a group with a leased row is one given back in
-        # part: the rest of it is still out, and the group waits for it.
-        held = {rows[k].group for k in st.leased if k in rows}
-        took = False
-        for members in partial:
-            if members[0].group in held or not all(
-                all(f in m.cells for f in need) for m in members
-            ):
-                continue
-            if limit is not None and len(out) + len(members) > limit:
-                continue
-            out.extend(members)
-            took = True
-            if limit is not None and len(out) == limit:
-                return out
-        if took:
-            return out
-    return out if limit is None else None
-
-
-def _may_serve(st: TaskState, limit: int, g: int | None) -> bool:
-    """Whether the task's ready rows may serve a claim of ``limit`` (:func:`_ready` finds
-    none otherwise): as many ready rows, or, grouped, perhaps a remnant."""
-    return len(st.ready) >= limit or bool(g and _maybe_remnant(st, g))
-
-
-def _maybe_remnant(st: TaskState, g: int) -> bool:
-    """Whether the task's ready index may hold a remnant: a group some of whose rows
-    were settled or cleared."""
-    return bool(len(st.ready) % g or st.done or st.dead)
 
 
 def _describe(p: Partition, waiting: dict[str, int], waiting_puts: int) -> dict[str, Any]:
