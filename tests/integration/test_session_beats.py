@@ -427,5 +427,6 @@ def test_closing_a_client_ends_its_beat_thread_before_it_returns(server):
             c.ack(_claim(c, 2))
             assert c.session.beating
             c.drop("p")
-        beats = [t for t in threading.enumerate() if t.name == "flightq-session-beat"]
-        assert beats == []
+            beat = c.session._beater._thread  # type: ignore[union-attr]
+            assert beat.is_alive()
+        assert not beat.is_alive()
