@@ -233,10 +233,12 @@ def test_the_trainer_loop_times_both_paths_and_the_stream_carries_every_operatio
     assert "stream loop p50 / per-call loop p50" in out and "per call" in out
 
 
-def test_the_isolation_benchmark_runs_the_wait_for_load_to_its_end() -> None:
+def test_the_isolation_benchmark_runs_its_new_loads_to_their_end() -> None:
     # Imported by name, not loaded from its path: its loads run in spawned processes.
     isolation = importlib.import_module("isolation")
-    base, probe = isolation.measure(["wait-for"], 1.0, 5000)
-    assert base.load.startswith("none") and probe.load == "wait-for"
-    assert len(base.latencies) > 0 and len(probe.latencies) > 0
-    assert "exit" not in probe.note, probe.note  # the load's child ended cleanly
+    base, *probes = isolation.measure(["wait-for", "put-more"], 1.0, 5000)
+    assert base.load.startswith("none") and [p.load for p in probes] == ["wait-for", "put-more"]
+    assert len(base.latencies) > 0
+    for probe in probes:
+        assert len(probe.latencies) > 0
+        assert "exit" not in probe.note, probe.note  # the load's child ended cleanly

@@ -13,6 +13,8 @@ Loads, each bounded in time (``--seconds``) or by the one put it makes:
 - ``wait-for``: 40 claims of 1024 rows waiting for ``prev_logprobs`` on a partition of up
   to 200 000 rows that lack it, while a worker writes it back to one row again and again;
 - ``put``: one put of ``--rows`` rows (1e6) to a fresh partition;
+- ``put-more``: the same put to a partition that holds 1 000 rows already (merged into
+  its row table, where ``put`` adopts the table its plan built);
 - ``replay``: the same put again, identical (acknowledged, stores nothing);
 - ``stalled``: 300 DoPut streams that send their schema and then nothing;
 - ``flood``: 8 clients putting 1-row puts as fast as they can;
@@ -41,7 +43,7 @@ import numpy as np
 __all__ = ["LOADS", "Probe", "main", "measure"]
 
 TEXT = "rollout_text@1"
-LOADS = ("claims", "wait-for", "put", "replay", "stalled", "flood", "inspect")
+LOADS = ("claims", "wait-for", "put", "put-more", "replay", "stalled", "flood", "inspect")
 #: Seconds any one call of a load may take before it is given up.
 _CALL_TIMEOUT = 120.0
 
@@ -64,7 +66,7 @@ class Probe(NamedTuple):
         )
 
 
-def _batch(rows: int, seed: int = 0) -> Any:
+def _batch(rows: int, seed: int = 0, prefix: str = "big") -> Any:
     import flightq
 
     schema = flightq.SchemaRegistry.default().get(TEXT)
@@ -72,7 +74,7 @@ def _batch(rows: int, seed: int = 0) -> Any:
     ids = [flat[4 * i : 4 * i + 4] for i in range(rows)]
     lens = np.full(rows, 4, np.int32)
     return flightq.encode(
-        schema, {"input_ids": ids, "input_lengths": lens}, [f"big{i}" for i in range(rows)]
+        schema, {"input_ids": ids, "input_lengths": lens}, [f"{prefix}{i}" for i in range(rows)]
     )
 
 
@@ -87,17 +89,21 @@ def _load(location: str, load: str, seconds: float, rows: int, started: Any, don
     try:
         if load == "claims":
             _claims(location, seconds, started)
-        elif load in ("put", "replay"):
+        elif load in ("put", "put-more", "replay"):
             batch = _batch(rows)
             with flightq.connect(location, timeout=_CALL_TIMEOUT) as c:
                 name = f"big-{load}"
                 c.create_partition(name, TEXT, tasks=["t"])
+                held = 0
                 if load == "replay":
                     c.put_batch(name, batch, timeout=_CALL_TIMEOUT)
+                elif load == "put-more":  # the put's rows merge into rows already there
+                    held = 1000
+                    c.put_batch(name, _batch(held, 1, "old"), timeout=_CALL_TIMEOUT)
                 started.set()
                 got = c.put_batch(name, batch, timeout=_CALL_TIMEOUT)
                 assert int(got) == rows, got
-                assert c.stats()["partitions"][name]["rows"] == rows
+                assert c.stats()["partitions"][name]["rows"] == rows + held
         elif load == "stalled":
             _stalled(location, seconds, started)
         elif load == "flood":
