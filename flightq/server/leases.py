@@ -55,6 +55,9 @@ class TaskState:
     deliveries: dict[str, int] = field(default_factory=dict)
     #: Failed deliveries of each row that has had one.
     failures: dict[str, int] = field(default_factory=dict)
+    #: Whether some rows were cleared since every row was: a group may have lost rows
+    #: without any being settled (its rest is a remnant).
+    trimmed: bool = False
     #: Since the partition was declared: rows delivered again (a delivery after the
     #: first), and rows whose lease ended by expiry or by its session's end. Never reset.
     redelivered: int = 0
@@ -74,6 +77,7 @@ class TaskState:
         for d in (self.ready, self.leased, self.dead, self.deliveries, self.failures):
             d.clear()
         self.done.clear()
+        self.trimmed = False
 
 
 @dataclass
@@ -135,6 +139,8 @@ class Progress:
         for k in keys:
             for st in self.tasks.values():
                 st.forget(k)
+        for st in self.tasks.values():
+            st.trimmed = True
         self.version += 1
 
     def removed_all(self) -> None:

@@ -175,8 +175,9 @@ def may_serve(st: TaskState, limit: int, g: int | None) -> bool:
 
 def maybe_remnant(st: TaskState, g: int) -> bool:
     """Whether the task's ready index may hold a remnant: a group some of whose rows
-    were settled or cleared."""
-    return bool(len(st.ready) % g or st.done or st.dead)
+    were settled or cleared (two groups cleared in part may leave a multiple of ``g``
+    rows ready, none settled)."""
+    return bool(len(st.ready) % g or st.done or st.dead or st.trimmed)
 
 
 def _may_hold(

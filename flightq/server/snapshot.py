@@ -294,6 +294,9 @@ def _restore_partition(root: Path, e: dict[str, Any]) -> Partition:
                 into.update((k, n) for k, n in zip(keys, counts, strict=True) if n)
         # Rows leased when the snapshot was taken are ready again.
         st.ready = {k: None for k in keys if k not in st.done and k not in st.dead}
+        # Whether rows were cleared is not in the snapshot: a group of fewer rows than the
+        # group size may be a remnant.
+        st.trimmed = bool(part.group_size)
     what = f"snapshot of {part.name!r}"
     for batch in _read_ipc(root / files["rows"]).to_batches():
         # Media through the partition's copies, as a put's: each distinct payload once.

@@ -992,6 +992,7 @@ def _copy_progress(p: Partition) -> Progress:
         c.dead = dict(st.dead)
         c.deliveries = dict(st.deliveries)
         c.failures = dict(st.failures)
+        c.trimmed = st.trimmed
         c.ready = {k: None for k in p.rows if k not in c.done and k not in c.dead}
     return out
 

@@ -154,6 +154,16 @@ def test_grouped_claim_batch_size_must_be_a_multiple_of_the_group_size(client, g
     assert client.inspect("grouped")["delivered"]["train"] == 0
 
 
+def test_groups_cleared_in_part_to_a_multiple_of_the_group_size_are_not_stranded(client, grouped):
+    # Group 0 loses one row, group 1 three: 4 rows ready, none acknowledged or dead. A
+    # claim of 8 takes both remnants at once instead of waiting for rows that never come.
+    client.clear("grouped", [grouped[1], *grouped[4:7]])
+    got = client.claim("grouped", "train", 8, as_="numpy", timeout=TIMEOUT)
+    assert got.keys == [grouped[0], grouped[2], grouped[3], grouped[7]]
+    with pytest.raises(flightq.ClaimTimeoutError, match=r"0 rows ready"):
+        client.claim("grouped", "train", 4, as_="numpy", timeout=0.2)
+
+
 @pytest.mark.torch
 def test_a_group_with_a_row_cleared_comes_after_the_whole_ones_without_it(client, grouped):
     client.clear("grouped", [grouped[5]])
