@@ -137,13 +137,14 @@ def ready_rows(
                     return out
         return out if limit is None else None
     groups: dict[int, list[Row]] = {}
-    whole: dict[int, bool] = {}  # per group: every ready row so far carries the fields
+    lacking: set[int] = set()  # groups with a ready row that lacks the fields
     for k in ready:
         r = rows[k]
         members = groups.setdefault(r.group, [])
         members.append(r)
-        ok = whole[r.group] = whole.get(r.group, True) and (has is None or has(k))
-        if len(members) == g and ok:
+        if has is not None and not has(k):
+            lacking.add(r.group)
+        if len(members) == g and r.group not in lacking:
             out.extend(members)
             if limit is not None and len(out) == limit:
                 return out
@@ -154,7 +155,7 @@ def ready_rows(
         held = {rows[k].group for k in st.leased if k in rows}
         took = False
         for members in partial:
-            if members[0].group in held or not whole[members[0].group]:
+            if members[0].group in held or members[0].group in lacking:
                 continue
             if limit is not None and len(out) + len(members) > limit:
                 continue
