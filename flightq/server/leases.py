@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["TaskState", "Lease", "Progress", "DEFAULT_LEASE", "DEFAULT_MAX_FAILURES"]
@@ -37,6 +37,9 @@ DEFAULT_MAX_FAILURES = 3
 #: Leases that ended, remembered per partition so that a late or repeated ``ack`` of one
 #: still acknowledges its rows that no other claim took meanwhile.
 ENDED_KEPT = 4096
+#: Keys a task's :attr:`TaskState.moved` keeps while a large put merges outside the
+#: store's lock; past it the merge falls back to the in-lock update.
+MOVED_KEPT = 1 << 16
 
 
 @dataclass
@@ -63,10 +66,31 @@ class TaskState:
     redelivered: int = 0
     expired: int = 0
     gone: int = 0
+    #: While a large put builds this task's next ready order outside the store's lock
+    #: (:class:`flightq.server.merge.Merge`, ``merging`` of them): the keys that entered or
+    #: left ``ready`` in place since, for the merge to replay. None while none is under way.
+    moved: list[str] | None = field(default=None, repr=False)
+    merging: int = field(default=0, repr=False)
+    #: Bumped when ``ready`` changes in place in a way ``moved`` does not name (emptied
+    #: whole, or more keys moved than :data:`MOVED_KEPT`).
+    reshaped: int = field(default=0, repr=False)
+
+    def note(self, keys: Collection[str]) -> None:
+        """Record that ``keys`` entered or left ``ready`` in place (for a merge under way)."""
+        log = self.moved
+        if log is None:
+            return
+        if len(log) + len(keys) > MOVED_KEPT:
+            log.clear()
+            self.reshaped += 1
+        else:
+            log.extend(keys)
 
     def forget(self, key: str) -> None:
         """Drop every trace of a row (it was cleared)."""
         self.ready.pop(key, None)
+        if self.moved is not None:
+            self.note((key,))
         self.leased.pop(key, None)
         self.done.discard(key)
         self.dead.pop(key, None)
@@ -78,6 +102,7 @@ class TaskState:
             d.clear()
         self.done.clear()
         self.trimmed = False
+        self.reshaped += 1
 
 
 @dataclass
@@ -115,12 +140,23 @@ class Progress:
 
     # ------------------------------------------------------------------ rows come and go
 
-    def added(self, keys: Iterable[str] | dict[str, None]) -> None:
+    def added(
+        self,
+        keys: Iterable[str] | dict[str, None],
+        merged: Sequence[dict[str, None] | None] = (),
+    ) -> None:
         """New rows: ready for every task. ``keys`` may be the ``dict.fromkeys`` of them,
-        built beforehand (a put builds it outside the store's lock)."""
+        built beforehand (a put builds it outside the store's lock). ``merged`` may give,
+        per task in order, its ready order with them added already
+        (:meth:`flightq.server.merge.Merge.readies`), which it becomes (None: updated)."""
         ready = keys if isinstance(keys, dict) else dict.fromkeys(keys)
-        for st in self.tasks.values():
-            st.ready.update(ready)
+        for i, st in enumerate(self.tasks.values()):
+            whole = merged[i] if i < len(merged) else None
+            if whole is not None:
+                st.ready = whole
+            else:
+                st.ready.update(ready)
+                st.note(ready)
         self.version += 1
 
     def adopt(self, readies: Sequence[dict[str, None]]) -> None:
@@ -130,6 +166,7 @@ class Progress:
         for st, ready in zip(self.tasks.values(), readies, strict=True):
             if st.ready:
                 st.ready.update(ready)
+                st.note(ready)
             else:
                 st.ready = ready
         self.version += 1
@@ -174,6 +211,7 @@ class Progress:
             st.leased[k] = lease.id
             st.deliveries[k] = n = st.deliveries.get(k, 0) + 1
             st.redelivered += n > 1
+        st.note(keys)
         self.leases[lease.id] = lease
         self._next_expiry = min(self._next_expiry, lease.expires)
         return lease
@@ -200,7 +238,8 @@ class Progress:
                 continue
             owner = st.leased.get(k)
             if owner == lease.id or (owner is None and k in st.ready):
-                st.ready.pop(k, None)
+                if st.ready.pop(k, 0) is None:
+                    st.note((k,))
                 st.leased.pop(k, None)
                 st.failures.pop(k, None)
                 st.done.add(k)
@@ -239,6 +278,7 @@ class Progress:
                 dead += 1
             else:
                 st.ready[k] = None
+                st.note((k,))
                 ready += 1
         self.settle(lease)
         self.version += 1

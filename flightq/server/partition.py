@@ -44,6 +44,7 @@ from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Progress
 
 if TYPE_CHECKING:
     from .media import Copy
+    from .merge import Merge
     from .putplan import PutPlan
     from .readiness import Complete
 
@@ -235,10 +236,11 @@ class Partition:
             _, old = self.journal.popleft()
             self._journaled -= len(old) if old is not None else 0
 
-    def commit(self, plan: PutPlan) -> int:
+    def commit(self, plan: PutPlan, merge: Merge | None = None) -> int:
         """Store what ``plan`` (:func:`flightq.server.putplan.plan_put`, still valid:
         :meth:`touched` is false for its keys) describes: dict updates only, each row
-        replaced whole. With the store's lock. Returns the rows written."""
+        replaced whole, or the dicts ``merge`` built outside the lock swapped in
+        (:mod:`flightq.server.merge`). With the store's lock. Returns the rows written."""
         if plan.replay is not None:
             return plan.replay
         if self.media_fields:
@@ -246,8 +248,11 @@ class Partition:
         # Into a partition holding no row, the plan's dicts are adopted whole: a million
         # entries copied here would keep the lock (and the GIL) for a tenth of a second.
         fresh = bool(plan.fresh) and not self.rows
+        merged = merge.rows() if merge is not None and not fresh else None
         if fresh:
             self.rows = plan.rows
+        elif merged is not None:
+            self.rows = merged
         else:
             self.rows.update(plan.rows)
         self.nbytes += plan.nbytes
@@ -258,8 +263,8 @@ class Partition:
             pc.stored = True
         if fresh:
             self.progress.adopt(plan.fresh)
-        else:
-            self.progress.added(plan.ready)  # built outside the lock by the plan
+        else:  # built outside the lock by the plan (and by the merge)
+            self.progress.added(plan.ready, merge.readies() if merge is not None else ())
         if plan.put_id is not None:
             self.recent_puts[plan.put_id] = len(plan.keys)
             while len(self.recent_puts) > RECENT_PUTS:

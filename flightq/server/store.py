@@ -41,6 +41,7 @@ from ..errors import (
 from ..schema import Schema
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskState
 from .media import grouped_by_media, waiting_homes
+from .merge import Merge
 from .partition import Partition, Piece, PutKeys, Row, put_keys
 from .putplan import plan_put
 from .readiness import complete_keys, count_ready, may_serve, maybe_remnant, ready_rows
@@ -445,6 +446,7 @@ class Store:
         epochs = {pc.epoch for pc in pieces} - {0}
         for attempt in itertools.count():
             locked = attempt >= _PLANS  # lost to writes of its keys each time: plan here
+            merge: Merge | None = None
             if not locked:
                 p = self.partition(name)
                 _same_partition(p, epochs)
@@ -458,37 +460,50 @@ class Store:
                         if not self._stale(name, p, seen, keys):
                             raise
                     continue
+                if plan.replay is None and Merge.wanted(p, plan):
+                    with self._lock:
+                        merge = Merge.begin(p, plan)
+                    try:
+                        merge.build(plan)  # outside the lock, a slice at a time
+                    except BaseException:
+                        with self._lock:
+                            merge.end()
+                        raise
                 if p.writes != seen:
                     keys.set()  # as above
             with self._changed:
-                if locked:
-                    p = self._get(name)
-                    _same_partition(p, epochs)
-                    plan = plan_put(p, pieces, overwrite, put_id, p.writes)
-                elif self._stale(name, p, plan.seen, keys):
-                    continue
-                if plan.replay is not None:
-                    return plan.replay
-                mine = sum(pc.reserved for pc in pieces)  # counted already, as pending
-                left = max(0.0, deadline - time.monotonic())
-                need = plan.need + waiting_homes(pieces)  # media counted once, as it goes live
-                waited = self._wait_for_space(name, need, left, mine=mine)
-                waited = self._wait_for_rows(name, len(plan.new), left) or waited
-                if waited and self._stale(name, p, plan.seen, keys):
-                    if not locked:
-                        continue  # the lock was let go meanwhile: plan again
-                    p = self._get(name)
-                    _same_partition(p, epochs)
-                    plan = plan_put(p, pieces, overwrite, put_id, p.writes)
+                try:
+                    if locked:
+                        p = self._get(name)
+                        _same_partition(p, epochs)
+                        plan = plan_put(p, pieces, overwrite, put_id, p.writes)
+                    elif self._stale(name, p, plan.seen, keys):
+                        continue
                     if plan.replay is not None:
                         return plan.replay
-                n = p.commit(plan)
-                for pc in pieces:  # stored: counted by the rows from now on
-                    self._pending -= pc.reserved
-                    pc.reserved = 0
-                self._changed.notify_all()  # puts waiting for room (budget, row limit)
-                self._wake_claims(name, p)
-                return n
+                    mine = sum(pc.reserved for pc in pieces)  # counted already, as pending
+                    left = max(0.0, deadline - time.monotonic())
+                    need = plan.need + waiting_homes(pieces)  # media counted once, as it goes live
+                    waited = self._wait_for_space(name, need, left, mine=mine)
+                    waited = self._wait_for_rows(name, len(plan.new), left) or waited
+                    if waited and self._stale(name, p, plan.seen, keys):
+                        if not locked:
+                            continue  # the lock was let go meanwhile: plan again
+                        p = self._get(name)
+                        _same_partition(p, epochs)
+                        plan = plan_put(p, pieces, overwrite, put_id, p.writes)
+                        if plan.replay is not None:
+                            return plan.replay
+                    n = p.commit(plan, merge)
+                    for pc in pieces:  # stored: counted by the rows from now on
+                        self._pending -= pc.reserved
+                        pc.reserved = 0
+                    self._changed.notify_all()  # puts waiting for room (budget, row limit)
+                    self._wake_claims(name, p)
+                    return n
+                finally:
+                    if merge is not None:
+                        merge.end()
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _stale(self, name: str, p: Partition, seen: int, keys: PutKeys) -> bool:
