@@ -871,6 +871,10 @@ class ServerCounters(Message):
     idle_cuts: int = _field(_int(0), 0)
     #: Media payload bytes hashed to resolve puts (references, look-alike payloads).
     media_hashed_bytes: int = _field(_int(0), 0)
+    #: Beats heard on consumer sessions, and those read late because they came faster
+    #: than one per MIN_BEAT_GAP seconds on their session.
+    beats: int = _field(_int(0), 0)
+    beats_slowed: int = _field(_int(0), 0)
 
 
 @dataclasses.dataclass(**_FROZEN)

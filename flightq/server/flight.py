@@ -95,6 +95,11 @@ DEFAULT_MAX_PUT_BATCH_BYTES = 2**30
 _SESSION_POLL = 0.05
 #: Largest beat a consumer session's client may send (bytes of app metadata).
 _MAX_BEAT_BYTES = 64
+#: Shortest gap (seconds) between two beats a session's stream is read at: a client
+#: beats at most 20 times a second (``MIN_SILENCE`` / ``BEATS_PER_SILENCE``); one that
+#: sends faster waits for its stream to be read (gRPC's flow control holds it back), and
+#: costs the server at most 100 reads a second.
+MIN_BEAT_GAP = 0.01
 
 
 class Server(fl.FlightServerBase):
@@ -632,6 +637,7 @@ class Server(fl.FlightServerBase):
         cuts the connection, which ends the read)."""
         beats = self.idle.heartbeats(context, silence, lambda: self.store.end_session(sid))
         what = "consumer session"
+        last = -MIN_BEAT_GAP
         while not self.store.closing:
             try:
                 chunk = reader.read_chunk()
@@ -650,7 +656,13 @@ class Server(fl.FlightServerBase):
                     f"{what}: a beat is app metadata of at most {_MAX_BEAT_BYTES} bytes, got {size}"
                 )
             SessionBeat.parse(meta)
+            early = last + MIN_BEAT_GAP - time.monotonic()
+            if early > 0:  # too soon after the one before: the next read waits
+                self.counters.add("beats_slowed")
+                time.sleep(early)
             beats.heard()
+            self.counters.add("beats")
+            last = time.monotonic()
 
     def _stream_put(
         self,

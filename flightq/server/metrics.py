@@ -31,6 +31,8 @@ COUNTERS = (
     "actions",
     "idle_cuts",
     "media_hashed_bytes",
+    "beats",
+    "beats_slowed",
 )
 
 

@@ -35,6 +35,7 @@ from helpers_waiting import stat_until
 import flightq
 from flightq.client.session import DEFAULT_SESSION_TIMEOUT, beat_interval
 from flightq.protocol import ClaimTicket, SessionBeat, SessionCommand, SessionReply
+from flightq.server.flight import MIN_BEAT_GAP
 
 pytestmark = [
     pytest.mark.timeout(90),
@@ -299,6 +300,29 @@ def test_a_beating_plain_session_keeps_its_leases_until_the_beats_stop(plain, cl
     _end(writer, reader)
     got = _claim(client, 4)
     assert got.keys == ["k2", "k3", "k0", "k1"] and got.claim.deliveries == (1, 1, 2, 2)
+
+
+def test_beats_flooded_faster_than_the_gap_are_read_one_per_gap_and_the_session_lives(
+    plain, client
+):
+    _declare(client, 4)
+    writer, reader, reply = _open(plain, SILENCE)
+    assert _plain_claim(plain, reply["session"], 2) == ["k0", "k1"]
+    before = client.stats()["counters"]
+    start = time.monotonic()
+    beat = pa.py_buffer(SessionBeat().to_wire())
+    for _ in range(400):  # as fast as the stream takes them: 4 s of reads at the gap
+        writer.write_metadata(beat)
+    time.sleep(2 * SILENCE)  # past the silence: the beats read late keep the session
+    after = client.stats()["counters"]
+    took = time.monotonic() - start
+    heard = after["beats"] - before["beats"]
+    assert 0 < heard <= took / MIN_BEAT_GAP + 1, (heard, took)  # one read per gap at most
+    assert after["beats_slowed"] - before["beats_slowed"] >= heard - 1
+    assert _leased(client) == 2 and client.health()  # alive, and the server serves
+    _end(writer, reader)
+    stat_until(client, "p", "leased", {"train": 0}, timeout=SOON)
+    assert _claim(client, 4).keys == ["k2", "k3", "k0", "k1"]
 
 
 def _batch() -> pa.RecordBatch:
