@@ -1,7 +1,9 @@
 """Aggregate get throughput of 1, 2, 4, 8 consumer processes against one flightq server.
 
 One ``flightq serve --port 0`` process on 127.0.0.1 holds a workload step (W2 by default:
-no shared media, so every byte crosses the wire). Each consumer is its own process: it
+no shared media, so every byte crosses the wire); with ``--shards N``, N such processes
+hold it between them (rows routed by group, as :func:`flightq.connect_sharded` does), and
+every consumer reads from all of them. Each consumer is its own process: it
 connects, then gets every row of the step by key ``--gets`` times (every field, decoded
 as numpy views), checking the first answer bit for bit against the seeded step outside the
 timed part. The wall time from the moment all consumers are ready to the moment the last
@@ -11,11 +13,13 @@ measured in the same run, is printed. Timing decides nothing here.
 Run::
 
     .venv/bin/python benchmarks/consumer_scaling.py --consumers 1,2,4,8 --workload W2
+    .venv/bin/python benchmarks/consumer_scaling.py --consumers 1,8 --shards 4 --reps 1
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import statistics
@@ -33,11 +37,18 @@ from flightq import workloads
 __all__ = ["main", "measure"]
 
 
+def _connect(locations: Sequence[str], schema: Any, streams: int | None = None) -> Any:
+    """A client of the one server, or of every shard."""
+    if len(locations) == 1:
+        return flightq.connect(locations[0], [schema], timeout=300, get_streams=streams)
+    return flightq.connect_sharded(locations, [schema], timeout=300, get_streams=streams)
+
+
 def _consumer(
-    location: str, name: str, gets: int, streams: int, ready: Any, go: Any, out: Any
+    locations: list[str], name: str, gets: int, streams: int, ready: Any, go: Any, out: Any
 ) -> None:
     step = workloads.make(name)
-    with flightq.connect(location, [step.schema], timeout=300, get_streams=streams) as c:
+    with _connect(locations, step.schema, streams) as c:
         b = c.get("p", step.keys, as_="numpy")
         for f, want in step.columns.items():
             got = b[f]
@@ -58,13 +69,16 @@ def _consumer(
         out.put(time.perf_counter() - t0)
 
 
-def measure(location: str, name: str, consumers: int, gets: int, streams: int = 1) -> float:
-    """Aggregate GB/s of ``consumers`` processes each getting the step ``gets`` times,
-    each get over at most ``streams`` parallel DoGet streams."""
+def measure(
+    locations: list[str], name: str, consumers: int, gets: int, streams: int = 1
+) -> float:
+    """Aggregate GB/s of ``consumers`` processes each getting the step ``gets`` times from
+    the servers at ``locations``, each get over at most ``streams`` parallel DoGet streams
+    per server."""
     ctx = mp.get_context("spawn")
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [
-        ctx.Process(target=_consumer, args=(location, name, gets, streams, ready, go, out))
+        ctx.Process(target=_consumer, args=(locations, name, gets, streams, ready, go, out))
         for _ in range(consumers)
     ]
     for p in procs:
@@ -94,22 +108,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gets", type=int, default=4, help="gets per consumer per round")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--streams", type=int, default=1, help="DoGet streams per get (default 1)")
+    p.add_argument("--shards", type=int, default=1, help="server processes holding the step")
     args = p.parse_args(argv)
     counts = [int(x) for x in args.consumers.split(",")]
-    with procs.ServerProcess(server_argv(), "flightq") as server:
-        location = server.info["listening"]
+    with contextlib.ExitStack() as stack:
+        servers = [
+            stack.enter_context(procs.ServerProcess(server_argv(), "flightq"))
+            for _ in range(args.shards)
+        ]
+        locations = [s.info["listening"] for s in servers]
         step = workloads.make(args.workload)
-        with flightq.connect(location, [step.schema], timeout=300) as c:
+        with _connect(locations, step.schema) as c:
             c.create_partition("p", step.schema, tasks=["t"], group_size=step.group_size)
             c.put("p", step.keys, step.columns, step.tags)
         results: dict[int, list[float]] = {n: [] for n in counts}
         for _ in range(args.reps):  # interleave counts so load drifts hit all alike
             for n in counts:
-                results[n].append(measure(location, args.workload, n, args.gets, args.streams))
+                results[n].append(measure(locations, args.workload, n, args.gets, args.streams))
         base = statistics.median(results[counts[0]])
         print(
             f"{args.workload}: {step.nbytes() / 2**20:.0f} MiB per get, {args.streams} stream(s) "
-            f"per get, {os.cpu_count()} CPUs"
+            f"per get and server, {args.shards} server(s), {os.cpu_count()} CPUs"
         )
         print(f"{'consumers':>9} {'GB/s median':>12} {'min-max':>15} {'x one':>7}")
         for n in counts:
