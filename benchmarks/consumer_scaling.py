@@ -69,9 +69,7 @@ def _consumer(
         out.put(time.perf_counter() - t0)
 
 
-def measure(
-    locations: list[str], name: str, consumers: int, gets: int, streams: int = 1
-) -> float:
+def measure(locations: list[str], name: str, consumers: int, gets: int, streams: int = 1) -> float:
     """Aggregate GB/s of ``consumers`` processes each getting the step ``gets`` times from
     the servers at ``locations``, each get over at most ``streams`` parallel DoGet streams
     per server."""
