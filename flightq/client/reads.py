@@ -124,6 +124,9 @@ class Reader:
         self.min_stream_bytes = min_stream_bytes
         self.pinned = pinned
         self.sizes = RowSizes()
+        #: ``time.monotonic()`` until which gets travel as one stream: the server refused
+        #: a parallel one's streams for want of call slots ("server busy").
+        self.crowded_until = 0.0
 
     def routed(self, ticket: Ticket) -> Ticket:
         """``ticket``, asking for an answer through shared memory where one applies: with

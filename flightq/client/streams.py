@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from ..batch import Batch, PartDecoder
 from ..cuda import decode_streams_to_device, decode_to_device
-from ..errors import FlightqError, MissingFieldError, NotFoundError
+from ..errors import FlightqError, MissingFieldError, NotFoundError, ResourceExhaustedError
 from ..protocol import AbortPut, GetTicket, PutCommand
 from .reads import Reader, received_on_device
 from .transport import Transport
@@ -51,8 +51,24 @@ DEFAULT_STREAMS = 4
 MIN_STREAM_BYTES = 16 * 2**20
 
 
+#: Seconds a client's gets travel as one stream after the server refused one of a
+#: parallel get's streams for want of call slots.
+CROWDED_SECONDS = 10.0
+
+
 class Resplit(Exception):
     """The parts of a split get differ in their columns: read it again as one stream."""
+
+
+def _crowded(reader: Reader, e: ResourceExhaustedError) -> bool:
+    """Whether ``e`` refused a stream of a parallel get for want of call slots on the
+    server (``max_calls``, "server busy"): the get then runs again as one stream, and the
+    client's next gets for :data:`CROWDED_SECONDS` travel as one too, so that many
+    consumers' parallel streams do not turn a busy server's slots into failed gets."""
+    if "server busy" not in str(e):
+        return False
+    reader.crowded_until = time.monotonic() + CROWDED_SECONDS
+    return True
 
 
 def put_parts(
@@ -115,8 +131,9 @@ def read_keys(
     are decoded on its thread as they arrive, while gRPC receives the next ones: little
     is left to do once the last one is in. The parts come back in key order. If a part
     finds a key or field missing, or the parts' columns differ (``fields`` None over
-    rows holding different fields), the get runs again as one stream, whose answer or
-    complete error is the reference.
+    rows holding different fields), or the server refuses a stream for want of call slots
+    ("server busy", see :func:`_crowded`), the get runs again as one stream, whose answer
+    or complete error is the reference.
     """
     n = split_count(reader, ticket)
     if n < 2:
@@ -134,6 +151,10 @@ def read_keys(
             parts = [part(0), *(f.result() for f in rest)]
     except (NotFoundError, MissingFieldError):
         return reader.one(ticket, what, timeout, as_, copy)
+    except ResourceExhaustedError as e:
+        if not _crowded(reader, e):
+            raise
+        return reader.one(ticket, what, timeout, as_, copy)
     schema = parts[0].parts[0].record_batch.schema
     if any(
         not b.record_batch.schema.equals(schema, check_metadata=True)
@@ -147,7 +168,7 @@ def read_keys(
 def split_count(reader: Reader, ticket: GetTicket) -> int:
     """How many streams a get travels over (1: one stream), from the partition's last
     answer: at least ``reader.min_stream_bytes`` estimated per stream."""
-    if reader.shm_dir is not None:
+    if reader.shm_dir is not None or time.monotonic() < reader.crowded_until:
         return 1
     keys = ticket.keys
     guess = (reader.sizes.per_row(ticket.partition) or 0.0) * len(keys)
@@ -175,8 +196,8 @@ def get_to_device(
     """A get into CUDA tensors, split over parallel streams as :func:`read_keys` splits
     it; each stream is read on its own thread, then the parts are copied to the device
     together, in key order (:func:`flightq.cuda.decode_streams_to_device`). On an unknown
-    key, a missing field or parts whose columns differ, the get runs again as one stream,
-    whose answer or complete error is the reference."""
+    key, a missing field, parts whose columns differ or a stream refused "server busy",
+    the get runs again as one stream, whose answer or complete error is the reference."""
     rows, partition = len(ticket.keys), ticket.partition
     transport = reader.transport
     started = time.perf_counter()
@@ -215,6 +236,9 @@ def get_to_device(
             )
         except (NotFoundError, MissingFieldError, Resplit):
             pass
+        except ResourceExhaustedError as e:
+            if not _crowded(reader, e):
+                raise
         else:
             every = [b for g in gots for b in g]
             reader.sizes.learn(partition, rows, every)

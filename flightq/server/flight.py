@@ -174,8 +174,8 @@ class Server(fl.FlightServerBase):
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         **kwargs: Any,
     ) -> None:
-        self.limits = CallLimits(max_calls, max_sessions)
         self.counters = counters = Counters()
+        self.limits = CallLimits(max_calls, max_sessions, on_refused=counters.refused)
         # The middleware lives in gRPC, out of the garbage collector's sight: nothing it
         # holds may lead back to the server, or a stopped server (its shared-memory copies
         # included) would live as long as the process.

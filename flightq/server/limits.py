@@ -25,6 +25,7 @@ is refused before it takes anything, with :class:`~flightq.errors.ResourceExhaus
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow.flight as fl
@@ -63,12 +64,17 @@ class CallLimits(fl.ServerMiddlewareFactory):
     """
 
     def __init__(
-        self, max_calls: int = DEFAULT_MAX_CALLS, max_sessions: int = DEFAULT_MAX_SESSIONS
+        self,
+        max_calls: int = DEFAULT_MAX_CALLS,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        on_refused: Callable[[str], None] | None = None,
     ) -> None:
         for what, n in (("max_calls", max_calls), ("max_sessions", max_sessions)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ProtocolError(f"{what} must be an int >= 1, got {n!r}", actual=n)
         self.max_calls, self.max_sessions = max_calls, max_sessions
+        #: Told the error class of each call refused here (the server's refusal counts).
+        self._on_refused = on_refused
         self._lock = threading.Lock()
         self._counts = {"calls": 0, "actions": 0, "sessions": 0, "streams": 0}
 
@@ -98,10 +104,13 @@ class CallLimits(fl.ServerMiddlewareFactory):
         limit = self.max_calls if kind in ("calls", "actions") else self.max_sessions
         with self._lock:
             n = self._counts[kind]
-            if n >= limit:
-                raise to_flight_error(_busy(n, limit, kind))
-            self._counts[kind] = n + 1
-        return _Slot(self, kind)
+            if n < limit:
+                self._counts[kind] = n + 1
+                return _Slot(self, kind)
+        refusal = _busy(n, limit, kind)
+        if self._on_refused is not None:
+            self._on_refused(type(refusal).__name__)
+        raise to_flight_error(refusal)
 
     def _end(self, kind: str) -> None:
         with self._lock:

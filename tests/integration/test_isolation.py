@@ -145,6 +145,46 @@ def test_over_max_calls_a_call_is_refused_typed_and_the_server_serves_after() ->
             assert c.put_batch("p", text_batch(["a0"])) == 1
 
 
+def test_a_parallel_get_whose_streams_find_the_server_busy_runs_as_one_stream() -> None:
+    # One slot of two held by a stalled put: a get over 4 streams has most of them refused
+    # "server busy"; the client reads it again as one stream, and its next gets go as one
+    # stream for a while (CROWDED_SECONDS) instead of being refused again.
+    keys = [f"k{i}" for i in range(8)]
+    ids = [np.full(1 << 18, i, dtype=np.int64) for i in range(8)]  # 2 MiB a row
+    with (
+        flightq.Server(max_calls=2) as srv,
+        flightq.connect(
+            srv.location, [TEXT], timeout=TIMEOUT, get_streams=4, min_stream_bytes=2**20
+        ) as c,
+    ):
+        c.create_partition("p", TEXT, tasks=["t"])
+        c.put("p", keys, {"input_ids": ids})
+        c.get("p", keys, as_="numpy")  # the row sizes learned: the next get splits
+        stalled = _stalled_puts(srv.location, 1)
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while srv.limits.in_flight()[0] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+
+            def refused() -> int:
+                return int(c.stats()["counters"]["refusals"].get("ResourceExhaustedError", 0))
+
+            before = refused()
+            b = c.get("p", keys, as_="numpy")
+            assert b.received is not None and b.received.route == "socket"
+            assert all(np.array_equal(x, y) for x, y in zip(b["input_ids"], ids, strict=True))
+            assert refused() > before  # the streams were refused, the get was not
+            again = refused()
+            assert c.get("p", keys, as_="numpy").received.route == "socket"
+            assert refused() == again  # one stream at once: nothing refused
+        finally:
+            for client, writer in stalled:
+                with contextlib.suppress(fl.FlightError):
+                    writer.close()  # type: ignore[attr-defined]
+                client.close()
+
+
 def _open_session(location: str) -> tuple[fl.FlightClient, object, object]:
     client = fl.connect(location)
     desc = fl.FlightDescriptor.for_command(SessionCommand().to_wire())
