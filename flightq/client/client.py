@@ -82,6 +82,8 @@ from .session import DEFAULT_SESSION_TIMEOUT, Session
 from .streams import (
     DEFAULT_STREAMS,
     MIN_STREAM_BYTES,
+    Crowded,
+    crowded,
     filled,
     get_to_device,
     put_groups,
@@ -617,6 +619,31 @@ class Client:
         # digest says so; the put goes again, every payload with it (one more round trip,
         # never a loss), the digests worked out already beside them.
         known = self._known_media(partition, schema)
+        try:
+            return self._put_columns(
+                partition, schema, keys, columns, tags, known, overwrite, timeout, put_id
+            )
+        except Crowded:
+            # Its parallel streams found the server's call slots taken, and nothing was
+            # stored (the parts were aborted): once more, as one stream.
+            return self._put_columns(
+                partition, schema, keys, columns, tags, known, overwrite, timeout, put_id
+            )
+
+    def _put_columns(
+        self,
+        partition: str,
+        schema: Schema,
+        keys: Sequence[str],
+        columns: Mapping[str, Any],
+        tags: Sequence[Mapping[str, Any] | None] | None,
+        known: KnownMedia | None,
+        overwrite: bool,
+        timeout: float | None,
+        put_id: str | None,
+    ) -> PutReceipt:
+        """Encode and send a put (:meth:`put`), once more with every payload where the
+        server lacks a media digest it was sent."""
         for again in (False, True):
             media = (
                 None
@@ -713,10 +740,11 @@ class Client:
                 self._transport, self._segments, cmd, batches, timeout, batch_bytes, sink
             )
             return PutReceipt(rows, "shm")
-        groups = put_groups(batches, self.put_streams, self.min_stream_bytes)
+        streams = 1 if crowded(self._reader) else self.put_streams
+        groups = put_groups(batches, streams, self.min_stream_bytes)
         if len(groups) > 1:
             rows = put_parts(
-                self._transport, cmd, batches, fills, groups, timeout, self.max_batch_bytes
+                self._reader, cmd, batches, fills, groups, timeout, self.max_batch_bytes
             )
             return PutReceipt(rows, f"streams={len(groups)}")
         if self._small(batches):

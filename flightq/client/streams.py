@@ -7,8 +7,10 @@ cores. Parts of a get come back in key order; parts of a put are stored together
 all (:mod:`flightq.server.staging`). Streams are sized by the bytes that travel (a prompt group's
 shared image counts once), never below :data:`MIN_STREAM_BYTES` each.
 
-The functions take what they use explicitly: a put the :class:`~.transport.Transport`, a
-get the client's :class:`~.reads.Reader` (its transport, row sizes and settings).
+The functions take what they use explicitly: the client's :class:`~.reads.Reader` (its
+transport, row sizes and settings). Where the server refuses a stream for want of call
+slots ("server busy", ``max_calls``), the get or put runs again as one stream, and the
+client's next ones travel as one for :data:`CROWDED_SECONDS`.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ from ..cuda import decode_streams_to_device, decode_to_device
 from ..errors import FlightqError, MissingFieldError, NotFoundError, ResourceExhaustedError
 from ..protocol import AbortPut, GetTicket, PutCommand
 from .reads import Reader, received_on_device
-from .transport import Transport
 
 __all__ = [
+    "CROWDED_SECONDS",
+    "Crowded",
     "DEFAULT_STREAMS",
     "MIN_STREAM_BYTES",
+    "crowded",
     "filled",
     "get_to_device",
     "put_groups",
@@ -60,6 +64,17 @@ class Resplit(Exception):
     """The parts of a split get differ in their columns: read it again as one stream."""
 
 
+class Crowded(ResourceExhaustedError):
+    """A put over parallel streams found the server's call slots taken ("server busy")
+    and stored nothing: :meth:`flightq.Client.put` sends it again as one stream."""
+
+
+def crowded(reader: Reader) -> bool:
+    """Whether the client's reads and puts travel as one stream for now (a parallel one
+    found the server busy less than :data:`CROWDED_SECONDS` ago)."""
+    return time.monotonic() < reader.crowded_until
+
+
 def _crowded(reader: Reader, e: ResourceExhaustedError) -> bool:
     """Whether ``e`` refused a stream of a parallel get for want of call slots on the
     server (``max_calls``, "server busy"): the get then runs again as one stream, and the
@@ -72,7 +87,7 @@ def _crowded(reader: Reader, e: ResourceExhaustedError) -> bool:
 
 
 def put_parts(
-    transport: Transport,
+    reader: Reader,
     cmd: PutCommand,
     batches: list[pa.RecordBatch],
     fills: list[Callable[[], None]] | None,
@@ -82,7 +97,15 @@ def put_parts(
 ) -> int:
     """One put over parallel DoPut streams, one range of batches each, on their own
     connections; the server stores the parts together or not at all
-    (:mod:`flightq.server.staging`). Each stream fills its batches just before sending them."""
+    (:mod:`flightq.server.staging`). Each stream fills its batches just before sending them.
+
+    Raises
+    ------
+    Crowded
+        If the server refused a stream for want of call slots ("server busy"); the parts
+        were aborted, nothing is stored.
+    """
+    transport = reader.transport
     stage = secrets.token_hex(8)
 
     def send(i: int) -> int:
@@ -117,6 +140,8 @@ def put_parts(
             with contextlib.suppress(FlightqError):
                 transport.action(AbortPut(partition=cmd.partition, stage=stage, parts=len(groups)))
             wait(futures)
+            if isinstance(first, ResourceExhaustedError) and _crowded(reader, first):
+                raise Crowded(str(first)) from first
             raise first
     return int(futures[0].result())
 
@@ -168,7 +193,7 @@ def read_keys(
 def split_count(reader: Reader, ticket: GetTicket) -> int:
     """How many streams a get travels over (1: one stream), from the partition's last
     answer: at least ``reader.min_stream_bytes`` estimated per stream."""
-    if reader.shm_dir is not None or time.monotonic() < reader.crowded_until:
+    if reader.shm_dir is not None or crowded(reader):
         return 1
     keys = ticket.keys
     guess = (reader.sizes.per_row(ticket.partition) or 0.0) * len(keys)

@@ -185,6 +185,44 @@ def test_a_parallel_get_whose_streams_find_the_server_busy_runs_as_one_stream() 
                 client.close()
 
 
+def test_a_parallel_put_whose_streams_find_the_server_busy_is_sent_again_as_one_stream() -> None:
+    # As above for a put over 4 DoPut streams (4 MiB batches): the refused parts are
+    # aborted, nothing is stored twice, and the put goes again as one stream.
+    keys = [f"k{i}" for i in range(8)]
+    ids = [np.full(1 << 18, i, dtype=np.int64) for i in range(8)]  # 2 MiB a row
+    with (
+        flightq.Server(max_calls=2) as srv,
+        flightq.connect(
+            srv.location,
+            [TEXT],
+            timeout=TIMEOUT,
+            put_streams=4,
+            min_stream_bytes=2**20,
+            max_batch_bytes=4 * 2**20,
+        ) as c,
+    ):
+        c.create_partition("p", TEXT, tasks=["t"])
+        assert c.put("p", keys[:4], {"input_ids": ids[:4]}).route == "streams=2"
+        stalled = _stalled_puts(srv.location, 1)
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while srv.limits.in_flight()[0] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            before = c.stats()["counters"]["refusals"].get("ResourceExhaustedError", 0)
+            got = c.put("p", keys, {"input_ids": ids}, overwrite=True)
+            assert got == 8 and got.route == "socket"
+            assert c.stats()["counters"]["refusals"]["ResourceExhaustedError"] > before
+            assert c.stats()["partitions"]["p"]["rows"] == 8
+            b = c.get("p", keys, as_="numpy")
+            assert all(np.array_equal(x, y) for x, y in zip(b["input_ids"], ids, strict=True))
+        finally:
+            for client, writer in stalled:
+                with contextlib.suppress(fl.FlightError):
+                    writer.close()  # type: ignore[attr-defined]
+                client.close()
+
+
 def _open_session(location: str) -> tuple[fl.FlightClient, object, object]:
     client = fl.connect(location)
     desc = fl.FlightDescriptor.for_command(SessionCommand().to_wire())
