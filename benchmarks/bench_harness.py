@@ -242,3 +242,10 @@ def test_the_isolation_benchmark_runs_its_new_loads_to_their_end() -> None:
     for probe in probes:
         assert len(probe.latencies) > 0
         assert "exit" not in probe.note, probe.note  # the load's child ended cleanly
+
+
+def test_the_stream_counts_benchmark_gets_and_puts_at_each_count() -> None:
+    stream_counts = importlib.import_module("stream_counts")
+    got = stream_counts.measure("W3", [1, 2], 1, as_="numpy")
+    assert sorted(got) == [1, 2]
+    assert all(len(gets) == 1 and len(puts) == 1 for gets, puts in got.values())
