@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pyarrow.flight as fl
@@ -145,12 +146,36 @@ def test_over_max_calls_a_call_is_refused_typed_and_the_server_serves_after() ->
             assert c.put_batch("p", text_batch(["a0"])) == 1
 
 
+@contextlib.contextmanager
+def _one_slot_held(srv: flightq.Server) -> Iterator[None]:
+    """While it lasts, a stalled plain DoPut holds one of the server's data-call slots."""
+    stalled = _stalled_puts(srv.location, 1)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while srv.limits.in_flight()[0] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        yield
+    finally:
+        for client, writer in stalled:
+            with contextlib.suppress(fl.FlightError):
+                writer.close()  # type: ignore[attr-defined]
+            client.close()
+
+
+def _busy_refusals(c: flightq.Client) -> int:
+    return int(c.stats()["counters"]["refusals"].get("ResourceExhaustedError", 0))
+
+
+#: Eight rows of 2 MiB each.
+_KEYS = [f"k{i}" for i in range(8)]
+_IDS = [np.full(1 << 18, i, dtype=np.int64) for i in range(8)]
+
+
 def test_a_parallel_get_whose_streams_find_the_server_busy_runs_as_one_stream() -> None:
     # One slot of two held by a stalled put: a get over 4 streams has most of them refused
     # "server busy"; the client reads it again as one stream, and its next gets go as one
     # stream for a while (CROWDED_SECONDS) instead of being refused again.
-    keys = [f"k{i}" for i in range(8)]
-    ids = [np.full(1 << 18, i, dtype=np.int64) for i in range(8)]  # 2 MiB a row
     with (
         flightq.Server(max_calls=2) as srv,
         flightq.connect(
@@ -158,38 +183,22 @@ def test_a_parallel_get_whose_streams_find_the_server_busy_runs_as_one_stream() 
         ) as c,
     ):
         c.create_partition("p", TEXT, tasks=["t"])
-        c.put("p", keys, {"input_ids": ids})
-        c.get("p", keys, as_="numpy")  # the row sizes learned: the next get splits
-        stalled = _stalled_puts(srv.location, 1)
-        try:
-            deadline = time.monotonic() + TIMEOUT
-            while srv.limits.in_flight()[0] < 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
-
-            def refused() -> int:
-                return int(c.stats()["counters"]["refusals"].get("ResourceExhaustedError", 0))
-
-            before = refused()
-            b = c.get("p", keys, as_="numpy")
+        c.put("p", _KEYS, {"input_ids": _IDS})
+        c.get("p", _KEYS, as_="numpy")  # the row sizes learned: the next get splits
+        with _one_slot_held(srv):
+            before = _busy_refusals(c)
+            b = c.get("p", _KEYS, as_="numpy")
             assert b.received is not None and b.received.route == "socket"
-            assert all(np.array_equal(x, y) for x, y in zip(b["input_ids"], ids, strict=True))
-            assert refused() > before  # the streams were refused, the get was not
-            again = refused()
-            assert c.get("p", keys, as_="numpy").received.route == "socket"
-            assert refused() == again  # one stream at once: nothing refused
-        finally:
-            for client, writer in stalled:
-                with contextlib.suppress(fl.FlightError):
-                    writer.close()  # type: ignore[attr-defined]
-                client.close()
+            assert all(np.array_equal(x, y) for x, y in zip(b["input_ids"], _IDS, strict=True))
+            assert _busy_refusals(c) > before  # the streams were refused, the get was not
+            again = _busy_refusals(c)
+            assert c.get("p", _KEYS, as_="numpy").received.route == "socket"
+            assert _busy_refusals(c) == again  # one stream at once: nothing refused
 
 
 def test_a_parallel_put_whose_streams_find_the_server_busy_is_sent_again_as_one_stream() -> None:
     # As above for a put over 4 DoPut streams (4 MiB batches): the refused parts are
     # aborted, nothing is stored twice, and the put goes again as one stream.
-    keys = [f"k{i}" for i in range(8)]
-    ids = [np.full(1 << 18, i, dtype=np.int64) for i in range(8)]  # 2 MiB a row
     with (
         flightq.Server(max_calls=2) as srv,
         flightq.connect(
@@ -202,25 +211,15 @@ def test_a_parallel_put_whose_streams_find_the_server_busy_is_sent_again_as_one_
         ) as c,
     ):
         c.create_partition("p", TEXT, tasks=["t"])
-        assert c.put("p", keys[:4], {"input_ids": ids[:4]}).route == "streams=2"
-        stalled = _stalled_puts(srv.location, 1)
-        try:
-            deadline = time.monotonic() + TIMEOUT
-            while srv.limits.in_flight()[0] < 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
-            before = c.stats()["counters"]["refusals"].get("ResourceExhaustedError", 0)
-            got = c.put("p", keys, {"input_ids": ids}, overwrite=True)
+        assert c.put("p", _KEYS[:4], {"input_ids": _IDS[:4]}).route == "streams=2"
+        with _one_slot_held(srv):
+            before = _busy_refusals(c)
+            got = c.put("p", _KEYS, {"input_ids": _IDS}, overwrite=True)
             assert got == 8 and got.route == "socket"
-            assert c.stats()["counters"]["refusals"]["ResourceExhaustedError"] > before
+            assert _busy_refusals(c) > before
             assert c.stats()["partitions"]["p"]["rows"] == 8
-            b = c.get("p", keys, as_="numpy")
-            assert all(np.array_equal(x, y) for x, y in zip(b["input_ids"], ids, strict=True))
-        finally:
-            for client, writer in stalled:
-                with contextlib.suppress(fl.FlightError):
-                    writer.close()  # type: ignore[attr-defined]
-                client.close()
+            b = c.get("p", _KEYS, as_="numpy")
+            assert all(np.array_equal(x, y) for x, y in zip(b["input_ids"], _IDS, strict=True))
 
 
 def _open_session(location: str) -> tuple[fl.FlightClient, object, object]:

@@ -18,27 +18,14 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 import pytest
+from helpers_store import TEXT, store_put
 
-from flightq import SchemaRegistry, encode
 from flightq.errors import ClaimTimeoutError
 from flightq.server import merge as merge_module
-from flightq.server.partition import make_piece
 from flightq.server.store import Store
-from flightq.validation import validate
 
-TEXT = SchemaRegistry.default().get("rollout_text@1")
 TASKS = ["train", "ref"]
-
-
-def _put(store: Store, name: str, keys: list[str], *fields: str) -> None:
-    """Rows ``keys`` with input_ids (new rows), or only ``fields`` written (again) back."""
-    cols: dict[str, Any] = {f: [np.zeros(4, dtype=np.float32) for _ in keys] for f in fields}
-    if not fields:
-        cols = {"input_ids": [np.arange(4, dtype=np.int64) for _ in keys]}
-    rb = encode(TEXT, cols, keys)
-    store.put(name, [make_piece(rb, validate(rb, TEXT))], overwrite=bool(fields))
 
 
 class _Meddler:
@@ -71,10 +58,10 @@ class _Meddler:
                 else:
                     store.nack("p", lease.id, None, failed=rng.random() < 0.5)
             elif op < 0.65:
-                _put(store, "p", [f"m{self.made + i}" for i in range(g)])
+                store_put(store, "p", [f"m{self.made + i}" for i in range(g)])
                 self.made += g
             elif op < 0.8 and keys:
-                _put(store, "p", rng.sample(keys, min(3, len(keys))), "advantages")
+                store_put(store, "p", rng.sample(keys, min(3, len(keys))), "advantages")
             elif op < 0.9 and keys:
                 store.clear("p", rng.sample(keys, min(g, len(keys))))
             elif self.reshape and op < 0.95:
@@ -109,7 +96,7 @@ def test_a_merged_put_ends_as_an_update_in_place_would_whatever_changed_meanwhil
     store.declare("p", TEXT, TASKS, group)
     g = group or 1
     meddler = _Meddler(store, rng, group)
-    _put(store, "p", [f"a{i}" for i in range(4 * g)])
+    store_put(store, "p", [f"a{i}" for i in range(4 * g)])
     build = merge_module.Merge.build
     seen: dict[str, Any] = {}
 
@@ -135,7 +122,7 @@ def test_a_merged_put_ends_as_an_update_in_place_would_whatever_changed_meanwhil
             keys, fields = rng.sample(have, 8), ("prev_logprobs",)
         meddler.spare = set(keys)
         seen.clear()
-        _put(store, "p", keys, *fields)
+        store_put(store, "p", keys, *fields)
         meddler.spare = set()
         if not seen:  # no merge: the partition was empty
             continue
@@ -169,7 +156,7 @@ def test_rows_claimed_and_acked_beside_large_puts_are_neither_lost_nor_given_twi
     monkeypatch.setattr(merge_module, "MERGE_ROWS", 1024)
     store = Store()
     store.declare("p", TEXT, TASKS, None)
-    _put(store, "p", [f"seed{i}" for i in range(32)])
+    store_put(store, "p", [f"seed{i}" for i in range(32)])
     puts, rows_per_put = 12, 8192  # every row claimed in claims of 32
     stop = threading.Event()
     acked: dict[str, list[str]] = {t: [] for t in TASKS}
@@ -191,7 +178,7 @@ def test_rows_claimed_and_acked_beside_large_puts_are_neither_lost_nor_given_twi
         t.start()
     try:
         for n in range(puts):
-            _put(store, "p", [f"b{n}_{i}" for i in range(rows_per_put)])
+            store_put(store, "p", [f"b{n}_{i}" for i in range(rows_per_put)])
     finally:
         stop.set()
         for t in threads:

@@ -18,28 +18,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import pytest
+from helpers_store import TEXT, store_put
 
-from flightq import SchemaRegistry, encode
 from flightq.errors import ClaimTimeoutError
-from flightq.server.partition import JOURNAL_KEYS, Partition, make_piece
+from flightq.server.partition import JOURNAL_KEYS, Partition
 from flightq.server.readiness import MAX_INDEXES, complete_keys, count_ready, ready_rows
 from flightq.server.store import Store
-from flightq.validation import validate
 
-TEXT = SchemaRegistry.default().get("rollout_text@1")
 #: Seconds the tests wait for the store to show something before failing.
 TIMEOUT = 30.0
-
-
-def _put(store: Store, name: str, keys: list[str], *fields: str) -> None:
-    """Rows ``keys`` with input_ids (new rows), or only ``fields`` written (again) back."""
-    cols: dict[str, Any] = {f: [np.zeros(4, dtype=np.float32) for _ in keys] for f in fields}
-    if not fields:
-        cols = {"input_ids": [np.arange(4, dtype=np.int64) for _ in keys]}
-    rb = encode(TEXT, cols, keys)
-    store.put(name, [make_piece(rb, validate(rb, TEXT))], overwrite=bool(fields))
 
 
 def _brute(p: Partition, need: tuple[str, ...]) -> set[str]:
@@ -110,11 +98,11 @@ def test_the_index_follows_puts_write_backs_clears_claims_and_resets(group: int 
             keys = list(store._parts["p"].rows)
         if op < 0.25 or not keys:
             n = (group or 1) * rng.randint(1, 3)
-            _put(store, "p", [f"k{made + i}" for i in range(n)])
+            store_put(store, "p", [f"k{made + i}" for i in range(n)])
             made += n
         elif op < 0.55:
             some = rng.sample(keys, min(len(keys), rng.randint(1, 6)))
-            _put(store, "p", some, *rng.sample(need, rng.randint(1, 2)))
+            store_put(store, "p", some, *rng.sample(need, rng.randint(1, 2)))
         elif op < 0.65:
             store.clear("p", rng.sample(keys, min(len(keys), rng.randint(1, 3))))
         elif op < 0.8:
@@ -140,11 +128,11 @@ def test_the_index_follows_puts_write_backs_clears_claims_and_resets(group: int 
 def test_the_index_is_rebuilt_when_the_journal_no_longer_reaches_back() -> None:
     store = Store()
     store.declare("p", TEXT, ["train"], None)
-    _put(store, "p", ["a0", "a1"])
+    store_put(store, "p", ["a0", "a1"])
     _check(store, "p", ("advantages",))  # made now, in step with write 1
     keys = [f"b{i}" for i in range(JOURNAL_KEYS // 4 + 1)]  # a write the journal cannot hold
-    _put(store, "p", keys)
-    _put(store, "p", ["a1", *keys[:3]], "advantages")
+    store_put(store, "p", keys)
+    store_put(store, "p", ["a1", *keys[:3]], "advantages")
     with store._lock:
         assert store._parts["p"].written_since(1) is None
     _check(store, "p", ("advantages",))
@@ -155,7 +143,7 @@ def test_the_index_is_rebuilt_when_the_journal_no_longer_reaches_back() -> None:
 def test_a_partition_keeps_at_most_a_few_indexes_the_least_recently_used_going() -> None:
     store = Store()
     store.declare("p", TEXT, ["train"], None)
-    _put(store, "p", ["a0"])
+    store_put(store, "p", ["a0"])
     sets = [("advantages",), ("prev_logprobs",), ("token_mask",), ("sample_mask",)]
     sets += [("total_reward",), ("advantages", "token_mask")]
     with store._lock:
@@ -196,7 +184,7 @@ def test_claims_waiting_for_a_field_read_no_ready_row_that_lacks_it_on_a_write()
     store = Store()
     store.declare("p", TEXT, ["train"], None)
     lacking = [f"r{i}" for i in range(5000)]
-    _put(store, "p", lacking)
+    store_put(store, "p", lacking)
     with store._lock:
         p = store._parts["p"]
         p.rows = _Reads(p.rows)
@@ -221,14 +209,14 @@ def test_claims_waiting_for_a_field_read_no_ready_row_that_lacks_it_on_a_write()
             w.changed = _Counted(w.changed, woken)
     _Reads.reads = 0
     for i in range(50):  # each write-back wakes every claim: 5 000 rows may serve them
-        _put(store, "p", [lacking[i]], "advantages")
+        store_put(store, "p", [lacking[i]], "advantages")
     deadline = time.monotonic() + TIMEOUT
     while store.stats()["waiting_claims"] < 4:
         assert time.monotonic() < deadline
         time.sleep(0.005)
     assert _Reads.reads < 1000  # walking the ready order: 4 claims x 50 writes x 5 000 rows
     assert woken == []  # 50 rows carry the field: no claim of 100 is woken to look
-    _put(store, "p", lacking[50:100], "advantages")  # 100 rows carry it: one claim's
+    store_put(store, "p", lacking[50:100], "advantages")  # 100 rows carry it: one claim's
     deadline = time.monotonic() + TIMEOUT
     while store.stats()["waiting_claims"] > 3:
         assert time.monotonic() < deadline, "no claim took the 100 rows"
