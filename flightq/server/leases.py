@@ -149,14 +149,16 @@ class Progress:
         built beforehand (a put builds it outside the store's lock). ``merged`` may give,
         per task in order, its ready order with them added already
         (:meth:`flightq.server.merge.Merge.readies`), which it becomes (None: updated)."""
-        ready = keys if isinstance(keys, dict) else dict.fromkeys(keys)
+        ready = keys if isinstance(keys, dict) else None  # made only if some task needs it
         for i, st in enumerate(self.tasks.values()):
             whole = merged[i] if i < len(merged) else None
             if whole is not None:
                 st.ready = whole
-            else:
-                st.ready.update(ready)
-                st.note(ready)
+                continue
+            if ready is None:
+                ready = dict.fromkeys(keys)
+            st.ready.update(ready)
+            st.note(ready)
         self.version += 1
 
     def adopt(self, readies: Sequence[dict[str, None]]) -> None:

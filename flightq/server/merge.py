@@ -60,13 +60,13 @@ class Merge:
     @staticmethod
     def wanted(p: Partition, plan: PutPlan) -> bool:
         """Whether ``plan`` is large enough, and ``p`` not empty, for a merge to pay."""
-        return bool(p.rows) and max(len(plan.rows), len(plan.ready)) >= MERGE_ROWS
+        return bool(p.rows) and max(len(plan.rows), len(plan.new)) >= MERGE_ROWS
 
     @classmethod
     def begin(cls, p: Partition, plan: PutPlan) -> Merge:
         """Start recording what changes in ``p`` from now. With the store's lock."""
         m = cls(p, plan)
-        if len(plan.ready) >= MERGE_ROWS:
+        if len(plan.new) >= MERGE_ROWS:
             for st in p.progress.tasks.values():
                 st.merging += 1
                 if st.moved is None:
@@ -79,7 +79,7 @@ class Merge:
         at a time (other threads run between slices). Without the store's lock."""
         if self._base is not None:
             self._rows = _merged(self._base, plan.rows)
-        self._readies = [_merged(base, plan.ready) for _, base, _, _ in self._tasks]
+        self._readies = [_appended(base, plan.new) for _, base, _, _ in self._tasks]
 
     def end(self) -> None:
         """Stop recording (committed or not). With the store's lock."""
@@ -124,6 +124,14 @@ class Merge:
                     merged.pop(k, None)
             out.append(merged)
         return out
+
+
+def _appended(base: dict[str, None], keys: list[str]) -> dict[str, None]:
+    # ``{**base, **dict.fromkeys(keys)}``, built a slice of ``keys`` at a time.
+    out = dict(base)
+    for i in range(0, len(keys), SLICE):
+        out.update(dict.fromkeys(keys[i : i + SLICE]))
+    return out
 
 
 def _merged(base: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:

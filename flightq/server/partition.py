@@ -264,7 +264,8 @@ class Partition:
         if fresh:
             self.progress.adopt(plan.fresh)
         else:  # built outside the lock by the plan (and by the merge)
-            self.progress.added(plan.ready, merge.readies() if merge is not None else ())
+            ready = plan.ready if plan.ready is not None else plan.new
+            self.progress.added(ready, merge.readies() if merge is not None else ())
         if plan.put_id is not None:
             self.recent_puts[plan.put_id] = len(plan.keys)
             while len(self.recent_puts) > RECENT_PUTS:

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..errors import ConflictError, MissingFieldError, ShapeError
 from ..layout import in_slices, mapped, pylist
+from . import merge
 
 if TYPE_CHECKING:
     from .partition import Partition, Piece, Row
@@ -54,9 +55,10 @@ class PutPlan:
     #: The rows to acknowledge again without storing anything (a retry), or None.
     replay: int | None = None
     #: Keys of the rows the put creates, in order, and as the entries each task's ready
-    #: index gains.
+    #: index gains (None where a merge adds them: :data:`flightq.server.merge.MERGE_ROWS`
+    #: or more new rows into a partition that held rows).
     new: list[str] = field(default_factory=list)
-    ready: dict[str, None] = field(default_factory=dict)
+    ready: dict[str, None] | None = field(default_factory=dict)
     #: Where the partition held no row when planned: per task, a ready index of the new
     #: rows of its own (``ready`` the first), which the commit adopts whole instead of
     #: copying each entry under the store's lock; else empty.
@@ -227,12 +229,15 @@ def plan_put(
                 old.nbytes - freed + nbytes[i],
                 old.held - freed + held[i],
             )
-    ready = _index(new)
+    # Into a partition holding rows, many new rows are merged into copies of the ready
+    # orders outside the store's lock (flightq.server.merge), from ``new``: no index of
+    # them is built here, only at a commit that must update in place.
+    ready = _index(new) if not rows or len(new) < merge.MERGE_ROWS else None
     # An empty partition (a fresh one, or cleared) takes the plan's dicts as they are: one
     # ready index per task (a partition of no task merges its rows as usual).
     fresh = (
         (ready, *(_index(new) for _ in p.tasks[1:]))
-        if p.tasks and not rows and len(new) > _FEW
+        if p.tasks and not rows and len(new) > _FEW and ready is not None
         else ()
     )
     return PutPlan(
