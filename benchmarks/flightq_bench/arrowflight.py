@@ -9,13 +9,20 @@ without validating or decoding them: the wire format's transport alone. flightq'
 against it (below 1x) is what its own work (encode, checks, store, assembly, decode)
 costs. It replays the put's batches on the get; flightq answers a whole step put at once
 with the same batches (answers are cut at the stored batches and at the same size).
-The step's payloads travel as one ``large_binary`` column, one element per tensor, in
-record batches of at most :data:`CHUNK_BYTES` (``bare-flight-once``:
-:data:`ONCE_CHUNK_BYTES`, the fastest of 4, 16 and 64 MiB for W1's distinct bytes on the
-2-core machine: get 26, 11 and 7 GB/s logical, medians of 7 noisy repetitions). The
-column is built before the timer starts (it is the serialisation a real system would
-add; this point measures the transport). The server keeps the table in memory and
-streams it back unchanged.
+``bare-flight-exchange`` moves the same record batches as messages on one DoExchange
+stream that the producer and the consumer each hold open: a put is one message (split
+past :data:`EXCHANGE_PART_BYTES`) answered by one, a get one request answered by the
+stored messages. It is the least a design that keeps a session per client (as flightq's
+request stream does for small calls) can take on Flight: no call set-up, no schema per
+call, nothing parsed on either side.
+
+``bare-flight`` and ``bare-flight-once`` send the step's payloads as one
+``large_binary`` column, one element per tensor, in record batches of at most
+:data:`CHUNK_BYTES` (``bare-flight-once``: :data:`ONCE_CHUNK_BYTES`, the fastest of 4,
+16 and 64 MiB for W1's distinct bytes on the 2-core machine: get 26, 11 and 7 GB/s
+logical, medians of 7 noisy repetitions). The column is built before the timer starts
+(it is the serialisation a real system would add; this point measures the transport).
+The server keeps the table in memory and streams it back unchanged.
 
 Run as a module (``python -m flightq_bench.arrowflight``) it serves on a free loopback
 port, prints ``{"listening": "grpc://127.0.0.1:PORT"}`` and exits on SIGTERM or when its
@@ -41,6 +48,7 @@ from .payload import VerifyError, flat_buffers
 
 __all__ = [
     "CHUNK_BYTES",
+    "EXCHANGE_PART_BYTES",
     "ONCE_CHUNK_BYTES",
     "BareServer",
     "FlightProducer",
@@ -49,6 +57,8 @@ __all__ = [
     "FlightOnceConsumer",
     "FlightRecordsProducer",
     "FlightRecordsConsumer",
+    "FlightExchangeProducer",
+    "FlightExchangeConsumer",
     "main",
 ]
 
@@ -59,6 +69,11 @@ ONCE_CHUNK_BYTES = 4 * 2**20
 
 _SCHEMA = pa.schema([pa.field("payload", pa.large_binary())])
 
+#: Most bytes of one ``bare-flight-exchange`` message; a larger put or answer is split.
+EXCHANGE_PART_BYTES = 4 * 2**20
+# An exchange message's first byte: a part of a put (more follow, or the last), a get.
+_MORE, _LAST, _GET = b"m", b"l", b"g"
+
 
 class BareServer(fl.FlightServerBase):
     """Holds uploaded tables by descriptor path; serves them back; action ``clear``."""
@@ -66,6 +81,7 @@ class BareServer(fl.FlightServerBase):
     def __init__(self, location: str = "grpc://127.0.0.1:0") -> None:
         super().__init__(location)
         self._tables: dict[bytes, pa.Table] = {}
+        self._parts: dict[bytes, list[pa.Buffer]] = {}
         self._lock = threading.Lock()
 
     def do_put(
@@ -89,7 +105,38 @@ class BareServer(fl.FlightServerBase):
         if action.type == "clear":
             with self._lock:
                 self._tables.pop(action.body.to_pybytes(), None)
+                self._parts.pop(action.body.to_pybytes(), None)
         return []
+
+    def do_exchange(
+        self,
+        context: fl.ServerCallContext,
+        descriptor: fl.FlightDescriptor,
+        reader: fl.MetadataRecordBatchReader,
+        writer: fl.MetadataRecordBatchWriter,
+    ) -> None:
+        """Messages of one client until it ends the stream: the parts of a put, stored as
+        they came (the last answered ``stored``), or a get, answered with the same
+        messages (their first byte still says which is the last)."""
+        path = descriptor.command
+        held: list[pa.Buffer] = []
+        while True:
+            try:
+                buf = reader.read_chunk().app_metadata
+            except StopIteration:
+                return
+            op = buf.slice(0, 1).to_pybytes()
+            if op == _GET:
+                with self._lock:
+                    parts = self._parts.get(path) or [pa.py_buffer(_LAST)]
+                for part in parts:
+                    writer.write_metadata(part)
+                continue
+            held.append(buf)
+            if op == _LAST:
+                with self._lock:
+                    self._parts[path], held = held, []
+                writer.write_metadata(pa.py_buffer(b"stored"))
 
 
 def _column(step_bufs: list[np.ndarray], chunk_bytes: int = CHUNK_BYTES) -> pa.Table:
@@ -241,6 +288,94 @@ class FlightRecordsConsumer(FlightConsumer):
         batch = decode(self._got.to_batches())
         cols = {f: batch[f] for f in batch.fields}
         check_rows(self.ref, batch.keys, cols, batch.tags, "bare-flight-records")
+
+
+def _exchange(client: fl.FlightClient, path: bytes) -> tuple[Any, Any]:
+    """A DoExchange held open for ``path``, its writer and reader."""
+    return client.do_exchange(fl.FlightDescriptor.for_command(path))
+
+
+class FlightExchangeProducer(FlightRecordsProducer):
+    """flightq's record batches (encoded untimed) as messages on a held DoExchange."""
+
+    tag = "exchange"
+
+    def setup(self) -> dict[str, Any]:
+        out = super().setup()
+        self._writer, self._reader = _exchange(self.client, self.path)
+        self._messages: list[pa.Buffer] = []
+        return out
+
+    def prepare(self) -> None:
+        super().prepare()
+        if not self._messages:
+            assert self._table is not None
+            sink = pa.BufferOutputStream()  # an IPC stream: media dictionaries included
+            with pa.ipc.new_stream(sink, self._table.schema) as w:
+                for b in self._table.to_batches():
+                    w.write_batch(b)
+            body = sink.getvalue().to_pybytes()
+            cuts = range(0, max(len(body), 1), EXCHANGE_PART_BYTES)
+            self._messages = [
+                pa.py_buffer(
+                    (_LAST if at == cuts[-1] else _MORE) + body[at : at + EXCHANGE_PART_BYTES]
+                )
+                for at in cuts
+            ]
+
+    def put(self) -> dict[str, Any]:
+        t0 = now_ns()
+        for m in self._messages:
+            self._writer.write_metadata(m)
+        if self._reader.read_chunk().app_metadata.to_pybytes() != b"stored":
+            raise RuntimeError("bare Flight server did not acknowledge the put")
+        return timed(t0)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._writer.done_writing()
+            self._writer.close()
+        super().close()
+
+
+class FlightExchangeConsumer(FlightRecordsConsumer):
+    """A get on a held DoExchange: one request, the stored messages back; decoded only to
+    verify."""
+
+    tag = "exchange"
+
+    def setup(self) -> dict[str, Any]:
+        out = super().setup()
+        self._writer, self._reader = _exchange(self.client, self.path)
+        self._parts: list[pa.Buffer] = []
+        return out
+
+    def get(self) -> dict[str, Any]:
+        t0 = now_ns()
+        self._writer.write_metadata(pa.py_buffer(_GET))
+        parts = []
+        while True:
+            part = self._reader.read_chunk().app_metadata
+            parts.append(part)
+            if part.slice(0, 1).to_pybytes() == _LAST:
+                break
+        self._parts = parts
+        return timed(t0)
+
+    def verify(self) -> None:
+        body = b"".join(p.slice(1).to_pybytes() for p in self._parts)
+        self._got = pa.ipc.open_stream(body).read_all()
+        super().verify()
+
+    def release(self) -> None:
+        self._parts = []
+        super().release()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._writer.done_writing()
+            self._writer.close()
+        super().close()
 
 
 def _until_eof(stop: threading.Event) -> None:

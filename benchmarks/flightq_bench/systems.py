@@ -118,6 +118,16 @@ SYSTEMS: dict[str, System] = {
             "alone",
         ),
         System(
+            "bare-flight-exchange",
+            "server",
+            _M + "arrowflight:FlightExchangeProducer",
+            _M + "arrowflight:FlightExchangeConsumer",
+            server="flight",
+            note="the same record batches as messages on a DoExchange each side holds open "
+            "(a put: one message and its answer; a get: one request and the stored "
+            "messages), nothing parsed: a session design's floor on Flight",
+        ),
+        System(
             "transferqueue",
             "server",
             _M + "peers:TqProducer",
@@ -235,6 +245,7 @@ PEERS = (
     "bare-flight",
     "bare-flight-once",
     "bare-flight-records",
+    "bare-flight-exchange",
     "transferqueue",
     "ray",
 )
