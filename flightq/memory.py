@@ -75,6 +75,10 @@ def keep_freed_memory() -> bool:
     m_trim_threshold, m_mmap_threshold = -1, -3
     mmap_ok = bool(mallopt(m_mmap_threshold, 32 * 2**20))
     trim_ok = bool(mallopt(m_trim_threshold, 2**31 - 1))
+    if mmap_ok and trim_ok:
+        from .sink import payloads_from_malloc
+
+        payloads_from_malloc()  # a put's buffers then land in the pages malloc kept
     return mmap_ok and trim_ok
 
 
