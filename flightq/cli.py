@@ -221,7 +221,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="payload bytes per record batch of an answer (default 16 MiB; hosts with "
-        "cores to spare for the reader may gain from 8 MiB, see the README)",
+        "cores to spare for the reader may gain from 8 MiB, see docs/performance.md)",
     )
     sv.add_argument(
         "--peers",
