@@ -290,19 +290,30 @@ class FlightRecordsConsumer(FlightConsumer):
         check_rows(self.ref, batch.keys, cols, batch.tags, "bare-flight-records")
 
 
-def _exchange(client: fl.FlightClient, path: bytes) -> tuple[Any, Any]:
-    """A DoExchange held open for ``path``, its writer and reader."""
-    return client.do_exchange(fl.FlightDescriptor.for_command(path))
+class _HeldExchange:
+    """A DoExchange each half opens at setup and holds until it closes."""
+
+    client: fl.FlightClient
+    path: bytes
+
+    def _open(self) -> None:
+        desc = fl.FlightDescriptor.for_command(self.path)
+        self._writer, self._reader = self.client.do_exchange(desc)
+
+    def _end(self) -> None:
+        with contextlib.suppress(Exception):
+            self._writer.done_writing()
+            self._writer.close()
 
 
-class FlightExchangeProducer(FlightRecordsProducer):
+class FlightExchangeProducer(_HeldExchange, FlightRecordsProducer):
     """flightq's record batches (encoded untimed) as messages on a held DoExchange."""
 
     tag = "exchange"
 
     def setup(self) -> dict[str, Any]:
         out = super().setup()
-        self._writer, self._reader = _exchange(self.client, self.path)
+        self._open()
         self._messages: list[pa.Buffer] = []
         return out
 
@@ -332,13 +343,11 @@ class FlightExchangeProducer(FlightRecordsProducer):
         return timed(t0)
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._writer.done_writing()
-            self._writer.close()
+        self._end()
         super().close()
 
 
-class FlightExchangeConsumer(FlightRecordsConsumer):
+class FlightExchangeConsumer(_HeldExchange, FlightRecordsConsumer):
     """A get on a held DoExchange: one request, the stored messages back; decoded only to
     verify."""
 
@@ -346,7 +355,7 @@ class FlightExchangeConsumer(FlightRecordsConsumer):
 
     def setup(self) -> dict[str, Any]:
         out = super().setup()
-        self._writer, self._reader = _exchange(self.client, self.path)
+        self._open()
         self._parts: list[pa.Buffer] = []
         return out
 
@@ -372,9 +381,7 @@ class FlightExchangeConsumer(FlightRecordsConsumer):
         super().release()
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._writer.done_writing()
-            self._writer.close()
+        self._end()
         super().close()
 
 
