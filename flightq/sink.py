@@ -26,10 +26,10 @@ import pyarrow as pa
 
 from .tensor import Bulk
 
-#: Where a put's payload buffers come from (:func:`allocate`): Arrow's default pool until
-#: the process keeps freed memory, then the C library's malloc (:func:`payloads_from_malloc`).
-#: Process-wide, as the allocator's own settings are.
-_POOL: pa.MemoryPool = pa.default_memory_pool()
+#: Where a put's payload buffers come from (:func:`allocate`): Arrow's default pool (None)
+#: until the process keeps freed memory, then the C library's malloc
+#: (:func:`payloads_from_malloc`). Process-wide, as the allocator's own settings are.
+_POOL: pa.MemoryPool | None = None
 
 __all__ = [
     "Sink",
