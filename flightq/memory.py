@@ -48,6 +48,10 @@ def keep_freed_memory() -> bool:
     a ``shm=True`` client, whose payloads are mapped, not allocated); a process that
     embeds a server calls it at startup.
 
+    From then on a put's payload buffers come from malloc too (:func:`flightq.sink.allocate`):
+    Arrow's default pool, mimalloc, hands back the pages of a put past about half a GB
+    whatever this setting says (a full W2 put, 2-core machine: 0.76 GB/s, 1.83 with this).
+
     Measured on the 2-core machine, a process getting full-size W2 (1.3 GB) every half
     second: 1.03-1.28 GB/s with 90-370 thousand page faults per get by default;
     1.53-1.58 GB/s with this call; 1.75-1.78 GB/s and no page faults with this call and
