@@ -298,9 +298,10 @@ class Partition:
 
         gained: list[Copy] = []
         lost: list[Copy] = []
+        fields = self.media_fields  # once: a property that walks the schema
         for k, row in rows.items():
             old = self.rows.get(k)
-            for f in self.media_fields:
+            for f in fields:
                 cell = row.cells.get(f)
                 was = old.cells.get(f) if old is not None else None
                 if cell is was:
