@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 
 import msgpack
@@ -459,6 +460,7 @@ def test_a_writer_killed_mid_put_stores_nothing(served):
     before = partition_state(srv.location, "p")
     while not srv.put_outcomes.empty():  # the fixture's own put
         srv.put_outcomes.get_nowait()
+    received = c.stats()["counters"]["bytes_received"]
     tests_dir = str(__import__("pathlib").Path(__file__).parents[1])
     proc = subprocess.Popen(
         [sys.executable, "-c", _CUT_WRITER, srv.location, tests_dir],
@@ -469,6 +471,13 @@ def test_a_writer_killed_mid_put_stores_nothing(served):
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "half sent"
+        # Killed once the server has read the half: "half sent" means gRPC took the
+        # batch, which may still sit in the writer's buffers (a call whose first message
+        # never arrives waits inside Flight until the idle timeout, not on this test).
+        deadline = time.monotonic() + TIMEOUT
+        while c.stats()["counters"]["bytes_received"] == received:
+            assert time.monotonic() < deadline, "the server never read the half put"
+            time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=TIMEOUT)
     finally:
