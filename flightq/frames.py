@@ -68,14 +68,22 @@ _U32 = 4
 
 
 class Frame:
-    """A parsed frame: its header, and the schema and batches it carried (if any)."""
+    """A parsed frame: its header, and the schema and batches it carried (if any).
 
-    __slots__ = ("batches", "header", "schema")
+    ``blocks``: where each batch was read from a block of memory of its own (a checked
+    ``"rb"`` body), that block's size in bytes, per batch; None where the batches share
+    what they were read from."""
+
+    __slots__ = ("batches", "blocks", "header", "schema")
 
     def __init__(
-        self, header: dict[str, Any], schema: pa.Schema | None, batches: list[pa.RecordBatch]
+        self,
+        header: dict[str, Any],
+        schema: pa.Schema | None,
+        batches: list[pa.RecordBatch],
+        blocks: list[int] | None = None,
     ) -> None:
-        self.header, self.schema, self.batches = header, schema, batches
+        self.header, self.schema, self.batches, self.blocks = header, schema, batches, blocks
 
 
 class SchemaMemo:
@@ -259,7 +267,9 @@ def parse_frame(buf: pa.Buffer | None, what: str, *, check: bool = False) -> Fra
                 b.validate(full=True)
     except (pa.ArrowException, EOFError, OSError, ValueError) as e:  # what Arrow raises
         raise ProtocolError(f"{what}: the frame's Arrow IPC bytes do not parse: {e}") from e
-    return Frame(header, schema, batches)
+    # Each checked "rb" batch was read from its own copy of exactly its message's bytes.
+    blocks = list(lengths) if check and kind == "rb" else None
+    return Frame(header, schema, batches, blocks)
 
 
 def _length(x: Any) -> bool:

@@ -44,7 +44,7 @@ HELLO = {"ok": b"", "max_frame": MAX_FRAME_BYTES}
 #: Room an answer's frame needs beyond its batches (header, schema).
 _FRAME_SLACK = 64 << 10
 
-Put = Callable[[bytes, list[pa.RecordBatch], list[bytes | None], Any], int]
+Put = Callable[[bytes, list[pa.RecordBatch], list[bytes | None], list[int] | None, Any], int]
 Answer = Callable[
     [Ticket, Any, bool], tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[..., None] | None]
 ]
@@ -66,11 +66,13 @@ def serve_requests(
 ) -> None:
     """Answer ``reader``'s requests in turn until the client ends the stream.
 
-    ``put(command, batches, claims, context)`` stores a put (``claims``: each batch's media
-    digests, as a DoPut batch's app metadata carries them) and returns its rows; ``answer(ticket,
-    context, count)`` gives a read's schema, batches and, for a claim, what gives its rows
-    back (``count=False``: the stream counts the bytes it sends); ``act(type, body)`` runs
-    an action of :data:`~flightq.frames.STREAM_ACTIONS` and gives its reply's bytes.
+    ``put(command, batches, claims, blocks, context)`` stores a put (``claims``: each batch's
+    media digests, as a DoPut batch's app metadata carries them; ``blocks``: the size of the
+    copy each batch was read from, :attr:`~flightq.frames.Frame.blocks`) and returns its
+    rows; ``answer(ticket, context, count)`` gives a read's schema, batches and, for a
+    claim, what gives its rows back (``count=False``: the stream counts the bytes it
+    sends); ``act(type, body)`` runs an action of :data:`~flightq.frames.STREAM_ACTIONS`
+    and gives its reply's bytes.
     ``watch`` marks the write of each answer as a wait on the client (:meth:`IdleWatch.reads
     <flightq.server.idle.IdleWatch.reads>`): a client that stops reading its answers has
     its connection cut; the wait for its next request is by design, cut only once the
@@ -152,7 +154,8 @@ def _handle(
     if not isinstance(cmd, bytes):
         raise ProtocolError(f"{what}: a request's 'cmd' must be bytes, got {type(cmd).__name__}")
     if op == "put":
-        n = put(cmd, frame.batches, _claims(frame.header, len(frame.batches), what), context)
+        claims = _claims(frame.header, len(frame.batches), what)
+        n = put(cmd, frame.batches, claims, frame.blocks, context)
         counters.add("puts")
         return "put", pack_frame({"ok": PutAck(rows=n).to_wire()}), None
     if op == "act":

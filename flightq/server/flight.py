@@ -669,11 +669,13 @@ class Server(fl.FlightServerBase):
         command: bytes,
         batches: list[pa.RecordBatch],
         claims: list[bytes | None],
+        blocks: list[int] | None,
         context: fl.ServerCallContext,
     ) -> int:
         """A put on the request stream: the DoPut path over the frame's batches, each with
         the media digests it claims (``claims``; None: its payloads are filed under their
-        hints, as through shm)."""
+        hints, as through shm) and, where each was read from a copy of its own, that copy's
+        size (``blocks``: what it holds beyond its buffers is known without a walk)."""
 
         def source(cmd: PutCommand, what: str) -> Iterator[Incoming]:
             if cmd.shm is not None:
@@ -682,7 +684,12 @@ class Server(fl.FlightServerBase):
                     "the request stream"
                 )
             # Copies of their own bytes (frames.parse_frame).
-            return _first_holds(batches, claims)
+            if blocks is None or len(blocks) != len(batches):
+                return _first_holds(batches, claims)
+            return (
+                (b, None if c is None else pa.py_buffer(c), max(n - b.get_total_buffer_size(), 0))
+                for b, c, n in zip(batches, claims, blocks, strict=True)
+            )
 
         # No cancel check (grpc's costs a third of a millisecond): the frame arrived whole,
         # its lengths checked, so the stream cannot have been cut short mid-put.

@@ -495,6 +495,20 @@ def test_stored_rows_keep_nothing_else_of_their_frame_alive() -> None:
         assert kept <= client.stats()["partitions"]["pad"]["held"]
 
 
+def test_a_checked_frame_names_the_copy_each_batch_was_read_from() -> None:
+    # The server counts what a stream put's batch holds beyond its buffers from the size of
+    # the copy it was read from: that size must be all the memory under the batch.
+    reg = flightq.SchemaRegistry.default().get(TEXT)
+    keys = [[f"r{i}-{j}" for j in range(n)] for i, n in enumerate((1, 7, 3))]
+    batches = [flightq.encode(reg, text_columns(k), k) for k in keys]
+    frame = pack_frame({"op": "put", "pad": b"\0" * 4096}, batches[0].schema, batches)
+    checked = parse_frame(frame, "test", check=True)
+    assert checked.blocks is not None and len(checked.blocks) == 3
+    for b, n in zip(checked.batches, checked.blocks, strict=True):
+        assert underlying_bytes([b]) == n > b.get_total_buffer_size()
+    assert parse_frame(frame, "test").blocks is None  # shares the frame
+
+
 def test_mutated_put_frames_are_refused_or_stored_whole(
     server: flightq.Server, client: flightq.Client
 ) -> None:
