@@ -122,9 +122,11 @@ def check_as(as_: str) -> None:
 class PartDecoder:
     """Decodes the record batches of one stream as they arrive (see :func:`decode`).
 
-    With ``prepare``, each part's per-row tensors are built at once (:meth:`Batch.prepare`):
-    a reader that decodes while the next record batch is still arriving leaves almost
-    nothing to do once the last one is in.
+    With ``prepare``, each part's per-row tensors are built (:meth:`Batch.prepare`) as the
+    record batch after it arrives, while gRPC receives the next one: a reader that decodes
+    as batches arrive leaves little to do once the last one is in. The last part's are
+    built when first asked for (its tags at once), so a reader that takes whole columns
+    (``packed``, ``jagged``, a TensorDict) builds no per-row tensors it does not use.
     """
 
     def __init__(
@@ -155,7 +157,9 @@ class PartDecoder:
         c = validate_part(rb, self.parts[0] if self.parts else None)
         part = self.part(rb, c.schema, c.keys, c.fields, self.as_, self.copy)
         if self.prepare:
-            part.prepare()
+            if self.parts:
+                self.parts[-1].prepare()  # not the last: another record batch came after it
+            _ = part.tags  # malformed tags fail the read, not a later access
         self.parts.append(part)
         self.decode_s += time.perf_counter() - t
 

@@ -40,7 +40,7 @@ from flightq import (
     UndeclaredFieldError,
     workloads,
 )
-from flightq.batch import split_batch
+from flightq.batch import PartDecoder, join, split_batch
 from flightq.layout import binary_offsets
 from flightq.validation import shape_products, validate
 
@@ -406,6 +406,32 @@ def test_split_batch_cuts_zero_copy_slices_under_the_byte_limit() -> None:
     assert sum(p.num_rows for p in parts) == rb.num_rows
     assert [k for p in parts for k in flightq.decode(p, as_="numpy").keys] == step.keys
     assert split_batch(rb, max_bytes=10**9) == [rb]
+
+
+def test_a_reader_builds_per_row_tensors_of_all_but_the_last_part_as_batches_arrive() -> None:
+    # Each part's per-row tensors are built as the next record batch arrives (decoding
+    # while gRPC receives); the last part's only when asked for, so a reader of whole
+    # columns builds none it does not use. Tags are read at once: bad ones fail the read.
+    step = workloads.w3(groups=2)
+    rb = flightq.encode(shipped(TEXT), step.columns, step.keys, step.tags)
+    parts = split_batch(rb, max_bytes=40_000)
+    assert len(parts) >= 3
+    d = PartDecoder("numpy")
+    for p in parts:
+        d.add(p)
+    built = [p._columns.get("input_ids") for p in d.parts]
+    assert all(c is not None and c._rows is not None for c in built[:-1])
+    assert built[-1] is None and d.parts[-1]._tags is not None
+    whole = join(d.parts)
+    assert_same_column(shipped(TEXT), "input_ids", whole["input_ids"], step.columns["input_ids"])
+    packed = PartDecoder("numpy")
+    packed.add(rb)
+    values, offsets = packed.parts[0].column("input_ids").packed()
+    assert packed.parts[0].column("input_ids")._rows is None  # no per-row arrays built
+    assert offsets[-1] == len(values) == sum(len(x) for x in step.columns["input_ids"])
+    bad = replace_column(rb, "__tags__", pa.array([b"\xc1"] * rb.num_rows, pa.binary()))
+    with pytest.raises(DecodeError):
+        PartDecoder("numpy").add(bad)
 
 
 def test_decode_refuses_an_unknown_output_library() -> None:
