@@ -205,6 +205,33 @@ class FlightqGroupsConsumer(FlightqConsumer):
     suffix = "-groups"
 
 
+class FlightqTensordictProducer(FlightqProducer):
+    """``put`` of the step, for :class:`FlightqTensordictConsumer`."""
+
+    suffix = "-td"
+
+
+class FlightqTensordictConsumer(FlightqConsumer):
+    """``get(..., as_="tensordict")``: the TensorDict a verl or TransferQueue reader takes
+    (token fields jagged over the received buffers, media rows as a ``NonTensorStack``)."""
+
+    suffix = "-td"
+
+    def get(self) -> dict[str, Any]:
+        t0 = now_ns()
+        self._got = self.client.get(self.partition, self.ref.keys, as_="tensordict")
+        return timed(t0)
+
+    def verify(self) -> None:
+        from .peers import _from_tensordict
+
+        td = self._got
+        keys, tags = td["__key__"], td["__tags__"]
+        keys, tags = list(keys.tolist() if hasattr(keys, "tolist") else keys), tags.tolist()
+        cols = {k: v for k, v in _from_tensordict(td).items() if not k.startswith("__")}
+        check_rows(self.ref, keys, cols, tags, "flightq-tensordict")
+
+
 class FlightqShmProducer(FlightqProducer):
     """``put`` through shared memory: the DoPut carries a segment reference."""
 

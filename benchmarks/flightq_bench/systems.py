@@ -200,6 +200,18 @@ SYSTEMS: dict[str, System] = {
             "the bytes received, held and sent against the step's distinct bytes",
         ),
         System(
+            "flightq-tensordict",
+            "server",
+            _M + "flightq_system:FlightqTensordictProducer",
+            _M + "flightq_system:FlightqTensordictConsumer",
+            server="flightq",
+            requires=("flightq.client.client", "flightq.server.flight", "tensordict"),
+            note="the same, read as a TensorDict (get(as_='tensordict'), what "
+            "flightq.compat.transferqueue returns): token fields jagged, media rows as "
+            "a NonTensorStack",
+            default=False,
+        ),
+        System(
             "flightq-shm",
             "server",
             _M + "flightq_system:FlightqShmProducer",
