@@ -22,7 +22,7 @@ import msgpack
 import pyarrow as pa
 
 from ..layout import KEY, SHAPE_SUFFIX, TAGS, arrow_schema
-from .media import media_column, row_copies
+from .media import media_column, piece_column, row_copies
 from .partition import Partition, Piece, Row
 
 __all__ = ["assemble", "SMALL_RUN_BYTES", "COALESCED_BYTES"]
@@ -156,6 +156,67 @@ def _media_batches(
     if not rows:
         yield pa.RecordBatch.from_pylist([], schema=schema)
         return
+    stored = _stored_batches(rows, schema, media, max_bytes)
+    if stored is not None:
+        yield from stored
+        return
+    yield from _cut_media_rows(rows, fields, schema, cols, media, max_bytes)
+
+
+def _stored_batches(
+    rows: list[Row], schema: pa.Schema, media: list[str], max_bytes: int
+) -> list[pa.RecordBatch] | None:
+    """The answer as the stored batches themselves, where ``rows`` are every row of one
+    or more stored batches, each in its order and unchanged (:attr:`Row.home`; the usual
+    get of a step, and a claim of whole puts), the answer asks for exactly their columns,
+    and cutting at the stored batches costs nothing: each fits ``max_bytes`` with its
+    media (or is one row), none shares a copy with another (a prompt group's image
+    streamed in one put per row travels once per answer batch), and none but the last is
+    under :data:`SMALL_RUN_BYTES`. Each media dictionary carries its batch's distinct
+    copies' payloads (:func:`~.media.piece_column`): no work per row. None otherwise."""
+    out: list[pa.RecordBatch] = []
+    seen: set[int] = set()
+    at = size = 0
+    while at < len(rows):
+        home = rows[at].home
+        if home is None or home[1] != 0 or (out and size < SMALL_RUN_BYTES):
+            return None
+        pc = home[0]
+        n = pc.batch.num_rows
+        run = rows[at : at + n]
+        if len(run) != n or not pc.batch.schema.equals(schema, check_metadata=True):
+            return None
+        for k, row in enumerate(run):
+            h = row.home
+            if h is None or h[0] is not pc or h[1] != k:
+                return None
+        batch = pc.batch
+        size = sum(r.nbytes for r in run)
+        for name in media:
+            col, copies = piece_column(pc, name)
+            ids = set(map(id, copies))
+            if not seen.isdisjoint(ids):
+                return None
+            seen |= ids
+            size += sum(c.nbytes for c in copies)
+            i = schema.get_field_index(name)
+            batch = batch.set_column(i, schema.field(i), col)
+        if size > max_bytes and n > 1:  # a row larger than that goes alone
+            return None
+        out.append(batch)
+        at += n
+    return out
+
+
+def _cut_media_rows(
+    rows: list[Row],
+    fields: list[str],
+    schema: pa.Schema,
+    cols: list[str],
+    media: list[str],
+    max_bytes: int,
+) -> Iterator[pa.RecordBatch]:
+    """:func:`_media_batches` of rows that are not a stored batch whole, row by row."""
     start = acc = 0
     seen: set[int] = set()
     keys: set[str] = set()

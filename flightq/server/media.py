@@ -527,6 +527,46 @@ def media_column(cells: list[tuple[Piece, int, int] | None], name: str) -> tuple
     return out, sum(c.nbytes for c in order)
 
 
+def piece_column(pc: Piece, name: str) -> tuple[pa.Array, list[Copy]]:
+    """Media column ``name`` of every row of ``pc``, for an answer: the stored column with
+    each distinct copy's payload once in its dictionary, and those copies. Entries that
+    name one copy (equal payloads of one put, such as a size tensor many images share)
+    become one; where none do, the stored indices go as they are."""
+    col = pc.batch.column(name)
+    copies = pc.media.get(name)
+    if not copies:
+        return col, []  # no row has a segment: nothing to fill in
+    made = pc.answer_entries.get(name)
+    if made is None:
+        made = pc.answer_entries[name] = _answer_entries(copies, pc.media_index[name])
+    distinct, remap = made
+    segs = col.values
+    indices = segs.indices
+    if remap is not None:
+        idx = indices.to_numpy(zero_copy_only=False)
+        indices = pa.array(remap[idx] if len(idx) else idx, type=indices.type)
+    out = pa.DictionaryArray.from_arrays(indices, _entries_of(distinct))
+    mask = col.is_null() if col.null_count else None
+    return pa.LargeListArray.from_arrays(col.offsets, out, mask=mask), distinct
+
+
+def _answer_entries(copies: list[Copy], index: np.ndarray) -> tuple[list[Copy], np.ndarray | None]:
+    """A piece's distinct copies of one column, in order of first use, and per dictionary
+    entry its copy's place among them (None: each entry its own copy, in order)."""
+    place: dict[int, int] = {}
+    distinct: list[Copy] = []
+    at = np.empty(len(copies), dtype=np.int32)
+    for k, c in enumerate(copies):
+        j = place.get(id(c))
+        if j is None:
+            j = place[id(c)] = len(distinct)
+            distinct.append(c)
+        at[k] = j
+    if len(distinct) == len(copies) and np.array_equal(index, np.arange(len(copies))):
+        return distinct, None
+    return distinct, np.where(index >= 0, at[np.maximum(index, 0)], 0).astype(np.int32)
+
+
 def same_media(a: Piece, b: Piece) -> bool:
     """Whether two pieces' media dictionaries name the same payloads (their batches keep
     no media bytes, so an equal batch says nothing about them)."""

@@ -91,6 +91,11 @@ class Piece:
     #: Per media column, per row, the distinct copies the row's cell uses (made on first
     #: use: every answer of a row with media asks for them).
     copies_of_rows: dict[str, list[tuple[Copy, ...]]] = field(default_factory=dict, repr=False)
+    #: Per media column, its distinct copies and each dictionary entry's place among them
+    #: (made on first use: a stored batch answered whole, :func:`~.media.piece_column`).
+    answer_entries: dict[str, tuple[list[Copy], np.ndarray | None]] = field(
+        default_factory=dict, repr=False
+    )
 
     def valid(self, f: str) -> list[bool] | None:
         """Per row whether the batch carries field ``f``; None when every row does."""

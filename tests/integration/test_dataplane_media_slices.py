@@ -137,3 +137,48 @@ def test_overwriting_a_groups_image_replaces_it_and_counts_bytes_once(client):
     assert all(np.array_equal(px[i][0], old[1]) for i in range(3, 6))
     client.clear("ow")
     assert client.stats()["partitions"]["ow"]["bytes"] == 0
+
+
+def test_a_get_of_a_whole_put_answers_with_its_stored_batch_each_distinct_payload_once(server):
+    # Every row's grid is its own tensor, all of equal content (as when a processor runs
+    # once per image). Through shared memory the writer sends each as an entry of its own
+    # and the server files them as one copy: the answer of the whole put (its stored
+    # batch, sent as it is) carries that copy once; each image is its own.
+    step = workloads.w1(0, groups=2, g=8)
+    rng = np.random.default_rng(3)
+    step.columns["pixel_values"] = [[rng.random((4, 6), dtype=np.float32)] for _ in step.keys]
+    step.columns["image_grid_thw"] = [[np.array([[1, 2, 2]], dtype=np.int64)] for _ in step.keys]
+    with flightq.connect(server.location, [step.schema], shm=True) as c:
+        c.shm_min_bytes = 1  # a small put through shared memory too
+        c.create_partition("whole", step.schema, tasks=["t"], group_size=step.group_size)
+        assert c.put("whole", step.keys, step.columns, step.tags).route == "shm"
+        for shm in (True, False):
+            with flightq.connect(server.location, [step.schema], shm=shm) as reader:
+                batch = reader.get("whole", step.keys, as_="numpy")
+            assert len(batch.parts) == 1
+            assert _media_entries(batch, "image_grid_thw") == [1]
+            assert _media_entries(batch, "pixel_values") == [16]
+            assert_rows_match(batch, step)
+        # A get of the rows in another order is cut row by row: the same entries.
+        keys = step.keys[::-1]
+        batch = c.get("whole", keys, as_="numpy")
+        assert batch.keys == keys
+        assert _media_entries(batch, "image_grid_thw") == [1]
+        assert_rows_match(batch, step)
+
+
+def test_rows_put_one_at_a_time_sharing_an_image_carry_it_once_per_answer_batch(client):
+    # One put per row, as a generator streams them (W5): each put is a stored batch of
+    # its own, and the rows share one copy of their group's image, found by content. An
+    # answer cut at the stored batches would carry it once per row.
+    step = workloads.w1(0, groups=1, g=4)
+    image = np.random.default_rng(4).random((512, 600), dtype=np.float32)  # over 1 MiB
+    step.columns["pixel_values"] = [[image.copy()] for _ in step.keys]
+    client.create_partition("stream", step.schema, tasks=["t"])  # rows come one by one
+    for i in range(step.rows):
+        one = {k: v[i : i + 1] for k, v in step.columns.items()}
+        client.put("stream", [step.keys[i]], one, [step.tags[i]])
+    batch = client.get("stream", step.keys, as_="numpy")
+    assert _media_entries(batch, "pixel_values") == [1]
+    assert _media_bytes(batch, "pixel_values") == image.nbytes
+    assert_rows_match(batch, step)
