@@ -251,3 +251,16 @@ def test_the_stream_counts_benchmark_gets_and_puts_at_each_count() -> None:
     got = stream_counts.measure("W3", [1, 2], 1, as_="numpy")
     assert sorted(got) == [1, 2]
     assert all(len(gets) == 1 and len(puts) == 1 for gets, puts in got.values())
+
+
+def test_the_scaling_benchmark_times_flightq_beside_its_raw_tcp_reference(capsys: Any) -> None:
+    import consumer_scaling as scaling  # by name: its consumer processes import it so
+
+    with scaling.TcpSender(2**20) as sender:
+        assert scaling.measure_tcp(sender, 2, 2) > 0  # each consumer checks its bytes
+    argv = ["--consumers", "1,2", "--workload", "W4", "--gets", "1", "--reps", "1", "--raw-tcp"]
+    assert scaling.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "\nflightq\n" in out and "\nraw TCP, one sender process\n" in out
+    ones = [line.split() for line in out.splitlines() if line.split()[:1] == ["1"]]
+    assert [row[-1] for row in ones] == ["1.00", "1.00"]  # each table's own baseline

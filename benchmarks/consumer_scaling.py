@@ -10,10 +10,18 @@ timed part. The wall time from the moment all consumers are ready to the moment 
 one finishes gives the aggregate GB/s of logical payload; the ratio to one consumer,
 measured in the same run, is printed. Timing decides nothing here.
 
+``--raw-tcp`` adds the reference for one server process: a process that answers each
+consumer's request with the step's bytes over loopback TCP (``sendall`` of one
+prefaulted buffer, a thread per connection, as a Flight server serves each call on a
+thread of its own), read by the same number of consumer processes into prefaulted
+buffers, interleaved with flightq's rounds. Where raw TCP's own 8 consumers stay under
+6x its one, no design over one process's sockets on that host reaches it.
+
 Run::
 
     .venv/bin/python benchmarks/consumer_scaling.py --consumers 1,2,4,8 --workload W2
     .venv/bin/python benchmarks/consumer_scaling.py --consumers 1,8 --shards 4 --reps 1
+    .venv/bin/python benchmarks/consumer_scaling.py --consumers 1,8 --raw-tcp
 """
 
 from __future__ import annotations
@@ -22,7 +30,9 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import os
+import socket
 import statistics
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -34,7 +44,7 @@ from flightq_bench.flightq_system import server_argv
 import flightq
 from flightq import workloads
 
-__all__ = ["main", "measure"]
+__all__ = ["main", "measure", "measure_tcp", "TcpSender"]
 
 
 def _connect(locations: Sequence[str], schema: Any, streams: int | None = None) -> Any:
@@ -73,12 +83,16 @@ def measure(locations: list[str], name: str, consumers: int, gets: int, streams:
     """Aggregate GB/s of ``consumers`` processes each getting the step ``gets`` times from
     the servers at ``locations``, each get over at most ``streams`` parallel DoGet streams
     per server."""
+    nbytes = workloads.make(name).nbytes() * gets
+    return _timed(_consumer, (locations, name, gets, streams), consumers, nbytes)
+
+
+def _timed(target: Any, args: tuple[Any, ...], consumers: int, nbytes: int) -> float:
+    """GB/s of ``consumers`` processes running ``target(*args, ready, go, out)``, each
+    moving ``nbytes``: from the moment all are ready to the moment the last one is done."""
     ctx = mp.get_context("spawn")
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    procs = [
-        ctx.Process(target=_consumer, args=(locations, name, gets, streams, ready, go, out))
-        for _ in range(consumers)
-    ]
+    procs = [ctx.Process(target=target, args=(*args, ready, go, out)) for _ in range(consumers)]
     for p in procs:
         p.start()
     try:
@@ -94,8 +108,89 @@ def measure(locations: list[str], name: str, consumers: int, gets: int, streams:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    nbytes = workloads.make(name).nbytes() * gets * consumers
-    return nbytes / wall / 1e9
+    return nbytes * consumers / wall / 1e9
+
+
+def _serve_tcp(listener: socket.socket, payload: memoryview) -> None:
+    """Accept connections until the listener closes; on each, a thread that answers every
+    one-byte request with ``payload``."""
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            while conn.recv(1):
+                conn.sendall(payload)
+
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+def _tcp_server(nbytes: int, port: Any, stop: Any) -> None:
+    buf = np.ones(nbytes, dtype=np.uint8)  # every page touched before any request
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port.put(listener.getsockname()[1])
+        threading.Thread(target=_serve_tcp, args=(listener, memoryview(buf)), daemon=True).start()
+        stop.wait(3600)
+
+
+class TcpSender:
+    """The raw TCP reference's server: a process on 127.0.0.1 that sends ``nbytes`` for
+    every one-byte request, on a thread per connection. A context manager."""
+
+    def __init__(self, nbytes: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.nbytes = nbytes
+        self._stop = ctx.Event()
+        port = ctx.Queue()
+        self._proc = ctx.Process(target=_tcp_server, args=(nbytes, port, self._stop))
+        self._proc.start()
+        self.port = int(port.get(timeout=120))
+
+    def __enter__(self) -> TcpSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._proc.join(timeout=30)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+
+def _tcp_consumer(port: int, nbytes: int, gets: int, ready: Any, go: Any, out: Any) -> None:
+    buf = np.zeros(nbytes, dtype=np.uint8)  # touched: no page faults while timed
+    view = memoryview(buf)
+    with socket.create_connection(("127.0.0.1", port), timeout=300) as sock:
+        sock.sendall(b"g")  # one answer untimed, checked: the sender's bytes, every one
+        _recv_all(sock, view)
+        assert int(buf.min()) == 1, "raw TCP reference: bytes missing"
+        ready.put(os.getpid())
+        go.wait()
+        t0 = time.perf_counter()
+        for _ in range(gets):
+            sock.sendall(b"g")
+            _recv_all(sock, view)
+        out.put(time.perf_counter() - t0)
+
+
+def _recv_all(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if not k:
+            raise ConnectionError(f"raw TCP reference: sender closed after {got} of {n} bytes")
+        got += k
+
+
+def measure_tcp(sender: TcpSender, consumers: int, gets: int) -> float:
+    """Aggregate GB/s of ``consumers`` processes each reading ``sender``'s bytes ``gets``
+    times, timed as :func:`measure` times flightq's consumers."""
+    return _timed(
+        _tcp_consumer, (sender.port, sender.nbytes, gets), consumers, sender.nbytes * gets
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -107,6 +202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--streams", type=int, default=1, help="DoGet streams per get (default 1)")
     p.add_argument("--shards", type=int, default=1, help="server processes holding the step")
+    p.add_argument(
+        "--raw-tcp",
+        action="store_true",
+        help="also time the raw TCP reference of one server process (see above)",
+    )
     args = p.parse_args(argv)
     counts = [int(x) for x in args.consumers.split(",")]
     with contextlib.ExitStack() as stack:
@@ -119,21 +219,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _connect(locations, step.schema) as c:
             c.create_partition("p", step.schema, tasks=["t"], group_size=step.group_size)
             c.put("p", step.keys, step.columns, step.tags)
+        sender = stack.enter_context(TcpSender(step.nbytes())) if args.raw_tcp else None
         results: dict[int, list[float]] = {n: [] for n in counts}
+        tcp: dict[int, list[float]] = {n: [] for n in counts}
         for _ in range(args.reps):  # interleave counts so load drifts hit all alike
             for n in counts:
                 results[n].append(measure(locations, args.workload, n, args.gets, args.streams))
-        base = statistics.median(results[counts[0]])
+                if sender is not None:
+                    tcp[n].append(measure_tcp(sender, n, args.gets))
         print(
             f"{args.workload}: {step.nbytes() / 2**20:.0f} MiB per get, {args.streams} stream(s) "
             f"per get and server, {args.shards} server(s), {os.cpu_count()} CPUs"
         )
-        print(f"{'consumers':>9} {'GB/s median':>12} {'min-max':>15} {'x one':>7}")
-        for n in counts:
-            med = statistics.median(results[n])
-            lo, hi = min(results[n]), max(results[n])
-            print(f"{n:>9} {med:>12.2f} {lo:>7.2f}-{hi:<7.2f} {med / base:>7.2f}")
+        _table("flightq", counts, results)
+        if sender is not None:
+            _table("raw TCP, one sender process", counts, tcp)
     return 0
+
+
+def _table(title: str, counts: list[int], results: dict[int, list[float]]) -> None:
+    base = statistics.median(results[counts[0]])
+    print(title)
+    print(f"{'consumers':>9} {'GB/s median':>12} {'min-max':>15} {'x one':>7}")
+    for n in counts:
+        med = statistics.median(results[n])
+        lo, hi = min(results[n]), max(results[n])
+        print(f"{n:>9} {med:>12.2f} {lo:>7.2f}-{hi:<7.2f} {med / base:>7.2f}")
 
 
 if __name__ == "__main__":
