@@ -117,6 +117,12 @@ def test_rows_without_media_keep_their_place_in_a_trimmed_slice(client):
     # One record batch of slices 5 | 6-8 | 9 | 10 (a row that lacks the field ends a
     # slice), its dictionary the images of its rows once: 7 is in group 1, 8 and 10 in 2.
     assert _media_entries(batch, "pixel_values") == [2]
+    # The whole put (rows lacking a field are not as a whole put made them, so it is cut
+    # row by row): the null and the empty row as they were, each image once.
+    whole = client.get("mixed", step.keys)
+    assert_rows_match(whole, step)
+    assert whole["pixel_values"][5] is None and whole["pixel_values"][6] == []
+    assert len(whole.parts) == 1 and _media_entries(whole, "pixel_values") == [4]
 
 
 def test_overwriting_a_groups_image_replaces_it_and_counts_bytes_once(client):
