@@ -22,7 +22,7 @@ import msgpack
 import pyarrow as pa
 
 from ..layout import KEY, SHAPE_SUFFIX, TAGS, arrow_schema
-from .media import media_column, piece_column, row_copies
+from .media import Copy, media_column, piece_column, row_copies
 from .partition import Partition, Piece, Row
 
 __all__ = ["assemble", "SMALL_RUN_BYTES", "COALESCED_BYTES"]
@@ -216,12 +216,43 @@ def _cut_media_rows(
     media: list[str],
     max_bytes: int,
 ) -> Iterator[pa.RecordBatch]:
-    """:func:`_media_batches` of rows that are not a stored batch whole, row by row."""
+    """:func:`_media_batches` of rows that are not a stored batch whole, row by row.
+
+    Where the rows' media cells move on to another stored batch (the rows of one put's
+    record batch, written back to or not), the answer batch is cut there too if those
+    rows would not all fit it: the put cut its batches so that each fits and keeps its
+    prompt groups whole, and each answer batch's images are then one slice of one stored
+    dictionary, not a copy. Likewise before a row that brings an image, if the rows that
+    share it would not fit: a group's image travels once."""
+    mines = [{id(c): c for c in row_copies(row, media)} for row in rows]
+    pieces = [_media_piece(row, media) for row in rows]
     start = acc = 0
     seen: set[int] = set()
     keys: set[str] = set()
+    last: Piece | None = None  # the stored batch of the last media cell so far
     for i, row in enumerate(rows):
-        mine = {id(c): c for c in row_copies(row, media)}
+        mine = mines[i]
+        piece = pieces[i]
+        if (
+            i > start
+            and piece is not None
+            and last is not None
+            and piece is not last
+            and acc + _run_bytes(rows, mines, pieces, i, seen) > max_bytes
+        ):
+            yield _joined_rows(rows[start:i], fields, schema, cols, media)
+            start, acc, seen, keys = i, 0, set(), set()
+        elif (
+            i > start
+            and not seen.issuperset(mine)
+            and acc + _group_bytes(rows, mines, i, seen) > max_bytes
+        ):
+            # A row bringing an image: its prompt group (the rows after it that share
+            # one) goes whole into the next batch if it does not fit this one.
+            yield _joined_rows(rows[start:i], fields, schema, cols, media)
+            start, acc, seen, keys = i, 0, set(), set()
+        if piece is not None:
+            last = piece
         size = row.nbytes + sum(c.nbytes for k, c in mine.items() if k not in seen)
         if i > start and (acc + size > max_bytes or row.key in keys):
             yield _joined_rows(rows[start:i], fields, schema, cols, media)
@@ -231,6 +262,51 @@ def _cut_media_rows(
         seen.update(mine)
         keys.add(row.key)
     yield _joined_rows(rows[start:], fields, schema, cols, media)
+
+
+def _media_piece(row: Row, media: list[str]) -> Piece | None:
+    """The stored batch holding ``row``'s first media cell (None: it has none)."""
+    for f in media:
+        cell = row.cells.get(f)
+        if cell is not None:
+            return cell[0]
+    return None
+
+
+def _run_bytes(
+    rows: list[Row],
+    mines: list[dict[int, Copy]],
+    pieces: list[Piece | None],
+    i: int,
+    held: set[int],
+) -> int:
+    """Bytes the rows from ``i`` on add to a batch that holds the copies ``held``, up to
+    the next row whose media cells are in another stored batch than row ``i``'s (rows
+    without media cells go on), each distinct copy once."""
+    piece = pieces[i]
+    total = 0
+    seen = set(held)
+    for j in range(i, len(rows)):
+        if pieces[j] is not None and pieces[j] is not piece:
+            break
+        total += rows[j].nbytes + sum(c.nbytes for k, c in mines[j].items() if k not in seen)
+        seen.update(mines[j])
+    return total
+
+
+def _group_bytes(rows: list[Row], mines: list[dict[int, Copy]], i: int, held: set[int]) -> int:
+    """Bytes row ``i`` and the rows after it that share one of the copies it brings (not
+    in ``held``) add to a batch that holds the copies ``held``, each distinct copy once."""
+    first = mines[i].keys() - held
+    total = 0
+    seen = set(held)
+    for j in range(i, len(rows)):
+        mine = mines[j]
+        if j > i and first.isdisjoint(mine):
+            break
+        total += rows[j].nbytes + sum(c.nbytes for k, c in mine.items() if k not in seen)
+        seen.update(mine)
+    return total
 
 
 def _joined_rows(

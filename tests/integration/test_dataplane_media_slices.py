@@ -188,3 +188,28 @@ def test_rows_put_one_at_a_time_sharing_an_image_carry_it_once_per_answer_batch(
     assert _media_entries(batch, "pixel_values") == [1]
     assert _media_bytes(batch, "pixel_values") == image.nbytes
     assert_rows_match(batch, step)
+
+
+@pytest.mark.torch
+def test_a_written_back_step_is_cut_between_prompt_groups_each_image_once() -> None:
+    # After a write-back the rows are no longer as their put made them and are cut row by
+    # row. The limit here lets the third group's image and two of its rows in after two
+    # groups, not its third row: a cut there would send that image in two batches.
+    step = workloads.w1(0, groups=4, g=4)
+    lp = workloads.logprobs_for(step)
+    tokens = ("input_ids", "generation_logprobs", "token_mask", "mm_token_type_ids")
+    row = [sum(step.columns[f][i].nbytes for f in tokens) + lp[i].nbytes for i in range(16)]
+    image = step.columns["pixel_values"][0][0].nbytes
+    grid = step.columns["image_grid_thw"][0][0].nbytes
+    limit = 2 * image + grid + sum(row[:8]) + image + row[8] + row[9] + row[10] // 2
+    with (
+        flightq.Server(max_batch_bytes=limit) as srv,
+        flightq.connect(srv.location, [step.schema]) as c,
+    ):
+        c.create_partition("s", step.schema, tasks=["t"], group_size=step.group_size)
+        c.put("s", step.keys, step.columns, step.tags)
+        c.put("s", step.keys, {"prev_logprobs": lp})
+        batch = c.get("s", step.keys)
+    assert [len(p) for p in batch.parts] == [8, 8]
+    assert _media_entries(batch, "pixel_values") == [2, 2]
+    assert_rows_match(batch, step, extra={"prev_logprobs": lp})
