@@ -16,7 +16,7 @@ one put each still travel with their shared image once per answer batch.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgpack
 import pyarrow as pa
@@ -233,22 +233,7 @@ def _cut_media_rows(
     for i, row in enumerate(rows):
         mine = mines[i]
         piece = pieces[i]
-        if (
-            i > start
-            and piece is not None
-            and last is not None
-            and piece is not last
-            and acc + _run_bytes(rows, mines, pieces, i, seen) > max_bytes
-        ):
-            yield _joined_rows(rows[start:i], fields, schema, cols, media)
-            start, acc, seen, keys = i, 0, set(), set()
-        elif (
-            i > start
-            and not seen.issuperset(mine)
-            and acc + _group_bytes(rows, mines, i, seen) > max_bytes
-        ):
-            # A row bringing an image: its prompt group (the rows after it that share
-            # one) goes whole into the next batch if it does not fit this one.
+        if i > start and _cut_ahead(rows, mines, pieces, i, last, seen, max_bytes - acc):
             yield _joined_rows(rows[start:i], fields, schema, cols, media)
             start, acc, seen, keys = i, 0, set(), set()
         if piece is not None:
@@ -273,36 +258,54 @@ def _media_piece(row: Row, media: list[str]) -> Piece | None:
     return None
 
 
-def _run_bytes(
+def _cut_ahead(
     rows: list[Row],
     mines: list[dict[int, Copy]],
     pieces: list[Piece | None],
     i: int,
+    last: Piece | None,
     held: set[int],
-) -> int:
-    """Bytes the rows from ``i`` on add to a batch that holds the copies ``held``, up to
-    the next row whose media cells are in another stored batch than row ``i``'s (rows
-    without media cells go on), each distinct copy once."""
+    room: int,
+) -> bool:
+    """Whether the rows from ``i`` on that belong with row ``i`` take more than ``room``
+    bytes of a batch holding the copies ``held``, and so go whole into the next batch:
+    the rest of its stored batch where its media move on from ``last``'s, and the prompt
+    group whose image it brings (the rows after it sharing a copy it brings)."""
     piece = pieces[i]
-    total = 0
-    seen = set(held)
-    for j in range(i, len(rows)):
-        if pieces[j] is not None and pieces[j] is not piece:
-            break
-        total += rows[j].nbytes + sum(c.nbytes for k, c in mines[j].items() if k not in seen)
-        seen.update(mines[j])
-    return total
+    moved_on = piece is not None and last is not None and piece is not last
+    if moved_on and _bytes_ahead(rows, mines, i, held, _same_piece(pieces, piece)) > room:
+        return True
+    brought = mines[i].keys() - held
+    return bool(brought) and _bytes_ahead(rows, mines, i, held, _shares(brought)) > room
 
 
-def _group_bytes(rows: list[Row], mines: list[dict[int, Copy]], i: int, held: set[int]) -> int:
-    """Bytes row ``i`` and the rows after it that share one of the copies it brings (not
-    in ``held``) add to a batch that holds the copies ``held``, each distinct copy once."""
-    first = mines[i].keys() - held
+def _same_piece(
+    pieces: list[Piece | None], piece: Piece | None
+) -> Callable[[int, dict[int, Copy]], bool]:
+    """Whether row ``j`` goes on with ``piece``'s rows: its media cells are there, or it
+    has none."""
+    return lambda j, mine: pieces[j] is None or pieces[j] is piece
+
+
+def _shares(brought: set[int]) -> Callable[[int, dict[int, Copy]], bool]:
+    """Whether a row uses one of the copies ``brought`` (its prompt group's image)."""
+    return lambda j, mine: not brought.isdisjoint(mine)
+
+
+def _bytes_ahead(
+    rows: list[Row],
+    mines: list[dict[int, Copy]],
+    i: int,
+    held: set[int],
+    goes_on: Callable[[int, dict[int, Copy]], bool],
+) -> int:
+    """Bytes row ``i`` and the rows after it, while ``goes_on(j, copies of row j)``, add
+    to a batch that holds the copies ``held``, each distinct copy once."""
     total = 0
     seen = set(held)
     for j in range(i, len(rows)):
         mine = mines[j]
-        if j > i and first.isdisjoint(mine):
+        if j > i and not goes_on(j, mine):
             break
         total += rows[j].nbytes + sum(c.nbytes for k, c in mine.items() if k not in seen)
         seen.update(mine)

@@ -684,7 +684,7 @@ class Server(fl.FlightServerBase):
                     "the request stream"
                 )
             # Copies of their own bytes (frames.parse_frame).
-            if blocks is None or len(blocks) != len(batches):
+            if blocks is None:
                 return _first_holds(batches, claims)
             return (
                 (b, None if c is None else pa.py_buffer(c), max(n - b.get_total_buffer_size(), 0))

@@ -540,11 +540,9 @@ def piece_column(pc: Piece, name: str) -> tuple[pa.Array, list[Copy]]:
     if made is None:
         made = pc.answer_entries[name] = _answer_entries(copies, pc.media_index[name])
     distinct, remap = made
-    segs = col.values
-    indices = segs.indices
+    indices = col.values.indices
     if remap is not None:
-        idx = indices.to_numpy(zero_copy_only=False)
-        indices = pa.array(remap[idx] if len(idx) else idx, type=indices.type)
+        indices = pa.array(remap[indices.to_numpy(zero_copy_only=False)], type=indices.type)
     out = pa.DictionaryArray.from_arrays(indices, _entries_of(distinct))
     mask = col.is_null() if col.null_count else None
     return pa.LargeListArray.from_arrays(col.offsets, out, mask=mask), distinct
