@@ -118,6 +118,8 @@ PROTOCOL_VERSION = 1
 
 #: Largest ticket, descriptor or action body accepted (bytes).
 MAX_BODY = 64 * 2**20
+#: Most ranges of a writer's memory one put through shared memory may name.
+MAX_FILLS = 2**16
 #: Most parallel DoPut streams one put may travel over.
 MAX_PUT_PARTS = 16
 #: Largest finite seconds value a message may carry (one day); a claim may say ``inf``.
@@ -200,6 +202,17 @@ def _int(lo: int | None = None, hi: int | None = None) -> Check:
         if (lo is not None and v < lo) or (hi is not None and v > hi):
             bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
             raise ProtocolError(f"{what}: expected an integer {key!r} {bounds}, got {v}")
+        return v
+
+    return check
+
+
+def _bytes(max_len: int) -> Check:
+    def check(v: Any, key: str, what: str) -> bytes:
+        if not isinstance(v, bytes):
+            raise _type_error(v, key, what)
+        if len(v) > max_len:
+            raise ProtocolError(f"{what}: {key!r} must be at most {max_len} bytes")
         return v
 
     return check
@@ -526,6 +539,10 @@ class ShmRef(Message):
     path: str = _field(_str(4096))
     gen: int = _field(_int(0))
     nbytes: int = _field(_int(0))
+    #: Direct reads (:mod:`flightq.shm.direct`): the writer's pid, and the ranges of its
+    #: memory that fill the segment, as little-endian int64 (offset, address, length).
+    pid: int | None = _field(_optional(_int(1, 2**22)), None, omit=None)
+    fills: bytes | None = _field(_optional(_bytes(24 * MAX_FILLS)), None, omit=None)
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -608,6 +625,9 @@ class Health(Message):
 
     WHAT: ClassVar[str] = "health"
     shm_probe: str | None = _field(_optional(_str(4096)), None, omit=None)
+    #: ``[pid, address]``: where the client keeps the probe's token, for the server to
+    #: read back before it offers direct reads (:mod:`flightq.shm.direct`).
+    shm_reader: list[int] | None = _field(_optional(_ints), None, omit=None)
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -871,6 +891,8 @@ class ServerCounters(Message):
     idle_cuts: int = _field(_int(0), 0)
     #: Media payload bytes hashed to resolve puts (references, look-alike payloads).
     media_hashed_bytes: int = _field(_int(0), 0)
+    #: Put payload bytes read straight out of writers' memory (shared memory, direct).
+    shm_direct_bytes: int = _field(_int(0), 0)
     #: Beats heard on consumer sessions, and those read late because they came faster
     #: than one per MIN_BEAT_GAP seconds on their session.
     beats: int = _field(_int(0), 0)

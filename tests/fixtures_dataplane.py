@@ -17,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ import numpy as np
 import pytest
 
 import flightq
-from flightq import workloads
+from flightq import shm, workloads
 
 __all__ = [
     "TEXT",
@@ -251,3 +253,13 @@ def _main(argv: Sequence[str]) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(_main(sys.argv[1:]))
+
+
+@pytest.fixture(name="shm_dir")
+def shm_dir_fixture() -> Iterator[str]:
+    """A private directory under /dev/shm for segments, removed afterwards."""
+    path = tempfile.mkdtemp(prefix="flightq-test-", dir=shm.DEFAULT_DIR)
+    try:
+        yield os.path.realpath(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -106,9 +106,13 @@ def text_batch(keys: Sequence[str], seed: int = 0, ref: str = "rollout_text@1") 
     return flightq.encode(schema, cols, list(keys))
 
 
-def plain_shm_put(location: str, ref: dict[str, object]) -> None:
-    """A put to partition 'p' whose bytes a plain Flight client says lie in segment ``ref``."""
-    cmd = {"op": "put", "partition": "p", "overwrite": False, "timeout": 1.0, "shm": ref}
+def plain_shm_put(location: str, ref: dict[str, object], rows: int | None = None) -> None:
+    """A put to partition 'p' whose bytes a plain Flight client says lie in segment ``ref``
+    (of ``rows`` rows, when given)."""
+    cmd: dict[str, object] = {"op": "put", "partition": "p", "overwrite": False, "timeout": 1.0}
+    if rows is not None:
+        cmd["rows"] = rows
+    cmd["shm"] = ref
     client = fl.connect(location)
     try:
         schema = pa.schema([("__key__", pa.utf8())])

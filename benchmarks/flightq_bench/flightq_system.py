@@ -239,6 +239,18 @@ class FlightqShmProducer(FlightqProducer):
     suffix = "-shm"
 
 
+class FlightqShmCopyProducer(FlightqShmProducer):
+    """``put`` through shared memory, the writer copying the payloads into its segment
+    (``Client.shm_direct = False``): the way before direct reads, beside it in one run."""
+
+    suffix = "-shmcopy"
+
+    def setup(self) -> dict[str, Any]:
+        out = super().setup()
+        self.client.shm_direct = False
+        return out
+
+
 class FlightqZstdTokensConsumer(FlightqConsumer):
     """``get`` of the step from the token-compressed partition (decoded as it arrives)."""
 
@@ -256,6 +268,12 @@ class FlightqShmConsumer(FlightqConsumer):
 
     shm = True
     suffix = "-shm"
+
+
+class FlightqShmCopyConsumer(FlightqShmConsumer):
+    """``get`` through shared memory of what :class:`FlightqShmCopyProducer` put."""
+
+    suffix = "-shmcopy"
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -222,6 +222,17 @@ SYSTEMS: dict[str, System] = {
             "segment reference, the bytes are mapped",
         ),
         System(
+            "flightq-shm-copy",
+            "server",
+            _M + "flightq_system:FlightqShmCopyProducer",
+            _M + "flightq_system:FlightqShmCopyConsumer",
+            server="flightq",
+            requires=("flightq.client.client", "flightq.server.flight", "flightq.shm"),
+            note="flightq-shm with direct reads off (Client.shm_direct = False): the "
+            "writer copies the payloads into its segment, the server copies the segment",
+            default=False,
+        ),
+        System(
             "flightq-cuda",
             "server",
             _M + "flightq_system:FlightqCudaProducer",

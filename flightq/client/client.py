@@ -405,6 +405,25 @@ class Client:
         return None if self._segments is None else self._segments.pool
 
     @property
+    def shm_direct(self) -> tuple[bool | None, str]:
+        """Whether the server reads this client's puts through shared memory straight out
+        of its memory (one copy instead of two, :mod:`flightq.shm.direct`), and why not:
+        ``(None, "")`` without shm or before the first such put (the server is asked
+        then), ``(False, reason)`` where it does not (another PID namespace, a host that
+        forbids ``process_vm_readv``)."""
+        if self._segments is None:
+            return None, ""
+        return self._segments.direct, self._segments.direct_why
+
+    @shm_direct.setter
+    def shm_direct(self, on: bool) -> None:
+        """``False``: copy every put into the segment, never let the server read this
+        process's memory; ``True``: ask the server again at the next put."""
+        if self._segments is not None:
+            self._segments.direct = None if on else False
+            self._segments.direct_why = "" if on else "turned off (Client.shm_direct = False)"
+
+    @property
     def session(self) -> Session:
         """This client's consumer session, which claims name (internal:
         :mod:`flightq.client.session`)."""

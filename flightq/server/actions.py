@@ -88,6 +88,8 @@ class ActionContext:
     snapshot_dir: str | os.PathLike[str] | None = None
     #: The server's counters, reported by ``stats``; None: not reported.
     counters: Counters | None = None
+    #: The caller's address as gRPC names it (``ipv4:127.0.0.1:PORT``); None: unknown.
+    peer: str | None = None
 
 
 #: A handler takes the context and the parsed request and returns the reply.
@@ -123,7 +125,7 @@ def _health(ctx: ActionContext, req: Health) -> HealthReply:
         ok=True,
         protocol=PROTOCOL_VERSION,
         partitions=len(ctx.store.partitions()),
-        shm=probe_reply(ctx.shm_dir, req.to_dict()),
+        shm=probe_reply(ctx.shm_dir, req.to_dict(), ctx.peer),
     )
 
 

@@ -722,7 +722,10 @@ class Server(fl.FlightServerBase):
             raise ProtocolError(f"{what}: this server has shared memory disabled")
         if context is not None:
             shm.check_peer(context.peer(), what)
-        batches = shm.read(ref.to_dict(), self.shm_dir, what, populate=False)
+        peer = context.peer() if context is not None else None
+        batches = shm.read(ref.to_dict(), self.shm_dir, what, populate=False, peer=peer)
+        if ref.fills is not None:
+            self.counters.add("shm_direct_bytes", shm.filled_bytes(ref.fills))
         return _first_holds(batches)  # the server's copy of the segment, all of it
 
     def _shm_reply(
@@ -760,9 +763,9 @@ class Server(fl.FlightServerBase):
 
     def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> Iterator[bytes]:
         self.idle.entered(context)
-        return iter([self._guard(self._do_action, action)])
+        return iter([self._guard(self._do_action, action, context.peer())])
 
-    def _do_action(self, action: fl.Action) -> bytes:
+    def _do_action(self, action: fl.Action, peer: str | None = None) -> bytes:
         """One action: its body parsed with the action's request type, its handler's reply
         as msgpack bytes (one Flight ``Result``)."""
         spec = ACTIONS.get(action.type)
@@ -777,6 +780,7 @@ class Server(fl.FlightServerBase):
             self.shm_dir,
             self.snapshot_dir,
             counters=self.counters,
+            peer=peer,
         )
         return HANDLERS[action.type](context, request).to_wire()
 

@@ -31,6 +31,7 @@ COUNTERS = (
     "actions",
     "idle_cuts",
     "media_hashed_bytes",
+    "shm_direct_bytes",
     "beats",
     "beats_slowed",
 )

@@ -5,8 +5,10 @@ file under ``/dev/shm`` instead of the socket (``flightq.connect(..., shm=True)`
 writer serialises the batches as one Arrow IPC stream into a *segment* (a shared-memory
 file it owns), copying each large tensor once, straight from the caller's memory, on
 several threads; it sends a small reference ``{"path", "gen", "nbytes"}`` over Flight, and
-the server maps the file and stores the batches as zero-copy views of the mapping, after
-the same checks as a streamed put. A read is answered with the segments and offsets where
+the server copies the segment into one it owns and stores the batches as zero-copy views
+of its copy, after the same checks as a streamed put. On Linux the writer's copy is left
+out: the server reads the large tensors straight out of the writer's memory
+(:mod:`~flightq.shm.direct`). A read is answered with the segments and offsets where
 its bytes already lie (:mod:`flightq.shm.table`): the reader maps the producer's pages, and
 nothing is copied on the way.
 
@@ -31,7 +33,8 @@ keeps valid pages after it is unlinked.
 
 The package: :mod:`~flightq.shm.segments` (the files, their owners and the checks of a
 request), :mod:`~flightq.shm.mapping` (readers' mappings), :mod:`~flightq.shm.gather`
-(a put's single copy into a segment), :mod:`~flightq.shm.client` (the client's side of
+(a put's single copy into a segment), :mod:`~flightq.shm.direct` (the server reading a
+put out of the writer's memory), :mod:`~flightq.shm.client` (the client's side of
 a put and of the handshake), :mod:`~flightq.shm.table` (reads answered with the segments
 and offsets where the bytes lie).
 
@@ -45,6 +48,7 @@ Examples
 
 from typing import Any
 
+from .direct import filled_bytes
 from .mapping import MAPPED, STORES, map_data, read, read_private, still_there, store_copy
 from .segments import (
     BATCH_BYTES,
@@ -93,6 +97,7 @@ __all__ = [
     "SegmentPool",
     "check_peer",
     "directory",
+    "filled_bytes",
     "gathered",
     "gathering",
     "handshake",

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import os
 import secrets
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from ..errors import ProtocolError
-from ..protocol import Health, PutCommand, ShmRef
+from ..protocol import MAX_FILLS, Health, PutCommand, ShmRef
 from ..sink import Sink
 from .gather import ShmGather
 from .segments import SegmentPool
@@ -21,7 +22,7 @@ from .segments import SegmentPool
 if TYPE_CHECKING:
     from ..client.transport import Transport
 
-__all__ = ["ClientSegments", "handshake", "put_via_shm"]
+__all__ = ["ClientSegments", "handshake", "probe", "put_via_shm"]
 
 
 class ClientSegments:
@@ -31,6 +32,24 @@ class ClientSegments:
         self.dir = dirpath
         self._pool: SegmentPool | None = None
         self._lock = threading.Lock()
+        #: Whether the server reads puts out of this process's memory
+        #: (:mod:`flightq.shm.direct`); None until asked, on the first put.
+        self.direct: bool | None = None
+        #: Why not, as the server said.
+        self.direct_why = ""
+
+    def direct_reads(self, transport: Transport) -> bool:
+        """Whether puts leave their payloads for the server to read: asked once (a probe
+        through the directory, see :func:`probe`), again after a refused direct put."""
+        if self.direct is None:  # False stays: refused by the server, or turned off
+            try:
+                reply = probe(transport, self.dir, reader=True)
+            except ProtocolError as e:
+                self.direct, self.direct_why = False, str(e)
+            else:
+                self.direct = reply.get("direct") is True
+                self.direct_why = str(reply.get("direct_why") or "")
+        return self.direct
 
     @property
     def pool(self) -> SegmentPool | None:
@@ -64,17 +83,32 @@ def handshake(transport: Transport, shm_dir: str) -> None:
         If the server has shared memory disabled or sees other files (another host,
         container or directory).
     """
+    probe(transport, shm_dir)
+
+
+def probe(transport: Transport, shm_dir: str, reader: bool = False) -> dict[str, Any]:
+    """The server's ``shm`` health entry for a probe file written to ``shm_dir``; with
+    ``reader``, also whether it reads this process's memory (``direct``).
+
+    Raises
+    ------
+    ProtocolError
+        As :func:`handshake`.
+    """
     token = secrets.token_bytes(32)
+    kept = ctypes.create_string_buffer(token, len(token))  # where the server may read it
     name = f"flightq-{os.getpid()}-{secrets.token_hex(4)}-0"
     path = os.path.join(shm_dir, name)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    where = [os.getpid(), ctypes.addressof(kept)] if reader else None
     try:
         os.write(fd, token)
         os.close(fd)
-        reply = transport.action(Health(shm_probe=path)).shm
+        reply = transport.action(Health(shm_probe=path, shm_reader=where)).shm
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
+    del kept
     location = transport.location
     if not reply:
         raise ProtocolError(
@@ -87,6 +121,7 @@ def handshake(transport: Transport, shm_dir: str) -> None:
             f"{reply.get('dir')!r}; another host or container?); connect without shm or "
             "pass shm=<a directory both share>"
         )
+    return reply
 
 
 def put_via_shm(
@@ -115,12 +150,35 @@ def put_via_shm(
     pool = segments.get()
     chunks = [c for b in batches for c in split_batch(b, batch_bytes)]
     gather = sink if isinstance(sink, ShmGather) else None
+    if gather is not None and gather.gathered:
+        gather.direct = segments.direct_reads(transport)
     ref = pool.write(chunks[0].schema, chunks, what, gather)
-    command = dataclasses.replace(cmd, shm=ShmRef(**ref))
-    try:
-        n = transport.put(
-            command, chunks[0].schema, (), max_batch_bytes=batch_bytes, timeout=timeout
+    fills = gather.fills if gather is not None else None
+    if gather is not None and fills is not None and len(fills) > 24 * MAX_FILLS:
+        gather.copy_planned()  # too many ranges to name: copied as before
+        fills = None
+    plain = ShmRef(**ref)
+    shm = plain if fills is None else dataclasses.replace(plain, pid=os.getpid(), fills=fills)
+
+    def send(ref: ShmRef) -> int:
+        return transport.put(
+            dataclasses.replace(cmd, shm=ref),
+            chunks[0].schema,
+            (),
+            max_batch_bytes=batch_bytes,
+            timeout=timeout,
         )
+
+    try:
+        try:
+            n = send(shm)
+        except ProtocolError:
+            if fills is None or gather is None:
+                raise
+            # The server would not read this memory: copy, send again, ask again next put.
+            segments.direct = None
+            gather.copy_planned()
+            n = send(plain)
     except BaseException:
         pool.abandon(ref)
         raise

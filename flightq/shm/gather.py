@@ -43,6 +43,14 @@ class ShmGather(CopyNow):
         self._spans: dict[int, tuple[int, list[Any], np.ndarray, pa.Buffer]] = {}
         self._stamp = itertools.count(1)
         self.copies: list[tuple[np.ndarray, np.ndarray]] = []
+        #: Leave the payloads where they are: :meth:`copy` names them in :attr:`fills`
+        #: for the server to read (:mod:`flightq.shm.direct`) instead of copying them.
+        self.direct = False
+        #: After :meth:`copy` in direct mode: (segment offset, address, length) triples,
+        #: little-endian int64, in segment order; None otherwise.
+        self.fills: bytes | None = None
+        self._planned: list[tuple[np.ndarray, np.ndarray]] = []
+        self._base = 0
 
     @property
     def gathered(self) -> bool:
@@ -78,11 +86,13 @@ class ShmGather(CopyNow):
     def stream(self, dst: np.ndarray) -> SegmentStream:
         """A write-only stream over a segment's data ``dst`` that fills this sink's
         placeholders (:meth:`flightq.shm.segments.SegmentPool.write`)."""
+        self._base = dst.ctypes.data
         return SegmentStream(dst, self)
 
     def forget(self) -> None:
         """Let go of the payloads (the caller's tensors): the placeholders are spent."""
-        self._starts, self._spans, self.copies = [], {}, []
+        self._starts, self._spans, self.copies, self._planned = [], {}, [], []
+        self.fills = None
 
     def fill(self, address: int, size: int, dst: np.ndarray) -> bool:
         """Plan the copy of the bytes a placeholder stands for at ``[address, address + size)``
@@ -112,6 +122,19 @@ class ShmGather(CopyNow):
         machine two threads copy about 1.8 times as fast as one.
         """
         copies, self.copies = self.copies, []
+        if self.direct:
+            self._planned = copies
+            self.fills = self._name(copies)
+            return
+        self._run(copies)
+
+    def copy_planned(self) -> None:
+        """Run the copies direct mode left to the server (it refused to read them)."""
+        copies, self._planned = self._planned, []
+        self.fills = None
+        self._run(copies)
+
+    def _run(self, copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
         total = sum(len(d) for d, _ in copies)
         n = min(_COPY_THREADS, os.cpu_count() or 1, max(1, total // _COPY_MIN))
         if n < 2:
@@ -152,6 +175,23 @@ class ShmGather(CopyNow):
             t.join()
         if errors:
             raise errors[0]
+
+    def _name(self, copies: list[tuple[np.ndarray, np.ndarray]]) -> bytes | None:
+        """The planned copies as fills, ranges that follow each other on both sides
+        merged (rows of one tensor, placed back to back); None if there are none."""
+        out: list[list[int]] = []
+        for d, src in sorted(copies, key=lambda c: c[0].ctypes.data):
+            n = len(d)
+            if not n:
+                continue
+            at, addr = d.ctypes.data - self._base, src.ctypes.data
+            if out and out[-1][0] + out[-1][2] == at and out[-1][1] + out[-1][2] == addr:
+                out[-1][2] += n
+            else:
+                out.append([at, addr, n])
+        if not out:
+            return None
+        return np.array(out, dtype="<i8").tobytes()
 
 
 class SegmentStream:

@@ -332,13 +332,24 @@ def _copy_in(fd: int, dst: memoryview, path: str, what: str) -> None:
         raise errors[0]
 
 
-def store_copy(ref: Any, dirpath: str, what: str) -> np.ndarray:
+def _copy_gaps(fd: int, dst: memoryview, fills: np.ndarray, path: str, what: str) -> None:
+    """Read what lies between the fills from the writer's file."""
+    starts = [0, *(fills[:, 0] + fills[:, 2]).tolist()]
+    stops = [*fills[:, 0].tolist(), len(dst)]
+    for a, b in zip(starts, stops, strict=True):
+        if b > a:
+            _copy_piece(fd, dst[a:b], a, path, what)
+
+
+def store_copy(ref: Any, dirpath: str, what: str, peer: str | None = None) -> np.ndarray:
     """Copy a writer's segment into a segment the server owns; returns the copy's bytes.
 
     The writer's file is opened without blocking, checked (a regular file of this user,
     of the announced size and generation, not being filled again), read once with
     ``pread`` and let go: what the server then checks, acknowledges and serves is its own
-    copy, which no writer can shrink or change.
+    copy, which no writer can shrink or change. A reference with ``fills`` has the
+    payloads read from the writer's memory instead (:mod:`flightq.shm.direct`), once the
+    writer is found to hold the caller's connection ``peer``.
 
     Raises
     ------
@@ -348,6 +359,17 @@ def store_copy(ref: Any, dirpath: str, what: str) -> np.ndarray:
         If the directory has no room for the copy.
     """
     path, gen, n = _checked_path(ref, dirpath, what)
+    fills = None
+    if ref.get("fills") is not None:
+        from . import direct
+
+        pid = ref.get("pid")
+        if not isinstance(pid, int):
+            raise ProtocolError(f"{what}: fills without the writer's pid")
+        fills = direct.check_fills(ref["fills"], n, what)
+        if direct.stuck() >= direct.MAX_STUCK:
+            raise ProtocolError(f"{what}: direct reads are off, {direct.stuck()} are stuck")
+        direct.owner_check(peer or "", pid, what)
     fd, _ = open_regular(path, what, HEADER + n)
     try:
         _lock_shared(fd, path, what)
@@ -358,14 +380,21 @@ def store_copy(ref: Any, dirpath: str, what: str) -> np.ndarray:
             try:
                 view = memoryview(seg.mm)[HEADER : HEADER + n]
                 try:
-                    _copy_in(fd, view, path, what)
+                    if fills is None:
+                        _copy_in(fd, view, path, what)
+                    else:
+                        _copy_direct(fd, view, fills, ref["pid"], pool, seg, dirpath, path, what)
                 finally:
                     view.release()
                 own = pool.written(seg, n)
                 data = map_data(own, dirpath, what, populate=False, private=False)
+            except _LeftRunning:
+                raise  # the segment stays the read's until it returns
             except BaseException:
                 pool.drop(seg)
                 raise
+        except _LeftRunning as e:
+            raise ProtocolError(str(e)) from None  # the pool too (_copy_direct's later)
         except BaseException:
             STORES.let_go(dirpath, pool)
             raise
@@ -377,7 +406,41 @@ def store_copy(ref: Any, dirpath: str, what: str) -> np.ndarray:
         os.close(fd)
 
 
-def read(ref: Any, dirpath: str, what: str, populate: bool = True) -> list[pa.RecordBatch]:
+class _LeftRunning(Exception):
+    """A direct read given up on: its segment is the read's until it returns."""
+
+
+def _copy_direct(
+    fd: int,
+    view: memoryview,
+    fills: np.ndarray,
+    pid: int,
+    pool: Any,
+    seg: Any,
+    dirpath: str,
+    path: str,
+    what: str,
+) -> None:
+    """The payloads from the writer's memory (on threads), the rest from its file."""
+    from . import direct
+
+    def later() -> None:  # the read given up on returned: its segment may go
+        pool.drop(seg)
+        STORES.let_go(dirpath, pool)
+
+    wait = direct.read_fills(pid, fills, view, what, later)
+    try:
+        _copy_gaps(fd, view, fills, path, what)
+    finally:
+        try:
+            wait()
+        except direct.GivenUp as e:
+            raise _LeftRunning(str(e)) from None
+
+
+def read(
+    ref: Any, dirpath: str, what: str, populate: bool = True, peer: str | None = None
+) -> list[pa.RecordBatch]:
     """A put's record batches through shared memory, as the server stores them.
 
     The writer's segment is copied into one the server owns (:func:`store_copy`); the
@@ -390,7 +453,7 @@ def read(ref: Any, dirpath: str, what: str, populate: bool = True) -> list[pa.Re
     ProtocolError
         As :func:`store_copy`, or if the stream in the segment is malformed.
     """
-    return _stream(store_copy(ref, dirpath, what), what)
+    return _stream(store_copy(ref, dirpath, what, peer), what)
 
 
 def read_private(ref: Any, dirpath: str, what: str) -> list[pa.RecordBatch]:

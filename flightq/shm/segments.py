@@ -183,10 +183,16 @@ def open_regular(path: str, what: str, min_size: int = 0) -> tuple[int, os.stat_
 # --------------------------------------------------------------------------- checks (server)
 
 
-def probe_reply(dirpath: str | None, body: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The ``shm`` entry of a health reply: the directory, and the probe file's contents.
+def probe_reply(
+    dirpath: str | None, body: Mapping[str, Any], peer: str | None = None
+) -> dict[str, Any] | None:
+    """The ``shm`` entry of a health reply: the directory, the probe file's contents, and
+    whether the server reads puts straight out of the client's memory (``direct``).
 
     A client proves both sides see the same directory by naming a file it wrote there.
+    Naming also where it keeps the file's token (``shm_reader``: pid, address), it gets
+    direct reads where the server finds that pid holding the caller's connection and
+    reads the token back (:mod:`flightq.shm.direct`); ``direct_why`` says why not.
     """
     if dirpath is None:
         return None
@@ -202,7 +208,28 @@ def probe_reply(dirpath: str | None, body: Mapping[str, Any]) -> dict[str, Any] 
                     out["probe"] = os.pread(fd, 64, 0).hex()
                 finally:
                     os.close(fd)
+    reader = body.get("shm_reader")
+    if out["probe"] and isinstance(reader, list) and len(reader) == 2:
+        out["direct"], out["direct_why"] = _direct_offer(peer, reader, bytes.fromhex(out["probe"]))
     return out
+
+
+def _direct_offer(peer: str | None, reader: list[int], token: bytes) -> tuple[bool, str]:
+    """Whether to read this client's puts out of its memory, and why not."""
+    from . import direct
+
+    if direct.stuck() >= direct.MAX_STUCK:
+        return False, f"{direct.stuck()} direct reads are stuck on this server"
+    if peer is None:
+        return False, "the caller's address is unknown"
+    pid, address = reader
+    try:
+        direct.owner_check(peer, pid, "direct reads")
+        if direct.read_memory(pid, address, len(token), "direct reads") != token:
+            return False, f"process {pid} does not hold the token at {address:#x}"
+    except ProtocolError as e:
+        return False, str(e)
+    return True, ""
 
 
 def check_peer(peer: str, what: str) -> None:

@@ -3,11 +3,11 @@
 The fixtures every data-plane test shares: ``server`` (a :class:`flightq.Server` in this
 process) and ``client`` (connected to it), ``pair`` (a client on the request stream and
 one per call, of ``server``), ``shard_locations`` and ``sharded`` (shard servers and a
-sharded client). A module may define its own ``server``/``client`` to start
-them differently.
+sharded client), ``shm_dir`` (a private directory under /dev/shm). A module may define
+its own ``server``/``client`` to start them differently.
 """
 
-from fixtures_dataplane import client_fixture, server_fixture
+from fixtures_dataplane import client_fixture, server_fixture, shm_dir_fixture
 from fixtures_shard import shard_locations_fixture, sharded_fixture
 from helpers_stream import pair_fixture
 
@@ -17,4 +17,5 @@ __all__ = [
     "server_fixture",
     "shard_locations_fixture",
     "sharded_fixture",
+    "shm_dir_fixture",
 ]

@@ -12,10 +12,8 @@ import ctypes
 import gc
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 
@@ -30,15 +28,6 @@ import flightq
 from flightq import shm, workloads
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(name="shm_dir")
-def shm_dir_fixture() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="flightq-test-", dir=shm.DEFAULT_DIR)
-    try:
-        yield os.path.realpath(path)
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(name="server")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 
 import flightq
@@ -143,9 +144,14 @@ def _kind_fits(doc: str, annotation: str) -> bool:
         return annotation.startswith("dict[str,")
     if doc.startswith("{"):
         return annotation.startswith("dict[") or isinstance(_message_type(annotation), type)
-    return {"str": "str", "int": "int", "float": "float", "bool": "bool", "any": "Any"}.get(
-        doc
-    ) == annotation
+    return {
+        "str": "str",
+        "int": "int",
+        "float": "float",
+        "bool": "bool",
+        "bytes": "bytes",
+        "any": "Any",
+    }.get(doc) == annotation
 
 
 def _message_type(annotation: str) -> type[Message] | None:
@@ -275,8 +281,8 @@ def test_the_protocol_doc_and_the_protocol_types_agree():
         ),
         ('`"put" = "put"`', '`"get" = "get"`', "put command: 'op' is \"get\" here"),
         (
-            '"nbytes": int} \\|',
-            '"size": int} \\|',
+            '"nbytes": int, "pid"',
+            '"size": int, "pid"',
             "put command: 'shm': ShmRef.nbytes is not documented",
         ),
         (
@@ -357,6 +363,14 @@ EXAMPLES: list[Message] = [
     ScanTicket(partition="p"),
     ScanTicket(partition="p", shm=True),
     _REF,
+    protocol.ShmRef(
+        path="/dev/shm/flightq-1-abcdef01-0",
+        gen=3,
+        nbytes=4096,
+        pid=4242,
+        fills=np.array([[64, 0x7F0000001000, 512]], dtype="<i8").tobytes(),
+    ),
+    protocol.Health(shm_probe="/dev/shm/flightq-1-abcdef01-0", shm_reader=[4242, 0x7F0000002000]),
     PutCommand(partition="p"),
     PutCommand(
         partition="p",

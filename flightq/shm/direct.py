@@ -1,0 +1,359 @@
+"""A put's one copy on Linux: the server reads the payloads out of the writer's memory.
+
+A put through shared memory copies twice by default: the writer copies its tensors into
+its segment, and the server copies the segment into one it owns (so that no writer can
+change what was acknowledged). With direct reads the writer leaves the payloads where
+they are: it writes the stream's small parts into its segment and names, per payload,
+the range of its own memory to read (``fills``: segment offset, address, length). The
+server copies those ranges with ``process_vm_readv`` straight into its own segment, and
+the rest of the stream from the writer's file, so the bytes it stores are the same it
+would have copied, read once.
+
+The server reads the memory of the process that holds the put's connection, no other:
+
+- at the shared-memory handshake the client names its pid and the address of the probe
+  token it wrote to the probe file; the server finds the client end of the caller's TCP
+  connection (``/proc/net/tcp``, ``tcp6``) among that pid's descriptors and reads the
+  token back from that address. Only then does it offer direct reads;
+- every put that names fills is checked the same way (the connection is the caller's,
+  the pid holds it) before a byte is read.
+
+A read that faults (a range the writer does not map) refuses the put: nothing is stored.
+A read that stalls (memory backed by a file system that does not answer) is given up
+after :func:`deadline` seconds; its segment stays set aside until the read returns, and
+once :data:`MAX_STUCK` reads are stuck the server offers no more direct reads.
+Where the kernel, a security module or another PID namespace forbids the read, the
+handshake says so and the client copies as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..errors import ProtocolError
+from ..protocol import MAX_FILLS
+
+__all__ = [
+    "MAX_STUCK",
+    "GivenUp",
+    "check_fills",
+    "deadline",
+    "filled_bytes",
+    "owner_check",
+    "read_fills",
+    "read_memory",
+    "stuck",
+]
+
+#: Reads given up while still running, past which the server offers no direct reads.
+MAX_STUCK = 4
+#: One ``process_vm_readv`` takes at most this many ranges (the kernel's ``IOV_MAX``).
+_IOV_MAX = 1024
+#: A read is cut into pieces of this size, dealt to threads.
+_PIECE = 8 * 2**20
+_THREADS = 8
+
+_stuck_lock = threading.Lock()
+_stuck = 0
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _readv() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.process_vm_readv
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_Iovec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_Iovec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
+    return fn  # a CDLL call lets go of the interpreter lock while it runs
+
+
+_process_vm_readv = _readv()
+
+
+def stuck() -> int:
+    """Direct reads given up on that have not returned yet."""
+    return _stuck
+
+
+def deadline(nbytes: int) -> float:
+    """Seconds a direct read of ``nbytes`` may take before it is given up: 10 s plus
+    what 100 MB/s needs (a loaded host reads at several GB/s)."""
+    return 10.0 + nbytes / 100e6
+
+
+# --------------------------------------------------------------------------- who asks
+
+
+def _peer_port(peer: str) -> tuple[int, bytes, int] | None:
+    """A gRPC peer string's (family, packed address, port) if it is TCP loopback."""
+    if peer.startswith("ipv4:"):
+        host, _, port = peer[5:].rpartition(":")
+    elif peer.startswith("ipv6:"):
+        host, _, port = peer[5:].rpartition(":")
+        host = host.strip("[]")
+    else:
+        return None
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+        n = int(port)
+    except ValueError:
+        return None
+    if not ip.is_loopback and not (
+        isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped and ip.ipv4_mapped.is_loopback
+    ):
+        return None
+    return ip.version, ip.packed, n
+
+
+def _proc_address(text: str, version: int) -> bytes:
+    """An address of /proc/net/tcp{,6}: 32-bit words in host order, as hex."""
+    raw = bytes.fromhex(text)
+    words = [raw[i : i + 4] for i in range(0, len(raw), 4)]
+    return b"".join(w[::-1] for w in words) if sys.byteorder == "little" else raw
+
+
+def _socket_inodes(peer: tuple[int, bytes, int]) -> set[str]:
+    """The inodes of the sockets whose local end is ``peer`` (the client's end)."""
+    version, packed, port = peer
+    found: set[str] = set()
+    mapped = b"\0" * 10 + b"\xff\xff"
+    # gRPC's sockets are dual-stack: an IPv4 peer's end is often an IPv4-mapped IPv6 one.
+    if version == 4:
+        wanted = [(4, packed), (6, mapped + packed)]
+    else:
+        wanted = [(6, packed)] + ([(4, packed[12:])] if packed[:12] == mapped else [])
+    for ver, addr in wanted:
+        path = "/proc/net/tcp" if ver == 4 else "/proc/net/tcp6"
+        try:
+            with open(path) as f:
+                next(f)
+                for line in f:
+                    cols = line.split()
+                    host, _, p = cols[1].partition(":")
+                    if int(p, 16) == port and _proc_address(host, ver) == addr:
+                        found.add(cols[9])
+        except (OSError, ValueError, IndexError, StopIteration):
+            continue
+    return found - {"0"}
+
+
+#: Connections found held by a pid: ``(peer, pid)`` to (descriptor, socket inode, when).
+#: Reading /proc/net/tcp walks the kernel's whole table of connections (milliseconds);
+#: a later put on the same connection checks that the descriptor still names the socket.
+_owners: dict[tuple[str, int], tuple[str, str, float]] = {}
+_owners_lock = threading.Lock()
+#: Seconds a connection found held stays known without a new search.
+_OWNER_TTL = 30.0
+_MAX_OWNERS = 4096
+
+
+def owner_check(peer: str, pid: int, what: str) -> None:
+    """Check that process ``pid`` holds the client end of the connection ``peer``.
+
+    Raises
+    ------
+    ProtocolError
+        If the peer is not TCP loopback or the pid holds no such socket.
+    """
+    now = time.monotonic()
+    with _owners_lock:
+        known = _owners.get((peer, pid))
+    if known is not None and now - known[2] < _OWNER_TTL:
+        fd, link, _ = known
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == link:
+                return
+        except OSError:
+            pass
+    fd, link = _find_owner(peer, pid, what)
+    with _owners_lock:
+        if len(_owners) >= _MAX_OWNERS:
+            _owners.clear()
+        _owners[peer, pid] = (fd, link, now)
+
+
+def _find_owner(peer: str, pid: int, what: str) -> tuple[str, str]:
+    """The descriptor of ``pid`` that holds the client end of ``peer``, and its link."""
+    if _process_vm_readv is None:
+        raise ProtocolError(f"{what}: direct reads need Linux's process_vm_readv")
+    where = _peer_port(peer)
+    if where is None:
+        raise ProtocolError(f"{what}: direct reads are for TCP loopback peers, not {peer!r}")
+    inodes = _socket_inodes(where)
+    wanted = {f"socket:[{i}]" for i in inodes}
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(fd_dir)
+    except OSError as e:
+        raise ProtocolError(f"{what}: cannot see process {pid}'s descriptors: {e}") from e
+    for name in names:
+        try:
+            link = os.readlink(f"{fd_dir}/{name}")
+        except OSError:
+            continue
+        if link in wanted:
+            return name, link
+    raise ProtocolError(f"{what}: process {pid} does not hold the connection {peer!r}")
+
+
+# --------------------------------------------------------------------------- the read
+
+
+def read_memory(pid: int, address: int, n: int, what: str) -> bytes:
+    """``n`` bytes of process ``pid``'s memory at ``address`` (the handshake's token)."""
+    out = ctypes.create_string_buffer(n)
+    _read_ranges(pid, [(ctypes.addressof(out), address, n)], what)
+    return out.raw
+
+
+def filled_bytes(raw: bytes) -> int:
+    """The bytes a put's (checked) fills name."""
+    return int(np.frombuffer(raw, dtype="<i8")[2::3].sum())
+
+
+def check_fills(raw: bytes, nbytes: int, what: str) -> np.ndarray:
+    """A put's fills as an ``(k, 3)`` int64 array (segment offset, address, length).
+
+    Raises
+    ------
+    ProtocolError
+        Unless they are whole triples, at most :data:`MAX_FILLS`, each non-empty, in
+        order, not overlapping and inside the segment's ``nbytes``.
+    """
+    if len(raw) % 24 or not raw:
+        raise ProtocolError(f"{what}: fills must be whole (offset, address, length) triples")
+    fills = np.frombuffer(raw, dtype="<i8").reshape(-1, 3)
+    if len(fills) > MAX_FILLS:
+        raise ProtocolError(f"{what}: {len(fills)} fills, at most {MAX_FILLS}")
+    at, addr, n = fills[:, 0], fills[:, 1], fills[:, 2]
+    ends = at + n
+    if (
+        (n <= 0).any()
+        or (at < 0).any()
+        or (addr <= 0).any()
+        or (ends > nbytes).any()
+        or (ends[:-1] > at[1:]).any()
+    ):
+        raise ProtocolError(
+            f"{what}: fills must be non-empty, in order, apart and inside the segment's "
+            f"{nbytes} bytes"
+        )
+    return fills.astype(np.int64)
+
+
+def _read_ranges(pid: int, ranges: list[tuple[int, int, int]], what: str) -> None:
+    """Copy each (local address, remote address, length) of ``pid``'s memory."""
+    assert _process_vm_readv is not None
+    for lo in range(0, len(ranges), _IOV_MAX):
+        part = ranges[lo : lo + _IOV_MAX]
+        k = len(part)
+        local = (_Iovec * k)(*[_Iovec(a, n) for a, _, n in part])
+        remote = (_Iovec * k)(*[_Iovec(r, n) for _, r, n in part])
+        want = sum(n for _, _, n in part)
+        got = _process_vm_readv(pid, local, k, remote, k, 0)
+        if got != want:
+            err = ctypes.get_errno() if got < 0 else 0
+            why = os.strerror(err) if err else f"{got} of {want} bytes"
+            raise ProtocolError(f"{what}: reading the writer's memory (pid {pid}) failed: {why}")
+
+
+class GivenUp(ProtocolError):
+    """A direct read that did not return in time (:func:`read_fills`)."""
+
+
+def read_fills(
+    pid: int, fills: np.ndarray, dst: Any, what: str, later: Callable[[], None]
+) -> Callable[[], None]:
+    """Start copying ``fills`` of ``pid``'s memory into ``dst`` (a writable buffer over the
+    segment's data, offsets relative to it) on a few threads; returns ``wait()``, which
+    joins them and raises the first error, or :class:`GivenUp` once :func:`deadline`
+    passes. The threads are then left to finish: :func:`stuck` counts them until they
+    do, ``dst`` must stay mapped until then, and ``later()`` runs once they have.
+    """
+    global _stuck
+    base = np.frombuffer(dst, dtype=np.uint8).ctypes.data
+    pieces: list[tuple[int, int, int]] = []
+    for at, addr, n in fills.tolist():
+        for o in range(0, n, _PIECE):
+            m = min(_PIECE, n - o)
+            pieces.append((base + at + o, addr + o, m))
+    total = int(fills[:, 2].sum())
+    k = max(1, min(_THREADS, os.cpu_count() or 1, total // _PIECE))
+    share = -(-total // k)
+    groups: list[list[tuple[int, int, int]]] = [[]]
+    acc = 0
+    for p in pieces:
+        if acc >= share and len(groups) < k:
+            groups.append([])
+            acc = 0
+        groups[-1].append(p)
+        acc += p[2]
+    errors: list[BaseException] = []
+    left = [len(groups)]
+    done = threading.Event()
+    given_up = [False]
+
+    def run(group: list[tuple[int, int, int]]) -> None:
+        global _stuck
+        try:
+            _read_ranges(pid, group, what)
+        except BaseException as e:  # raised by wait()
+            errors.append(e)
+        with _stuck_lock:
+            left[0] -= 1
+            last = left[0] == 0
+            late = last and given_up[0]
+            if late:
+                _stuck -= 1
+        if last:
+            done.set()
+        if late:
+            later()
+
+    threads = [
+        threading.Thread(target=run, args=(g,), name="flightq-shm-direct", daemon=True)
+        for g in groups
+    ]
+    for t in threads:
+        t.start()
+    limit = deadline(total)
+
+    def wait() -> None:
+        global _stuck
+        if not done.wait(limit):
+            with _stuck_lock:
+                if left[0]:
+                    given_up[0] = True
+                    _stuck += 1
+            if given_up[0]:
+                raise GivenUp(
+                    f"{what}: reading the writer's memory (pid {pid}) took over {limit:.1f} s; "
+                    "nothing is stored"
+                )
+        if errors:
+            raise errors[0]
+
+    return wait
