@@ -29,8 +29,10 @@ handshake says so and the client copies as before.
 from __future__ import annotations
 
 import ctypes
+import functools
 import ipaddress
 import os
+import queue
 import sys
 import threading
 import time
@@ -280,6 +282,38 @@ def _read_ranges(pid: int, ranges: list[tuple[int, int, int]], what: str) -> Non
             raise ProtocolError(f"{what}: reading the writer's memory (pid {pid}) failed: {why}")
 
 
+# Reads run on daemon threads kept between puts (starting threads for each put cost a
+# W1 put 0.7 ms on two cores): one more is started whenever every one is busy, so a read
+# never queues behind a stuck one. Daemons: a stuck read does not hold up the exit.
+_pool_lock = threading.Lock()
+_pool_queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+_pool_threads = 0
+_pool_busy = 0
+
+
+def _submit(job: Callable[[], None]) -> None:
+    global _pool_threads, _pool_busy
+    with _pool_lock:
+        _pool_busy += 1
+        grow = _pool_busy > _pool_threads
+        if grow:
+            _pool_threads += 1
+    if grow:
+        threading.Thread(target=_work, name="flightq-shm-direct", daemon=True).start()
+    _pool_queue.put(job)
+
+
+def _work() -> None:
+    global _pool_busy
+    while True:
+        job = _pool_queue.get()
+        try:
+            job()
+        finally:
+            with _pool_lock:
+                _pool_busy -= 1
+
+
 class GivenUp(ProtocolError):
     """A direct read that did not return in time (:func:`read_fills`)."""
 
@@ -333,12 +367,8 @@ def read_fills(
         if late:
             later()
 
-    threads = [
-        threading.Thread(target=run, args=(g,), name="flightq-shm-direct", daemon=True)
-        for g in groups
-    ]
-    for t in threads:
-        t.start()
+    for g in groups:
+        _submit(functools.partial(run, g))
     limit = deadline(total)
 
     def wait() -> None:
