@@ -17,6 +17,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from typing import Any
 
 from .peers import NAMESPACE, RAY_ENV, REFBOX, RefBox
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
             log_to_driver=False,
             configure_logging=False,
         )
+        # Ray's driver installs its own SIGTERM handler, which ends the process at once:
+        # ours again, so that a SIGTERM still shuts Ray down and removes the folder.
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
         box_cls: Any = ray.remote(num_cpus=0)(RefBox)
         box = box_cls.options(name=REFBOX, namespace=NAMESPACE, lifetime="detached").remote()
         ray.get(box.__ray_ready__.remote())
@@ -78,8 +82,23 @@ def main(argv: list[str] | None = None) -> int:
             transfer_queue.close()
     finally:
         ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
     return 0
+
+
+def _remove(tmp: str, wait: float = 5.0) -> None:
+    """Remove Ray's temp folder, again while Ray's last processes, still exiting after
+    ``ray.shutdown()``, write their logs into it anew (it was left behind otherwise)."""
+    deadline = time.monotonic() + wait
+    while True:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.25)
+        if not os.path.exists(tmp):
+            time.sleep(0.25)  # a late writer makes it again within this
+            if not os.path.exists(tmp):
+                return
 
 
 if __name__ == "__main__":
