@@ -343,6 +343,15 @@ class TensorColumn(Column):
         ]
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The element strides of a C-contiguous tensor of ``shape``."""
+    out, n = [], 1
+    for d in reversed(shape):
+        out.append(n)
+        n *= max(d, 1)
+    return tuple(reversed(out))
+
+
 class MediaColumn(Column):
     """A media field: per row a list of zero or more segments, each with its own shape."""
 
@@ -394,15 +403,24 @@ class MediaColumn(Column):
         # refuse, so a row's view would behave differently when its image is shared.)
         starts = self._elem.tolist()
         entry, shapes = self.entry.tolist(), self.segment_shapes
-        pieces: dict[int, Any] = {}
-        for e, shape in zip(entry, shapes, strict=True):
-            if e not in pieces:
-                pieces[e] = self._base[starts[e] : starts[e] + math.prod(shape)]
         if self.as_ == "numpy":
+            pieces: dict[int, Any] = {}
+            for e, shape in zip(entry, shapes, strict=True):
+                if e not in pieces:
+                    pieces[e] = self._base[starts[e] : starts[e] + math.prod(shape)]
             views = [pieces[e].reshape(s) for e, s in zip(entry, shapes, strict=True)]
-        else:  # torch parses view(*dims) faster than view(dims); view() needs the tuple
-            pairs = zip(entry, shapes, strict=True)
-            views = [pieces[e].view(*s) if s else pieces[e].view(s) for e, s in pairs]
+        else:
+            # One strided view of the flat base per segment, straight into its storage
+            # (half the cost of a slice then a view; validation has bounded every
+            # segment's extent inside its entry).
+            base, at = self._base, self._base.storage_offset()
+            strides: dict[tuple[int, ...], tuple[int, ...]] = {}
+            views = []
+            for e, s in zip(entry, shapes, strict=True):
+                st = strides.get(s)
+                if st is None:
+                    st = strides[s] = _contiguous_strides(s)
+                views.append(base.as_strided(s, st, at + starts[e]))
         bounds = self.row_segments.tolist()
         if self.complete:
             return [views[a:b] for a, b in itertools.pairwise(bounds)]
