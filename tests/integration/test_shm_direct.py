@@ -75,10 +75,10 @@ def test_a_put_through_shared_memory_is_read_out_of_the_writers_memory_once():
         c.create_partition("p", step.schema, tasks=["t"])
         assert c.put("p", step.keys, step.columns, tags=step.tags).route == "shm"
         assert c.shm_direct == (True, "")
-        got = c.get("p", step.keys)
+        got = c.get("p", step.keys, as_="numpy")
         assert_rows_match(got, step)
         with flightq.connect(location, timeout=TIMEOUT) as plain:
-            assert_rows_match(plain.get("p", step.keys), step)
+            assert_rows_match(plain.get("p", step.keys, as_="numpy"), step)
         # Every pixel crossed from the writer's memory (large columns are read there;
         # the few bytes of small ones travel in the segment).
         pixels = sum(x.nbytes for row in step.columns["pixel_values"] for x in row)
@@ -98,7 +98,7 @@ def test_the_bytes_stored_are_those_a_copy_would_store(server, shm_dir):
         c._segments.direct = False  # as if the probe had said no
         c.put("b", step.keys, step.columns, tags=step.tags)
         assert _counters(server.location)["shm_direct_bytes"] == after_direct
-        a, b = c.get("a", step.keys), c.get("b", step.keys)
+        a, b = c.get("a", step.keys, as_="numpy"), c.get("b", step.keys, as_="numpy")
         assert_rows_match(a, step)
         assert_rows_match(b, step)
 
@@ -129,7 +129,7 @@ def test_a_refused_direct_put_is_copied_and_sent_again(server, shm_dir):
             assert direct_on is False and "stuck" in why
         finally:
             direct._stuck = saved
-        assert_rows_match(c.get("p", step.keys), step)
+        assert_rows_match(c.get("p", step.keys, as_="numpy"), step)
 
 
 def test_a_probe_naming_the_wrong_address_or_process_gets_no_direct_reads(server, shm_dir):
@@ -286,7 +286,7 @@ def test_a_writer_whose_memory_stalls_the_read_cannot_freeze_the_server(
             c.put("p", step.keys, step.columns, tags=step.tags)
             direct_on, why = c.shm_direct
             assert direct_on is False and "stuck" in why
-            assert_rows_match(c.get("p", step.keys), step)
+            assert_rows_match(c.get("p", step.keys, as_="numpy"), step)
         finally:
             writer.kill()
             writer.wait()
