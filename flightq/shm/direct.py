@@ -138,7 +138,7 @@ def _proc_address(text: str, version: int) -> bytes:
 
 
 def _socket_inodes(peer: tuple[int, bytes, int]) -> set[str]:
-    """The inodes of the sockets whose local end is ``peer`` (the client's end)."""
+    """The inodes of the connected sockets whose local end is ``peer`` (the client's end)."""
     version, packed, port = peer
     found: set[str] = set()
     mapped = b"\0" * 10 + b"\xff\xff"
@@ -155,7 +155,8 @@ def _socket_inodes(peer: tuple[int, bytes, int]) -> set[str]:
                 for line in f:
                     cols = line.split()
                     host, _, p = cols[1].partition(":")
-                    if int(p, 16) == port and _proc_address(host, ver) == addr:
+                    # Connected sockets only (state 01): a listener names no connection.
+                    if cols[3] == "01" and int(p, 16) == port and _proc_address(host, ver) == addr:
                         found.add(cols[9])
         except (OSError, ValueError, IndexError, StopIteration):
             continue
