@@ -1,11 +1,13 @@
 """A writer whose memory stalls every reader: run as a script by test_shm_direct.
 
-``python helpers_stall.py LOCATION SHM_DIR`` maps anonymous memory, registers it with
-userfaultfd and never serves a fault, so any read of it (the server's
-``process_vm_readv`` included) waits until this process goes. It then makes a W1 put
-through shared memory whose image fill points into that memory, prints one JSON line
-(``{"refused": message}``, ``{"stored": rows}`` or ``{"skip": why}``) and sleeps until
-it is killed.
+``python helpers_stall.py LOCATION SHM_DIR [put|probe]`` maps anonymous memory,
+registers it with userfaultfd and never serves a fault, so any read of it (the server's
+``process_vm_readv`` included) waits until this process goes. ``put`` (the default)
+then makes a W1 put through shared memory whose image fill points into that memory and
+prints one JSON line (``{"refused": message}``, ``{"stored": rows}`` or
+``{"skip": why}``); ``probe`` sends a shared-memory probe whose token lies there and
+prints the server's ``shm`` health entry and the seconds it took (``{"shm", "s"}``).
+Either way it then sleeps until it is killed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+import msgpack
 import numpy as np
 import pyarrow.flight as fl
 from helpers_reliability import plain_shm_put
@@ -25,6 +28,7 @@ from helpers_reliability import plain_shm_put
 import flightq
 from flightq import workloads
 from flightq.chunks import encode_chunks
+from flightq.protocol import Health
 from flightq.shm.gather import gathering
 from flightq.shm.segments import BATCH_BYTES, SegmentPool
 
@@ -72,12 +76,15 @@ def direct_segment(shm_dir: str, step: workloads.Step) -> tuple[SegmentPool, dic
         return pool, ref, g.fills
 
 
-def main(location: str, shm_dir: str) -> None:
+def main(location: str, shm_dir: str, mode: str = "put") -> None:
     got = _stalling_memory()
     if isinstance(got, str):
         print(json.dumps({"skip": got}), flush=True)
         return
     _, addr = got
+    if mode == "probe":
+        _probe(location, shm_dir, addr)
+        return
     step = workloads.w1(groups=1, g=2)
     _, ref, raw = direct_segment(shm_dir, step)
     fills = np.frombuffer(raw, dtype="<i8").reshape(-1, 3).copy()
@@ -92,5 +99,19 @@ def main(location: str, shm_dir: str) -> None:
     time.sleep(300)  # keeps the memory registered until killed
 
 
+def _probe(location: str, shm_dir: str, addr: int) -> None:
+    """A shared-memory probe whose token the server must read from stalling memory."""
+    path = os.path.join(shm_dir, f"flightq-{os.getpid()}-5ea11ed0-0")
+    with open(path, "wb") as f:
+        f.write(os.urandom(32))
+    client = fl.connect(location)
+    started = time.monotonic()
+    body = Health(shm_probe=path, shm_reader=[os.getpid(), addr]).to_wire()
+    (res,) = list(client.do_action(fl.Action("health", body)))
+    took = time.monotonic() - started
+    print(json.dumps({"shm": msgpack.unpackb(res.body.to_pybytes())["shm"], "s": took}), flush=True)
+    time.sleep(300)  # keeps the memory registered until killed
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

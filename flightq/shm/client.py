@@ -172,10 +172,11 @@ def put_via_shm(
     try:
         try:
             n = send(shm)
-        except ProtocolError:
-            if fills is None or gather is None:
+        except ProtocolError as e:
+            if fills is None or gather is None or e.field != "fills":
                 raise
-            # The server would not read this memory: copy, send again, ask again next put.
+            # The server did not read this memory (it refused, or the read failed or was
+            # given up; nothing stored): copy, send again, ask again at the next put.
             segments.direct = None
             gather.copy_planned()
             n = send(plain)

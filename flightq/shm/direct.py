@@ -13,17 +13,20 @@ The server reads the memory of the process that holds the put's connection, no o
 
 - at the shared-memory handshake the client names its pid and the address of the probe
   token it wrote to the probe file; the server finds the client end of the caller's TCP
-  connection (``/proc/net/tcp``, ``tcp6``) among that pid's descriptors and reads the
-  token back from that address. Only then does it offer direct reads;
+  connection (``/proc/net/tcp``, ``tcp6``: the whole connection, from the peer's address
+  and port to this process's end of it) among that pid's descriptors and reads the token
+  back from that address. Only then does it offer direct reads;
 - every put that names fills is checked the same way (the connection is the caller's,
   the pid holds it) before a byte is read.
 
 A read that faults (a range the writer does not map) refuses the put: nothing is stored.
 A read that stalls (memory backed by a file system that does not answer) is given up
-after :func:`deadline` seconds; its segment stays set aside until the read returns, and
-once :data:`MAX_STUCK` reads are stuck the server offers no more direct reads.
-Where the kernel, a security module or another PID namespace forbids the read, the
-handshake says so and the client copies as before.
+after :func:`deadline` seconds; its segment is taken out of the pool until the read
+returns, and once :data:`MAX_STUCK` reads are stuck the server offers no more direct
+reads. At most :data:`MAX_READS` reads run at once, stuck ones included. Each refusal is
+a :class:`~flightq.errors.ProtocolError` whose ``field`` is ``"fills"``: the client then
+copies as before. Where the kernel, a security module or another PID namespace forbids
+the read, the handshake says so and the client copies from the start.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from ..errors import ProtocolError
 from ..protocol import MAX_FILLS
 
 __all__ = [
+    "MAX_READS",
     "MAX_STUCK",
     "GivenUp",
     "check_fills",
@@ -58,6 +62,8 @@ __all__ = [
 
 #: Reads given up while still running, past which the server offers no direct reads.
 MAX_STUCK = 4
+#: Reads in flight at once (stuck ones included); a put past them is refused, and copied.
+MAX_READS = 8
 #: One ``process_vm_readv`` takes at most this many ranges (the kernel's ``IOV_MAX``).
 _IOV_MAX = 1024
 #: A read is cut into pieces of this size, dealt to threads.
@@ -130,37 +136,71 @@ def _peer_port(peer: str) -> tuple[int, bytes, int] | None:
     return ip.version, ip.packed, n
 
 
-def _proc_address(text: str, version: int) -> bytes:
-    """An address of /proc/net/tcp{,6}: 32-bit words in host order, as hex."""
+def _proc_address(text: str) -> bytes:
+    """An address of /proc/net/tcp{,6} as 16 bytes of IPv6 (IPv4 mapped): the file writes
+    32-bit words in host order, as hex."""
     raw = bytes.fromhex(text)
-    words = [raw[i : i + 4] for i in range(0, len(raw), 4)]
-    return b"".join(w[::-1] for w in words) if sys.byteorder == "little" else raw
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return raw if len(raw) == 16 else _MAPPED + raw
 
 
-def _socket_inodes(peer: tuple[int, bytes, int]) -> set[str]:
-    """The inodes of the connected sockets whose local end is ``peer`` (the client's end)."""
-    version, packed, port = peer
-    found: set[str] = set()
-    mapped = b"\0" * 10 + b"\xff\xff"
-    # gRPC's sockets are dual-stack: an IPv4 peer's end is often an IPv4-mapped IPv6 one.
-    if version == 4:
-        wanted = [(4, packed), (6, mapped + packed)]
-    else:
-        wanted = [(6, packed)] + ([(4, packed[12:])] if packed[:12] == mapped else [])
-    for ver, addr in wanted:
-        path = "/proc/net/tcp" if ver == 4 else "/proc/net/tcp6"
+_MAPPED = b"\0" * 10 + b"\xff\xff"
+#: A socket's ends as (16-byte address, port) pairs.
+_End = tuple[bytes, int]
+
+
+def _connections() -> list[tuple[_End, _End, str]]:
+    """Every connected TCP socket of this network namespace: (local, remote, inode)."""
+    out = []
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(path) as f:
                 next(f)
                 for line in f:
                     cols = line.split()
-                    host, _, p = cols[1].partition(":")
-                    # Connected sockets only (state 01): a listener names no connection.
-                    if cols[3] == "01" and int(p, 16) == port and _proc_address(host, ver) == addr:
-                        found.add(cols[9])
+                    if cols[3] != "01":  # connected sockets only: a listener is no connection
+                        continue
+                    lh, _, lp = cols[1].partition(":")
+                    rh, _, rp = cols[2].partition(":")
+                    out.append(
+                        (
+                            (_proc_address(lh), int(lp, 16)),
+                            (_proc_address(rh), int(rp, 16)),
+                            cols[9],
+                        )
+                    )
         except (OSError, ValueError, IndexError, StopIteration):
             continue
-    return found - {"0"}
+    return out
+
+
+def _socket_links(pid: int | str) -> dict[str, str]:
+    """``socket:[inode]`` links of a process's descriptors, by descriptor."""
+    fd_dir = f"/proc/{pid}/fd"
+    out = {}
+    for name in os.listdir(fd_dir):
+        try:
+            link = os.readlink(f"{fd_dir}/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out[name] = link
+    return out
+
+
+def _client_inodes(peer: _End) -> set[str]:
+    """The inodes of the client end of this server's connections from ``peer``.
+
+    The whole connection must match: this process's socket whose remote end is ``peer``
+    gives the server's end, and the client's socket must run from ``peer`` to that end.
+    A socket elsewhere that only shares the peer's address and port (bound with
+    ``SO_REUSEADDR``, connected to another service) does not match.
+    """
+    conns = _connections()
+    mine = {link[8:-1] for link in _socket_links("self").values()}
+    ours = {local for local, remote, inode in conns if remote == peer and inode in mine}
+    return {inode for local, remote, inode in conns if local == peer and remote in ours} - {"0"}
 
 
 #: Connections found held by a pid: ``(peer, pid)`` to (descriptor, socket inode, when).
@@ -201,40 +241,37 @@ def owner_check(peer: str, pid: int, what: str) -> None:
 def _find_owner(peer: str, pid: int, what: str) -> tuple[str, str]:
     """The descriptor of ``pid`` that holds the client end of ``peer``, and its link."""
     if _process_vm_readv is None:
-        raise ProtocolError(f"{what}: direct reads need Linux's process_vm_readv")
+        raise _refused(f"{what}: direct reads need Linux's process_vm_readv")
     where = _peer_port(peer)
     if where is None:
-        raise ProtocolError(f"{what}: direct reads are for TCP loopback peers, not {peer!r}")
-    inodes = _socket_inodes(where)
-    wanted = {f"socket:[{i}]" for i in inodes}
-    fd_dir = f"/proc/{pid}/fd"
+        raise _refused(f"{what}: direct reads are for TCP loopback peers, not {peer!r}")
+    version, packed, port = where
+    end = (packed if version == 6 else _MAPPED + packed, port)
+    wanted = {f"socket:[{i}]" for i in _client_inodes(end)}
     try:
-        names = os.listdir(fd_dir)
+        links = _socket_links(pid)
     except OSError as e:
-        raise ProtocolError(f"{what}: cannot see process {pid}'s descriptors: {e}") from e
-    for name in names:
-        try:
-            link = os.readlink(f"{fd_dir}/{name}")
-        except OSError:
-            continue
+        raise _refused(f"{what}: cannot see process {pid}'s descriptors: {e}") from e
+    for name, link in links.items():
         if link in wanted:
             return name, link
-    raise ProtocolError(f"{what}: process {pid} does not hold the connection {peer!r}")
+    raise _refused(f"{what}: process {pid} does not hold the connection {peer!r}")
+
+
+def _refused(message: str) -> ProtocolError:
+    """A refusal of a direct read: ``field`` "fills" tells the client to copy instead."""
+    return ProtocolError(message, field="fills")
 
 
 # --------------------------------------------------------------------------- the read
 
 
-def read_memory(pid: int, address: int, n: int, what: str) -> bytes:
-    """``n`` bytes of process ``pid``'s memory at ``address`` (the handshake's token)."""
-    out = ctypes.create_string_buffer(n)
-    _read_ranges(pid, [(ctypes.addressof(out), address, n)], what)
-    return out.raw
-
-
 def filled_bytes(raw: bytes) -> int:
     """The bytes a put's (checked) fills name."""
     return int(np.frombuffer(raw, dtype="<i8")[2::3].sum())
+
+
+_I64 = 2**63 - 1
 
 
 def check_fills(raw: bytes, nbytes: int, what: str) -> np.ndarray:
@@ -244,23 +281,25 @@ def check_fills(raw: bytes, nbytes: int, what: str) -> np.ndarray:
     ------
     ProtocolError
         Unless they are whole triples, at most :data:`MAX_FILLS`, each non-empty, in
-        order, not overlapping and inside the segment's ``nbytes``.
+        order, not overlapping, inside the segment's ``nbytes`` and at addresses whose
+        range does not pass the end of the address space.
     """
     if len(raw) % 24 or not raw:
-        raise ProtocolError(f"{what}: fills must be whole (offset, address, length) triples")
+        raise _refused(f"{what}: fills must be whole (offset, address, length) triples")
     fills = np.frombuffer(raw, dtype="<i8").reshape(-1, 3)
     if len(fills) > MAX_FILLS:
-        raise ProtocolError(f"{what}: {len(fills)} fills, at most {MAX_FILLS}")
+        raise _refused(f"{what}: {len(fills)} fills, at most {MAX_FILLS}")
     at, addr, n = fills[:, 0], fills[:, 1], fills[:, 2]
-    ends = at + n
-    if (
-        (n <= 0).any()
-        or (at < 0).any()
-        or (addr <= 0).any()
-        or (ends > nbytes).any()
-        or (ends[:-1] > at[1:]).any()
-    ):
-        raise ProtocolError(
+    # Each bound on its own first, so that no sum below can pass int64.
+    if (n <= 0).any() or (n > nbytes).any() or (at < 0).any() or (at > nbytes - n).any():
+        raise _refused(
+            f"{what}: fills must be non-empty, in order, apart and inside the segment's "
+            f"{nbytes} bytes"
+        )
+    if (addr <= 0).any() or (addr > _I64 - n).any():
+        raise _refused(f"{what}: a fill's address range passes the end of the address space")
+    if ((at + n)[:-1] > at[1:]).any():
+        raise _refused(
             f"{what}: fills must be non-empty, in order, apart and inside the segment's "
             f"{nbytes} bytes"
         )
@@ -280,28 +319,36 @@ def _read_ranges(pid: int, ranges: list[tuple[int, int, int]], what: str) -> Non
         if got != want:
             err = ctypes.get_errno() if got < 0 else 0
             why = os.strerror(err) if err else f"{got} of {want} bytes"
-            raise ProtocolError(f"{what}: reading the writer's memory (pid {pid}) failed: {why}")
+            raise _refused(f"{what}: reading the writer's memory (pid {pid}) failed: {why}")
 
 
 # Reads run on daemon threads kept between puts (starting threads for each put cost a
-# W1 put 0.7 ms on two cores): one more is started whenever every one is busy, so a read
-# never queues behind a stuck one. Daemons: a stuck read does not hold up the exit.
+# W1 put 0.7 ms on two cores): the threads a read needs are started before any of its
+# work is queued, so a read never queues behind a stuck one. Daemons: a stuck read does
+# not hold up the exit. At most MAX_READS reads are in flight (stuck ones included), so
+# the threads, and the segments being filled, stay bounded.
 _pool_lock = threading.Lock()
 _pool_queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
 _pool_threads = 0
 _pool_busy = 0
+_slots = threading.BoundedSemaphore(MAX_READS)
 
 
-def _submit(job: Callable[[], None]) -> None:
+def _start(jobs: list[Callable[[], None]]) -> None:
+    """Queue ``jobs``, each on a thread of its own, or none of them (raises)."""
     global _pool_threads, _pool_busy
     with _pool_lock:
-        _pool_busy += 1
-        grow = _pool_busy > _pool_threads
-        if grow:
-            _pool_threads += 1
-    if grow:
-        threading.Thread(target=_work, name="flightq-shm-direct", daemon=True).start()
-    _pool_queue.put(job)
+        missing = _pool_busy + len(jobs) - _pool_threads
+        started = 0
+        try:
+            for _ in range(missing):
+                threading.Thread(target=_work, name="flightq-shm-direct", daemon=True).start()
+                started += 1
+        finally:
+            _pool_threads += started
+        _pool_busy += len(jobs)
+    for job in jobs:
+        _pool_queue.put(job)
 
 
 def _work() -> None:
@@ -310,6 +357,8 @@ def _work() -> None:
         job = _pool_queue.get()
         try:
             job()
+        except BaseException:  # a job reports its own errors; the thread stays
+            pass
         finally:
             with _pool_lock:
                 _pool_busy -= 1
@@ -320,71 +369,103 @@ class GivenUp(ProtocolError):
 
 
 def read_fills(
-    pid: int, fills: np.ndarray, dst: Any, what: str, later: Callable[[], None]
+    pid: int,
+    fills: np.ndarray,
+    dst: Any,
+    what: str,
+    later: Callable[[], None],
+    limit: float | None = None,
 ) -> Callable[[], None]:
     """Start copying ``fills`` of ``pid``'s memory into ``dst`` (a writable buffer over the
     segment's data, offsets relative to it) on a few threads; returns ``wait()``, which
-    joins them and raises the first error, or :class:`GivenUp` once :func:`deadline`
-    passes. The threads are then left to finish: :func:`stuck` counts them until they
-    do, ``dst`` must stay mapped until then, and ``later()`` runs once they have.
+    joins them and raises the first error, or :class:`GivenUp` once ``limit`` seconds
+    (:func:`deadline` by default) pass. The threads are then left to finish:
+    :func:`stuck` counts the read until they do, ``dst`` must stay mapped until then, and
+    ``later()`` runs once they have.
+
+    Raises
+    ------
+    ProtocolError
+        ``field`` "fills": if :data:`MAX_READS` reads are in flight and none ends within
+        a second.
     """
-    global _stuck
-    base = np.frombuffer(dst, dtype=np.uint8).ctypes.data
-    pieces: list[tuple[int, int, int]] = []
-    for at, addr, n in fills.tolist():
-        for o in range(0, n, _PIECE):
-            m = min(_PIECE, n - o)
-            pieces.append((base + at + o, addr + o, m))
-    total = int(fills[:, 2].sum())
-    k = max(1, min(_THREADS, os.cpu_count() or 1, total // _PIECE))
-    share = -(-total // k)
-    groups: list[list[tuple[int, int, int]]] = [[]]
-    acc = 0
-    for p in pieces:
-        if acc >= share and len(groups) < k:
-            groups.append([])
-            acc = 0
-        groups[-1].append(p)
-        acc += p[2]
-    errors: list[BaseException] = []
-    left = [len(groups)]
-    done = threading.Event()
-    given_up = [False]
+    if not _slots.acquire(timeout=1.0):
+        raise _refused(f"{what}: as many direct reads as this server runs at once are in flight")
+    try:
+        base = np.frombuffer(dst, dtype=np.uint8).ctypes.data
+        pieces: list[tuple[int, int, int]] = []
+        for at, addr, n in fills.tolist():
+            for o in range(0, n, _PIECE):
+                pieces.append((base + at + o, addr + o, min(_PIECE, n - o)))
+        total = int(fills[:, 2].sum())
+        k = max(1, min(_THREADS, os.cpu_count() or 1, total // _PIECE))
+        share = -(-total // k)
+        groups: list[list[tuple[int, int, int]]] = [[]]
+        acc = 0
+        for p in pieces:
+            if acc >= share and len(groups) < k:
+                groups.append([])
+                acc = 0
+            groups[-1].append(p)
+            acc += p[2]
+        errors: list[BaseException] = []
+        left = [len(groups)]
+        done = threading.Event()
+        given_up = [False]
 
-    def run(group: list[tuple[int, int, int]]) -> None:
-        global _stuck
-        try:
-            _read_ranges(pid, group, what)
-        except BaseException as e:  # raised by wait()
-            errors.append(e)
-        with _stuck_lock:
-            left[0] -= 1
-            last = left[0] == 0
-            late = last and given_up[0]
+        def run(group: list[tuple[int, int, int]]) -> None:
+            global _stuck
+            try:
+                _read_ranges(pid, group, what)
+            except BaseException as e:  # raised by wait()
+                errors.append(e)
+            with _stuck_lock:
+                left[0] -= 1
+                last = left[0] == 0
+                late = last and given_up[0]
+                if late:
+                    _stuck -= 1
+            if last:
+                _slots.release()
+                done.set()
             if late:
-                _stuck -= 1
-        if last:
-            done.set()
-        if late:
-            later()
+                later()
 
-    for g in groups:
-        _submit(functools.partial(run, g))
-    limit = deadline(total)
+        _start([functools.partial(run, g) for g in groups])
+    except BaseException:
+        _slots.release()
+        raise
+    wait_s = deadline(total) if limit is None else limit
 
     def wait() -> None:
         global _stuck
-        if not done.wait(limit):
+        if not done.wait(wait_s):
             with _stuck_lock:
                 if left[0]:
                     given_up[0] = True
                     _stuck += 1
             if given_up[0]:
                 raise GivenUp(
-                    f"{what}: reading the writer's memory (pid {pid}) took over {limit:.1f} s; "
-                    "nothing is stored"
+                    f"{what}: reading the writer's memory (pid {pid}) took over {wait_s:.1f} s; "
+                    "nothing is stored",
+                    field="fills",
                 )
         if errors:
             raise errors[0]
 
     return wait
+
+
+def read_memory(pid: int, address: int, n: int, what: str, limit: float = 2.0) -> bytes:
+    """``n`` bytes of process ``pid``'s memory at ``address`` (the handshake's token),
+    read as a put's fills are: bounded in time, counted while stuck.
+
+    Raises
+    ------
+    ProtocolError
+        As :func:`read_fills`.
+    """
+    out = np.zeros(n, dtype=np.uint8)
+    fills = np.array([[0, address, n]], dtype=np.int64)
+    read_fills(pid, fills, out, what, lambda: None, limit=limit)()
+    return out.tobytes()

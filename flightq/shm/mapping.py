@@ -365,10 +365,12 @@ def store_copy(ref: Any, dirpath: str, what: str, peer: str | None = None) -> np
 
         pid = ref.get("pid")
         if not isinstance(pid, int):
-            raise ProtocolError(f"{what}: fills without the writer's pid")
+            raise ProtocolError(f"{what}: fills without the writer's pid", field="fills")
         fills = direct.check_fills(ref["fills"], n, what)
         if direct.stuck() >= direct.MAX_STUCK:
-            raise ProtocolError(f"{what}: direct reads are off, {direct.stuck()} are stuck")
+            raise ProtocolError(
+                f"{what}: direct reads are off, {direct.stuck()} are stuck", field="fills"
+            )
         direct.owner_check(peer or "", pid, what)
     fd, _ = open_regular(path, what, HEADER + n)
     try:
@@ -394,7 +396,7 @@ def store_copy(ref: Any, dirpath: str, what: str, peer: str | None = None) -> np
                 pool.drop(seg)
                 raise
         except _LeftRunning as e:
-            raise ProtocolError(str(e)) from None  # the pool too (_copy_direct's later)
+            raise ProtocolError(str(e), field="fills") from None  # pool: later() lets go
         except BaseException:
             STORES.let_go(dirpath, pool)
             raise
@@ -425,7 +427,7 @@ def _copy_direct(
     from . import direct
 
     def later() -> None:  # the read given up on returned: its segment may go
-        pool.drop(seg)
+        seg.close()
         STORES.let_go(dirpath, pool)
 
     wait = direct.read_fills(pid, fills, view, what, later)
@@ -435,6 +437,9 @@ def _copy_direct(
         try:
             wait()
         except direct.GivenUp as e:
+            # The read may still write into the segment: out of the pool, never reused,
+            # until it returns (later()).
+            pool.set_aside(seg)
             raise _LeftRunning(str(e)) from None
 
 

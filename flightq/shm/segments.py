@@ -405,6 +405,13 @@ class SegmentPool:
         seg.unlock()
         return {"path": seg.path, "gen": seg.gen, "nbytes": n}
 
+    def set_aside(self, seg: Segment) -> None:
+        """Take ``seg`` out of the pool, open and mapped: it is never handed out again,
+        nor closed with the pool; its holder closes it (``seg.close()``)."""
+        with self._lock:
+            if seg in self._segs:
+                self._segs.remove(seg)
+
     def drop(self, seg: Segment) -> None:
         """Unlink a segment whose writing failed."""
         with self._lock:

@@ -9,11 +9,14 @@ ranges that lie about the segment.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +31,7 @@ from helpers_reliability import plain_shm_put
 from helpers_stall import direct_segment
 
 import flightq
-from flightq import workloads
+from flightq import shm, workloads
 from flightq.protocol import MAX_FILLS, Health
 from flightq.shm import direct
 
@@ -218,6 +221,10 @@ def _lie(fills: bytes, how: str, nbytes: int) -> bytes:
         f = f[::-1].copy()
     elif how == "negative offset":
         f[0, 0] = -64
+    elif how == "length that wraps":
+        f[0, 0], f[0, 2] = 1, 2**63 - 1  # offset + length passes int64
+    elif how == "address that wraps":
+        f[0, 1] = 2**63 - 8
     elif how == "too many":
         f = np.tile(f[:1], (MAX_FILLS + 1, 1))
     return f.tobytes()
@@ -232,6 +239,8 @@ def _lie(fills: bytes, how: str, nbytes: int) -> bytes:
         ("overlapping", "apart"),
         ("out of order", "in order"),
         ("negative offset", "inside the segment"),
+        ("length that wraps", "inside the segment"),
+        ("address that wraps", "end of the address space"),
         ("too many", "at most"),
     ],
 )
@@ -257,41 +266,145 @@ def test_fills_that_lie_about_the_segment_are_refused(server, shm_dir, how, prob
 # --------------------------------------------------------------------------- stalls
 
 
+@contextlib.contextmanager
+def _stalling(location: str, shm_dir: str, mode: str = "put") -> Iterator[dict[str, Any]]:
+    """A writer process whose memory stalls every read (helpers_stall.py); yields what it
+    said, kills it on exit and waits for every read of it to return."""
+    writer = subprocess.Popen(
+        [sys.executable, str(HELPERS / "helpers_stall.py"), location, shm_dir, mode],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=python_env(),
+    )
+    try:
+        assert writer.stdout is not None
+        said = json.loads(writer.stdout.readline())
+        if "skip" in said:
+            pytest.skip(f"no memory that stalls its readers here: {said['skip']}")
+        yield said
+    finally:
+        writer.kill()
+        writer.wait()
+        deadline = time.monotonic() + TIMEOUT
+        while direct.stuck() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert direct.stuck() == 0
+
+
 def test_a_writer_whose_memory_stalls_the_read_cannot_freeze_the_server(
     server, shm_dir, monkeypatch
 ):
     # The writer's image lies in memory no one serves (userfaultfd): the server's read of
     # it waits. The server gives the read up after its deadline (shortened here), refuses
-    # the put, keeps serving everyone, offers no direct reads while too many are stuck,
-    # and lets the read's segment go once the writer is gone and the read returns.
+    # the put, keeps serving everyone and offers no direct reads while too many are stuck.
+    # The read's segment is set aside: a put copied meanwhile (its segment pool told to
+    # reuse anything at once) does not land in it, so when the writer goes and the read
+    # returns (zero pages), it writes into nothing anyone stored.
     monkeypatch.setattr(direct, "deadline", lambda nbytes: 0.5)
     monkeypatch.setattr(direct, "MAX_STUCK", 1)
     step = workloads.w1(groups=1, g=4)
     with flightq.connect(server.location, [step.schema], timeout=TIMEOUT, shm=shm_dir) as c:
         c.create_partition("p", step.schema, tasks=["t"])
-        writer = subprocess.Popen(
-            [sys.executable, str(HELPERS / "helpers_stall.py"), server.location, shm_dir],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=python_env(),
-        )
-        try:
-            assert writer.stdout is not None
-            said = json.loads(writer.stdout.readline())
-            if "skip" in said:
-                pytest.skip(f"no memory that stalls its readers here: {said['skip']}")
-            assert "took over 0.5 s" in said["refused"] and "nothing is stored" in said["refused"]
+        c.create_partition("q", step.schema, tasks=["t"])
+        c.put("q", step.keys, step.columns, tags=step.tags)  # the server's pool exists
+        pool = shm.STORES.hold(shm_dir)
+        monkeypatch.setattr(pool, "lease_s", 0.0)
+        shm.STORES.let_go(shm_dir, pool)
+        c.drop("q")
+        with _stalling(server.location, shm_dir) as said:
+            assert "took over 0.5 s" in said["refused"], said
+            assert "nothing is stored" in said["refused"]
             assert direct.stuck() == 1
-            # Everyone else is served meanwhile; the next probe turns direct reads down.
+            # Refused (field "fills": the client copies), then turned down at the probe.
             c.put("p", step.keys, step.columns, tags=step.tags)
+            assert c.shm_direct == (None, "")
+            c.create_partition("r", step.schema, tasks=["t"])
+            c.put("r", step.keys, step.columns, tags=step.tags)
             direct_on, why = c.shm_direct
             assert direct_on is False and "stuck" in why
             assert_rows_match(c.get("p", step.keys, as_="numpy"), step)
-        finally:
-            writer.kill()
-            writer.wait()
-        deadline = time.monotonic() + TIMEOUT
-        while direct.stuck() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert direct.stuck() == 0
+        assert_rows_match(c.get("p", step.keys, as_="numpy"), step)
         assert c.stats()["partitions"]["p"]["rows"] == 4  # the writer's put stored nothing
+
+
+def test_a_probe_whose_token_stalls_is_answered_in_time_without_direct_reads(server, shm_dir):
+    with _stalling(server.location, shm_dir, "probe") as said:
+        assert said["s"] < TIMEOUT / 2
+        assert said["shm"]["direct"] is False and "took over" in said["shm"]["direct_why"]
+        assert direct.stuck() == 1
+        with flightq.connect(server.location, timeout=TIMEOUT) as c:
+            assert c.stats()["partitions"] == {}  # served meanwhile
+
+
+def test_direct_reads_past_those_in_flight_are_refused_and_copied(server, shm_dir, monkeypatch):
+    # One read in flight at most here, and it is stuck: the next direct put waits a second
+    # for it, is refused, and the client copies the payloads and sends the put again.
+    monkeypatch.setattr(direct, "deadline", lambda nbytes: 0.5)
+    monkeypatch.setattr(direct, "MAX_STUCK", 10)
+    monkeypatch.setattr(direct, "_slots", threading.BoundedSemaphore(1))
+    step = workloads.w1(groups=1, g=4)
+    with flightq.connect(server.location, [step.schema], timeout=TIMEOUT, shm=shm_dir) as c:
+        c.create_partition("p", step.schema, tasks=["t"])
+        c.create_partition("q", step.schema, tasks=["t"])
+        c.put("q", step.keys, step.columns, tags=step.tags)
+        assert c.shm_direct == (True, "")
+        with _stalling(server.location, shm_dir) as said:
+            assert "took over" in said["refused"]
+            before = _counters(server.location)["shm_direct_bytes"]
+            c.put("p", step.keys, step.columns, tags=step.tags)
+            assert c.shm_direct == (None, "")  # refused: asks again next put
+            assert _counters(server.location)["shm_direct_bytes"] == before
+        assert_rows_match(c.get("p", step.keys, as_="numpy"), step)
+
+
+# --------------------------------------------------------------------------- whose socket
+
+_HOLD = """
+import socket, sys, time
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.connect(("127.0.0.1", int(sys.argv[2])))
+print(s.getsockname()[1], flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_process_sharing_only_the_callers_address_and_port_does_not_pass():
+    # A victim's socket bound to the same local address and port as the caller's
+    # connection (SO_REUSEADDR), but connected to another service, is not the caller's
+    # connection: only the process whose socket runs from the caller's end to this
+    # process's end passes.
+    service, ours = socket.socket(), socket.socket()
+    for s in (service, ours):
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+    procs: list[subprocess.Popen[str]] = []
+    try:
+
+        def hold(port: int, to: socket.socket) -> tuple[subprocess.Popen[str], int]:
+            p = subprocess.Popen(
+                [sys.executable, "-c", _HOLD, str(port), str(to.getsockname()[1])],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            procs.append(p)
+            assert p.stdout is not None
+            return p, int(p.stdout.readline())
+
+        # Not accepted: the other service's end stays in its queue, no socket of ours.
+        victim, port = hold(0, service)
+        caller, same = hold(port, ours)
+        assert same == port
+        conn, addr = ours.accept()
+        peer = f"ipv4:127.0.0.1:{addr[1]}"
+        direct.owner_check(peer, caller.pid, "test")
+        with pytest.raises(flightq.ProtocolError, match="does not hold the connection"):
+            direct.owner_check(peer, victim.pid, "test")
+        conn.close()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        service.close()
+        ours.close()
