@@ -34,7 +34,8 @@ keeps valid pages after it is unlinked.
 The package: :mod:`~flightq.shm.segments` (the files, their owners and the checks of a
 request), :mod:`~flightq.shm.mapping` (readers' mappings), :mod:`~flightq.shm.gather`
 (a put's single copy into a segment), :mod:`~flightq.shm.direct` (the server reading a
-put out of the writer's memory), :mod:`~flightq.shm.client` (the client's side of
+put out of the writer's memory) and :mod:`~flightq.shm.owner` (whose memory: the process
+holding the caller's connection), :mod:`~flightq.shm.client` (the client's side of
 a put and of the handshake), :mod:`~flightq.shm.table` (reads answered with the segments
 and offsets where the bytes lie).
 
