@@ -326,15 +326,10 @@ class ServerProcess:
         with contextlib.suppress(OSError):
             if self.proc.stdin is not None:
                 self.proc.stdin.close()  # the bench's own servers also exit on stdin EOF
-        # Time to shut down on EOF first: a signal at once can land in a handler the
-        # server's libraries installed (Ray's ends the process) before its own cleanup.
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=15)
+            self.proc.wait(timeout=15)
         end_processes(sorted(set(members) | set(session_pids(self.proc.pid))), grace=5.0)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
