@@ -37,7 +37,7 @@ import queue
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -51,6 +51,8 @@ __all__ = [
     "MAX_STUCK",
     "GivenUp",
     "check_fills",
+    "check_not_stuck",
+    "deal",
     "deadline",
     "filled_bytes",
     "owner_check",
@@ -71,6 +73,7 @@ _THREADS = 8
 
 _stuck_lock = threading.Lock()
 _stuck = 0
+T = TypeVar("T")
 
 
 class _Iovec(ctypes.Structure):
@@ -109,6 +112,18 @@ def deadline(nbytes: int) -> float:
     """Seconds a direct read of ``nbytes`` may take before it is given up: 10 s plus
     what 100 MB/s needs (a loaded host reads at several GB/s)."""
     return 10.0 + nbytes / 100e6
+
+
+def check_not_stuck(what: str) -> None:
+    """Refuse direct reads while :data:`MAX_STUCK` are stuck.
+
+    Raises
+    ------
+    ProtocolError
+        ``field`` "fills".
+    """
+    if _stuck >= MAX_STUCK:
+        raise refused(f"{what}: direct reads are off, {_stuck} are stuck on this server")
 
 
 def owner_check(peer: str, pid: int, what: str) -> None:
@@ -152,19 +167,20 @@ def check_fills(raw: bytes, nbytes: int, what: str) -> np.ndarray:
     if len(fills) > MAX_FILLS:
         raise refused(f"{what}: {len(fills)} fills, at most {MAX_FILLS}")
     at, addr, n = fills[:, 0], fills[:, 1], fills[:, 2]
-    # Each bound on its own first, so that no sum below can pass int64.
-    if (n <= 0).any() or (n > nbytes).any() or (at < 0).any() or (at > nbytes - n).any():
+    # Each bound on its own first (``or`` stops there), so that no sum can pass int64.
+    if (
+        (n <= 0).any()
+        or (n > nbytes).any()
+        or (at < 0).any()
+        or (at > nbytes - n).any()
+        or ((at + n)[:-1] > at[1:]).any()
+    ):
         raise refused(
             f"{what}: fills must be non-empty, in order, apart and inside the segment's "
             f"{nbytes} bytes"
         )
     if (addr <= 0).any() or (addr > _I64 - n).any():
         raise refused(f"{what}: a fill's address range passes the end of the address space")
-    if ((at + n)[:-1] > at[1:]).any():
-        raise refused(
-            f"{what}: fills must be non-empty, in order, apart and inside the segment's "
-            f"{nbytes} bytes"
-        )
     return fills.astype(np.int64)
 
 
@@ -182,6 +198,21 @@ def _read_ranges(pid: int, ranges: list[tuple[int, int, int]], what: str) -> Non
             err = ctypes.get_errno() if got < 0 else 0
             why = os.strerror(err) if err else f"{got} of {want} bytes"
             raise refused(f"{what}: reading the writer's memory (pid {pid}) failed: {why}")
+
+
+def deal(pieces: list[T], sizes: list[int], k: int) -> list[list[T]]:
+    """``pieces`` in order, cut into at most ``k`` runs of about equal bytes (``sizes``):
+    one run per thread of a copy."""
+    share = -(-sum(sizes) // k)
+    groups: list[list[T]] = [[]]
+    acc = 0
+    for p, n in zip(pieces, sizes, strict=True):
+        if acc >= share and len(groups) < k:
+            groups.append([])
+            acc = 0
+        groups[-1].append(p)
+        acc += n
+    return groups
 
 
 # Reads run on daemon threads kept between puts (starting threads for each put cost a
@@ -261,15 +292,7 @@ def read_fills(
                 pieces.append((base + at + o, addr + o, min(_PIECE, n - o)))
         total = int(fills[:, 2].sum())
         k = max(1, min(_THREADS, os.cpu_count() or 1, total // _PIECE))
-        share = -(-total // k)
-        groups: list[list[tuple[int, int, int]]] = [[]]
-        acc = 0
-        for p in pieces:
-            if acc >= share and len(groups) < k:
-                groups.append([])
-                acc = 0
-            groups[-1].append(p)
-            acc += p[2]
+        groups = deal(pieces, [p[2] for p in pieces], k)
         errors: list[BaseException] = []
         left = [len(groups)]
         done = threading.Event()

@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from ..sink import CopyNow, bulk_buffers
 from ..tensor import Bulk
+from .direct import deal
 
 # --------------------------------------------------------------------------- gathering
 
@@ -170,15 +171,7 @@ class ShmGather(CopyNow):
             for d, src in copies
             for i in range(0, len(d), _COPY_PIECE)
         ]
-        share = -(-total // n)
-        groups: list[list[tuple[np.ndarray, np.ndarray]]] = [[]]
-        acc = 0
-        for p in pieces:
-            if acc >= share and len(groups) < n:
-                groups.append([])
-                acc = 0
-            groups[-1].append(p)
-            acc += len(p[0])
+        groups = deal(pieces, [len(d) for d, _ in pieces], n)
         errors: list[BaseException] = []
 
         def run(group: list[tuple[np.ndarray, np.ndarray]]) -> None:

@@ -367,10 +367,7 @@ def store_copy(ref: Any, dirpath: str, what: str, peer: str | None = None) -> np
         if not isinstance(pid, int):
             raise ProtocolError(f"{what}: fills without the writer's pid", field="fills")
         fills = direct.check_fills(ref["fills"], n, what)
-        if direct.stuck() >= direct.MAX_STUCK:
-            raise ProtocolError(
-                f"{what}: direct reads are off, {direct.stuck()} are stuck", field="fills"
-            )
+        direct.check_not_stuck(what)
         direct.owner_check(peer or "", pid, what)
     fd, _ = open_regular(path, what, HEADER + n)
     try:

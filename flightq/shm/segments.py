@@ -218,12 +218,11 @@ def _direct_offer(peer: str | None, reader: list[int], token: bytes) -> tuple[bo
     """Whether to read this client's puts out of its memory, and why not."""
     from . import direct
 
-    if direct.stuck() >= direct.MAX_STUCK:
-        return False, f"{direct.stuck()} direct reads are stuck on this server"
     if peer is None:
         return False, "the caller's address is unknown"
     pid, address = reader
     try:
+        direct.check_not_stuck("direct reads")
         direct.owner_check(peer, pid, "direct reads")
         if direct.read_memory(pid, address, len(token), "direct reads") != token:
             return False, f"process {pid} does not hold the token at {address:#x}"

@@ -167,32 +167,40 @@ def test_a_probe_naming_the_wrong_address_or_process_gets_no_direct_reads(server
 # --------------------------------------------------------------------------- hostile puts
 
 
+@contextlib.contextmanager
+def _hostile(location: str, shm_dir: str, step: workloads.Step) -> Iterator[tuple[dict, bytes]]:
+    """Partition 'p' for ``step``, and a writer's segment of it with the fills that name its
+    payloads in this process (:func:`helpers_stall.direct_segment`); the segment's pool is
+    closed on exit."""
+    with flightq.connect(location, [step.schema], timeout=TIMEOUT) as c:
+        c.create_partition("p", step.schema, tasks=["t"])
+    pool, ref, fills = direct_segment(shm_dir, step)
+    try:
+        yield ref, fills
+    finally:
+        pool.close()
+
+
 def test_a_put_naming_another_process_is_refused_and_nothing_is_stored(server, shm_dir):
     # The server reads only the memory of the process holding the put's connection: a
     # plain client naming a process that holds none (its own child here) is refused.
     step = workloads.w1(groups=1, g=2)
-    with flightq.connect(server.location, [step.schema], timeout=TIMEOUT) as c:
-        c.create_partition("p", step.schema, tasks=["t"])
-    pool, ref, fills = direct_segment(shm_dir, step)
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        with pytest.raises(fl.FlightError, match="does not hold the connection"):
-            plain_shm_put(server.location, {**ref, "pid": other.pid, "fills": fills}, rows=2)
-        assert _rows(server.location) == 0
-        plain_shm_put(server.location, {**ref, "pid": os.getpid(), "fills": fills}, rows=2)
-        assert _rows(server.location) == 2
-    finally:
-        other.kill()
-        other.wait()
-        pool.close()
+    with _hostile(server.location, shm_dir, step) as (ref, fills):
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            with pytest.raises(fl.FlightError, match="does not hold the connection"):
+                plain_shm_put(server.location, {**ref, "pid": other.pid, "fills": fills}, rows=2)
+            assert _rows(server.location) == 0
+            plain_shm_put(server.location, {**ref, "pid": os.getpid(), "fills": fills}, rows=2)
+            assert _rows(server.location) == 2
+        finally:
+            other.kill()
+            other.wait()
 
 
 def test_fills_the_writer_does_not_map_are_refused_and_nothing_is_stored(server, shm_dir):
     step = workloads.w1(groups=1, g=2)
-    with flightq.connect(server.location, [step.schema], timeout=TIMEOUT) as c:
-        c.create_partition("p", step.schema, tasks=["t"])
-    pool, ref, fills = direct_segment(shm_dir, step)
-    try:
+    with _hostile(server.location, shm_dir, step) as (ref, fills):
         f = np.frombuffer(fills, dtype="<i8").reshape(-1, 3).copy()
         f[-1, 1] = 4096  # the first page is never mapped
         with pytest.raises(fl.FlightError, match="Bad address"):
@@ -203,8 +211,6 @@ def test_fills_the_writer_does_not_map_are_refused_and_nothing_is_stored(server,
         assert direct.stuck() == 0
         plain_shm_put(server.location, {**ref, "pid": os.getpid(), "fills": fills}, rows=2)
         assert _rows(server.location) == 2
-    finally:
-        pool.close()
 
 
 def _lie(fills: bytes, how: str, nbytes: int) -> bytes:
@@ -246,10 +252,7 @@ def _lie(fills: bytes, how: str, nbytes: int) -> bytes:
 )
 def test_fills_that_lie_about_the_segment_are_refused(server, shm_dir, how, problem):
     step = workloads.w2(groups=1)  # several images: several fills
-    with flightq.connect(server.location, [step.schema], timeout=TIMEOUT) as c:
-        c.create_partition("p", step.schema, tasks=["t"])
-    pool, ref, fills = direct_segment(shm_dir, step)
-    try:
+    with _hostile(server.location, shm_dir, step) as (ref, fills):
         assert len(fills) >= 48
         bad = _lie(fills, how, ref["nbytes"])
         with pytest.raises(fl.FlightError, match=problem):
@@ -259,8 +262,6 @@ def test_fills_that_lie_about_the_segment_are_refused(server, shm_dir, how, prob
             plain_shm_put(server.location, {**ref, "fills": fills}, rows=8)
         plain_shm_put(server.location, {**ref, "pid": os.getpid(), "fills": fills}, rows=8)
         assert _rows(server.location) == 8
-    finally:
-        pool.close()
 
 
 # --------------------------------------------------------------------------- stalls
