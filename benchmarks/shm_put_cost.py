@@ -37,11 +37,12 @@ from flightq.shm import mapping
 __all__ = ["main", "measure"]
 
 
-def _in_place(ref: Any, dirpath: str, what: str, populate: bool = True) -> list[pa.RecordBatch]:
+def _in_place(
+    ref: Any, dirpath: str, what: str, peer: str | None = None, hold: Any = None
+) -> tuple[list[pa.RecordBatch], int]:
     """The old server side: the writer's segment mapped and stored as it is."""
-    return mapping._stream(
-        mapping.map_data(ref, dirpath, what, populate=False, private=False), what
-    )
+    data = mapping.map_data(ref, dirpath, what, populate=False, private=False)
+    return mapping._stream(data, what), int(ref["nbytes"])
 
 
 def _spread(ts: list[float]) -> float:

@@ -248,7 +248,7 @@ def _one(
         if check is None:
             seg = next(s for s in pool.segments() if s.path == ref["path"])
             wrote = np.frombuffer(seg.mm, np.uint8)[HEADER : HEADER + ref["nbytes"]].copy()
-        data = timer("hold", mapping.store_copy, ref, dirs[way], what)
+        data, _ = timer("hold", mapping.store_copy, ref, dirs[way], what)
         pool.release(ref)
     if _rows(data, what) != step.rows:
         raise AssertionError(f"{what}: the server holds other than {step.rows} rows")

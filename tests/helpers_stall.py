@@ -4,7 +4,7 @@
 registers it with userfaultfd and never serves a fault, so any read of it (the server's
 ``process_vm_readv`` included) waits until this process goes. ``put`` (the default)
 then makes a W1 put through shared memory whose image fill points into that memory and
-prints one JSON line (``{"refused": message}``, ``{"stored": rows}`` or
+prints one JSON line (``{"refused": message, "nbytes": segment's bytes}``, ``{"stored": rows}`` or
 ``{"skip": why}``); ``probe`` sends a shared-memory probe whose token lies there and
 prints the server's ``shm`` health entry and the seconds it took (``{"shm", "s"}``).
 Either way it then sleeps until it is killed.
@@ -95,7 +95,7 @@ def main(location: str, shm_dir: str, mode: str = "put") -> None:
         plain_shm_put(location, {**ref, "pid": os.getpid(), "fills": fills.tobytes()}, rows=2)
         print(json.dumps({"stored": 2}), flush=True)
     except fl.FlightError as e:
-        print(json.dumps({"refused": str(e)}), flush=True)
+        print(json.dumps({"refused": str(e), "nbytes": ref["nbytes"]}), flush=True)
     time.sleep(300)  # keeps the memory registered until killed
 
 

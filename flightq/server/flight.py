@@ -69,7 +69,7 @@ from .media import media_piece
 from .metrics import Counters, call_kind
 from .partition import Partition, Row
 from .staging import Staging
-from .store import Store
+from .store import Advance, Store
 
 if TYPE_CHECKING:
     from ..shm import SegmentPool
@@ -378,8 +378,8 @@ class Server(fl.FlightServerBase):
         writer: fl.FlightMetadataWriter,
         context: fl.ServerCallContext | None = None,
     ) -> None:
-        def source(cmd: PutCommand, what: str) -> Iterator[Incoming]:
-            return self._put_source(cmd, reader, context, what)
+        def source(cmd: PutCommand, what: str, advance: Advance) -> Iterator[Incoming]:
+            return self._put_source(cmd, reader, context, what, advance)
 
         n = self._store_put(_command(descriptor, PutCommand.WHAT), source, context)
         writer.write(pa.py_buffer(PutAck(rows=n).to_wire()))
@@ -387,7 +387,7 @@ class Server(fl.FlightServerBase):
     def _store_put(
         self,
         command: bytes,
-        source: Callable[[PutCommand, str], Iterator[Incoming]],
+        source: Callable[[PutCommand, str, Advance], Iterator[Incoming]],
         context: fl.ServerCallContext | None,
     ) -> int:
         """One put, all or nothing: ``command`` parsed, the batches ``source`` gives checked
@@ -402,9 +402,12 @@ class Server(fl.FlightServerBase):
             raise
         name = cmd.partition
         pieces: list[Any] = []
+        # Bytes held before the pieces exist (a shared-memory copy's segment), counted.
+        advance = self.store.advance(name, cmd.timeout)
         try:
             try:
-                self._put_pieces(cmd, source(cmd, f"put to {name!r}"), context, pieces)
+                incoming = source(cmd, f"put to {name!r}", advance)
+                self._put_pieces(cmd, incoming, context, pieces, advance)
             except BaseException as e:
                 if staged is not None:  # the other parts fail with it
                     self._staging.fail(name, staged[0], staged[2], e)
@@ -419,6 +422,7 @@ class Server(fl.FlightServerBase):
                 n = self._staging.join(name, *staged, pieces, store, cmd.timeout)
         finally:
             self.store.release(pieces)  # what was not stored counts no more
+            advance.release()
         self.counters.add("rows_put", n)
         log.debug("put of %d rows to %r", n, name)
         return n
@@ -429,6 +433,7 @@ class Server(fl.FlightServerBase):
         source: Iterator[Incoming],
         context: fl.ServerCallContext | None,
         pieces: list[Any],
+        advance: Advance | None = None,
     ) -> None:
         """One put stream's record batches, each checked against the partition's schema
         and its caps (:mod:`flightq.server.budget`), appended to ``pieces`` as they come
@@ -458,10 +463,12 @@ class Server(fl.FlightServerBase):
                 if extra and data.num_rows:  # held with the batch beyond it: on its rows
                     piece.held = piece.held + -(-extra // data.num_rows)
                 media.add(data)
-                self.store.reserve(name, piece, reserved, cmd.timeout)
+                self.store.reserve(name, piece, reserved, cmd.timeout, advance)
                 reserved += piece.reserved
                 pieces.append(piece)
             media.finish()
+            if advance is not None:  # the pieces hold what it counted: the rest is free
+                advance.release()
         except MemoryError as e:  # Arrow's own allocation past the cap (flightq serve)
             raise ResourceExhaustedError(
                 f"put to {name!r}: a record batch needs more memory than the server may "
@@ -677,7 +684,7 @@ class Server(fl.FlightServerBase):
         hints, as through shm) and, where each was read from a copy of its own, that copy's
         size (``blocks``: what it holds beyond its buffers is known without a walk)."""
 
-        def source(cmd: PutCommand, what: str) -> Iterator[Incoming]:
+        def source(cmd: PutCommand, what: str, advance: Advance) -> Iterator[Incoming]:
             if cmd.shm is not None:
                 raise ProtocolError(
                     f"{what}: a put through shared memory goes per call (DoPut), not on "
@@ -707,9 +714,12 @@ class Server(fl.FlightServerBase):
         reader: fl.MetadataRecordBatchReader,
         context: fl.ServerCallContext | None,
         what: str,
+        advance: Advance,
     ) -> Iterator[Incoming]:
         """A put's record batches and their app metadata (the media digests they claim):
-        from the stream, or mapped from a shm segment (no digests: the server hashes)."""
+        from the stream, or mapped from a shm segment (no digests: the server hashes).
+        The segment the server copies a shm put into is counted in ``advance`` before the
+        copy starts, and on the batches' rows once they are reserved."""
         ref = cmd.shm
         if ref is None:  # each read waits on the client: watched for a stall
             # A batch is a slice of its Flight message: what the message holds beyond it
@@ -723,10 +733,10 @@ class Server(fl.FlightServerBase):
         if context is not None:
             shm.check_peer(context.peer(), what)
         peer = context.peer() if context is not None else None
-        batches = shm.read(ref.to_dict(), self.shm_dir, what, populate=False, peer=peer)
+        batches, size = shm.read(ref.to_dict(), self.shm_dir, what, peer=peer, hold=advance)
         if ref.fills is not None:
             self.counters.add("shm_direct_bytes", shm.filled_bytes(ref.fills))
-        return _first_holds(batches)  # the server's copy of the segment, all of it
+        return _first_holds(batches, size=size)  # the server's copy: the whole segment
 
     def _shm_reply(
         self,
@@ -837,12 +847,18 @@ def _beyond(batches: list[pa.RecordBatch]) -> int:
 
 
 def _first_holds(
-    batches: list[pa.RecordBatch], claims: list[bytes | None] | None = None
+    batches: list[pa.RecordBatch],
+    claims: list[bytes | None] | None = None,
+    size: int | None = None,
 ) -> Iterator[Incoming]:
-    """``batches`` read from one block of memory, what it holds beyond them counted on the
-    first (a block is freed only with the last batch, so this is an upper bound), each
-    with its claims (``claims[i]``, the media digests of batch i; None: none)."""
-    extra = _beyond(batches)
+    """``batches`` read from one block of memory (of ``size`` bytes; None: as their
+    buffers tell), what it holds beyond them counted on the first (a block is freed only
+    with the last batch, so this is an upper bound), each with its claims (``claims[i]``,
+    the media digests of batch i; None: none)."""
+    if size is None:
+        extra = _beyond(batches)
+    else:
+        extra = max(size - sum(b.get_total_buffer_size() for b in batches), 0)
     for i, b in enumerate(batches):
         c = None if claims is None else claims[i]
         yield b, None if c is None else pa.py_buffer(c), extra if i == 0 else 0

@@ -305,10 +305,24 @@ class Store:
         # With the lock held.
         return sum(p.held for p in self._parts.values()) + self._pending
 
-    def reserve(self, name: str, piece: Piece, so_far: int, timeout: float) -> None:
+    def advance(self, name: str, timeout: float) -> Advance:
+        """Bytes a put to ``name`` will hold before its pieces exist, counted from the
+        moment they are taken (:class:`Advance`); it waits up to ``timeout`` seconds for
+        room, from now."""
+        return Advance(self, name, time.monotonic() + timeout)
+
+    def reserve(
+        self,
+        name: str,
+        piece: Piece,
+        so_far: int,
+        timeout: float,
+        advance: Advance | None = None,
+    ) -> None:
         """Count a piece of a put to ``name`` as held from now on, waiting up to
         ``timeout`` seconds for room under the memory budget; ``so_far`` is what the put's
-        earlier pieces reserved. Whoever lets go of the piece without storing it calls
+        earlier pieces reserved. Bytes the put counted in ``advance`` are taken over
+        first, without waiting. Whoever lets go of the piece without storing it calls
         :meth:`release`; :meth:`put` takes the reservation over.
 
         Raises
@@ -318,8 +332,10 @@ class Store:
         """
         n = int(piece.held.sum()) + piece.brings  # its rows, and the media payloads it brought
         with self._changed:
-            self._wait_for_space(name, n, timeout, whole=so_far + n)
-            self._pending += n
+            ahead = 0 if advance is None else advance.take(n)
+            if n > ahead:
+                self._wait_for_space(name, n - ahead, timeout, whole=so_far + n)
+            self._pending += n - ahead
             piece.reserved = n
 
     def release(self, pieces: Iterable[Piece]) -> None:
@@ -1066,3 +1082,73 @@ def _same_partition(p: Partition, epochs: set[int]) -> None:
             "them again",
             partition=p.name,
         )
+
+
+class Advance:
+    """Bytes a put holds before its pieces exist, counted against the memory budget from
+    the moment they are taken: the segment a put through shared memory is copied into,
+    counted before the copy starts (:func:`flightq.shm.store_copy`).
+
+    The put's pieces take the bytes over as they are reserved (:meth:`Store.reserve`).
+    What they leave is freed once every holder has let go: the put (:meth:`release`), and
+    whoever :meth:`share` gave a hold to, such as a read of the writer's memory that
+    outlives the put, whose late writes land in the segment.
+    """
+
+    def __init__(self, store: Store, name: str, deadline: float) -> None:
+        self._store = store
+        self._name = name
+        self._deadline = deadline
+        #: Bytes counted and not yet taken over by a piece.
+        self.left = 0
+        self._holders = 1
+        self._released = False
+
+    def hold(self, total: int) -> None:
+        """Count ``total`` bytes in all from now on, waiting for room under the budget
+        until the put's deadline.
+
+        Raises
+        ------
+        ResourceExhaustedError
+            If ``total`` passes the whole budget, or no room is made in time.
+        """
+        s = self._store
+        with s._changed:
+            more = total - self.left
+            if more <= 0:
+                return
+            left = max(0.0, self._deadline - time.monotonic())
+            s._wait_for_space(self._name, more, left, whole=total)
+            s._pending += more
+            self.left = total
+
+    def take(self, n: int) -> int:
+        """Hand up to ``n`` counted bytes to a piece; returns how many. With the store's lock."""
+        t = min(n, self.left)
+        self.left -= t
+        return t
+
+    def share(self) -> Callable[[], None]:
+        """One more holder; returns its ``let_go()``, to call exactly once."""
+        with self._store._lock:
+            self._holders += 1
+        return self._let_go
+
+    def release(self) -> None:
+        """The put lets go (again: nothing)."""
+        with self._store._lock:
+            if self._released:
+                return
+            self._released = True
+        self._let_go()
+
+    def _let_go(self) -> None:
+        s = self._store
+        with s._changed:
+            self._holders -= 1
+            if self._holders or not self.left:
+                return
+            s._pending -= self.left
+            self.left = 0
+            s._wake()

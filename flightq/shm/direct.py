@@ -253,6 +253,7 @@ def _work() -> None:
         except BaseException:  # a job reports its own errors; the thread stays
             pass
         finally:
+            del job  # an idle worker keeps nothing of the last read alive
             with _pool_lock:
                 _pool_busy -= 1
 

@@ -17,8 +17,8 @@ import struct
 import sys
 import threading
 import weakref
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -341,8 +341,26 @@ def _copy_gaps(fd: int, dst: memoryview, fills: np.ndarray, path: str, what: str
             _copy_piece(fd, dst[a:b], a, path, what)
 
 
-def store_copy(ref: Any, dirpath: str, what: str, peer: str | None = None) -> np.ndarray:
-    """Copy a writer's segment into a segment the server owns; returns the copy's bytes.
+class Hold(Protocol):
+    """Where a server counts the segment it copies a put into, against its memory budget
+    (:class:`flightq.server.store.Advance`)."""
+
+    def hold(self, total: int) -> None:
+        """Count ``total`` bytes in all from now on (waits for room; raises if none)."""
+
+    def share(self) -> Callable[[], None]:
+        """Keep the bytes counted until the returned ``let_go()`` runs, even past the put."""
+
+
+def store_copy(
+    ref: Any,
+    dirpath: str,
+    what: str,
+    peer: str | None = None,
+    hold: Hold | None = None,
+) -> tuple[np.ndarray, int]:
+    """Copy a writer's segment into a segment the server owns; returns the copy's bytes
+    and the size of the file holding them.
 
     The writer's file is opened without blocking, checked (a regular file of this user,
     of the announced size and generation, not being filled again), read once with
@@ -351,12 +369,16 @@ def store_copy(ref: Any, dirpath: str, what: str, peer: str | None = None) -> np
     payloads read from the writer's memory instead (:mod:`flightq.shm.direct`), once the
     writer is found to hold the caller's connection ``peer``.
 
+    The server's segment is counted in ``hold`` before it is chosen (the announced size)
+    and again once it is (its whole file), so the copy holds nothing uncounted; a read of
+    the writer's memory given up on keeps it counted until the read returns.
+
     Raises
     ------
     ProtocolError
         As :func:`map_data`, or if the file shrinks during the copy.
     ResourceExhaustedError
-        If the directory has no room for the copy.
+        If the directory has no room for the copy, or ``hold`` none under the budget.
     """
     path, gen, n = _checked_path(ref, dirpath, what)
     fills = None
@@ -373,16 +395,24 @@ def store_copy(ref: Any, dirpath: str, what: str, peer: str | None = None) -> np
     try:
         _lock_shared(fd, path, what)
         _check_header(os.pread(fd, HEADER_FORMAT.size, 0), path, gen, n, what)
+        if hold is not None:
+            hold.hold(HEADER + n)  # before any segment is taken: may wait, or refuse
         pool = STORES.hold(dirpath)
         try:
             seg = pool.room(n, what)
             try:
+                size = HEADER + seg.capacity
+                if hold is not None:
+                    hold.hold(size)  # a reused segment may be larger
                 view = memoryview(seg.mm)[HEADER : HEADER + n]
                 try:
                     if fills is None:
                         _copy_in(fd, view, path, what)
                     else:
-                        _copy_direct(fd, view, fills, ref["pid"], pool, seg, dirpath, path, what)
+                        let_go = hold.share() if hold is not None else _nothing
+                        _copy_direct(
+                            fd, view, fills, ref["pid"], pool, seg, dirpath, path, what, let_go
+                        )
                 finally:
                     view.release()
                 own = pool.written(seg, n)
@@ -400,9 +430,13 @@ def store_copy(ref: Any, dirpath: str, what: str, peer: str | None = None) -> np
         weakref.finalize(data, STORES.let_go, dirpath, pool)
         # The owner marks its own segment taken: no reader may write a 0400 file.
         struct.pack_into("<q", seg.mm, STATE_AT, TAKEN)
-        return data
+        return data, size
     finally:
         os.close(fd)
+
+
+def _nothing() -> None:
+    pass
 
 
 class _LeftRunning(Exception):
@@ -419,15 +453,23 @@ def _copy_direct(
     dirpath: str,
     path: str,
     what: str,
+    let_go: Callable[[], None],
 ) -> None:
-    """The payloads from the writer's memory (on threads), the rest from its file."""
+    """The payloads from the writer's memory (on threads), the rest from its file.
+    ``let_go()`` runs once the read is over: at once, or when a read given up on returns
+    (its segment counted against the budget until then)."""
     from . import direct
 
     def later() -> None:  # the read given up on returned: its segment may go
         seg.close()
         STORES.let_go(dirpath, pool)
+        let_go()
 
-    wait = direct.read_fills(pid, fills, view, what, later)
+    try:
+        wait = direct.read_fills(pid, fills, view, what, later)
+    except BaseException:
+        let_go()
+        raise
     try:
         _copy_gaps(fd, view, fills, path, what)
     finally:
@@ -438,24 +480,33 @@ def _copy_direct(
             # until it returns (later()).
             pool.set_aside(seg)
             raise _LeftRunning(str(e)) from None
+        except BaseException:
+            let_go()
+            raise
+        let_go()
 
 
 def read(
-    ref: Any, dirpath: str, what: str, populate: bool = True, peer: str | None = None
-) -> list[pa.RecordBatch]:
-    """A put's record batches through shared memory, as the server stores them.
+    ref: Any,
+    dirpath: str,
+    what: str,
+    peer: str | None = None,
+    hold: Hold | None = None,
+) -> tuple[list[pa.RecordBatch], int]:
+    """A put's record batches through shared memory, as the server stores them, and the
+    bytes the file holding them takes.
 
-    The writer's segment is copied into one the server owns (:func:`store_copy`); the
-    batches are zero-copy views of that copy, which goes back to the server's pool once
-    every returned buffer is gone. ``populate`` is accepted for older callers; the copy
-    touches every page anyway.
+    The writer's segment is copied into one the server owns (:func:`store_copy`, which
+    counts it in ``hold``); the batches are zero-copy views of that copy, which goes back
+    to the server's pool once every returned buffer is gone.
 
     Raises
     ------
     ProtocolError
         As :func:`store_copy`, or if the stream in the segment is malformed.
     """
-    return _stream(store_copy(ref, dirpath, what, peer), what)
+    data, size = store_copy(ref, dirpath, what, peer, hold)
+    return _stream(data, what), size
 
 
 def read_private(ref: Any, dirpath: str, what: str) -> list[pa.RecordBatch]:

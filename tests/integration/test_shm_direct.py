@@ -264,6 +264,43 @@ def test_fills_that_lie_about_the_segment_are_refused(server, shm_dir, how, prob
         assert _rows(server.location) == 8
 
 
+# --------------------------------------------------------------------------- budget
+
+
+def test_the_segment_a_put_is_copied_into_is_counted_before_the_copy(shm_dir):
+    # The server counts the segment it copies a shared-memory put into before it takes
+    # one: a put that the budget has no room for is refused before any byte is read, and
+    # a stored put counts the whole file its rows lie in.
+    step = workloads.w1(groups=1, g=2)
+    with (
+        flightq.Server(shm=shm_dir) as srv,
+        flightq.connect(srv.location, [step.schema], timeout=TIMEOUT, shm=shm_dir) as c,
+    ):
+        c.create_partition("p", step.schema, tasks=["t"])
+        assert c.put("p", step.keys, step.columns, tags=step.tags).route == "shm"
+        assert c.shm_direct == (True, "")
+        pool = shm.STORES.hold(shm_dir)
+        try:
+            (seg,) = pool.segments()
+            one = srv.store.held()
+            assert one >= shm.HEADER + seg.capacity  # the whole file, not the stream alone
+        finally:
+            shm.STORES.let_go(shm_dir, pool)
+        read = _counters(srv.location)["shm_direct_bytes"]
+        assert read > 0
+        srv.store.memory_budget = one + one // 2  # room for half a put more
+        with pytest.raises(flightq.ResourceExhaustedError, match="no space was cleared"):
+            c.put("p", [f"{k}+" for k in step.keys], step.columns, tags=step.tags, timeout=0.3)
+        srv.store.memory_budget = one // 2  # not even one put
+        with pytest.raises(flightq.ResourceExhaustedError, match="whole memory budget"):
+            c.put("p", [f"{k}-" for k in step.keys], step.columns, tags=step.tags, timeout=0.3)
+        assert _counters(srv.location)["shm_direct_bytes"] == read  # nothing was read
+        assert srv.store.held() == one and _rows(srv.location) == step.rows
+        srv.store.memory_budget = 2 * one
+        c.put("p", [f"{k}+" for k in step.keys], step.columns, tags=step.tags)
+        assert _rows(srv.location) == 2 * step.rows
+
+
 # --------------------------------------------------------------------------- stalls
 
 
@@ -312,10 +349,14 @@ def test_a_writer_whose_memory_stalls_the_read_cannot_freeze_the_server(
         monkeypatch.setattr(pool, "lease_s", 0.0)
         shm.STORES.let_go(shm_dir, pool)
         c.drop("q")
+        assert c.stats()["held"] == 0
         with _stalling(server.location, shm_dir) as said:
             assert "took over 0.5 s" in said["refused"], said
             assert "nothing is stored" in said["refused"]
             assert direct.stuck() == 1
+            # The stuck read's segment stays counted against the budget: nothing stored.
+            stuck_held = c.stats()["held"]
+            assert stuck_held >= said["nbytes"]
             # Refused (field "fills": the client copies), then turned down at the probe.
             c.put("p", step.keys, step.columns, tags=step.tags)
             assert c.shm_direct == (None, "")
@@ -326,6 +367,10 @@ def test_a_writer_whose_memory_stalls_the_read_cannot_freeze_the_server(
             assert_rows_match(c.get("p", step.keys, as_="numpy"), step)
         assert_rows_match(c.get("p", step.keys, as_="numpy"), step)
         assert c.stats()["partitions"]["p"]["rows"] == 4  # the writer's put stored nothing
+        # The read returned: its segment counts no more.
+        c.drop("p")
+        c.drop("r")
+        assert c.stats()["held"] == 0
 
 
 def test_a_probe_whose_token_stalls_is_answered_in_time_without_direct_reads(server, shm_dir):
