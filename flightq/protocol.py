@@ -893,6 +893,9 @@ class ServerCounters(Message):
     media_hashed_bytes: int = _field(_int(0), 0)
     #: Put payload bytes read straight out of writers' memory (shared memory, direct).
     shm_direct_bytes: int = _field(_int(0), 0)
+    #: Reads asked for through shared memory and answered over the socket instead: the
+    #: answer had no room to wait for its reader (memory budget, or 4 GiB unread).
+    shm_answers_declined: int = _field(_int(0), 0)
     #: Beats heard on consumer sessions, and those read late because they came faster
     #: than one per MIN_BEAT_GAP seconds on their session.
     beats: int = _field(_int(0), 0)

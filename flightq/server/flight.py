@@ -16,6 +16,7 @@ True
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -100,6 +101,9 @@ _MAX_BEAT_BYTES = 64
 #: sends faster waits for its stream to be read (gRPC's flow control holds it back), and
 #: costs the server at most 100 reads a second.
 MIN_BEAT_GAP = 0.01
+#: Without a memory budget, bytes of shared-memory answers that may wait for their reader
+#: at once (under a budget they count in it); past it a read is answered over the socket.
+MAX_UNREAD_ANSWER_BYTES = 4 * 2**30
 
 
 class Server(fl.FlightServerBase):
@@ -225,6 +229,11 @@ class Server(fl.FlightServerBase):
         self._shm_pool: _shm.SegmentPool | None = None
         self._staging = Staging()
         self._shm_lock = threading.Lock()
+        #: Bytes of shared-memory answers being written (:meth:`_answer_room`).
+        self._answer_writing = 0
+        # Answers written into shared memory and not yet taken by their reader are held
+        # by the server: the budget counts them (Store.held).
+        self.store.unread = self._unread_answers
 
     @property
     def location(self) -> str:
@@ -762,8 +771,42 @@ class Server(fl.FlightServerBase):
                 if pool is not None:
                     pool.close()
                 pool = self._shm_pool = shm.SegmentPool(self.shm_dir)
-        out_schema, out = shmtable.answer(pool, schema, batches, what)
+        whole = list(batches)
+        got = shmtable.answer(pool, schema, whole, what, self._answer_room)
+        if got is None:  # no room for it to wait for its reader: over the socket
+            self.counters.add("shm_answers_declined")
+            return schema, iter(whole)
+        out_schema, out = got
         return out_schema, iter(out)
+
+    def _unread_answers(self) -> int:
+        """Bytes of shared-memory answers written and not yet taken by their reader."""
+        pool = self._shm_pool
+        return 0 if pool is None else pool.unread_bytes()
+
+    @contextlib.contextmanager
+    def _answer_room(self, n: int) -> Iterator[bool]:
+        """Whether an answer of ``n`` bytes may be written into shared memory to wait for
+        its reader: under a memory budget, if the budget has room for it (the budget
+        counts such answers until they are taken); without one, if at most
+        :data:`MAX_UNREAD_ANSWER_BYTES` would wait. Counted as held while it is written."""
+        from ..shm.segments import GRANULE, HEADER
+
+        need = HEADER + -(-n // GRANULE) * GRANULE
+        budget = self.store.memory_budget
+        with self._shm_lock:
+            if budget is not None:
+                ok = self.store.held() + self._answer_writing + need <= budget
+            else:
+                ok = self._unread_answers() + self._answer_writing + need <= MAX_UNREAD_ANSWER_BYTES
+            if ok:
+                self._answer_writing += need
+        try:
+            yield ok
+        finally:
+            if ok:
+                with self._shm_lock:
+                    self._answer_writing -= need
 
     # ------------------------------------------------------------------ DoAction
 

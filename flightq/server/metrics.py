@@ -32,6 +32,7 @@ COUNTERS = (
     "idle_cuts",
     "media_hashed_bytes",
     "shm_direct_bytes",
+    "shm_answers_declined",
     "beats",
     "beats_slowed",
 )

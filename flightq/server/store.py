@@ -73,6 +73,9 @@ class Store:
         self._sessions: set[str] = set()
         #: Bytes of put pieces read but not yet stored or let go (:meth:`reserve`).
         self._pending = 0
+        #: Bytes the server holds outside the store, counted in the budget all the same:
+        #: answers in shared memory waiting for their reader (set by the server).
+        self.unread: Callable[[], int] | None = None
         self._closing = False
 
     def _wake(self) -> None:
@@ -303,7 +306,8 @@ class Store:
 
     def _held(self) -> int:
         # With the lock held.
-        return sum(p.held for p in self._parts.values()) + self._pending
+        outside = 0 if self.unread is None else self.unread()
+        return sum(p.held for p in self._parts.values()) + self._pending + outside
 
     def advance(self, name: str, timeout: float) -> Advance:
         """Bytes a put to ``name`` will hold before its pieces exist, counted from the
@@ -424,8 +428,11 @@ class Store:
         """Let go of the lock until a change or ``left`` seconds pass, counted meanwhile as
         a put waiting for room in ``name`` (:meth:`stats`)."""
         self._waiting_puts[name] = self._waiting_puts.get(name, 0) + 1
+        # inf or huge: wait in chunks; while answers wait for their reader, look again
+        # each second (a reader taking one tells no one)
+        chunk = 1.0 if self.unread is not None and self.unread() else 3600.0
         try:
-            self._changed.wait(min(left, 3600.0))  # inf or huge: wait in chunks
+            self._changed.wait(min(left, chunk))
         finally:
             n = self._waiting_puts[name] - 1
             if n:

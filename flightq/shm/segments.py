@@ -528,6 +528,17 @@ class SegmentPool:
         with self._lock:
             return list(self._segs)
 
+    def unread_bytes(self) -> int:
+        """Bytes of the segments written and still waiting for their reader (until it
+        takes them, or their lease runs out): files no one else holds yet."""
+        now = time.monotonic()
+        with self._lock:
+            return sum(
+                HEADER + s.capacity
+                for s in self._segs
+                if now - s.written_at <= self.lease_s and s.state() == WRITTEN
+            )
+
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` ran."""

@@ -25,7 +25,9 @@ whose put bytes did not come through shared memory and exceed :data:`INLINE_BYTE
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -34,7 +36,7 @@ import pyarrow as pa
 from ..errors import ProtocolError
 from ..protocol import pack, unpack
 from .mapping import MAPPED, map_data, read_private, still_there
-from .segments import MARKER, SegmentPool
+from .segments import MARKER, SegmentPool, write_stream
 
 __all__ = ["INLINE_BYTES", "answer", "take"]
 
@@ -103,9 +105,17 @@ class _Describer:
 
 
 def answer(
-    pool: SegmentPool, schema: pa.Schema, batches: Iterable[pa.RecordBatch], what: str
-) -> tuple[pa.Schema, list[pa.RecordBatch]]:
+    pool: SegmentPool,
+    schema: pa.Schema,
+    batches: Iterable[pa.RecordBatch],
+    what: str,
+    room: Callable[[int], AbstractContextManager[bool]] | None = None,
+) -> tuple[pa.Schema, list[pa.RecordBatch]] | None:
     """A read's answer over shared memory: the one-row stream that names its bytes.
+
+    An answer that needs a segment of its own asks ``room(n)`` first, a context that says
+    whether ``n`` more bytes may wait for their reader; None when they may not (the
+    caller answers over the socket).
 
     Raises
     ------
@@ -117,10 +127,16 @@ def answer(
     try:
         table = [{"n": b.num_rows, "c": [d.array(c) for c in b.columns]} for b in batches]
     except _Unsupported:
-        return _reply(pool.write(schema, batches, what))
+        sink = pa.MockOutputStream()
+        write_stream(sink, schema, batches)
+        with _room(room, int(sink.size())) as ok:
+            return _reply(pool.write(schema, batches, what)) if ok else None
     inline = b""
     if d.extra_bytes > INLINE_BYTES:
-        ref = pool.write_bytes(d.extra, d.extra_bytes, what)
+        with _room(room, d.extra_bytes) as ok:
+            if not ok:
+                return None
+            ref = pool.write_bytes(d.extra, d.extra_bytes, what)
         for r in d.extra_refs:
             r[0] = len(d.segments)
         d.segments.append(ref)
@@ -138,6 +154,12 @@ def answer(
             "batches": table,
         }
     )
+
+
+def _room(
+    room: Callable[[int], AbstractContextManager[bool]] | None, n: int
+) -> AbstractContextManager[bool]:
+    return contextlib.nullcontext(True) if room is None else room(n)
 
 
 def _reply(body: dict[str, Any]) -> tuple[pa.Schema, list[pa.RecordBatch]]:

@@ -305,3 +305,77 @@ def test_a_segment_whose_batch_leaves_a_gap_counts_the_gap_against_the_budget(sh
         assert (p["rows"], p["held"]) == (0, 0)  # nothing half-stored
         c.put("p", ["b"], {"input_ids": [np.arange(3)]})  # the server serves on
         assert c.get("p", ["b"], as_="numpy").keys == ["b"]
+
+
+# --------------------------------------------------------------------------- answers
+
+
+def _unread_gets(location: str, keys: list[str], n: int) -> list[bool]:
+    """``n`` gets asking for a shared-memory answer, none of which maps it (a reader that
+    never comes); per get, whether it was answered in shared memory."""
+    from flightq.protocol import GetTicket
+    from flightq.shm.segments import MARKER
+
+    plain = fl.connect(location)
+    try:
+        out = []
+        for _ in range(n):
+            ticket = fl.Ticket(GetTicket(partition="p", keys=keys, shm=True).to_wire())
+            out.append(plain.do_get(ticket).read_all().schema.names == [MARKER])
+        return out
+    finally:
+        plain.close()
+
+
+def _unread_files(shm_dir: str, server: flightq.Server) -> int:
+    assert server.shm_pool is not None
+    return server.shm_pool.unread_bytes()
+
+
+def test_answers_no_reader_takes_count_against_the_budget_then_go_over_the_socket(shm_dir):
+    # Rows put over the socket are answered through a segment the server writes, which
+    # waits for its reader. Gets whose reader never comes cannot fill the host's shared
+    # memory: the budget counts what waits, and once it has no room the answers go over
+    # the socket; a put finds that room taken too.
+    step = workloads.w1(groups=1, g=8)
+    with (
+        flightq.Server(shm=shm_dir, memory_budget=64 * 2**20) as srv,
+        flightq.connect(srv.location, [step.schema], timeout=TIMEOUT) as writer,
+        flightq.connect(srv.location, [step.schema], timeout=TIMEOUT, shm=shm_dir) as c,
+    ):
+        c.shm_min_bytes = 0
+        writer.create_partition("p", step.schema, tasks=["t"])
+        writer.put("p", step.keys, step.columns, tags=step.tags)  # over the socket
+        rows_held = srv.store.held()
+        ways = _unread_gets(srv.location, list(step.keys), 40)
+        assert ways[0] and not ways[-1], ways  # in shared memory, then over the socket
+        unread = _unread_files(shm_dir, srv)
+        assert unread > 0
+        assert srv.store.held() == rows_held + unread <= 64 * 2**20
+        declined = c.stats()["counters"]["shm_answers_declined"]
+        assert declined == ways.count(False)
+        other = workloads.w1(groups=1, g=8, seed=1)  # other images: bytes the put brings
+        with pytest.raises(flightq.ResourceExhaustedError, match="memory budget"):
+            writer.put("p", [f"{k}+" for k in other.keys], other.columns, timeout=0.2)
+        # A reader that does come still gets its rows, over the socket.
+        assert_rows_match(c.get("p", step.keys, as_="numpy"), step)
+        assert c.stats()["counters"]["shm_answers_declined"] == declined + 1
+
+
+def test_without_a_budget_answers_waiting_for_their_reader_are_bounded(shm_dir, monkeypatch):
+    from flightq.server import flight
+
+    monkeypatch.setattr(flight, "MAX_UNREAD_ANSWER_BYTES", 24 * 2**20)
+    step = workloads.w1(groups=1, g=8)
+    with (
+        flightq.Server(shm=shm_dir) as srv,
+        flightq.connect(srv.location, [step.schema], timeout=TIMEOUT, shm=shm_dir) as c,
+    ):
+        c.shm_min_bytes = 0
+        with flightq.connect(srv.location, [step.schema], timeout=TIMEOUT) as writer:
+            writer.create_partition("p", step.schema, tasks=["t"])
+            writer.put("p", step.keys, step.columns, tags=step.tags)
+        ways = _unread_gets(srv.location, list(step.keys), 20)
+        assert ways[0] and not ways[-1], ways
+        assert _unread_files(shm_dir, srv) <= 24 * 2**20
+        assert_rows_match(c.get("p", step.keys, as_="numpy"), step)
