@@ -780,9 +780,10 @@ class Server(fl.FlightServerBase):
         return out_schema, iter(out)
 
     def _unread_answers(self) -> int:
-        """Bytes of shared-memory answers written and not yet taken by their reader."""
+        """Bytes of shared-memory answers being written, or written and not yet taken by
+        their reader."""
         pool = self._shm_pool
-        return 0 if pool is None else pool.unread_bytes()
+        return self._answer_writing + (0 if pool is None else pool.unread_bytes())
 
     @contextlib.contextmanager
     def _answer_room(self, n: int) -> Iterator[bool]:
@@ -795,10 +796,10 @@ class Server(fl.FlightServerBase):
         need = HEADER + -(-n // GRANULE) * GRANULE
         budget = self.store.memory_budget
         with self._shm_lock:
-            if budget is not None:
-                ok = self.store.held() + self._answer_writing + need <= budget
+            if budget is not None:  # held counts the answers (_unread_answers)
+                ok = self.store.held() + need <= budget
             else:
-                ok = self._unread_answers() + self._answer_writing + need <= MAX_UNREAD_ANSWER_BYTES
+                ok = self._unread_answers() + need <= MAX_UNREAD_ANSWER_BYTES
             if ok:
                 self._answer_writing += need
         try:
