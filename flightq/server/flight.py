@@ -124,6 +124,8 @@ class Server(fl.FlightServerBase):
     memory_budget:
         Payload bytes the store may hold; a put that does not fit waits (up to its
         timeout) for clears, then fails with ResourceExhaustedError. None: unbounded.
+        Shared-memory answers waiting for their reader count in it, and each
+        shared-memory pool keeps at most a quarter of it warm (:attr:`shm_keep_bytes`).
     max_put_batch_bytes:
         Largest record batch (Arrow buffer bytes) a put may send; a larger one is refused
         with ProtocolError and nothing of the put is stored.
@@ -226,6 +228,14 @@ class Server(fl.FlightServerBase):
         self._store_hold = (
             None if self.shm_dir is None else (self.shm_dir, _shm.STORES.hold(self.shm_dir))
         )
+        #: Free shared memory each of this server's pools keeps warm for reuse, outside the
+        #: memory budget: a quarter of the budget, at most 2 GiB.
+        self.shm_keep_bytes = _shm.DEFAULT_KEEP_BYTES
+        if memory_budget is not None:
+            self.shm_keep_bytes = min(self.shm_keep_bytes, memory_budget // 4)
+        if self._store_hold is not None:
+            pool = self._store_hold[1]  # shared by the servers of this process: the least
+            pool.keep_bytes = min(pool.keep_bytes, self.shm_keep_bytes)
         self._shm_pool: _shm.SegmentPool | None = None
         self._staging = Staging()
         self._shm_lock = threading.Lock()
@@ -770,7 +780,9 @@ class Server(fl.FlightServerBase):
             if pool is None or pool.dir != self.shm_dir:  # first use, or moved
                 if pool is not None:
                     pool.close()
-                pool = self._shm_pool = shm.SegmentPool(self.shm_dir)
+                pool = self._shm_pool = shm.SegmentPool(
+                    self.shm_dir, keep_bytes=self.shm_keep_bytes
+                )
         whole = list(batches)
         got = shmtable.answer(pool, schema, whole, what, self._answer_room)
         if got is None:  # no room for it to wait for its reader: over the socket

@@ -54,6 +54,7 @@ from .mapping import MAPPED, STORES, map_data, read, read_private, still_there, 
 from .segments import (
     BATCH_BYTES,
     DEFAULT_DIR,
+    DEFAULT_KEEP_BYTES,
     FREE,
     HEADER,
     MARKER,
@@ -88,6 +89,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BATCH_BYTES",
     "DEFAULT_DIR",
+    "DEFAULT_KEEP_BYTES",
     "FREE",
     "HEADER",
     "MAPPED",
