@@ -155,11 +155,13 @@ class Reader:
         connection: int = 0,
         decoder: PartDecoder | None = None,
         grant: list[ClaimGrant] | None = None,
+        route: list[str] | None = None,
     ) -> list[pa.RecordBatch]:
         """One DoGet's record batches (rebuilt over the mapped segments when the ticket
         asks for shared memory); given a ``decoder``, each is decoded as it arrives (while
         gRPC receives the next one). A claim's :class:`ClaimGrant` is appended to
-        ``grant`` as soon as its first record batch arrives."""
+        ``grant`` as soon as its first record batch arrives. ``route[0]`` becomes
+        ``"socket"`` where shared memory was asked for and the server sent the rows."""
         batches: list[pa.RecordBatch] = []
         stream = self.transport.get(ticket, what, timeout=timeout, connection=connection)
         for rb in stream:
@@ -172,7 +174,10 @@ class Reader:
             assert self.shm_dir is not None
             from ..shm.table import take
 
+            answered = batches
             batches = take(batches, self.shm_dir, what)
+            if route is not None and batches is answered:  # the server sent the rows
+                route[0] = "socket"
             if decoder is not None:
                 for b in batches:
                     decoder.add(b)
@@ -210,8 +215,9 @@ class Reader:
             got = self._streamed(t, what, timeout, d, grant)
             if got is not None:  # its batches own their buffers: no slices to tell apart
                 return self.decoded(ticket.partition, [d], "socket", got)
-        self.read(t, what, timeout, decoder=d, grant=grant)
-        return self.decoded(ticket.partition, [d], "shm" if t.shm else "socket")
+        route = ["shm" if t.shm else "socket"]
+        self.read(t, what, timeout, decoder=d, grant=grant, route=route)
+        return self.decoded(ticket.partition, [d], route[0])
 
     def _streamed(
         self,

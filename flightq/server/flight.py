@@ -104,6 +104,13 @@ MIN_BEAT_GAP = 0.01
 #: Without a memory budget, bytes of shared-memory answers that may wait for their reader
 #: at once (under a budget they count in it); past it a read is answered over the socket.
 MAX_UNREAD_ANSWER_BYTES = 4 * 2**30
+#: Shared-memory answers that may wait for their reader at once (each is looked at when
+#: the budget is counted).
+MAX_UNREAD_ANSWERS = 1024
+#: A put through shared memory whose segment holds this many bytes more than its rows
+#: count (payloads of media the partition holds already), and more than the rows
+#: themselves, has its rows copied out, so that the segment does not outlive the put.
+_COMPACT_MIN = 2**20
 
 
 class Server(fl.FlightServerBase):
@@ -239,8 +246,6 @@ class Server(fl.FlightServerBase):
         self._shm_pool: _shm.SegmentPool | None = None
         self._staging = Staging()
         self._shm_lock = threading.Lock()
-        #: Bytes of shared-memory answers being written (:meth:`_answer_room`).
-        self._answer_writing = 0
         # Answers written into shared memory and not yet taken by their reader are held
         # by the server: the budget counts them (Store.held).
         self.store.unread = self._unread_answers
@@ -486,8 +491,8 @@ class Server(fl.FlightServerBase):
                 reserved += piece.reserved
                 pieces.append(piece)
             media.finish()
-            if advance is not None:  # the pieces hold what it counted: the rest is free
-                advance.release()
+            if advance is not None:
+                self._count_rest(name, pieces, reserved, cmd.timeout, advance)
         except MemoryError as e:  # Arrow's own allocation past the cap (flightq serve)
             raise ResourceExhaustedError(
                 f"put to {name!r}: a record batch needs more memory than the server may "
@@ -721,6 +726,31 @@ class Server(fl.FlightServerBase):
         # its lengths checked, so the stream cannot have been cut short mid-put.
         return self._store_put(command, source, None)
 
+    def _count_rest(
+        self, name: str, pieces: list[Any], reserved: int, timeout: float, advance: Advance
+    ) -> None:
+        """Count what the put's memory holds beyond what its rows count, then let go of
+        ``advance``. The segment a put through shared memory was copied into lives as long
+        as any of its rows, payloads of media the partition held already included: the
+        rows use the stored copies, but their other columns keep the whole file alive.
+        Where that is mostly such payloads (a row streamed with its group's image), the
+        rows are copied out of the segment, which then goes; otherwise the rest is counted
+        on the first rows."""
+        rest = advance.left
+        if (
+            rest > _COMPACT_MIN
+            and not any(p.brings for p in pieces)
+            and rest > sum(p.batch.get_total_buffer_size() for p in pieces)
+        ):
+            for p in pieces:
+                p.batch = _own_copy(p.batch)
+        else:
+            pc = next((p for p in pieces if len(p.held)), None)
+            if rest and pc is not None:
+                pc.held = pc.held + -(-rest // len(pc.held))
+                self.store.reserve(name, pc, reserved - pc.reserved, timeout, advance)
+        advance.release()
+
     def _hashed(self, nbytes: int) -> None:
         """Count media bytes hashed to resolve a put (flightq.server.media)."""
         self.counters.add("media_hashed_bytes", nbytes)
@@ -792,34 +822,35 @@ class Server(fl.FlightServerBase):
         return out_schema, iter(out)
 
     def _unread_answers(self) -> int:
-        """Bytes of shared-memory answers being written, or written and not yet taken by
-        their reader."""
+        """Bytes of shared-memory answers written and not yet taken by their reader."""
         pool = self._shm_pool
-        return self._answer_writing + (0 if pool is None else pool.unread_bytes())
+        return 0 if pool is None else pool.unread_bytes()
 
     @contextlib.contextmanager
-    def _answer_room(self, n: int) -> Iterator[bool]:
-        """Whether an answer of ``n`` bytes may be written into shared memory to wait for
-        its reader: under a memory budget, if the budget has room for it (the budget
-        counts such answers until they are taken); without one, if at most
-        :data:`MAX_UNREAD_ANSWER_BYTES` would wait. Counted as held while it is written."""
-        from ..shm.segments import GRANULE, HEADER
-
-        need = HEADER + -(-n // GRANULE) * GRANULE
+    def _answer_room(self) -> Iterator[Callable[[int], bool]]:
+        """Within it, ``admit(size)``: whether an answer's segment of ``size`` bytes may be
+        written into shared memory to wait for its reader. Such answers count in the
+        memory budget until taken, and take at most a quarter of it (without one, at most
+        :data:`MAX_UNREAD_ANSWER_BYTES` wait at once); at most :data:`MAX_UNREAD_ANSWERS`
+        wait."""
         budget = self.store.memory_budget
-        with self._shm_lock:
-            if budget is not None:  # held counts the answers (_unread_answers)
-                ok = self.store.held() + need <= budget
-            else:
-                ok = self._unread_answers() + need <= MAX_UNREAD_ANSWER_BYTES
-            if ok:
-                self._answer_writing += need
+        cap = MAX_UNREAD_ANSWER_BYTES if budget is None else budget // 4
+        counted = 0
+
+        def admit(size: int) -> bool:
+            nonlocal counted
+            pool = self._shm_pool
+            if pool is not None and pool.unread()[1] >= MAX_UNREAD_ANSWERS:
+                return False
+            ok = self.store.take_outside(size, cap)
+            counted += size if ok else 0
+            return ok
+
         try:
-            yield ok
+            yield admit
         finally:
-            if ok:
-                with self._shm_lock:
-                    self._answer_writing -= need
+            if counted:  # written (counted as unread from now on) or failed
+                self.store.give_outside(counted)
 
     # ------------------------------------------------------------------ DoAction
 
@@ -893,6 +924,13 @@ class Server(fl.FlightServerBase):
 #: A put's record batch as it comes in: the batch, the media digests it claims (its app
 #: metadata), and the bytes its memory holds beyond the batch's own buffers.
 Incoming = tuple[pa.RecordBatch, Any, int]
+
+
+def _own_copy(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """``batch`` with every buffer copied (only the rows it spans): it holds nothing of
+    the memory it was read from."""
+    cols = [pa.concat_arrays([c]) for c in batch.columns]
+    return pa.RecordBatch.from_arrays(cols, schema=batch.schema)
 
 
 def _beyond(batches: list[pa.RecordBatch]) -> int:

@@ -74,8 +74,10 @@ class Store:
         #: Bytes of put pieces read but not yet stored or let go (:meth:`reserve`).
         self._pending = 0
         #: Bytes the server holds outside the store, counted in the budget all the same:
-        #: answers in shared memory waiting for their reader (set by the server).
+        #: answers in shared memory waiting for their reader (set by the server), and
+        #: those being written (:meth:`take_outside`).
         self.unread: Callable[[], int] | None = None
+        self._outside = 0
         self._closing = False
 
     def _wake(self) -> None:
@@ -306,8 +308,27 @@ class Store:
 
     def _held(self) -> int:
         # With the lock held.
-        outside = 0 if self.unread is None else self.unread()
+        outside = self._outside + (0 if self.unread is None else self.unread())
         return sum(p.held for p in self._parts.values()) + self._pending + outside
+
+    def take_outside(self, n: int, cap: int) -> bool:
+        """Count ``n`` bytes the server is about to hold outside the store (an answer
+        written into shared memory for its reader) if they fit: under the memory budget,
+        and with what :attr:`unread` already counts, under ``cap``. Returns whether they
+        were counted; :meth:`give_outside` stops counting them once :attr:`unread` does."""
+        with self._lock:
+            waiting = self._outside + (0 if self.unread is None else self.unread())
+            budget = self.memory_budget
+            if waiting + n > cap or (budget is not None and self._held() + n > budget):
+                return False
+            self._outside += n
+            return True
+
+    def give_outside(self, n: int) -> None:
+        """Stop counting bytes :meth:`take_outside` counted."""
+        with self._changed:
+            self._outside -= n
+            self._wake()
 
     def advance(self, name: str, timeout: float) -> Advance:
         """Bytes a put to ``name`` will hold before its pieces exist, counted from the
@@ -326,8 +347,9 @@ class Store:
         """Count a piece of a put to ``name`` as held from now on, waiting up to
         ``timeout`` seconds for room under the memory budget; ``so_far`` is what the put's
         earlier pieces reserved. Bytes the put counted in ``advance`` are taken over
-        first, without waiting. Whoever lets go of the piece without storing it calls
-        :meth:`release`; :meth:`put` takes the reservation over.
+        first, without waiting. A piece reserved before counts only what it grew by.
+        Whoever lets go of the piece without storing it calls :meth:`release`; :meth:`put`
+        takes the reservation over.
 
         Raises
         ------
@@ -335,11 +357,14 @@ class Store:
             If the put passes the whole budget, or no room is made within ``timeout``.
         """
         n = int(piece.held.sum()) + piece.brings  # its rows, and the media payloads it brought
+        more = n - piece.reserved  # a piece reserved already counts what it grew by
         with self._changed:
-            ahead = 0 if advance is None else advance.take(n)
-            if n > ahead:
-                self._wait_for_space(name, n - ahead, timeout, whole=so_far + n)
-            self._pending += n - ahead
+            ahead = 0 if advance is None else min(more, advance.left)
+            if more > ahead:  # may raise: the advance keeps its bytes until the put lets go
+                self._wait_for_space(name, more - ahead, timeout, whole=so_far + n)
+            if advance is not None:
+                ahead = advance.take(more)
+            self._pending += more - ahead
             piece.reserved = n
 
     def release(self, pieces: Iterable[Piece]) -> None:

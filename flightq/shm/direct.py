@@ -309,13 +309,15 @@ def read_fills(
                 left[0] -= 1
                 last = left[0] == 0
                 late = last and given_up[0]
-                if late:
-                    _stuck -= 1
             if last:
                 _slots.release()
                 done.set()
             if late:
-                later()
+                try:
+                    later()  # counted as stuck until its segment is let go
+                finally:
+                    with _stuck_lock:
+                        _stuck -= 1
 
         _start([functools.partial(run, g) for g in groups])
     except BaseException:

@@ -18,7 +18,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -52,6 +52,10 @@ STATE_AT = 8
 FREE, WRITTEN, TAKEN = 0, 1, 2
 SEGMENT_NAME = re.compile(r"^flightq-(\d+)-[0-9a-f]{8}-\d+$")
 MAP_POPULATE_FLAG = getattr(mmap, "MAP_POPULATE", 0)
+
+
+class Declined(Exception):
+    """A segment its writer's ``admit`` refused (:meth:`SegmentPool.write`)."""
 
 
 class Gather(Protocol):
@@ -307,6 +311,8 @@ class SegmentPool:
     lease_s: float = DEFAULT_LEASE_S
     mode: int = 0o600
     _segs: list[Segment] = field(default_factory=list)
+    #: Segments written and maybe not yet taken by their reader, by path.
+    _waiting: dict[str, Segment] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _token: str = field(default_factory=lambda: secrets.token_hex(4))
     _count: int = 0
@@ -323,21 +329,25 @@ class SegmentPool:
         batches: Sequence[pa.RecordBatch],
         what: str,
         gather: Gather | None = None,
+        admit: Callable[[int], bool] | None = None,
     ) -> dict[str, Any]:
         """Write ``batches`` as one IPC stream into a segment; returns its reference.
 
         Batches encoded into a ``gather`` sink are written with it: their placeholders are
-        filled from the caller's tensors.
+        filled from the caller's tensors. ``admit(size)``, given the file size of the
+        segment taken, says whether it may be written (:class:`Declined` if not).
 
         Raises
         ------
         ResourceExhaustedError
             If the directory has no room.
+        Declined
+            If ``admit`` refuses the segment (it goes back to the pool unwritten).
         """
         sink = pa.MockOutputStream()
         write_stream(sink, schema, batches)
         n = int(sink.size())
-        seg = self.room(n, what)
+        seg = self._admitted(n, what, admit)
         try:
             view = memoryview(seg.mm)[HEADER : HEADER + n]
             if gather is None:
@@ -357,15 +367,24 @@ class SegmentPool:
             self.drop(seg)
             raise
 
-    def write_bytes(self, parts: Sequence[tuple[int, Any]], n: int, what: str) -> dict[str, Any]:
-        """Write raw bytes into a segment: each ``(offset, buffer)`` at its offset.
+    def write_bytes(
+        self,
+        parts: Sequence[tuple[int, Any]],
+        n: int,
+        what: str,
+        admit: Callable[[int], bool] | None = None,
+    ) -> dict[str, Any]:
+        """Write raw bytes into a segment: each ``(offset, buffer)`` at its offset
+        (``admit`` as for :meth:`write`).
 
         Raises
         ------
         ResourceExhaustedError
             If the directory has no room.
+        Declined
+            If ``admit`` refuses the segment.
         """
-        seg = self.room(n, what)
+        seg = self._admitted(n, what, admit)
         try:
             dst = np.frombuffer(seg.mm, dtype=np.uint8, count=n, offset=HEADER)
             for at, buf in parts:
@@ -376,6 +395,14 @@ class SegmentPool:
         except BaseException:
             self.drop(seg)
             raise
+
+    def _admitted(self, n: int, what: str, admit: Callable[[int], bool] | None) -> Segment:
+        seg = self.room(n, what)
+        if admit is not None and not admit(HEADER + seg.capacity):
+            struct.pack_into("<q", seg.mm, STATE_AT, FREE)
+            seg.unlock()
+            raise Declined(f"{what}: no room for {HEADER + seg.capacity} bytes")
+        return seg
 
     def room(self, n: int, what: str) -> Segment:
         """:meth:`acquire`, with no room in the directory a typed refusal.
@@ -393,14 +420,15 @@ class SegmentPool:
                 "free space there or connect without shm"
             ) from e
 
-    @staticmethod
-    def written(seg: Segment, n: int) -> dict[str, Any]:
+    def written(self, seg: Segment, n: int) -> dict[str, Any]:
         """Publish ``n`` bytes of ``seg`` as a new generation, release its lock, and return
         the reference a reader maps (``{"path", "gen", "nbytes"}``)."""
         # A new generation, then the exclusive lock goes: readers may come.
         seg.gen += 1
         seg.written_at = time.monotonic()
         HEADER_FORMAT.pack_into(seg.mm, 0, MAGIC, WRITTEN, seg.gen, n, os.getpid(), seg.written_at)
+        with self._lock:
+            self._waiting[seg.path] = seg
         seg.unlock()
         return {"path": seg.path, "gen": seg.gen, "nbytes": n}
 
@@ -410,12 +438,14 @@ class SegmentPool:
         with self._lock:
             if seg in self._segs:
                 self._segs.remove(seg)
+            self._waiting.pop(seg.path, None)
 
     def drop(self, seg: Segment) -> None:
         """Unlink a segment whose writing failed."""
         with self._lock:
             if seg in self._segs:
                 self._segs.remove(seg)
+            self._waiting.pop(seg.path, None)
         seg.close()
 
     def abandon(self, ref: Mapping[str, Any]) -> None:
@@ -531,13 +561,24 @@ class SegmentPool:
     def unread_bytes(self) -> int:
         """Bytes of the segments written and still waiting for their reader (until it
         takes them, or their lease runs out): files no one else holds yet."""
+        return self.unread()[0]
+
+    def unread(self) -> tuple[int, int]:
+        """Bytes and number of the segments written and still waiting for their reader.
+        Costs one look per such segment (those found taken are forgotten)."""
         now = time.monotonic()
         with self._lock:
-            return sum(
-                HEADER + s.capacity
-                for s in self._segs
-                if now - s.written_at <= self.lease_s and s.state() == WRITTEN
-            )
+            nbytes = 0
+            for path, s in list(self._waiting.items()):
+                try:
+                    waiting = now - s.written_at <= self.lease_s and s.state() == WRITTEN
+                except ValueError:  # closed: unlinked since
+                    waiting = False
+                if waiting:
+                    nbytes += HEADER + s.capacity
+                else:
+                    del self._waiting[path]
+            return nbytes, len(self._waiting)
 
     @property
     def closed(self) -> bool:

@@ -36,7 +36,7 @@ import pyarrow as pa
 from ..errors import ProtocolError
 from ..protocol import pack, unpack
 from .mapping import MAPPED, map_data, read_private, still_there
-from .segments import MARKER, SegmentPool, write_stream
+from .segments import MARKER, Declined, SegmentPool
 
 __all__ = ["INLINE_BYTES", "answer", "take"]
 
@@ -109,13 +109,13 @@ def answer(
     schema: pa.Schema,
     batches: Iterable[pa.RecordBatch],
     what: str,
-    room: Callable[[int], AbstractContextManager[bool]] | None = None,
+    room: Callable[[], AbstractContextManager[Callable[[int], bool]]] | None = None,
 ) -> tuple[pa.Schema, list[pa.RecordBatch]] | None:
     """A read's answer over shared memory: the one-row stream that names its bytes.
 
-    An answer that needs a segment of its own asks ``room(n)`` first, a context that says
-    whether ``n`` more bytes may wait for their reader; None when they may not (the
-    caller answers over the socket).
+    An answer that needs a segment of its own writes it within ``room()``, a context
+    giving ``admit(size)``: whether the segment taken (``size`` bytes, its whole file) may
+    wait for its reader. None when it may not (the caller answers over the socket).
 
     Raises
     ------
@@ -124,23 +124,24 @@ def answer(
     """
     batches = list(batches)
     d = _Describer()
-    try:
-        table = [{"n": b.num_rows, "c": [d.array(c) for c in b.columns]} for b in batches]
-    except _Unsupported:
-        sink = pa.MockOutputStream()
-        write_stream(sink, schema, batches)
-        with _room(room, int(sink.size())) as ok:
-            return _reply(pool.write(schema, batches, what)) if ok else None
-    inline = b""
-    if d.extra_bytes > INLINE_BYTES:
-        with _room(room, d.extra_bytes) as ok:
-            if not ok:
+    with contextlib.nullcontext(None) if room is None else room() as admit:
+        try:
+            table = [{"n": b.num_rows, "c": [d.array(c) for c in b.columns]} for b in batches]
+        except _Unsupported:
+            try:
+                return _reply(pool.write(schema, batches, what, admit=admit))
+            except Declined:
                 return None
-            ref = pool.write_bytes(d.extra, d.extra_bytes, what)
-        for r in d.extra_refs:
-            r[0] = len(d.segments)
-        d.segments.append(ref)
-    elif d.extra:
+        if d.extra_bytes > INLINE_BYTES:
+            try:
+                ref = pool.write_bytes(d.extra, d.extra_bytes, what, admit=admit)
+            except Declined:
+                return None
+            for r in d.extra_refs:
+                r[0] = len(d.segments)
+            d.segments.append(ref)
+    inline = b""
+    if d.extra and d.extra_bytes <= INLINE_BYTES:
         out = bytearray(d.extra_bytes)
         for at, buf in d.extra:
             out[at : at + buf.size] = memoryview(buf)
@@ -154,12 +155,6 @@ def answer(
             "batches": table,
         }
     )
-
-
-def _room(
-    room: Callable[[int], AbstractContextManager[bool]] | None, n: int
-) -> AbstractContextManager[bool]:
-    return contextlib.nullcontext(True) if room is None else room(n)
 
 
 def _reply(body: dict[str, Any]) -> tuple[pa.Schema, list[pa.RecordBatch]]:

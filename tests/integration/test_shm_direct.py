@@ -10,6 +10,7 @@ ranges that lie about the segment.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -299,6 +300,64 @@ def test_the_segment_a_put_is_copied_into_is_counted_before_the_copy(shm_dir):
         srv.store.memory_budget = 2 * one
         c.put("p", [f"{k}+" for k in step.keys], step.columns, tags=step.tags)
         assert _rows(srv.location) == 2 * step.rows
+
+
+@pytest.mark.parametrize("why", ["whole", "timeout"])
+def test_a_put_refused_while_its_rows_are_counted_leaves_nothing_counted(shm_dir, why):
+    # Ten thousand one-token rows count more (their fixed cost per row) than the segment
+    # counted before the copy: the rest waits for room, and is refused (more than the
+    # whole budget; no room within the put's timeout). Nothing stays counted after.
+    budget = (8 if why == "whole" else 32) * 2**20
+    with (
+        flightq.Server(shm=shm_dir, memory_budget=budget) as srv,
+        flightq.connect(srv.location, timeout=TIMEOUT) as sock,
+        flightq.connect(srv.location, timeout=TIMEOUT, shm=shm_dir) as c,
+    ):
+        c.shm_min_bytes = 0
+        c.create_partition("p", "rollout_text@1", tasks=["t"])
+        if why == "timeout":  # most of the budget taken by rows put over the socket
+            sock.create_partition("fill", "rollout_text@1", tasks=["t"])
+            sock.put("fill", [f"f{i}" for i in range(20)], {"input_ids": [np.arange(2**17)] * 20})
+        before = srv.store.held()
+        n = 10_000
+        for _ in range(3):
+            with pytest.raises(flightq.ResourceExhaustedError):
+                c.put(
+                    "p", [f"k{i}" for i in range(n)], {"input_ids": [np.arange(1)] * n}, timeout=0.3
+                )
+            gc.collect()
+            assert srv.store.held() == before
+        assert c.put("p", ["one"], {"input_ids": [np.arange(1)]}) == 1
+
+
+def test_a_put_whose_images_the_partition_holds_keeps_no_segment_alive(shm_dir):
+    # The same group's rows put again under new keys (a generator streaming its rows):
+    # the images are stored once, and each later put's rows are copied out of its
+    # segment, which goes with the put instead of keeping a second copy of the images.
+    step = workloads.w1(groups=1, g=8)
+    with (
+        flightq.Server(shm=shm_dir, memory_budget=2**30) as srv,
+        flightq.connect(srv.location, [step.schema], timeout=TIMEOUT, shm=shm_dir) as c,
+    ):
+        c.shm_min_bytes = 0
+        c.create_partition("p", step.schema, tasks=["t"])
+        steps = [dataclasses.replace(step, keys=[f"{k}#{i}" for k in step.keys]) for i in range(4)]
+        held = []
+        for s in steps:
+            assert c.put("p", s.keys, s.columns, tags=s.tags).route == "shm"
+            gc.collect()
+            held.append(srv.store.held())
+        pool = shm.STORES.hold(shm_dir)
+        try:
+            files = [shm.HEADER + seg.capacity for seg in pool.segments()]
+        finally:
+            shm.STORES.let_go(shm_dir, pool)
+        # The first put's segment (the images' home) and one freed, kept warm for reuse.
+        assert len(files) == 2, files
+        assert held[0] >= max(files)  # the whole file the images lie in is counted
+        assert held[-1] - held[0] < held[0] / 2, held  # later puts: their rows alone
+        for s in steps:
+            assert_rows_match(c.get("p", s.keys, as_="numpy"), s)
 
 
 # --------------------------------------------------------------------------- stalls

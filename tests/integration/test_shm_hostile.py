@@ -335,30 +335,35 @@ def _unread_files(shm_dir: str, server: flightq.Server) -> int:
 def test_answers_no_reader_takes_count_against_the_budget_then_go_over_the_socket(shm_dir):
     # Rows put over the socket are answered through a segment the server writes, which
     # waits for its reader. Gets whose reader never comes cannot fill the host's shared
-    # memory: the budget counts what waits, and once it has no room the answers go over
-    # the socket; a put finds that room taken too.
-    step = workloads.w1(groups=1, g=8)
+    # memory: the budget counts what waits, at most a quarter of it, and past that the
+    # answers go over the socket; a put finds the room they take taken.
+    budget = 32 * 2**20
+    keys = [f"r{i}" for i in range(4)]
+    cols = {"input_ids": [np.arange(50_000) + i for i in range(4)]}  # 1.6 MB an answer
     with (
-        flightq.Server(shm=shm_dir, memory_budget=64 * 2**20) as srv,
-        flightq.connect(srv.location, [step.schema], timeout=TIMEOUT) as writer,
-        flightq.connect(srv.location, [step.schema], timeout=TIMEOUT, shm=shm_dir) as c,
+        flightq.Server(shm=shm_dir, memory_budget=budget) as srv,
+        flightq.connect(srv.location, timeout=TIMEOUT) as writer,
+        flightq.connect(srv.location, timeout=TIMEOUT, shm=shm_dir) as c,
     ):
         c.shm_min_bytes = 0
-        writer.create_partition("p", step.schema, tasks=["t"])
-        writer.put("p", step.keys, step.columns, tags=step.tags)  # over the socket
+        writer.create_partition("p", "rollout_text@1", tasks=["t"])
+        writer.put("p", keys, cols)  # over the socket
         rows_held = srv.store.held()
-        ways = _unread_gets(srv.location, list(step.keys), 40)
-        assert ways[0] and not ways[-1], ways  # in shared memory, then over the socket
+        ways = _unread_gets(srv.location, keys, 12)
+        assert ways[0] and ways[1] and not ways[-1], ways  # in shared memory, then the socket
         unread = _unread_files(shm_dir, srv)
-        assert unread > 0
-        assert srv.store.held() == rows_held + unread <= 64 * 2**20
+        assert 2 * 2**20 < unread <= budget // 4
+        assert srv.store.held() == rows_held + unread
         declined = c.stats()["counters"]["shm_answers_declined"]
         assert declined == ways.count(False)
-        other = workloads.w1(groups=1, g=8, seed=1)  # other images: bytes the put brings
+        # One row that fits the budget beside the rows, not beside the unread answers too.
+        big = {"input_ids": [np.zeros((budget - rows_held - 2**20) // 8, dtype=np.int64)]}
         with pytest.raises(flightq.ResourceExhaustedError, match="memory budget"):
-            writer.put("p", [f"{k}+" for k in other.keys], other.columns, timeout=0.2)
+            writer.put("p", ["big"], big, timeout=1.0)
         # A reader that does come still gets its rows, over the socket.
-        assert_rows_match(c.get("p", step.keys, as_="numpy"), step)
+        got = c.get("p", keys, as_="numpy")
+        assert got.received is not None and got.received.route == "socket"
+        assert [r.tolist() for r in got["input_ids"]] == [r.tolist() for r in cols["input_ids"]]
         assert c.stats()["counters"]["shm_answers_declined"] == declined + 1
 
 
