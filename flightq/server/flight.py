@@ -814,12 +814,20 @@ class Server(fl.FlightServerBase):
                     self.shm_dir, keep_bytes=self.shm_keep_bytes
                 )
         whole = list(batches)
-        got = shmtable.answer(pool, schema, whole, what, self._answer_room)
+        wrote: list[dict[str, Any]] = []
+        got = shmtable.answer(pool, schema, whole, what, self._answer_room, wrote)
         if got is None:  # no room for it to wait for its reader: over the socket
             self.counters.add("shm_answers_declined")
             return schema, iter(whole)
         out_schema, out = got
-        return out_schema, iter(out)
+        if not wrote:
+            return out_schema, iter(out)
+
+        def abandon() -> None:  # an answer that does not reach its client: its segment
+            for ref in wrote:  # goes back to the pool (and out of the budget) at once
+                pool.abandon(ref)
+
+        return out_schema, _undone(iter(out), abandon)
 
     def _unread_answers(self) -> int:
         """Bytes of shared-memory answers written and not yet taken by their reader."""
@@ -968,8 +976,8 @@ def _stream(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> fl.FlightDa
 def _undone(
     batches: Iterator[pa.RecordBatch], undo: Callable[[], None]
 ) -> Iterator[pa.RecordBatch]:
-    """Yield a claim's batches; if the stream dies before the end, ``undo`` gives the rows
-    back."""
+    """Yield an answer's batches; if the stream dies before the end, run ``undo`` (a
+    claim gives its rows back, a shared-memory answer its segment)."""
     done = False
     try:
         yield from batches

@@ -110,12 +110,14 @@ def answer(
     batches: Iterable[pa.RecordBatch],
     what: str,
     room: Callable[[], AbstractContextManager[Callable[[int], bool]]] | None = None,
+    wrote: list[dict[str, Any]] | None = None,
 ) -> tuple[pa.Schema, list[pa.RecordBatch]] | None:
     """A read's answer over shared memory: the one-row stream that names its bytes.
 
     An answer that needs a segment of its own writes it within ``room()``, a context
     giving ``admit(size)``: whether the segment taken (``size`` bytes, its whole file) may
-    wait for its reader. None when it may not (the caller answers over the socket).
+    wait for its reader. None when it may not (the caller answers over the socket). The
+    reference of a segment written is appended to ``wrote``.
 
     Raises
     ------
@@ -129,14 +131,19 @@ def answer(
             table = [{"n": b.num_rows, "c": [d.array(c) for c in b.columns]} for b in batches]
         except _Unsupported:
             try:
-                return _reply(pool.write(schema, batches, what, admit=admit))
+                ref = pool.write(schema, batches, what, admit=admit)
             except Declined:
                 return None
+            if wrote is not None:
+                wrote.append(ref)
+            return _reply(ref)
         if d.extra_bytes > INLINE_BYTES:
             try:
                 ref = pool.write_bytes(d.extra, d.extra_bytes, what, admit=admit)
             except Declined:
                 return None
+            if wrote is not None:
+                wrote.append(ref)
             for r in d.extra_refs:
                 r[0] = len(d.segments)
             d.segments.append(ref)

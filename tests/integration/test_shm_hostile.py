@@ -413,3 +413,34 @@ def test_under_a_budget_the_free_segments_kept_warm_are_a_quarter_of_it(shm_dir)
         finally:
             shm.STORES.let_go(shm_dir, pool)
         assert len(caps) == 1 and caps[0] in big, (caps, big)  # reused; the other unlinked
+
+
+def test_an_answer_that_does_not_reach_its_client_frees_its_segment(shm_dir):
+    # The stream of an answer written into shared memory ends before its client has it
+    # (its batch taken, its send failed: the client went away): the segment goes back to
+    # the pool and out of the budget at once, instead of after its 300 s wait for a reader.
+    from flightq.protocol import GetTicket
+
+    keys = [f"r{i}" for i in range(4)]
+    cols = {"input_ids": [np.arange(50_000) + i for i in range(4)]}
+    with (
+        flightq.Server(shm=shm_dir, memory_budget=64 * 2**20) as srv,
+        flightq.connect(srv.location, timeout=TIMEOUT) as writer,
+    ):
+        writer.create_partition("p", "rollout_text@1", tasks=["t"])
+        writer.put("p", keys, cols)
+        rows_held = srv.store.held()
+        t = GetTicket(partition="p", keys=keys, shm=True)
+
+        def answer() -> Iterator[pa.RecordBatch]:
+            part, rows, names = srv.store.rows_for_get("p", keys, None)
+            return srv._shm_reply(t, *srv._assemble(t, part, rows, names, True), None)[1]
+
+        sent = answer()
+        next(sent)
+        assert _unread_files(shm_dir, srv) > 0 and srv.store.held() > rows_held
+        sent.close()  # the stream ends there
+        assert _unread_files(shm_dir, srv) == 0 and srv.store.held() == rows_held
+        # One sent whole keeps its segment for its reader.
+        assert len(list(answer())) == 1
+        assert _unread_files(shm_dir, srv) > 0
