@@ -836,8 +836,8 @@ class Server(fl.FlightServerBase):
 
     @contextlib.contextmanager
     def _answer_room(self) -> Iterator[Callable[[int], bool]]:
-        """Within it, ``admit(size)``: whether an answer's segment of ``size`` bytes may be
-        written into shared memory to wait for its reader. Such answers count in the
+        """Within it, ``admit(size)``: whether ``size`` more bytes of an answer's segment
+        may be written into shared memory to wait for its reader. Such answers count in the
         memory budget until taken, and take at most a quarter of it (without one, at most
         :data:`MAX_UNREAD_ANSWER_BYTES` wait at once); at most :data:`MAX_UNREAD_ANSWERS`
         wait."""
@@ -976,15 +976,38 @@ def _stream(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> fl.FlightDa
 def _undone(
     batches: Iterator[pa.RecordBatch], undo: Callable[[], None]
 ) -> Iterator[pa.RecordBatch]:
-    """Yield an answer's batches; if the stream dies before the end, run ``undo`` (a
-    claim gives its rows back, a shared-memory answer its segment)."""
-    done = False
-    try:
-        yield from batches
-        done = True
-    finally:
-        if not done:
+    """Yield an answer's batches; if the stream ends before the last, whether it started or
+    not (Flight writes the schema first, and a client gone by then asks for no batch),
+    run ``undo`` once (a claim gives its rows back, a shared-memory answer its segment)."""
+    return _Undone(batches, undo)
+
+
+class _Undone:
+    def __init__(self, batches: Iterator[pa.RecordBatch], undo: Callable[[], None]) -> None:
+        self._batches = batches
+        self._undo: Callable[[], None] | None = undo
+
+    def __iter__(self) -> _Undone:
+        return self
+
+    def __next__(self) -> pa.RecordBatch:
+        try:
+            return next(self._batches)
+        except StopIteration:
+            self._undo = None  # all of it went out
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        undo, self._undo = self._undo, None
+        if undo is not None:
             undo()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 def _path_name(segment: bytes) -> str:

@@ -334,8 +334,9 @@ class SegmentPool:
         """Write ``batches`` as one IPC stream into a segment; returns its reference.
 
         Batches encoded into a ``gather`` sink are written with it: their placeholders are
-        filled from the caller's tensors. ``admit(size)``, given the file size of the
-        segment taken, says whether it may be written (:class:`Declined` if not).
+        filled from the caller's tensors. ``admit(size)`` says whether ``size`` more bytes
+        of file may be taken: first the least file that holds the stream, before any is
+        allocated, then what a larger free one reused adds (:class:`Declined` if not).
 
         Raises
         ------
@@ -397,8 +398,16 @@ class SegmentPool:
             raise
 
     def _admitted(self, n: int, what: str, admit: Callable[[int], bool] | None) -> Segment:
+        """:meth:`room` for ``n`` bytes, once ``admit`` took the least file that holds
+        them (nothing is allocated for a refusal), and what a reused larger one adds."""
+        if admit is None:
+            return self.room(n, what)
+        least = HEADER + -(-n // GRANULE) * GRANULE
+        if not admit(least):
+            raise Declined(f"{what}: no room for {least} bytes")
         seg = self.room(n, what)
-        if admit is not None and not admit(HEADER + seg.capacity):
+        more = HEADER + seg.capacity - least
+        if more > 0 and not admit(more):  # a free one reused: back to the pool, unwritten
             struct.pack_into("<q", seg.mm, STATE_AT, FREE)
             seg.unlock()
             raise Declined(f"{what}: no room for {HEADER + seg.capacity} bytes")
@@ -458,6 +467,7 @@ class SegmentPool:
             seg = next((s for s in self._segs if s.path == ref.get("path")), None)
             if seg is not None and seg.gen == ref.get("gen") and seg.state() == WRITTEN:
                 struct.pack_into("<q", seg.mm, STATE_AT, FREE)
+                self._waiting.pop(seg.path, None)
 
     def acquire(self, n: int) -> Segment:
         """A free segment of at least ``n`` bytes (grown, or created), returned with its
@@ -494,6 +504,7 @@ class SegmentPool:
                 self._segs.remove(seg)
             if seg is not None:
                 free.remove(seg)
+                self._waiting.pop(seg.path, None)  # being written: no longer waiting
                 HEADER_FORMAT.pack_into(seg.mm, 0, MAGIC, WRITTEN, seg.gen, 0, os.getpid(), now)
                 seg.written_at = now
             self._count += 1
@@ -503,6 +514,7 @@ class SegmentPool:
             for s in sorted(free, key=lambda s: -s.capacity):
                 if kept + s.capacity > self.keep_bytes:
                     self._segs.remove(s)
+                    self._waiting.pop(s.path, None)
                     drop.append(s)
                 else:
                     kept += s.capacity
@@ -600,6 +612,7 @@ class SegmentPool:
         """Unlink every segment; readers that mapped one keep valid pages."""
         with self._lock:
             segs, self._segs, self._closed = self._segs, [], True
+            self._waiting.clear()
         for s in segs:
             s.close()
 

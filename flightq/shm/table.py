@@ -115,9 +115,10 @@ def answer(
     """A read's answer over shared memory: the one-row stream that names its bytes.
 
     An answer that needs a segment of its own writes it within ``room()``, a context
-    giving ``admit(size)``: whether the segment taken (``size`` bytes, its whole file) may
-    wait for its reader. None when it may not (the caller answers over the socket). The
-    reference of a segment written is appended to ``wrote``.
+    giving ``admit(size)``: whether ``size`` more bytes of segment may wait for their
+    reader (asked for the least file first, then for what a larger one reused adds).
+    None when it may not (the caller answers over the socket). The reference of a
+    segment written is appended to ``wrote``.
 
     Raises
     ------

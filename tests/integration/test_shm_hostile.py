@@ -436,11 +436,57 @@ def test_an_answer_that_does_not_reach_its_client_frees_its_segment(shm_dir):
             part, rows, names = srv.store.rows_for_get("p", keys, None)
             return srv._shm_reply(t, *srv._assemble(t, part, rows, names, True), None)[1]
 
-        sent = answer()
-        next(sent)
-        assert _unread_files(shm_dir, srv) > 0 and srv.store.held() > rows_held
-        sent.close()  # the stream ends there
-        assert _unread_files(shm_dir, srv) == 0 and srv.store.held() == rows_held
+        for started in (True, False):  # a client gone before the first batch asks none
+            sent = answer()
+            if started:
+                next(sent)
+            assert _unread_files(shm_dir, srv) > 0 and srv.store.held() > rows_held
+            del sent  # the stream ends there
+            gc.collect()
+            assert _unread_files(shm_dir, srv) == 0 and srv.store.held() == rows_held
         # One sent whole keeps its segment for its reader.
         assert len(list(answer())) == 1
         assert _unread_files(shm_dir, srv) > 0
+
+
+def test_a_reader_taking_each_answer_keeps_getting_them_in_shared_memory(shm_dir):
+    # Answers of more than half what may wait (a quarter of the budget): the reader takes
+    # each, so the segment is free for the next, which reuses it.
+    budget = 256 * 2**20
+    keys = [f"r{i}" for i in range(4)]
+    cols = {"input_ids": [np.arange(1_250_000) + i for i in range(4)]}  # 40 MB an answer
+    with (
+        flightq.Server(shm=shm_dir, memory_budget=budget) as srv,
+        flightq.connect(srv.location, timeout=TIMEOUT) as writer,
+        flightq.connect(srv.location, timeout=TIMEOUT, shm=shm_dir) as c,
+    ):
+        writer.create_partition("p", "rollout_text@1", tasks=["t"])
+        writer.put("p", keys, cols)
+        routes = []
+        for _ in range(4):
+            got = c.get("p", keys, as_="numpy")
+            assert got.received is not None
+            routes.append(got.received.route)
+            del got
+            gc.collect()
+        assert routes == ["shm"] * 4
+        assert c.stats()["counters"]["shm_answers_declined"] == 0
+
+
+def test_an_answer_declined_takes_no_shared_memory(shm_dir):
+    # An answer larger than may wait for its reader (a quarter of a 64 MiB budget) goes
+    # over the socket, and no segment is made for it first.
+    keys = [f"r{i}" for i in range(4)]
+    cols = {"input_ids": [np.arange(625_000) + i for i in range(4)]}  # 20 MB
+    with (
+        flightq.Server(shm=shm_dir, memory_budget=64 * 2**20) as srv,
+        flightq.connect(srv.location, timeout=TIMEOUT) as writer,
+        flightq.connect(srv.location, timeout=TIMEOUT, shm=shm_dir) as c,
+    ):
+        c.shm_min_bytes = 0
+        writer.create_partition("p", "rollout_text@1", tasks=["t"])
+        writer.put("p", keys, cols)
+        for _ in range(2):
+            got = c.get("p", keys, as_="numpy")
+            assert got.received is not None and got.received.route == "socket"
+        assert srv.shm_pool is None or srv.shm_pool.paths() == []
