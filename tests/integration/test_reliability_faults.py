@@ -33,7 +33,7 @@ from flightq.server.store import Store
 pytestmark = pytest.mark.timeout(180)
 
 #: Seconds a call to a stalled server may take before it must fail typed.
-SHORT = 1.0
+SHORT = 0.5
 
 
 @contextlib.contextmanager
