@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..errors import ProtocolError
+from ..errors import ProtocolError, ResourceExhaustedError
 from ..protocol import pack, unpack
 from .mapping import MAPPED, map_data, read_private, still_there
 from .segments import MARKER, Declined, SegmentPool
@@ -117,13 +117,9 @@ def answer(
     An answer that needs a segment of its own writes it within ``room()``, a context
     giving ``admit(size)``: whether ``size`` more bytes of segment may wait for their
     reader (asked for the least file first, then for what a larger one reused adds).
-    None when it may not (the caller answers over the socket). The reference of a
-    segment written is appended to ``wrote``.
-
-    Raises
-    ------
-    ResourceExhaustedError
-        If a segment the answer needs finds no room.
+    None when it may not, or when the directory has no room for the segment (the caller
+    answers over the socket). The reference of a segment written is appended to
+    ``wrote``.
     """
     batches = list(batches)
     d = _Describer()
@@ -133,7 +129,7 @@ def answer(
         except _Unsupported:
             try:
                 ref = pool.write(schema, batches, what, admit=admit)
-            except Declined:
+            except (Declined, ResourceExhaustedError):  # no room: over the socket
                 return None
             if wrote is not None:
                 wrote.append(ref)
@@ -141,7 +137,7 @@ def answer(
         if d.extra_bytes > INLINE_BYTES:
             try:
                 ref = pool.write_bytes(d.extra, d.extra_bytes, what, admit=admit)
-            except Declined:
+            except (Declined, ResourceExhaustedError):  # no room: over the socket
                 return None
             if wrote is not None:
                 wrote.append(ref)

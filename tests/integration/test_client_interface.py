@@ -132,12 +132,14 @@ def test_a_sharded_put_names_the_shards_it_wrote_to() -> None:
         s = flightq.connect_sharded([a.location, b.location], [TEXT], timeout=TIMEOUT)
         try:
             s.create_partition("t", TEXT, tasks=["train"], group_size=4)
-            keys = text_keys(8, 4)
+            # 32 groups: each lands on a shard by its key's hash with the shards' random
+            # ports; with 8, all on one shard came about once in 40 runs.
+            keys = text_keys(32, 4)
             receipt = s.put("t", keys, text_columns(keys), put_id="p1")
-            assert receipt == 32 and receipt.route == "socket"
+            assert receipt == 128 and receipt.route == "socket"
             assert sorted(receipt.shards) == sorted([a.location, b.location])
-            assert s.put("t", keys, text_columns(keys), put_id="p1") == 32  # a retry
-            assert s.stats()["rows"] == 32
+            assert s.put("t", keys, text_columns(keys), put_id="p1") == 128  # a retry
+            assert s.stats()["rows"] == 128
             got = s.get("t", keys[::-1], as_="numpy")
             assert got.keys == keys[::-1] and _route(got) == "socket"
             one = s.put("t", keys[:4], text_columns(keys[:4]), overwrite=True)

@@ -181,7 +181,7 @@ def _socket_client(server: flightq.Server) -> flightq.Client:
     return flightq.connect(server.location, [TEXT, VLM], timeout=TIMEOUT)
 
 
-def test_a_claim_whose_answer_cannot_be_written_gives_its_rows_back(server, client, tmp_path):
+def test_a_claim_whose_answer_cannot_be_written_comes_over_the_socket(server, client, tmp_path):
     # Rows that came over the socket (more than travels inline) need a server segment.
     keys = text_keys(2, 4)
     n = 40_000
@@ -194,14 +194,18 @@ def test_a_claim_whose_answer_cannot_be_written_gives_its_rows_back(server, clie
     client.create_partition("c", TEXT, tasks=["train"], group_size=4)
     with _socket_client(server) as plain:
         plain.put("c", keys, cols)
+    declined = client.stats()["counters"]["shm_answers_declined"]
     server.shm_dir = str(tmp_path / "gone")  # the server can no longer create segments
-    with pytest.raises(flightq.ResourceExhaustedError, match=r"no room for .* shared memory"):
-        client.claim("c", "train", 8, as_="numpy", timeout=TIMEOUT)
+    got = client.claim("c", "train", 4, as_="numpy", timeout=TIMEOUT)
+    assert got.received is not None and got.received.route == "socket"
+    assert client.stats()["counters"]["shm_answers_declined"] == declined + 1
     server.shm_dir = _DIR
-    got = client.claim("c", "train", 8, timeout=TIMEOUT, as_="numpy")
-    assert got.keys == keys
+    rest = client.claim("c", "train", 4, timeout=TIMEOUT, as_="numpy")
+    assert rest.received is not None and rest.received.route == "shm"
+    assert got.keys + rest.keys == keys
     assert all(
-        np.array_equal(a, b) for a, b in zip(got["input_ids"], cols["input_ids"], strict=True)
+        np.array_equal(a, b)
+        for a, b in zip(got["input_ids"] + rest["input_ids"], cols["input_ids"], strict=True)
     )
     assert len(server.shm_pool.paths()) == 1
 
