@@ -308,8 +308,11 @@ class Store:
 
     def _held(self) -> int:
         # With the lock held.
-        outside = self._outside + (0 if self.unread is None else self.unread())
-        return sum(p.held for p in self._parts.values()) + self._pending + outside
+        return sum(p.held for p in self._parts.values()) + self._pending + self._held_outside()
+
+    def _held_outside(self) -> int:
+        # With the lock held: answers being written, and those waiting for their reader.
+        return self._outside + (0 if self.unread is None else self.unread())
 
     def take_outside(self, n: int, cap: int) -> bool:
         """Count ``n`` bytes the server is about to hold outside the store (an answer
@@ -317,9 +320,8 @@ class Store:
         and with what :attr:`unread` already counts, under ``cap``. Returns whether they
         were counted; :meth:`give_outside` stops counting them once :attr:`unread` does."""
         with self._lock:
-            waiting = self._outside + (0 if self.unread is None else self.unread())
             budget = self.memory_budget
-            if waiting + n > cap or (budget is not None and self._held() + n > budget):
+            if self._held_outside() + n > cap or (budget is not None and self._held() + n > budget):
                 return False
             self._outside += n
             return True

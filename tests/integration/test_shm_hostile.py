@@ -8,6 +8,7 @@ after the ack.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import hashlib
@@ -332,14 +333,15 @@ def _unread_files(shm_dir: str, server: flightq.Server) -> int:
     return server.shm_pool.unread_bytes()
 
 
-def test_answers_no_reader_takes_count_against_the_budget_then_go_over_the_socket(shm_dir):
-    # Rows put over the socket are answered through a segment the server writes, which
-    # waits for its reader. Gets whose reader never comes cannot fill the host's shared
-    # memory: the budget counts what waits, at most a quarter of it, and past that the
-    # answers go over the socket; a put finds the room they take taken.
-    budget = 32 * 2**20
+@contextlib.contextmanager
+def _rows_over_socket(
+    shm_dir: str, budget: int, n: int
+) -> Iterator[tuple[flightq.Server, flightq.Client, flightq.Client, list[str], dict]]:
+    """A server with ``budget`` holding 4 text rows of ``n`` tokens in partition "p", put
+    over the socket (so a shared-memory answer needs a segment of the server's); yields
+    it, the writer, a shared-memory reader, the keys and the columns."""
     keys = [f"r{i}" for i in range(4)]
-    cols = {"input_ids": [np.arange(50_000) + i for i in range(4)]}  # 1.6 MB an answer
+    cols = {"input_ids": [np.arange(n) + i for i in range(4)]}
     with (
         flightq.Server(shm=shm_dir, memory_budget=budget) as srv,
         flightq.connect(srv.location, timeout=TIMEOUT) as writer,
@@ -347,7 +349,17 @@ def test_answers_no_reader_takes_count_against_the_budget_then_go_over_the_socke
     ):
         c.shm_min_bytes = 0
         writer.create_partition("p", "rollout_text@1", tasks=["t"])
-        writer.put("p", keys, cols)  # over the socket
+        writer.put("p", keys, cols)
+        yield srv, writer, c, keys, cols
+
+
+def test_answers_no_reader_takes_count_against_the_budget_then_go_over_the_socket(shm_dir):
+    # Rows put over the socket are answered through a segment the server writes, which
+    # waits for its reader. Gets whose reader never comes cannot fill the host's shared
+    # memory: the budget counts what waits, at most a quarter of it, and past that the
+    # answers go over the socket; a put finds the room they take taken.
+    budget = 32 * 2**20
+    with _rows_over_socket(shm_dir, budget, 50_000) as (srv, writer, c, keys, cols):  # 1.6 MB
         rows_held = srv.store.held()
         ways = _unread_gets(srv.location, keys, 12)
         assert ways[0] and ways[1] and not ways[-1], ways  # in shared memory, then the socket
@@ -421,14 +433,7 @@ def test_an_answer_that_does_not_reach_its_client_frees_its_segment(shm_dir):
     # the pool and out of the budget at once, instead of after its 300 s wait for a reader.
     from flightq.protocol import GetTicket
 
-    keys = [f"r{i}" for i in range(4)]
-    cols = {"input_ids": [np.arange(50_000) + i for i in range(4)]}
-    with (
-        flightq.Server(shm=shm_dir, memory_budget=64 * 2**20) as srv,
-        flightq.connect(srv.location, timeout=TIMEOUT) as writer,
-    ):
-        writer.create_partition("p", "rollout_text@1", tasks=["t"])
-        writer.put("p", keys, cols)
+    with _rows_over_socket(shm_dir, 64 * 2**20, 50_000) as (srv, _, _, keys, _):
         rows_held = srv.store.held()
         t = GetTicket(partition="p", keys=keys, shm=True)
 
@@ -452,16 +457,7 @@ def test_an_answer_that_does_not_reach_its_client_frees_its_segment(shm_dir):
 def test_a_reader_taking_each_answer_keeps_getting_them_in_shared_memory(shm_dir):
     # Answers of more than half what may wait (a quarter of the budget): the reader takes
     # each, so the segment is free for the next, which reuses it.
-    budget = 256 * 2**20
-    keys = [f"r{i}" for i in range(4)]
-    cols = {"input_ids": [np.arange(1_250_000) + i for i in range(4)]}  # 40 MB an answer
-    with (
-        flightq.Server(shm=shm_dir, memory_budget=budget) as srv,
-        flightq.connect(srv.location, timeout=TIMEOUT) as writer,
-        flightq.connect(srv.location, timeout=TIMEOUT, shm=shm_dir) as c,
-    ):
-        writer.create_partition("p", "rollout_text@1", tasks=["t"])
-        writer.put("p", keys, cols)
+    with _rows_over_socket(shm_dir, 256 * 2**20, 1_250_000) as (_, _, c, keys, _):  # 40 MB
         routes = []
         for _ in range(4):
             got = c.get("p", keys, as_="numpy")
@@ -476,16 +472,7 @@ def test_a_reader_taking_each_answer_keeps_getting_them_in_shared_memory(shm_dir
 def test_an_answer_declined_takes_no_shared_memory(shm_dir):
     # An answer larger than may wait for its reader (a quarter of a 64 MiB budget) goes
     # over the socket, and no segment is made for it first.
-    keys = [f"r{i}" for i in range(4)]
-    cols = {"input_ids": [np.arange(625_000) + i for i in range(4)]}  # 20 MB
-    with (
-        flightq.Server(shm=shm_dir, memory_budget=64 * 2**20) as srv,
-        flightq.connect(srv.location, timeout=TIMEOUT) as writer,
-        flightq.connect(srv.location, timeout=TIMEOUT, shm=shm_dir) as c,
-    ):
-        c.shm_min_bytes = 0
-        writer.create_partition("p", "rollout_text@1", tasks=["t"])
-        writer.put("p", keys, cols)
+    with _rows_over_socket(shm_dir, 64 * 2**20, 625_000) as (srv, _, c, keys, _):  # 20 MB
         for _ in range(2):
             got = c.get("p", keys, as_="numpy")
             assert got.received is not None and got.received.route == "socket"
