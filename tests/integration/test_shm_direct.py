@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow.flight as fl
 import pytest
 from fixtures_dataplane import TIMEOUT, assert_rows_match, cli_server, python_env
-from helpers_reliability import plain_shm_put
+from helpers_reliability import plain_error, plain_shm_put
 from helpers_stall import direct_segment
 
 import flightq
@@ -300,6 +300,29 @@ def test_the_segment_a_put_is_copied_into_is_counted_before_the_copy(shm_dir):
         srv.store.memory_budget = 2 * one
         c.put("p", [f"{k}+" for k in step.keys], step.columns, tags=step.tags)
         assert _rows(srv.location) == 2 * step.rows
+
+
+def test_a_plain_client_put_past_the_budget_takes_no_segment(shm_dir):
+    # The same refusal for a put a plain pyarrow.flight client names: no segment is
+    # taken, nothing is stored, nothing stays counted.
+    step = workloads.w1(groups=1, g=2)
+    writer, ref, _ = direct_segment(shm_dir, step)
+    try:
+        with flightq.Server(shm=shm_dir, memory_budget=2**20) as srv:
+            with flightq.connect(srv.location, [step.schema], timeout=TIMEOUT) as c:
+                c.create_partition("p", step.schema, tasks=["t"])
+            with pytest.raises(fl.FlightError) as info:
+                plain_shm_put(srv.location, ref, rows=step.rows)
+            kind, message = plain_error(info.value)
+            assert kind == "ResourceExhaustedError" and "whole memory budget" in message
+            assert _rows(srv.location) == 0 and srv.store.held() == 0
+            pool = shm.STORES.hold(shm_dir)
+            try:
+                assert pool.segments() == []
+            finally:
+                shm.STORES.let_go(shm_dir, pool)
+    finally:
+        writer.close()
 
 
 @pytest.mark.parametrize("why", ["whole", "timeout"])
