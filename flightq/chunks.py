@@ -18,7 +18,7 @@ import pyarrow as pa
 from .digest import MediaRefs
 from .encode import encode
 from .layout import MEDIA_TYPE, binary_offsets, media_row_bytes
-from .rows import columns_of
+from .rows import PackedRows, columns_of
 from .schema import Schema
 from .sink import COPY, DeferredFills, Sink
 from .tensor import MemoryIndex, is_torch
@@ -62,6 +62,8 @@ _NBYTES = operator.attrgetter("nbytes")
 def _column_nbytes(data: Any) -> int:
     """The bytes of a column's tensors: one C-level pass where every row is a tensor, the
     row-by-row sum of :func:`_nbytes` where some row is not (``None``, anything else)."""
+    if type(data) is PackedRows:
+        return data.nbytes
     try:
         total = sum(map(_NBYTES, data))
     except (AttributeError, TypeError):
@@ -151,6 +153,9 @@ def encode_chunks(
             on_range(0, n)
         return [encode_range(columns, keys, tags)]
     for data in tensor_columns:
+        if type(data) is PackedRows:
+            sizes = [s + int(b) for s, b in zip(sizes, data.row_nbytes(), strict=True)]
+            continue
         for i, row in enumerate(data):
             if row is not None:
                 sizes[i] += _nbytes(row)
@@ -174,7 +179,7 @@ def encode_chunks(
 
 
 def _rows_slice(v: Any, a: int, b: int) -> Any:
-    if isinstance(v, (list, tuple, np.ndarray)) or is_torch(v):
+    if isinstance(v, (list, tuple, np.ndarray, PackedRows)) or is_torch(v):
         return v[a:b]
     return list(v)[a:b]
 

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from .codecs import RAW
 from .errors import DecodeError, MissingFieldError, ShapeError
-from .layout import KEY, SHAPE_SUFFIX, binary_offsets
+from .layout import KEY, SHAPE_SUFFIX, Packed, binary_offsets
 from .schema import Field
 from .tensor import column_base, nbytes_for, row_view
 
@@ -27,46 +27,6 @@ __all__ = ["Column", "TensorColumn", "MediaColumn", "ScalarColumn", "ChunkedColu
 
 #: Rows up to which a column's shapes are read as Python values at once.
 _FEW = 8
-
-
-class Packed(tuple):
-    """A column's rows end to end, and where each row starts: ``(values, offsets)``.
-
-    Unpacks as a pair: ``flat, cu_seqlens = batch.column("input_ids").packed()``.
-
-    Attributes
-    ----------
-    values:
-        Every row's elements (a token field's tokens, a media field's segments) along
-        dim 0, in row order.
-    offsets:
-        ``N + 1`` offsets into ``values`` along dim 0: row ``i`` is
-        ``values[offsets[i]:offsets[i + 1]]``. From :meth:`TensorColumn.packed`, int32
-        (``cu_seqlens`` as flash-attention's varlen kernels take them); from
-        :meth:`MediaColumn.cat`, int64.
-    max_len:
-        The longest row along dim 0 (flash-attention's ``max_seqlen``).
-    copied:
-        Whether ``values`` had to be copied (rows from several record batches, shared
-        media segments repeated per row, a compressed payload decoded); ``False`` means
-        ``values`` is a view of the received buffers.
-    """
-
-    values: Any
-    offsets: Any
-    max_len: int
-    copied: bool
-
-    def __new__(cls, values: Any, offsets: Any, max_len: int, copied: bool) -> Packed:
-        self = super().__new__(cls, (values, offsets))
-        self.values = values
-        self.offsets = offsets
-        self.max_len = max_len
-        self.copied = copied
-        return self
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.values, self.offsets, self.max_len, self.copied))
 
 
 def _offsets_of(lengths: np.ndarray, as_: str, device: Any = None) -> Any:

@@ -12,6 +12,7 @@ cutting a put into batches of bounded size is :mod:`flightq.chunks`.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from .digest import BATCH_KEY, MediaRefs, digest_of, hint_of, pack_claims
 from .dtypes import DTYPES, from_torch
 from .errors import DTypeError, EncodeError, ShapeError, UndeclaredFieldError
 from .layout import TAGS, arrow_schema
-from .rows import columns_of
+from .rows import PackedRows, columns_of
 from .schema import Field, Schema
 from .sink import COPY, Sink
 from .tensor import Bulk, Encoded, MemoryIndex, bulk_to_bytes, is_torch, nbytes_for, to_bytes
@@ -278,6 +279,10 @@ def _shape_array(shapes: list[tuple[int, ...] | None], large: bool) -> pa.Array:
 def _encode_tensor(
     f: Field, data: Any, keys: list[str], zero_copy: bool, seq: np.ndarray, sink: Sink
 ) -> list[pa.Array]:
+    if type(data) is PackedRows and len(data) == len(keys):
+        packed = _encode_packed(f, data, seq, sink)
+        if packed is not None:
+            return packed
     rows = _rows(f, data, keys)
     fast = (
         _encode_tensor_few(f, rows, seq, sink)
@@ -345,6 +350,48 @@ def _encode_tensor_few(
     offsets = np.array([0, *itertools.accumulate(sizes)], dtype=np.int64)
     payloads = [a.reshape(-1).view(np.uint8) for a in views]
     return [_binary_array(offsets, sink.column(payloads, lengths, offsets), None), _shapes(shapes)]
+
+
+def _encode_packed(f: Field, p: PackedRows, seq: np.ndarray, sink: Sink) -> list[pa.Array] | None:
+    """What the per-row path builds, for rows that lie end to end in one tensor, in a few
+    array operations and no tensor per row; the sink gets the rows' bytes as one payload
+    (a socket put sends them from ``p.values`` as they lie). None where the values are not
+    plain (:func:`_plain_view`), of another dtype, or some row breaks the declared shape or
+    its token length: the per-row path then runs and names the fault."""
+    if f.codec is not RAW:
+        return None
+    a = _plain_view(p.values)
+    if a is None or _NUMPY_TAG.get(a.dtype) != f.dtype:
+        return None
+    o = p.offsets
+    lengths = np.diff(o)
+    tail = a.shape[1:]
+    if f.shape is not None:
+        if len(f.shape) != 1 + len(tail):
+            return None
+        if f.shape[0] is not None and (lengths != f.shape[0]).any():
+            return None
+        if any(w is not None and w != d for w, d in zip(f.shape[1:], tail, strict=True)):
+            return None
+    if f.role == "token":
+        if ((seq >= 0) & (seq != lengths)).any():
+            return None
+        seq[:] = lengths
+    row = a.itemsize * math.prod(tail)
+    lo, hi = int(o[0]), int(o[-1])
+    offsets = (o - lo) * row
+    total = int(offsets[-1])
+    flat = a[lo:hi].reshape(-1).view(np.uint8)
+    data = sink.column([flat], np.array([total], dtype=np.int64), np.array([0, total]))
+    n = len(lengths)
+    rank = 1 + len(tail)
+    dims = np.empty((n, rank), dtype=np.int64)
+    dims[:, 0] = lengths
+    dims[:, 1:] = tail
+    return [
+        _binary_array(offsets, data, None),
+        _shape_column(np.full(n, rank, dtype=np.int64), dims.reshape(-1), None),
+    ]
 
 
 #: Native-order numpy dtypes to their tags (``flightq.dtypes.from_numpy``'s common case).

@@ -57,6 +57,7 @@ __all__ = [
     "first_use_bytes",
     "media_row_bytes",
     "row_sums",
+    "Packed",
 ]
 
 KEY = "__key__"
@@ -268,3 +269,50 @@ def in_slices(items: Sequence[Any]) -> Iterator[Sequence[Any]]:
     run between slices (see :func:`pylist`)."""
     for i in range(0, len(items), SLICE):
         yield items[i : i + SLICE]
+
+
+class Packed(tuple):
+    """A column's rows end to end, and where each row starts: ``(values, offsets)``.
+
+    Unpacks as a pair: ``flat, cu_seqlens = batch.column("input_ids").packed()``. A put
+    takes one as a token or tensor column (``{"input_ids": flightq.Packed(flat,
+    cu_seqlens)}``) and sends ``values`` as it lies, checked a column at a time.
+
+    Attributes
+    ----------
+    values:
+        Every row's elements (a token field's tokens, a media field's segments) along
+        dim 0, in row order.
+    offsets:
+        ``N + 1`` offsets into ``values`` along dim 0: row ``i`` is
+        ``values[offsets[i]:offsets[i + 1]]``. From :meth:`TensorColumn.packed`, int32
+        (``cu_seqlens`` as flash-attention's varlen kernels take them); from
+        :meth:`MediaColumn.cat`, int64.
+    max_len:
+        The longest row along dim 0 (flash-attention's ``max_seqlen``).
+    copied:
+        Whether ``values`` had to be copied (rows from several record batches, shared
+        media segments repeated per row, a compressed payload decoded); ``False`` means
+        ``values`` is a view of the received buffers.
+    """
+
+    values: Any
+    offsets: Any
+    max_len: int
+    copied: bool
+
+    def __new__(
+        cls, values: Any, offsets: Any, max_len: int | None = None, copied: bool = False
+    ) -> Packed:
+        self = super().__new__(cls, (values, offsets))
+        self.values = values
+        self.offsets = offsets
+        if max_len is None:
+            lengths = offsets[1:] - offsets[:-1]
+            max_len = int(lengths.max()) if len(lengths) else 0
+        self.max_len = max_len
+        self.copied = copied
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.values, self.offsets, self.max_len, self.copied))

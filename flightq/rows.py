@@ -1,12 +1,20 @@
 """A put's columns as the per-row structures :func:`flightq.encode` takes.
 
 A put accepts, besides plain per-row sequences, a ``tensordict.TensorDict`` whose batch
-dimension is the rows, and jagged nested tensors (``torch.nested``, either layout) as
-ragged columns. Both are taken apart here into per-row views, with no copy: a nested
-tensor is unbound into its rows, a ``NonTensorStack`` into its Python values, a dense
-tensor stays as it is (its first dim is the rows). Media take one segment per row from a
-tensor column (a row's patches, however many images they hold); several segments per row
-travel as a list of lists (a ``NonTensorStack`` in a TensorDict).
+dimension is the rows, jagged nested tensors (``torch.nested``, either layout) as ragged
+columns, and :class:`flightq.Packed` columns (``(values, offsets)``, what
+``column(name).packed()`` returns). All are taken apart here, with no copy:
+
+- a token or tensor column whose rows already lie end to end in one CPU tensor (a jagged
+  nested tensor, a ``Packed``, a dense C-contiguous tensor whose first dim is the rows)
+  becomes :class:`PackedRows`: the encoder checks and lays it out a column at a time and
+  sends its memory as it is, never a tensor per row;
+- any other nested tensor is unbound into its rows, a ``NonTensorStack`` into its Python
+  values; any other dense tensor stays as it is (its first dim is the rows).
+
+Media take one segment per row from a tensor column (a row's patches, however many images
+they hold); several segments per row travel as a list of lists (a ``NonTensorStack`` in a
+TensorDict).
 
 A TensorDict returned by a get or claim (``as_="tensordict"``) can be put back as it
 is: its ``__key__`` entry is checked against the put's keys (rows out of order are
@@ -17,14 +25,17 @@ Nothing here imports torch or tensordict: both are recognised by their types' mo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from .errors import EncodeError, ShapeError
-from .layout import KEY, TAGS
+from .layout import KEY, TAGS, Packed
 from .schema import Schema
 
-__all__ = ["columns_of", "is_tensordict", "is_nested"]
+__all__ = ["columns_of", "is_tensordict", "is_nested", "PackedRows"]
 
 
 def is_tensordict(x: Any) -> bool:
@@ -77,9 +88,16 @@ def columns_of(columns: Any, schema: Schema | None = None, keys: Any = None) -> 
             f"{type(columns).__name__}",
             actual=type(columns).__name__,
         )
-    if not any(is_nested(v) or _non_tensor(v) for v in columns.values()):
+    if not any(_taken_apart(v, schema, name) for name, v in columns.items()):
         return _PerRow(columns)
     return _PerRow({name: _column(name, v, schema) for name, v in columns.items()})
+
+
+def _taken_apart(v: Any, schema: Schema | None, name: str) -> bool:
+    """Whether :func:`_column` changes the column ``v``."""
+    if is_nested(v) or _non_tensor(v) or type(v) is Packed:
+        return True
+    return _dense_rows(v) and _rows_field(schema, name)
 
 
 class _PerRow(dict[str, Any]):
@@ -133,9 +151,21 @@ def _column(name: str, v: Any, schema: Schema | None) -> Any:
     media = schema is not None and name in schema and schema[name].role == "media"
     if _non_tensor(v):
         return _values(v)
+    if type(v) is Packed:
+        if not media:
+            return _packed(name, v.values, v.offsets)
+        v = _packed(name, v.values, v.offsets)
+        return [[r] for r in v]
     if is_nested(v):
+        if not media and _jagged_on_cpu(v):
+            return PackedRows(v.values(), v.offsets().numpy())
         rows = list(v.unbind())
         return [[r] for r in rows] if media else rows
+    if _dense_rows(v) and _rows_field(schema, name):
+        n = v.shape[0]
+        per_row = v.shape[1]
+        values = v.reshape(n * per_row, *v.shape[2:])
+        return PackedRows(values, np.arange(0, n * per_row + 1, max(per_row, 1), dtype=np.int64))
     if media and hasattr(v, "shape") and hasattr(v, "dim"):
         if v.dim() < 1:
             raise ShapeError(
@@ -146,3 +176,121 @@ def _column(name: str, v: Any, schema: Schema | None) -> Any:
             )
         return [[r] for r in v.unbind(0)]
     return v
+
+
+def _rows_field(schema: Schema | None, name: str) -> bool:
+    """Whether ``name`` is a token or tensor field of ``schema`` (rows of dim >= 1)."""
+    return schema is not None and name in schema and schema[name].role in ("token", "tensor")
+
+
+def _dense_rows(v: Any) -> bool:
+    """Whether ``v`` is a C-contiguous CPU tensor (numpy or torch) of rows of dim >= 1 whose
+    rows lie end to end: a dense column :class:`PackedRows` can take as it is."""
+    if type(v) is np.ndarray:
+        return v.ndim >= 2 and v.shape[1] > 0 and v.flags.c_contiguous
+    if type(v).__module__.startswith("torch") and hasattr(v, "is_contiguous") and not is_nested(v):
+        return v.dim() >= 2 and v.shape[1] > 0 and v.device.type == "cpu" and v.is_contiguous()
+    return False
+
+
+def _jagged_on_cpu(v: Any) -> bool:
+    """Whether a nested tensor is a jagged one on the CPU whose rows lie end to end in its
+    ``values()`` (ragged along the rows' first dim, no holes)."""
+    return (
+        str(v.layout) == "torch.jagged"
+        and v.device.type == "cpu"
+        and getattr(v, "_lengths", None) is None
+        and getattr(v, "_ragged_idx", 1) == 1
+    )
+
+
+def _packed(name: str, values: Any, offsets: Any) -> PackedRows:
+    """A ``Packed`` column as :class:`PackedRows`, its offsets checked."""
+    if type(offsets).__module__.startswith("torch"):
+        offsets = offsets.cpu().numpy()
+    o = np.asarray(offsets)
+    shape = getattr(values, "shape", None)
+    if shape is None or len(shape) < 1:
+        raise ShapeError(
+            f"column {name!r}: a Packed column's values are a tensor of rows along dim 0, "
+            f"got {type(values).__name__}",
+            field=name,
+        )
+    if o.ndim != 1 or len(o) < 1 or o.dtype.kind not in "iu":
+        raise ShapeError(
+            f"column {name!r}: a Packed column's offsets are N + 1 integers, got "
+            f"{o.dtype} of shape {list(o.shape)}",
+            field=name,
+            actual=list(o.shape),
+        )
+    o = o.astype(np.int64, copy=False)
+    if o[0] < 0 or o[-1] > shape[0] or (len(o) > 1 and (np.diff(o) < 0).any()):
+        raise ShapeError(
+            f"column {name!r}: a Packed column's offsets rise from 0 or more to at most "
+            f"the values' {shape[0]} rows along dim 0; got {o[:4].tolist()}...{o[-1]}",
+            field=name,
+            expected=int(shape[0]),
+            actual=int(o[-1]),
+        )
+    return PackedRows(values, o)
+
+
+class PackedRows(Sequence[Any]):
+    """A column whose rows lie end to end in one tensor: row ``i`` is
+    ``values[offsets[i]:offsets[i + 1]]`` along dim 0.
+
+    A sequence of its rows (views) to whatever reads a column row by row; the encoder
+    takes ``values`` and ``offsets`` as they are instead (:func:`flightq.encode.encode`).
+    Slicing rows gives another ``PackedRows`` over the same ``values``.
+
+    Attributes
+    ----------
+    values:
+        A CPU torch tensor or numpy array.
+    offsets:
+        ``N + 1`` int64 offsets into ``values`` along dim 0, rising (numpy).
+    """
+
+    __slots__ = ("offsets", "values")
+
+    def __init__(self, values: Any, offsets: np.ndarray) -> None:
+        self.values = values
+        self.offsets = offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            a, b, step = i.indices(len(self))
+            if step != 1:
+                return [self[j] for j in range(a, b, step)]
+            return PackedRows(self.values, self.offsets[a : max(a, b) + 1])
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} of {n}")
+        i %= n
+        return self.values[int(self.offsets[i]) : int(self.offsets[i + 1])]
+
+    def __iter__(self) -> Iterator[Any]:
+        o = self.offsets
+        if len(o) < 2:
+            return iter(())
+        whole = self.values[int(o[0]) : int(o[-1])]
+        if type(whole) is np.ndarray:
+            return iter(np.split(whole, (o[1:-1] - o[0]).tolist()))
+        return iter(whole.split(np.diff(o).tolist()))
+
+    def _row_bytes(self) -> int:
+        """The bytes of one element along dim 0 (a token, a row of a tensor's rows)."""
+        v = self.values
+        return math.prod(v.shape[1:]) * int(v.itemsize)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every row."""
+        return int(self.offsets[-1] - self.offsets[0]) * self._row_bytes()
+
+    def row_nbytes(self) -> np.ndarray:
+        """Each row's bytes (int64)."""
+        return np.diff(self.offsets) * self._row_bytes()

@@ -206,9 +206,23 @@ class FlightqGroupsConsumer(FlightqConsumer):
 
 
 class FlightqTensordictProducer(FlightqProducer):
-    """``put`` of the step, for :class:`FlightqTensordictConsumer`."""
+    """``put`` of the step as a TensorDict (token fields jagged nested tensors, media rows
+    a ``NonTensorStack``), what a verl or TransferQueue writer holds."""
 
     suffix = "-td"
+
+    def prepare(self) -> None:
+        super().prepare()
+        if getattr(self, "_td", None) is None:
+            from .peers import _to_tensordict
+
+            self._td = _to_tensordict(self.step)
+
+    def put(self) -> dict[str, Any]:
+        s = self._torch
+        t0 = now_ns()
+        self.client.put(self.partition, s.keys, self._td, tags=s.tags)
+        return timed(t0)
 
 
 class FlightqTensordictConsumer(FlightqConsumer):

@@ -206,7 +206,7 @@ SYSTEMS: dict[str, System] = {
             _M + "flightq_system:FlightqTensordictConsumer",
             server="flightq",
             requires=("flightq.client.client", "flightq.server.flight", "tensordict"),
-            note="the same, read as a TensorDict (get(as_='tensordict'), what "
+            note="the step put and read as a TensorDict (get(as_='tensordict'), what "
             "flightq.compat.transferqueue returns): token fields jagged, media rows as "
             "a NonTensorStack",
             default=False,

@@ -172,3 +172,45 @@ def test_a_sharded_and_an_async_client_answer_tensordicts(server, torch, td) -> 
 
     got = asyncio.run(main(server.location))
     assert got["input_lengths"].tolist() == list(LENS)  # type: ignore[index]
+
+
+def test_a_packed_column_from_a_get_is_put_back_under_new_keys(client, torch) -> None:
+    """``column(name).packed()`` is a put's column as it is: the rows land as they were."""
+    client.create_partition("r", VLM, tasks=["train"])
+    client.put("r", KEYS, {"input_ids": _ids(torch)})
+    packed = client.get("r", KEYS).column("input_ids").packed()
+    again = [f"again_{k}" for k in KEYS]
+    assert client.put("r", again, {"input_ids": packed}) == G
+    got = client.get("r", again)["input_ids"]
+    assert [r.tolist() for r in got] == [r.tolist() for r in _ids(torch).unbind()]
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["socket", "shm"])
+def test_jagged_and_dense_columns_round_trip_over_either_route(server, torch, shm) -> None:
+    """Large enough for a shared-memory put to gather into its segment: the rows the server
+    stores are those of the jagged and dense tensors, a column at a time."""
+    n, width = 32, 4096
+    lens = [width - 37 * i for i in range(n)]
+    keys = [f"g0_{i}" for i in range(n)]
+    rows = [torch.arange(s, dtype=torch.int64) * (i + 1) for i, s in enumerate(lens)]
+    lps = [torch.rand(s) for s in lens]
+    ids = torch.arange(n * width, dtype=torch.int64).reshape(n, width)  # dense: rows of `width`
+    with flightq.connect(server.location, [VLM], shm=shm) as c:
+        c.create_partition("j", VLM, tasks=["train"])
+        receipt = c.put(
+            "j",
+            keys,
+            {
+                "input_ids": torch.nested.nested_tensor(rows, layout=torch.jagged),
+                "generation_logprobs": torch.nested.nested_tensor(lps, layout=torch.jagged),
+                "input_lengths": torch.tensor(lens, dtype=torch.int32),
+            },
+        )
+        assert receipt == n and receipt.route == ("shm" if shm else "socket")
+        c.create_partition("d", VLM, tasks=["train"])
+        c.put("d", keys, {"input_ids": ids, "token_mask": torch.ones_like(ids)})
+        got = c.get("j", keys)
+        dense = c.get("d", keys)["input_ids"]
+    assert all(torch.equal(g, w) for g, w in zip(got["input_ids"], rows, strict=True))
+    assert all(torch.equal(g, w) for g, w in zip(got["generation_logprobs"], lps, strict=True))
+    assert all(torch.equal(g, w) for g, w in zip(dense, ids, strict=True))
