@@ -623,7 +623,7 @@ def _encode_scalar(f: Field, data: Any, keys: list[str]) -> pa.Array:
         if a is not None and a.shape == (n,) and _NUMPY_TAG.get(a.dtype) == f.dtype:
             if dt.name == "bool":
                 return pa.array(a, type=pa.bool_())
-            return pa.Array.from_buffers(dt.arrow, n, [None, pa.py_buffer(a)])
+            return pa.Array.from_buffers(dt.arrow, n, [None, pa.py_buffer(a.copy())])
     where = f"column {f.name!r}: "
     if isinstance(data, np.ndarray) or is_torch(data):
         enc = to_bytes(data, where=where)
@@ -647,7 +647,8 @@ def _encode_scalar(f: Field, data: Any, keys: list[str]) -> pa.Array:
         values = enc.data.view(dt.storage)
         if dt.name == "bool":
             return pa.array(values.view(np.bool_), type=pa.bool_())
-        return pa.Array.from_buffers(dt.arrow, n, [None, pa.py_buffer(values)])
+        # A copy (a few bytes a row): the batch never changes with the caller's array.
+        return pa.Array.from_buffers(dt.arrow, n, [None, pa.py_buffer(values.copy())])
     rows = _rows(f, data, keys)
     out: list[Any] = []
     for i, v in enumerate(rows):

@@ -308,11 +308,22 @@ class Packed(tuple):
         self.values = values
         self.offsets = offsets
         if max_len is None:
-            lengths = offsets[1:] - offsets[:-1]
-            max_len = int(lengths.max()) if len(lengths) else 0
+            max_len = _longest(offsets)
         self.max_len = max_len
         self.copied = copied
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.values, self.offsets, self.max_len, self.copied))
+
+
+def _longest(offsets: Any) -> int:
+    """The longest row ``offsets`` bound (0 where they are not rising integers: a put
+    that takes them says what is wrong, naming the column)."""
+    try:
+        o = np.asarray(offsets.detach().cpu() if hasattr(offsets, "detach") else offsets)
+        if o.ndim != 1 or o.dtype.kind not in "iu" or len(o) < 2:
+            return 0
+        return max(int((o[1:].astype(np.int64) - o[:-1].astype(np.int64)).max()), 0)
+    except (TypeError, ValueError, RuntimeError):
+        return 0

@@ -152,13 +152,18 @@ def _column(name: str, v: Any, schema: Schema | None) -> Any:
     if _non_tensor(v):
         return _values(v)
     if type(v) is Packed:
-        if not media:
-            return _packed(name, v.values, v.offsets)
-        v = _packed(name, v.values, v.offsets)
-        return [[r] for r in v]
+        if media:
+            raise ShapeError(
+                f"column {name!r}: a media column is one list of segments per row, not a "
+                "Packed column (which would merge a row's images into one segment and give "
+                "a row without media an empty one); put the rows' segment lists",
+                field=name,
+            )
+        packed = _packed(name, v.values, v.offsets)
+        return packed if _on_cpu(packed.values) else list(packed)
     if is_nested(v):
         if not media and _jagged_on_cpu(v):
-            return PackedRows(v.values(), v.offsets().numpy())
+            return PackedRows(v.values(), v.offsets().numpy().astype(np.int64, copy=False))
         rows = list(v.unbind())
         return [[r] for r in rows] if media else rows
     if _dense_rows(v) and _rows_field(schema, name):
@@ -204,11 +209,21 @@ def _jagged_on_cpu(v: Any) -> bool:
     )
 
 
+def _on_cpu(values: Any) -> bool:
+    """Whether ``values`` is a numpy array or a CPU torch tensor."""
+    device = getattr(values, "device", None)
+    return type(values) is np.ndarray or getattr(device, "type", None) == "cpu"
+
+
 def _packed(name: str, values: Any, offsets: Any) -> PackedRows:
-    """A ``Packed`` column as :class:`PackedRows`, its offsets checked."""
-    if type(offsets).__module__.startswith("torch"):
-        offsets = offsets.cpu().numpy()
-    o = np.asarray(offsets)
+    """A ``Packed`` column as :class:`PackedRows`, its offsets checked.
+
+    Raises
+    ------
+    ShapeError
+        Naming the column, if the values are not a tensor of rows along dim 0 or the
+        offsets are not N + 1 integers rising within them.
+    """
     shape = getattr(values, "shape", None)
     if shape is None or len(shape) < 1:
         raise ShapeError(
@@ -216,15 +231,15 @@ def _packed(name: str, values: Any, offsets: Any) -> PackedRows:
             f"got {type(values).__name__}",
             field=name,
         )
-    if o.ndim != 1 or len(o) < 1 or o.dtype.kind not in "iu":
+    o = _integers(offsets)
+    if o is None or o.ndim != 1 or len(o) < 1:
         raise ShapeError(
             f"column {name!r}: a Packed column's offsets are N + 1 integers, got "
-            f"{o.dtype} of shape {list(o.shape)}",
+            f"{getattr(offsets, 'dtype', type(offsets).__name__)} of shape "
+            f"{list(getattr(offsets, 'shape', ()))}",
             field=name,
-            actual=list(o.shape),
         )
-    o = o.astype(np.int64, copy=False)
-    if o[0] < 0 or o[-1] > shape[0] or (len(o) > 1 and (np.diff(o) < 0).any()):
+    if o[0] < 0 or o[-1] > shape[0] or (o[1:] < o[:-1]).any():
         raise ShapeError(
             f"column {name!r}: a Packed column's offsets rise from 0 or more to at most "
             f"the values' {shape[0]} rows along dim 0; got {o[:4].tolist()}...{o[-1]}",
@@ -233,6 +248,24 @@ def _packed(name: str, values: Any, offsets: Any) -> PackedRows:
             actual=int(o[-1]),
         )
     return PackedRows(values, o)
+
+
+def _integers(offsets: Any) -> np.ndarray | None:
+    """``offsets`` as an int64 numpy array; None if they are not integers that fit."""
+    if type(offsets).__module__.startswith("torch"):
+        try:  # torch has no numpy view of bf16 or of a tensor that requires grad: detach
+            offsets = offsets.detach().cpu().numpy()
+        except (TypeError, RuntimeError):
+            return None
+    try:
+        o = np.asarray(offsets)
+    except (TypeError, ValueError):
+        return None
+    if o.dtype.kind not in "iu":
+        return None
+    if o.dtype.kind == "u" and o.size and o.max() > np.iinfo(np.int64).max:
+        return None
+    return o.astype(np.int64, copy=False)
 
 
 class PackedRows(Sequence[Any]):

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..rows import PackedRows
 from ..tensor import MemoryIndex
 from .device import align, numpy_dtype, torch_module
 from .pinned import PinnedPool
@@ -56,7 +57,10 @@ def has_cuda(columns: Mapping[str, Any]) -> bool:
             if v.is_cuda:
                 return True
             continue
-        if isinstance(v, (str, bytes, Mapping, np.ndarray)) or not isinstance(v, Iterable):
+        # PackedRows hold CPU tensors only (flightq.rows): never a row to look at.
+        if isinstance(v, (str, bytes, Mapping, np.ndarray, PackedRows)) or not isinstance(
+            v, Iterable
+        ):
             continue
         for row in v:
             if isinstance(row, (list, tuple)):
@@ -177,7 +181,9 @@ def stage(columns: Mapping[str, Any], pool: PinnedPool) -> Staged:
     for name, v in columns.items():
         if isinstance(v, T):
             whole[name] = slot(v, -1)
-        elif not isinstance(v, (str, bytes, Mapping, np.ndarray)) and isinstance(v, Iterable):
+        elif not isinstance(v, (str, bytes, Mapping, np.ndarray, PackedRows)) and isinstance(
+            v, Iterable
+        ):
             rows[name] = list(v)
     # Row by row; a cell is a slot for a tensor, [slots] for a segment list, None as is.
     cells: dict[str, list[Any]] = {name: [] for name in rows}

@@ -219,3 +219,102 @@ def test_bf16_packed_values_are_put_row_by_row(torch: ModuleType) -> None:
     p = Packed(torch.cat(rows), torch.tensor(_offsets(LENS)))
     got = decode(encode(s, {"lp": p}, KEYS), as_="torch")["lp"]
     assert all(torch.equal(g, w) for g, w in zip(got, rows, strict=True))
+
+
+def test_a_jagged_tensor_with_int32_offsets_encodes_as_its_rows_do(torch: ModuleType) -> None:
+    """flash-attention's cu_seqlens are int32; a jagged tensor over them is put as is."""
+    rows = [torch.from_numpy(r) for r in _rows(LENS, np.int64)]
+    cu = torch.tensor(_offsets(LENS), dtype=torch.int32)
+    jagged = torch.nested.nested_tensor_from_jagged(torch.cat(rows), cu)
+    assert _ipc(encode(TEXT, {"input_ids": jagged}, KEYS)) == _ipc(
+        encode(TEXT, {"input_ids": rows}, KEYS)
+    )
+
+
+@pytest.mark.parametrize(
+    "offsets",
+    [
+        np.array([0, 3, -(2**63) + 2, -2, 9]),  # rises nowhere once differences wrap
+        np.array([0, 3, 5, 7, 2**64 - 1], dtype=np.uint64),
+        [0, 3, "x", 7, 9],
+        None,
+        np.array([True, False, True, True, True]),
+    ],
+    ids=["wrapping", "uint64-past-int64", "strings", "none", "bools"],
+)
+def test_offsets_no_check_can_be_fooled_by_are_refused(offsets: object) -> None:
+    p = Packed(np.arange(9, dtype=np.int64), offsets)
+    with pytest.raises(ShapeError, match="column 'input_ids': a Packed column's") as e:
+        encode(TEXT, {"input_ids": p}, KEYS)
+    assert e.value.field == "input_ids"
+
+
+def test_packed_offsets_as_a_list_and_its_longest_row() -> None:
+    values = np.arange(9, dtype=np.int64)
+    p = Packed(values, [0, 3, 3, 7, 9])
+    assert p.max_len == 4
+    got = decode(encode(TEXT, {"input_ids": p}, KEYS), as_="numpy")["input_ids"]
+    assert [r.tolist() for r in got] == [[0, 1, 2], [], [3, 4, 5, 6], [7, 8]]
+
+
+def test_bf16_or_grad_offsets_are_refused_or_read(torch: ModuleType) -> None:
+    values = torch.arange(9)
+    with pytest.raises(ShapeError, match="offsets are N \\+ 1 integers"):
+        encode(
+            TEXT, {"input_ids": Packed(values, torch.tensor([0.0, 3, 5, 7, 9]).bfloat16())}, KEYS
+        )
+    p = Packed(values, torch.tensor([0, 3, 5, 7, 9]))
+    assert encode(TEXT, {"input_ids": p}, KEYS).num_rows == 4
+
+
+def test_a_packed_media_column_is_refused() -> None:
+    vlm = SchemaRegistry.default().get("rollout_vlm@1")
+    p = Packed(np.zeros((6, 1176), dtype=np.float32), np.array([0, 2, 2, 5, 6]))
+    with pytest.raises(ShapeError, match="column 'pixel_values': a media column is one list"):
+        encode(vlm, {"pixel_values": p}, KEYS)
+
+
+def test_an_encoded_batch_keeps_its_scalars_when_the_caller_changes_them() -> None:
+    for n in (3, 12):  # the few-rows path and the general one
+        lengths = np.arange(n, dtype=np.int32)
+        rb = encode(TEXT, {"input_lengths": lengths}, [f"k{i}" for i in range(n)])
+        lengths[:] = 99
+        assert rb.column("input_lengths").to_pylist() == list(range(n))
+
+
+def test_packed_rows_on_the_cpu_leave_a_put_with_no_cuda_tensor(
+    torch: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CUDA process's put looks for CUDA tensors in every column: PackedRows (always on
+    the CPU) are not walked row by row for it."""
+    from flightq.cuda.put import has_cuda
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # as in a CUDA process
+
+    cols = columns_of({"input_ids": _packed(_rows(LENS, np.int64), "torch")}, TEXT, KEYS)
+
+    class NoRows(PackedRows):
+        def __iter__(self):  # type: ignore[override]
+            raise AssertionError("walked row by row")
+
+    cols = {"input_ids": NoRows(cols["input_ids"].values, cols["input_ids"].offsets)}
+    assert has_cuda(cols) is False
+    cuda_packed = columns_of({"input_ids": Packed(_Cuda(), np.array([0, 3, 3, 7, 9]))}, TEXT, KEYS)
+    # rows of a CUDA tensor: staged row by row, as a jagged one's are
+    assert cuda_packed["input_ids"] == ["row of 3", "row of 0", "row of 4", "row of 2"]
+
+
+class _Cuda:
+    """Stands in for a CUDA tensor's device and shape (no GPU here): what ``columns_of``
+    reads to keep PackedRows on the CPU."""
+
+    shape = (9,)
+
+    class device:  # the attribute torch names so
+        type = "cuda"
+
+    def __getitem__(self, s: slice) -> _Cuda:
+        return self
+
+    def split(self, lengths: list[int]) -> list[str]:
+        return [f"row of {n}" for n in lengths]
