@@ -62,8 +62,12 @@ def require_tensordict() -> Any:
     return tensordict
 
 
-def to_tensordict(batch: Batch) -> Any:
+def to_tensordict(batch: Batch, meta: bool = True) -> Any:
     """``batch`` as a TensorDict of batch size ``[len(batch)]`` (see the module docstring).
+
+    ``meta=False`` leaves out the ``__key__`` and ``__tags__`` entries: tensordict builds
+    an object per row for each (about 1.3 and 3.5 µs a row), which a reader that knows its
+    keys need not pay.
 
     Raises
     ------
@@ -79,8 +83,9 @@ def to_tensordict(batch: Batch) -> Any:
     out: dict[str, Any] = {}
     for name in batch.fields:
         out[name] = _entry(batch, name, td_mod)
-    out[KEY] = td_mod.NonTensorStack.from_list(list(batch.keys))  # str: its fast path
-    out[TAGS] = td_mod.NonTensorStack(*[td_mod.NonTensorData(t) for t in batch.tags])
+    if meta:
+        out[KEY] = td_mod.NonTensorStack.from_list(list(batch.keys))  # str: its fast path
+        out[TAGS] = td_mod.NonTensorStack(*[td_mod.NonTensorData(t) for t in batch.tags])
     return td_mod.TensorDict(out, batch_size=[n])
 
 

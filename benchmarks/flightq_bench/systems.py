@@ -206,9 +206,9 @@ SYSTEMS: dict[str, System] = {
             _M + "flightq_system:FlightqTensordictConsumer",
             server="flightq",
             requires=("flightq.client.client", "flightq.server.flight", "tensordict"),
-            note="the step put and read as a TensorDict (get(as_='tensordict'), what "
-            "flightq.compat.transferqueue returns): token fields jagged, media rows as "
-            "a NonTensorStack",
+            note="the step put and read as a TensorDict (get(as_='tensordict'); "
+            "flightq.compat.transferqueue returns the same without its __key__ and "
+            "__tags__ entries): token fields jagged, media rows as a NonTensorStack",
             default=False,
         ),
         System(

@@ -53,10 +53,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..errors import EncodeError, MissingFieldError, NotFoundError, ProtocolError, ShapeError
-from ..layout import KEY, TAGS
 from ..registry import SchemaRegistry
 from ..rows import is_tensordict
-from ..tensordicts import require_tensordict
+from ..tensordicts import require_tensordict, to_tensordict
 
 __all__ = [
     "KVBatchMeta",
@@ -339,8 +338,8 @@ class TransferQueue:
         field the rows have."""
         require_tensordict()
         ks = _names(keys) or []
-        td: Any = self.client.get(partition_id, ks, _names(select_fields), as_="tensordict")
-        return td.exclude(KEY, TAGS)
+        batch = self.client.get(partition_id, ks, _names(select_fields), as_="torch")
+        return to_tensordict(batch, meta=False)  # no per-row key and tag objects to drop
 
     def kv_batch_get_by_meta(
         self, meta: KVBatchMeta, select_fields: list[str] | str | None = None
