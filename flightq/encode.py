@@ -64,9 +64,11 @@ def encode(
         The schema every column is checked against.
     columns:
         Field name to per-row data. token/tensor: a sequence of N tensors (``None`` for a
-        row without the field), a tensor whose first dim is the rows, or a nested tensor
-        (jagged). media: a sequence of N lists of tensors (an empty list is "no media",
-        ``None`` is "field absent"), or a tensor / nested tensor of one segment per row.
+        row without the field), a tensor whose first dim is the rows, a nested tensor
+        (jagged), or a :class:`flightq.Packed` ``(values, offsets)`` (rows that lie end to
+        end in one CPU tensor are checked a column at a time, :mod:`flightq.rows`).
+        media: a sequence of N lists of tensors (an empty list is "no media", ``None`` is
+        "field absent"), or a tensor / nested tensor of one segment per row.
         scalar: a 1-D tensor/array of N values or a sequence of N Python values (``None``
         allowed). Tensors are torch or numpy. A ``tensordict.TensorDict`` whose batch
         dim is the rows is taken entry by entry (:mod:`flightq.rows`).
