@@ -341,6 +341,8 @@ class Batch:
         self._as = as_
         self._copy = copy
         self._columns: dict[str, Column] = {}
+        #: Jagged offsets handed out so far: the batch's jagged columns share them.
+        self._ragged: list[Any] = []
         self._tags: list[dict[str, Any]] | None = None
         self._parts: list[Batch] | None = None
         #: Set on what a get or claim returns: see :class:`Received`.
@@ -464,6 +466,7 @@ class Batch:
                 f = self.schema[name]
                 cls = {"scalar": ScalarColumn, "media": MediaColumn}.get(f.role, TensorColumn)
                 col = cls(f, self.record_batch, self._as, self._copy)
+            col.ragged = self._ragged
             self._columns[name] = col
         return col
 

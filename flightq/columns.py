@@ -59,6 +59,8 @@ class Column:
         self._rb = rb
         #: Every row carries the field.
         self.complete = self.payload.null_count == 0
+        #: The jagged offsets of this column's batch (:func:`_jagged`), set by the batch.
+        self.ragged: list[Any] = []
 
     _valid: np.ndarray | None = None
 
@@ -276,8 +278,7 @@ class TensorColumn(Column):
         MissingFieldError, ShapeError
             As :meth:`packed`.
         """
-        p = self.packed()
-        return _jagged(p)
+        return _jagged(self.packed(), self.ragged)
 
     def rows(self) -> list[Any]:
         if self.copy or not self.complete or not len(self):
@@ -501,6 +502,7 @@ class ChunkedColumn(Column):
         self.copy = parts[0].copy
         self.complete = all(p.complete for p in parts)
         self._starts = np.cumsum([0] + [len(p) for p in parts])
+        self.ragged: list[Any] = []
 
     @property
     def valid(self) -> np.ndarray:
@@ -571,18 +573,32 @@ class ChunkedColumn(Column):
 
     def jagged(self) -> Any:
         """The rows as one jagged nested tensor (see :meth:`TensorColumn.jagged`)."""
-        return _jagged(self.packed())
+        return _jagged(self.packed(), self.ragged)
 
     def lengths(self) -> np.ndarray:
         """Each row's length along dim 0 (int64)."""
         return np.concatenate([p.lengths() for p in self.parts])  # type: ignore[attr-defined]
 
 
-def _jagged(p: Packed) -> Any:
-    """A jagged nested tensor over a packed column's values (no copy of the values)."""
+def _jagged(p: Packed, ragged: list[Any]) -> Any:
+    """A jagged nested tensor over a packed column's values (no copy of the values).
+
+    Its offsets are the very tensor of an earlier jagged column of the same batch whose
+    rows have the same lengths (``ragged`` holds them): torch gives nested tensors one
+    ragged dim per offsets object and refuses arithmetic between two of different ones,
+    so a row's token fields (which share its sequence length) must share it for
+    ``logprobs * mask`` to work.
+    """
     import torch
 
     if not isinstance(p.values, torch.Tensor):
         raise DecodeError("a jagged nested tensor needs torch tensors: decode with as_='torch'")
     offsets = p.offsets.to(torch.int64)  # torch's jagged layout takes int64 offsets
+    for known in ragged:
+        same_place = known.shape == offsets.shape and known.device == offsets.device
+        if same_place and torch.equal(known, offsets):
+            offsets = known
+            break
+    else:
+        ragged.append(offsets)
     return torch.nested.nested_tensor_from_jagged(p.values, offsets)

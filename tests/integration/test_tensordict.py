@@ -214,3 +214,30 @@ def test_jagged_and_dense_columns_round_trip_over_either_route(server, torch, sh
     assert all(torch.equal(g, w) for g, w in zip(got["input_ids"], rows, strict=True))
     assert all(torch.equal(g, w) for g, w in zip(got["generation_logprobs"], lps, strict=True))
     assert all(torch.equal(g, w) for g, w in zip(dense, ids, strict=True))
+
+
+def test_token_fields_of_a_tensordict_share_their_ragged_dim(client, torch, td) -> None:
+    """torch refuses arithmetic between jagged tensors of different offsets objects: a
+    row's token fields share its sequence length, so they share one (``logprobs * mask``
+    works), over one record batch and over several."""
+    client.create_partition("r", VLM, tasks=["train"])
+    for lo, hi in ((0, 2), (2, G)):  # two puts: read together, two record batches
+        rows = range(lo, hi)
+        client.put(
+            "r",
+            KEYS[lo:hi],
+            {
+                "input_ids": [torch.arange(LENS[i]) for i in rows],
+                "generation_logprobs": [torch.full((LENS[i],), -0.5) for i in rows],
+                "token_mask": [torch.ones(LENS[i], dtype=torch.int64) for i in rows],
+            },
+        )
+    for keys in (KEYS[:2], KEYS):
+        got = client.get("r", keys, as_="tensordict")
+        lp, mask = got["generation_logprobs"], got["token_mask"]
+        assert lp.offsets() is mask.offsets() is got["input_ids"].offsets()
+        assert float((lp * mask).values().sum()) == -0.5 * sum(LENS[: len(keys)])
+        b = client.get("r", keys)
+        assert (b.column("input_ids").jagged() + b.column("token_mask").jagged()).is_nested
+    other = client.get("r", KEYS[2:], as_="tensordict")  # other lengths: its own offsets
+    assert other["input_ids"].offsets() is not got["input_ids"].offsets()
