@@ -626,6 +626,11 @@ class Client:
         Tensors may be on a CUDA device: they are copied into pinned host memory on a side
         stream, each record batch encoded as soon as its rows have arrived (see
         :mod:`flightq.cuda`); the bytes sent are the same as for CPU tensors.
+
+        A token or tensor column whose rows lie end to end in one CPU tensor (a
+        :class:`flightq.Packed` ``(flat, cu_seqlens)``, a jagged nested tensor, a dense
+        C-contiguous tensor whose first dim is the rows) is checked a column at a time and
+        sent from that tensor's memory: leave it unchanged until ``put`` returns.
         """
         schema = self._partition_schema(partition)
         columns = columns_of(columns, schema, keys)  # a TensorDict, nested tensors: per row
