@@ -388,8 +388,9 @@ class Batch:
         """What the tensors are: ``"torch"`` or ``"numpy"``."""
         return self._as
 
-    def to_tensordict(self) -> Any:
-        """The rows as a ``tensordict.TensorDict`` (see :func:`flightq.tensordicts.to_tensordict`).
+    def to_tensordict(self, meta: bool = True) -> Any:
+        """The rows as a ``tensordict.TensorDict`` (see :func:`flightq.tensordicts.to_tensordict`;
+        ``meta=False`` leaves out ``__key__`` and ``__tags__``).
 
         Raises
         ------
@@ -398,7 +399,7 @@ class Batch:
         """
         from .tensordicts import to_tensordict
 
-        return to_tensordict(self)
+        return to_tensordict(self, meta)
 
     @property
     def parts(self) -> tuple[Batch, ...]:

@@ -278,7 +278,7 @@ class TensorColumn(Column):
         MissingFieldError, ShapeError
             As :meth:`packed`.
         """
-        return _jagged(self.packed(), self.ragged)
+        return _jagged(self.packed(), self.ragged if self.field.role == "token" else [])
 
     def rows(self) -> list[Any]:
         if self.copy or not self.complete or not len(self):
@@ -573,7 +573,7 @@ class ChunkedColumn(Column):
 
     def jagged(self) -> Any:
         """The rows as one jagged nested tensor (see :meth:`TensorColumn.jagged`)."""
-        return _jagged(self.packed(), self.ragged)
+        return _jagged(self.packed(), self.ragged if self.field.role == "token" else [])
 
     def lengths(self) -> np.ndarray:
         """Each row's length along dim 0 (int64)."""
@@ -584,10 +584,11 @@ def _jagged(p: Packed, ragged: list[Any]) -> Any:
     """A jagged nested tensor over a packed column's values (no copy of the values).
 
     Its offsets are the very tensor of an earlier jagged column of the same batch whose
-    rows have the same lengths (``ragged`` holds them): torch gives nested tensors one
-    ragged dim per offsets object and refuses arithmetic between two of different ones,
-    so a row's token fields (which share its sequence length) must share it for
-    ``logprobs * mask`` to work.
+    rows have the same lengths (``ragged`` holds them; token fields pass the batch's,
+    other fields an empty list): torch gives nested tensors one ragged dim per offsets
+    object and refuses arithmetic between two of different ones, so a row's token fields
+    (which share its sequence length) must share it for ``logprobs * mask`` to work. A
+    write into one field's ``offsets()`` therefore shows in every token field of the read.
     """
     import torch
 

@@ -221,7 +221,7 @@ def test_token_fields_of_a_tensordict_share_their_ragged_dim(client, torch, td) 
     row's token fields share its sequence length, so they share one (``logprobs * mask``
     works), over one record batch and over several."""
     client.create_partition("r", VLM, tasks=["train"])
-    for lo, hi in ((0, 2), (2, G)):  # two puts: read together, two record batches
+    for lo, hi in ((0, 2), (2, G)):  # two puts, read together
         rows = range(lo, hi)
         client.put(
             "r",
@@ -239,5 +239,32 @@ def test_token_fields_of_a_tensordict_share_their_ragged_dim(client, torch, td) 
         assert float((lp * mask).values().sum()) == -0.5 * sum(LENS[: len(keys)])
         b = client.get("r", keys)
         assert (b.column("input_ids").jagged() + b.column("token_mask").jagged()).is_nested
-    other = client.get("r", KEYS[2:], as_="tensordict")  # other lengths: its own offsets
+    other = client.get("r", KEYS[2:], as_="tensordict")  # another read: its own offsets
     assert other["input_ids"].offsets() is not got["input_ids"].offsets()
+
+
+def test_only_token_fields_share_a_ragged_dim_over_several_record_batches(torch) -> None:
+    """A ``tensor`` field of its own length (a response) keeps its own ragged dim even
+    where its lengths happen to equal the tokens': torch still catches mixing the two."""
+    schema = flightq.Schema(
+        "resp",
+        1,
+        [
+            flightq.Field("input_ids", "int64", "token", (None,)),
+            flightq.Field("token_mask", "int64", "token", (None,)),
+            flightq.Field("response", "int64", "tensor", (None,)),
+        ],
+    )
+    rows = [torch.arange(n) for n in LENS]
+    cols = {"input_ids": rows, "token_mask": [torch.ones_like(r) for r in rows], "response": rows}
+    parts = [
+        flightq.encode(schema, {k: v[:2] for k, v in cols.items()}, KEYS[:2]),
+        flightq.encode(schema, {k: v[2:] for k, v in cols.items()}, KEYS[2:]),
+    ]
+    b = flightq.decode(parts)
+    assert type(b.column("input_ids")).__name__ == "ChunkedColumn"
+    ids, mask, resp = (b.column(n).jagged() for n in ("input_ids", "token_mask", "response"))
+    assert ids.offsets() is mask.offsets() and (ids * mask).is_nested
+    assert resp.offsets() is not ids.offsets()
+    with pytest.raises(RuntimeError, match="binary pointwise"):
+        resp * mask
