@@ -341,7 +341,7 @@ class Batch:
         self._as = as_
         self._copy = copy
         self._columns: dict[str, Column] = {}
-        #: Jagged offsets handed out so far: the batch's jagged columns share them.
+        #: Jagged offsets handed out so far: the batch's token columns share them.
         self._ragged: list[Any] = []
         self._tags: list[dict[str, Any]] | None = None
         self._parts: list[Batch] | None = None
@@ -467,7 +467,8 @@ class Batch:
                 f = self.schema[name]
                 cls = {"scalar": ScalarColumn, "media": MediaColumn}.get(f.role, TensorColumn)
                 col = cls(f, self.record_batch, self._as, self._copy)
-            col.ragged = self._ragged
+            if self.schema[name].role == "token":  # a row's token fields share its length
+                col.ragged = self._ragged
             self._columns[name] = col
         return col
 

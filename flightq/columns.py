@@ -59,7 +59,8 @@ class Column:
         self._rb = rb
         #: Every row carries the field.
         self.complete = self.payload.null_count == 0
-        #: The jagged offsets of this column's batch (:func:`_jagged`), set by the batch.
+        #: Jagged offsets this column may share (:func:`_jagged`): its batch's list for a
+        #: token field (set by the batch), else its own.
         self.ragged: list[Any] = []
 
     _valid: np.ndarray | None = None
@@ -278,7 +279,7 @@ class TensorColumn(Column):
         MissingFieldError, ShapeError
             As :meth:`packed`.
         """
-        return _jagged(self.packed(), self.ragged if self.field.role == "token" else [])
+        return _jagged(self.packed(), self.ragged)
 
     def rows(self) -> list[Any]:
         if self.copy or not self.complete or not len(self):
@@ -573,7 +574,7 @@ class ChunkedColumn(Column):
 
     def jagged(self) -> Any:
         """The rows as one jagged nested tensor (see :meth:`TensorColumn.jagged`)."""
-        return _jagged(self.packed(), self.ragged if self.field.role == "token" else [])
+        return _jagged(self.packed(), self.ragged)
 
     def lengths(self) -> np.ndarray:
         """Each row's length along dim 0 (int64)."""
@@ -584,8 +585,8 @@ def _jagged(p: Packed, ragged: list[Any]) -> Any:
     """A jagged nested tensor over a packed column's values (no copy of the values).
 
     Its offsets are the very tensor of an earlier jagged column of the same batch whose
-    rows have the same lengths (``ragged`` holds them; token fields pass the batch's,
-    other fields an empty list): torch gives nested tensors one ragged dim per offsets
+    rows have the same lengths (``ragged`` holds them: the batch's list for a token field,
+    the column's own for any other): torch gives nested tensors one ragged dim per offsets
     object and refuses arithmetic between two of different ones, so a row's token fields
     (which share its sequence length) must share it for ``logprobs * mask`` to work. A
     write into one field's ``offsets()`` therefore shows in every token field of the read.

@@ -368,13 +368,13 @@ def _encode_packed(f: Field, p: PackedRows, seq: np.ndarray, sink: Sink) -> list
     o = p.offsets
     lengths = np.diff(o)
     tail = a.shape[1:]
-    if f.shape is not None:
-        if len(f.shape) != 1 + len(tail):
-            return None
-        if f.shape[0] is not None and (lengths != f.shape[0]).any():
-            return None
-        if any(w is not None and w != d for w, d in zip(f.shape[1:], tail, strict=True)):
-            return None
+    n, rank = len(lengths), 1 + len(tail)
+    ranks = np.full(n, rank, dtype=np.int64)
+    dims = np.empty((n, rank), dtype=np.int64)
+    dims[:, 0] = lengths
+    dims[:, 1:] = tail
+    if not _fits_dims(f, ranks, dims.reshape(-1)):
+        return None
     if f.role == "token":
         if ((seq >= 0) & (seq != lengths)).any():
             return None
@@ -385,15 +385,7 @@ def _encode_packed(f: Field, p: PackedRows, seq: np.ndarray, sink: Sink) -> list
     total = int(offsets[-1])
     flat = a[lo:hi].reshape(-1).view(np.uint8)
     data = sink.column([flat], np.array([total], dtype=np.int64), np.array([0, total]))
-    n = len(lengths)
-    rank = 1 + len(tail)
-    dims = np.empty((n, rank), dtype=np.int64)
-    dims[:, 0] = lengths
-    dims[:, 1:] = tail
-    return [
-        _binary_array(offsets, data, None),
-        _shape_column(np.full(n, rank, dtype=np.int64), dims.reshape(-1), None),
-    ]
+    return [_binary_array(offsets, data, None), _shape_column(ranks, dims.reshape(-1), None)]
 
 
 #: Native-order numpy dtypes to their tags (``flightq.dtypes.from_numpy``'s common case).
@@ -480,14 +472,19 @@ def _shape_column(ranks: np.ndarray, dims: np.ndarray, valid: list[bool] | None)
 
 def _fits(f: Field, bulk: Bulk) -> bool:
     """Whether every shape fits the declaration (as ``f.check_shape`` row by row)."""
+    return _fits_dims(f, bulk.ranks, bulk.dims)
+
+
+def _fits_dims(f: Field, ranks: np.ndarray, flat_dims: np.ndarray) -> bool:
+    """:func:`_fits` of rows given by their ranks and their dims end to end."""
     if f.shape is None:
         return True
     rank = len(f.shape)
-    if (bulk.ranks != rank).any():
+    if (ranks != rank).any():
         return False
     if rank == 0:
         return True
-    dims = bulk.dims.reshape(-1, rank)
+    dims = flat_dims.reshape(-1, rank)
     return all(
         bool((dims[:, axis] == want).all()) for axis, want in enumerate(f.shape) if want is not None
     )

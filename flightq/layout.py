@@ -58,6 +58,7 @@ __all__ = [
     "media_row_bytes",
     "row_sums",
     "Packed",
+    "int_offsets",
 ]
 
 KEY = "__key__"
@@ -318,12 +319,28 @@ class Packed(tuple):
 
 
 def _longest(offsets: Any) -> int:
-    """The longest row ``offsets`` bound (0 where they are not rising integers: a put
-    that takes them says what is wrong, naming the column)."""
-    try:
-        o = np.asarray(offsets.detach().cpu() if hasattr(offsets, "detach") else offsets)
-        if o.ndim != 1 or o.dtype.kind not in "iu" or len(o) < 2:
-            return 0
-        return max(int((o[1:].astype(np.int64) - o[:-1].astype(np.int64)).max()), 0)
-    except (TypeError, ValueError, RuntimeError):
+    """The longest row ``offsets`` bound (0 where they are not integers: a put that takes
+    them says what is wrong, naming the column)."""
+    o = int_offsets(offsets)
+    if o is None or o.ndim != 1 or len(o) < 2:
         return 0
+    return max(int(np.diff(o).max()), 0)
+
+
+def int_offsets(offsets: Any) -> np.ndarray | None:
+    """``offsets`` (numpy, torch, a sequence) as an int64 numpy array; None if they are not
+    integers that fit."""
+    if type(offsets).__module__.startswith("torch"):
+        try:  # torch has no numpy view of bf16 or of a tensor that requires grad: detach
+            offsets = offsets.detach().cpu().numpy()
+        except (TypeError, RuntimeError):
+            return None
+    try:
+        o = np.asarray(offsets)
+    except (TypeError, ValueError):
+        return None
+    if o.dtype.kind not in "iu":
+        return None
+    if o.dtype.kind == "u" and o.size and o.max() > np.iinfo(np.int64).max:
+        return None
+    return o.astype(np.int64, copy=False)

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from .errors import EncodeError, ShapeError
-from .layout import KEY, TAGS, Packed
+from .layout import KEY, TAGS, Packed, int_offsets
 from .schema import Schema
 
 __all__ = ["columns_of", "is_tensordict", "is_nested", "PackedRows"]
@@ -231,7 +231,7 @@ def _packed(name: str, values: Any, offsets: Any) -> PackedRows:
             f"got {type(values).__name__}",
             field=name,
         )
-    o = _integers(offsets)
+    o = int_offsets(offsets)
     if o is None or o.ndim != 1 or len(o) < 1:
         raise ShapeError(
             f"column {name!r}: a Packed column's offsets are N + 1 integers, got "
@@ -248,24 +248,6 @@ def _packed(name: str, values: Any, offsets: Any) -> PackedRows:
             actual=int(o[-1]),
         )
     return PackedRows(values, o)
-
-
-def _integers(offsets: Any) -> np.ndarray | None:
-    """``offsets`` as an int64 numpy array; None if they are not integers that fit."""
-    if type(offsets).__module__.startswith("torch"):
-        try:  # torch has no numpy view of bf16 or of a tensor that requires grad: detach
-            offsets = offsets.detach().cpu().numpy()
-        except (TypeError, RuntimeError):
-            return None
-    try:
-        o = np.asarray(offsets)
-    except (TypeError, ValueError):
-        return None
-    if o.dtype.kind not in "iu":
-        return None
-    if o.dtype.kind == "u" and o.size and o.max() > np.iinfo(np.int64).max:
-        return None
-    return o.astype(np.int64, copy=False)
 
 
 class PackedRows(Sequence[Any]):

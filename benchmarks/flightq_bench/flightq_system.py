@@ -80,10 +80,14 @@ class FlightqProducer(Producer):
             # Views over the generated arrays; nothing is copied.
             self._torch = to_torch(self.step)
 
+    def columns(self) -> Any:
+        """What a put sends: the step's columns as a generator holds them."""
+        return self._torch.columns
+
     def put(self) -> dict[str, Any]:
-        s = self._torch
+        s, columns = self._torch, self.columns()
         t0 = now_ns()
-        self.client.put(self.partition, s.keys, s.columns, tags=s.tags)
+        self.client.put(self.partition, s.keys, columns, tags=s.tags)
         return timed(t0)
 
     def clear(self) -> None:
@@ -218,11 +222,8 @@ class FlightqTensordictProducer(FlightqProducer):
 
             self._td = _to_tensordict(self.step)
 
-    def put(self) -> dict[str, Any]:
-        s = self._torch
-        t0 = now_ns()
-        self.client.put(self.partition, s.keys, self._td, tags=s.tags)
-        return timed(t0)
+    def columns(self) -> Any:
+        return self._td
 
 
 class FlightqTensordictConsumer(FlightqConsumer):
