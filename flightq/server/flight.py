@@ -68,7 +68,7 @@ from .idle import DEFAULT_IDLE_TIMEOUT, MIDDLEWARE_KEY, IdleWatch
 from .limits import DEFAULT_MAX_CALLS, DEFAULT_MAX_SESSIONS, CallLimits
 from .media import media_piece
 from .metrics import Counters, call_kind
-from .partition import Partition, Row
+from .partition import Block, Partition, Row
 from .staging import Staging
 from .store import Advance, Store
 
@@ -468,8 +468,9 @@ class Server(fl.FlightServerBase):
         budget = self.store.memory_budget
         media = DictionaryUse(what)
         got = reserved = 0
+        last_block: Block | None = None  # a block's batches come one after another
         try:
-            for data, claims, extra in source:
+            for data, claims, block in source:
                 # All its buffers (cheap); exact referenced bytes only where that matters.
                 size = data.get_total_buffer_size()
                 if size > self.max_put_batch_bytes and data.nbytes > self.max_put_batch_bytes:
@@ -484,8 +485,11 @@ class Server(fl.FlightServerBase):
                 self.counters.add("bytes_received", size)
                 piece = media_piece(part, data, claims, what, budget, self._hashed)
                 piece.epoch = part.epoch
-                if extra and data.num_rows:  # held with the batch beyond it: on its rows
-                    piece.held = piece.held + -(-extra // data.num_rows)
+                if block is not None:  # memory beyond the batch, freed with the last piece
+                    piece.block = block
+                    if block is not last_block:
+                        piece.extra = block.cost  # reserved with the first of them
+                    last_block = block
                 media.add(data)
                 self.store.reserve(name, piece, reserved, cmd.timeout, advance)
                 reserved += piece.reserved
@@ -718,7 +722,7 @@ class Server(fl.FlightServerBase):
             if blocks is None:
                 return _first_holds(batches, claims)
             return (
-                (b, None if c is None else pa.py_buffer(c), max(n - b.get_total_buffer_size(), 0))
+                (b, None if c is None else pa.py_buffer(c), _block(n - b.get_total_buffer_size()))
                 for b, c, n in zip(batches, claims, blocks, strict=True)
             )
 
@@ -735,7 +739,7 @@ class Server(fl.FlightServerBase):
         rows use the stored copies, but their other columns keep the whole file alive.
         Where that is mostly such payloads (a row streamed with its group's image), the
         rows are copied out of the segment, which then goes; otherwise the rest is counted
-        on the first rows."""
+        on the segment's block, as long as any of its rows is stored."""
         rest = advance.left
         if (
             rest > _COMPACT_MIN
@@ -744,10 +748,13 @@ class Server(fl.FlightServerBase):
         ):
             for p in pieces:
                 p.batch = _own_copy(p.batch)
+                p.block = None
         else:
-            pc = next((p for p in pieces if len(p.held)), None)
-            if rest and pc is not None:
-                pc.held = pc.held + -(-rest // len(pc.held))
+            pc = next((p for p in pieces if p.block is not None and p.extra), None)
+            pc = pc or next((p for p in pieces if p.block is not None), None)
+            if rest and pc is not None and pc.block is not None:
+                pc.block.cost += rest
+                pc.extra += rest
                 self.store.reserve(name, pc, reserved - pc.reserved, timeout, advance)
         advance.release()
 
@@ -774,7 +781,7 @@ class Server(fl.FlightServerBase):
             # A batch is a slice of its Flight message: what the message holds beyond it
             # (its header; any gaps a client left between buffers) lives as long as it does.
             chunks = self.idle.reads(context, (chunk for chunk in reader))
-            return ((c.data, c.app_metadata, _beyond([c.data])) for c in chunks)
+            return ((c.data, c.app_metadata, _block(_beyond([c.data]))) for c in chunks)
         from .. import shm
 
         if self.shm_dir is None:
@@ -930,8 +937,14 @@ class Server(fl.FlightServerBase):
 
 
 #: A put's record batch as it comes in: the batch, the media digests it claims (its app
-#: metadata), and the bytes its memory holds beyond the batch's own buffers.
-Incoming = tuple[pa.RecordBatch, Any, int]
+#: metadata), and the memory it lies in beyond its own buffers (None: none), shared with
+#: the batches read from the same place.
+Incoming = tuple[pa.RecordBatch, Any, Block | None]
+
+
+def _block(extra: int) -> Block | None:
+    """A block of ``extra`` bytes beyond one batch's buffers (None for none)."""
+    return Block(extra) if extra > 0 else None
 
 
 def _own_copy(batch: pa.RecordBatch) -> pa.RecordBatch:
@@ -954,16 +967,17 @@ def _first_holds(
     size: int | None = None,
 ) -> Iterator[Incoming]:
     """``batches`` read from one block of memory (of ``size`` bytes; None: as their
-    buffers tell), what it holds beyond them counted on the first (a block is freed only
-    with the last batch, so this is an upper bound), each with its claims (``claims[i]``,
-    the media digests of batch i; None: none)."""
+    buffers tell), each with the block, which holds what they do not (freed with the last
+    of them, so counted while any is used), and with its claims (``claims[i]``, the media
+    digests of batch i; None: none)."""
     if size is None:
         extra = _beyond(batches)
     else:
         extra = max(size - sum(b.get_total_buffer_size() for b in batches), 0)
+    block = Block(extra)
     for i, b in enumerate(batches):
         c = None if claims is None else claims[i]
-        yield b, None if c is None else pa.py_buffer(c), extra if i == 0 else 0
+        yield b, None if c is None else pa.py_buffer(c), block
 
 
 def _stream(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> fl.FlightDataStream:

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from .putplan import PutPlan
     from .readiness import Complete
 
-__all__ = ["Piece", "Row", "Partition", "PutKeys", "make_piece", "put_keys"]
+__all__ = ["Block", "Piece", "Row", "Partition", "PutKeys", "make_piece", "put_keys", "row_pieces"]
 
 #: Put ids remembered per partition (for idempotent retries).
 RECENT_PUTS = 4096
@@ -60,9 +60,24 @@ JOURNAL_WRITES = 1024
 JOURNAL_KEYS = 65536
 
 
+@dataclass(eq=False)
+class Block:
+    """Memory that the pieces read from it hold beyond their own buffers (a Flight
+    message's header, a frame, a shared-memory segment copied whole, gaps a client left),
+    freed only with the last of them: counted while any of them is used."""
+
+    cost: int
+    #: Its pieces that stored rows use.
+    users: int = 0
+
+
 @dataclass
 class Piece:
-    """One validated record batch of a put, with what validation learned."""
+    """One validated record batch of a put, with what validation learned.
+
+    Its memory lives as long as one stored row uses one of its cells: the budget counts
+    it whole (:attr:`cost`) from the first row that uses it to the last, whatever was
+    cleared or replaced meanwhile (:meth:`Partition.use`)."""
 
     batch: pa.RecordBatch
     checked: Checked
@@ -72,6 +87,14 @@ class Piece:
     held: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     #: Bytes of this piece the store counts as pending (read, not yet stored or let go).
     reserved: int = 0
+    #: Bytes counted while any stored row uses it (its rows' :attr:`held`, set when a put
+    #: of it is planned), and how many stored rows use it.
+    cost: int = 0
+    users: int = 0
+    #: The memory it shares with the other pieces read from the same place, if any, and
+    #: the bytes of it this piece reserves while the put waits (the first piece's).
+    block: Block | None = None
+    extra: int = 0
     #: Whether a put stored it, and whether its partition no longer holds it whole (a
     #: cell of it replaced, a row of it cleared, a tag of its rows rewritten); a stored
     #: piece held whole is what a retry without ``put_id`` is compared with.
@@ -261,7 +284,8 @@ class Partition:
         else:
             self.rows.update(plan.rows)
         self.nbytes += plan.nbytes
-        self.held += plan.held
+        for pc, n in plan.uses:
+            self.use(pc, n)
         for pc in plan.damaged:
             pc.damaged = True
         for pc in plan.pieces:
@@ -286,10 +310,26 @@ class Partition:
 
         fields = self.media_fields
         for r in rows:
-            for pc, _ in r.cells.values():
+            for pc in row_pieces(r):
                 pc.damaged = True
+                self.use(pc, -1)
             if fields:
                 release(self, row_copies(r, fields))
+
+    def use(self, pc: Piece, n: int) -> None:
+        """``n`` more stored rows use ``pc`` (fewer where negative): the budget counts it,
+        and its block, from its first user to its last. With the store's lock."""
+        before = pc.users
+        pc.users = after = before + n
+        if (before > 0) == (after > 0):
+            return
+        step = 1 if after > 0 else -1
+        self.held += step * pc.cost
+        b = pc.block
+        if b is not None:
+            b.users += step
+            if b.users == (1 if step > 0 else 0):
+                self.held += step * b.cost
 
     @property
     def media_fields(self) -> tuple[str, ...]:
@@ -317,6 +357,18 @@ class Partition:
                     lost.extend(cell_copies(was[0], f, was[1]))
         acquire(self, gained)  # first: a copy both gained and lost stays
         release(self, lost)
+
+
+def row_pieces(row: Row) -> list[Piece]:
+    """The pieces ``row``'s cells lie in, each once."""
+    cells = row.cells
+    if row.home is not None:
+        return [row.home[0]]
+    out: list[Piece] = []
+    for pc, _ in cells.values():
+        if not any(pc is q for q in out):
+            out.append(pc)
+    return out
 
 
 class PutKeys:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -65,9 +65,11 @@ class PutPlan:
     fresh: tuple[dict[str, None], ...] = ()
     #: The rows to store, by key: new rows, and new versions of the rows it changes.
     rows: dict[str, Row] = field(default_factory=dict)
-    #: Change in the partition's payload bytes and in what the budget counts for it.
+    #: Change in the partition's payload bytes.
     nbytes: int = 0
-    held: int = 0
+    #: Per piece, how many more stored rows use it (fewer where negative: the rows it
+    #: replaces): what the budget counts follows (:meth:`Partition.use`).
+    uses: list[tuple[Piece, int]] = field(default_factory=list)
     #: Bytes the budget must find room for (every piece's, before cells it replaces).
     need: int = 0
     #: Stored pieces whose rows this put changes (a cell replaced, a tag rewritten).
@@ -92,7 +94,7 @@ def plan_put(
         If a row's token length differs from the stored row's, or a grouped partition
         would get part of a group.
     """
-    from .partition import Row
+    from .partition import Row, row_pieces
 
     # One piece's own list where there is one: a copy of a million keys is one more
     # list for the garbage collector to walk.
@@ -167,6 +169,7 @@ def plan_put(
     out: dict[str, Row] = {}
     new: list[str] = []
     damaged: dict[int, Piece] = {}
+    uses: dict[int, list[Any]] = {}  # id -> [piece, rows more that use it]
     nbytes_in = held_in = gone = 0
     for pc, mine in zip(pieces, olds, strict=True):
         ck = pc.checked
@@ -175,11 +178,14 @@ def plan_put(
         seq_lens, nbytes = pylist(ck.seq_lens), pylist(ck.nbytes)
         held = pylist(pc.held) if len(pc.held) else nbytes
         nbytes_in += sum(nbytes)
-        held_in += sum(held)
+        pc.cost = sum(held)
+        held_in += pc.cost + pc.extra
+        mine_used = uses[id(pc)] = [pc, 0]  # stored rows that will use it
         if not sparse and len(mine) > _FEW and (not rows or not any(mine)):
             # Every row new with every field: the rows built in a few C-level passes.
             first = len(new)
             made = _new_rows(pc, dense, group, g, first, seq_lens, nbytes, held)
+            mine_used[1] += len(made) if dense else 0
             for ks, rs in zip(in_slices(ck.keys), in_slices(made), strict=True):
                 out.update(zip(ks, rs, strict=True))
             if len(pieces) == 1:
@@ -191,6 +197,8 @@ def plan_put(
             cell = (pc, i)
             fields = dense + [f for f, v in sparse if v[i]] if sparse else dense
             t = pc.tags[i]
+            if fields:
+                mine_used[1] += 1
             if old is None:
                 n = len(new)
                 out[k] = Row(
@@ -207,11 +215,13 @@ def plan_put(
                 continue
             cells = dict(old.cells)
             freed = 0
+            replaced = False
             for f in fields:
                 was = cells.get(f)
                 if was is not None:  # overwrite: the old cell's bytes go
                     freed += was[0].cell_nbytes(f, was[1])
                     damaged[id(was[0])] = was[0]
+                    replaced = True
                 cells[f] = cell
             tags = old.tags
             if t:
@@ -220,6 +230,9 @@ def plan_put(
                         damaged[id(was[0])] = was[0]
                 tags = {**tags, **t}
             gone += freed
+            for used in row_pieces(old) if replaced else ():  # one it no longer uses
+                if not any(c[0] is used for c in cells.values()):
+                    uses.setdefault(id(used), [used, 0])[1] -= 1
             out[k] = Row(
                 k,
                 old.group,
@@ -250,7 +263,7 @@ def plan_put(
         fresh=fresh,
         rows=out,
         nbytes=nbytes_in - gone,
-        held=held_in - gone,
+        uses=[(u[0], u[1]) for u in uses.values() if u[1]],
         need=held_in,
         damaged=list(damaged.values()),
     )

@@ -301,6 +301,7 @@ def _restore_partition(root: Path, e: dict[str, Any]) -> Partition:
     for batch in _read_ipc(root / files["rows"]).to_batches():
         # Media through the partition's copies, as a put's: each distinct payload once.
         piece = media_piece(part, batch, None, what, None)
+        piece.cost = int(piece.held.sum())
         ck = piece.checked
         batch = piece.batch
         valid = {
@@ -321,7 +322,8 @@ def _restore_partition(root: Path, e: dict[str, Any]) -> Partition:
             row.tags = dict(piece.tags[i] or {})
             part.rows[k] = row
             part.nbytes += row.nbytes
-            part.held += row.held
+            if row.cells:
+                part.use(piece, 1)
             if part.media_fields:
                 acquire(part, row_copies(row, part.media_fields))
     if len(part.rows) != int(e["rows"]):

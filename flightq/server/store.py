@@ -358,7 +358,8 @@ class Store:
         ResourceExhaustedError
             If the put passes the whole budget, or no room is made within ``timeout``.
         """
-        n = int(piece.held.sum()) + piece.brings  # its rows, and the media payloads it brought
+        # Its rows, the media payloads it brought, and the memory beyond it (the first's).
+        n = int(piece.held.sum()) + piece.brings + piece.extra
         more = n - piece.reserved  # a piece reserved already counts what it grew by
         with self._changed:
             ahead = 0 if advance is None else min(more, advance.left)
@@ -593,7 +594,6 @@ class Store:
                         continue
                     gone.append(row)
                     p.nbytes -= row.nbytes
-                    p.held -= row.held
                 n = len(gone)
                 p.cleared(gone)
                 p.wrote(keys)

@@ -332,3 +332,79 @@ def test_a_put_whose_message_holds_more_than_its_batch_counts_what_it_holds() ->
         assert (p["rows"], p["held"]) == (0, 0)
         c.put("p", ["b"], {"input_ids": [np.arange(3)]})  # the server serves on
         assert c.get("p", ["b"], as_="numpy").keys == ["b"]
+
+
+def _rows(n: int, tokens: int, start: int = 0) -> dict[str, list[np.ndarray]]:
+    return {"input_ids": [np.full(tokens, start + i, np.int64) for i in range(n)]}
+
+
+def test_a_batch_counts_whole_until_its_last_row_is_cleared() -> None:
+    # 50 rows of 160 KB in one record batch: clearing 49 of them frees nothing (the last
+    # row keeps the batch's buffers alive), so the budget keeps counting the batch.
+    with flightq.Server(memory_budget=64 << 20) as srv, flightq.connect(srv.location) as c:
+        c.create_partition("p", TEXT, tasks=["t"])
+        keys = [f"k{i}" for i in range(50)]
+        c.put("p", keys, _rows(50, 20_000))
+        whole = srv.store.held()
+        assert whole >= 50 * 160_000
+        assert c.clear("p", keys[1:]) == 49
+        assert srv.store.held() == whole
+        assert c.get("p", keys[:1], as_="numpy")["input_ids"][0][0] == 0  # still served
+        assert c.clear("p", keys[:1]) == 1
+        assert srv.store.held() == 0
+
+
+def test_puts_whose_rows_are_cleared_but_one_are_refused_once_their_batches_fill_it() -> None:
+    # The attack the count closes: keep one row of each put, clear the rest, repeat. Each
+    # kept row holds its whole batch; a budget counting only the kept rows would let the
+    # server hold 40 times what it allows.
+    budget_bytes = 16 << 20
+    with (
+        flightq.Server(memory_budget=budget_bytes) as srv,
+        flightq.connect(srv.location, timeout=2.0) as c,
+    ):
+        c.create_partition("p", TEXT, tasks=["t"])
+        stored = 0
+        with pytest.raises(flightq.ResourceExhaustedError):
+            for i in range(40):
+                keys = [f"r{i}_{j}" for j in range(50)]
+                c.put("p", keys, _rows(50, 5_000))  # 2 MB a put
+                stored += 1
+                c.clear("p", keys[1:])
+                assert srv.store.held() <= budget_bytes
+        assert 4 <= stored < 10  # 16 MiB holds 8 such batches, less what each row costs
+        c.clear("p")
+        assert srv.store.held() == 0
+        c.put("p", ["again"], _rows(1, 10))  # room again, the server serves on
+
+
+def test_a_batch_whose_column_a_write_back_replaced_counts_while_its_rows_live() -> None:
+    # Overwriting a column frees none of the batch it came in: the rows' other column
+    # keeps it alive. It counts until no row uses a cell of it.
+    schema = flightq.Schema(
+        "blobs",
+        1,
+        [
+            flightq.Field("blob", "float32", "tensor", [None], required=True),
+            flightq.Field("score", "float32", "scalar", ()),
+        ],
+    )
+    keys = [f"k{i}" for i in range(8)]
+
+    def blobs(n: int) -> list[np.ndarray]:
+        return [np.full(n, 7, np.float32) for _ in keys]
+
+    with flightq.Server(memory_budget=64 << 20) as srv, flightq.connect(srv.location) as c:
+        c.register_schema(schema)
+        c.create_partition("p", schema, tasks=["t"])
+        c.put("p", keys, {"blob": blobs(100_000), "score": np.ones(8, np.float32)})
+        first = srv.store.held()
+        assert first >= 8 * 400_000
+        c.put("p", keys, {"blob": blobs(4)}, overwrite=True)
+        assert srv.store.held() > first  # the first batch (its scores are used), and this
+        again = srv.store.held()
+        c.put("p", keys, {"blob": blobs(4)}, overwrite=True)  # the last write-back's goes
+        assert srv.store.held() == again
+        c.put("p", keys, {"score": np.zeros(8, np.float32)}, overwrite=True)
+        assert srv.store.held() < 100_000  # no row uses the first batch: it goes
+        assert c.get("p", keys[:1], as_="numpy")["blob"][0].tolist() == [7.0] * 4

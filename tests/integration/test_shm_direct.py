@@ -536,3 +536,28 @@ def test_a_process_sharing_only_the_callers_address_and_port_does_not_pass():
             p.wait()
         service.close()
         ours.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_segment_counts_whole_while_any_of_its_batches_rows_is_stored(shm_dir, direct):
+    # One put through shared memory, cut into 4 record batches that the server copies
+    # into one segment: the segment lives while a row of any of them does, so clearing
+    # the first batch's rows leaves it counted whole; clearing them all frees it.
+    keys = [f"k{i}" for i in range(40)]
+    rows = {"input_ids": [np.full(25_000, i, np.int64) for i in range(40)]}  # 200 KB each
+    with (
+        flightq.Server(shm=shm_dir, memory_budget=2**30) as srv,
+        flightq.connect(srv.location, timeout=TIMEOUT, shm=shm_dir, max_batch_bytes=2 << 20) as c,
+    ):
+        c.shm_min_bytes = 0
+        c.shm_direct = direct
+        c.create_partition("p", "rollout_text@1", tasks=["t"])
+        assert c.put("p", keys, rows).route == "shm"
+        gc.collect()
+        whole = srv.store.held()
+        assert whole >= 40 * 200_000
+        assert c.clear("p", keys[:10]) == 10  # the first batch's rows, at least
+        assert srv.store.held() == whole
+        assert c.get("p", keys[-1:], as_="numpy")["input_ids"][0][0] == 39
+        assert c.clear("p") == 30
+        assert srv.store.held() == 0

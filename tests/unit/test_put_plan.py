@@ -65,7 +65,10 @@ def test_new_rows_are_planned_as_defined(group_size: int | None, sparse: bool) -
             )
             n += 1
     assert plan.nbytes == int(sum(pc.checked.nbytes.sum() for pc in pieces))
-    assert plan.held == plan.need == int(sum(pc.held.sum() for pc in pieces))
+    assert plan.need == int(sum(pc.held.sum() for pc in pieces))
+    # Each piece is counted whole once a stored row uses it, as many rows as use it.
+    assert [(pc, n) for pc, n in plan.uses] == [(pc, len(pc.checked.keys)) for pc in pieces]
+    assert [pc.cost for pc in pieces] == [int(pc.held.sum()) for pc in pieces]
 
 
 def test_a_new_row_with_a_required_field_null_is_named() -> None:
