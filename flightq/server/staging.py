@@ -7,8 +7,8 @@ server checks each stream's record batches as usual, then the stream's handler w
 until every part has arrived. The handler of the last part stores all of them in one step
 (in part order, so rows keep the client's order), and every part's handler answers with
 the same result or raises the same error. If a part fails, or does not arrive within the
-put's timeout, every part fails and nothing is stored. A decided put is remembered for a
-while, so a part that comes late fails at once instead of waiting; a retry draws a new
+put's timeout (and :data:`GRACE_S`), every part fails and nothing is stored. A decided put
+is remembered for a while, so a part that comes late fails at once instead of waiting; a retry draws a new
 ``stage``.
 """
 
@@ -31,6 +31,10 @@ MAX_PARTS = MAX_PUT_PARTS
 _KEEP_S = 300.0
 #: Longest single wait (a condition wait refuses huge timeouts).
 _WAIT_S = 3600.0
+#: Seconds the parts that arrived wait beyond the put's timeout: a missing part that is
+#: still on its way (waiting for room under the memory budget, from the same timeout)
+#: fails the put with its own error first, so the writer is told why.
+GRACE_S = 1.0
 
 
 @dataclass
@@ -118,7 +122,7 @@ class Staging:
             did not arrive within ``timeout``.
         """
         what = f"put to {partition!r} in {parts} parts"
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout + GRACE_S
         with self._cond:
             p = self._entry(partition, stage, parts)
             if not p.done and (p.parts != parts or part in p.pieces):
@@ -153,7 +157,8 @@ class Staging:
                         self._decide(
                             p,
                             error=ProtocolError(
-                                f"{what}: {len(p.pieces)} arrived within {timeout:.3g} s; "
+                                f"{what}: {len(p.pieces)} arrived within "
+                                f"{timeout + GRACE_S:.3g} s; "
                                 "nothing was stored"
                             ),
                         )

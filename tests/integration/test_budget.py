@@ -167,6 +167,41 @@ def test_staged_parts_count_while_they_wait_and_a_part_that_does_not_fit_is_refu
         assert plain_put(srv.location, put_command("p"), [other]) == {"rows": 4}
 
 
+def test_a_put_in_parts_whose_last_part_finds_no_room_fails_for_that_reason():
+    # Part 0 arrives and waits for part 1; part 1, sent a moment later with the same
+    # timeout, waits for room the budget does not have. Every part fails with the budget's
+    # error, not with "1 arrived" (the parts waiting give a missing part GRACE_S more).
+    mib = 2**20
+    schema = flightq.SchemaRegistry.default().get(TEXT)
+    ids = [np.zeros(5 * mib // 8 // 4, np.int64) for _ in range(4)]  # 5 MiB
+    with flightq.Server(memory_budget=8 * mib) as srv:
+        _declare(srv.location)
+        full = flightq.encode(schema, {"input_ids": ids}, [f"a{i}" for i in range(4)])
+        assert plain_put(srv.location, put_command("p"), [full]) == {"rows": 4}
+        small = flightq.encode(schema, {"input_ids": [np.arange(4)]}, ["s0"])
+        waiting = _start_part(srv.location, "s3", small, timeout=1.0)
+        time.sleep(0.3)
+        big = flightq.encode(schema, {"input_ids": ids}, [f"b{i}" for i in range(4)])
+        with pytest.raises(fl.FlightError) as info:
+            plain_put(
+                srv.location, put_command("p", stage="s3", part=1, parts=2, timeout=1.0), [big]
+            )
+        kind, msg = plain_error(info.value)
+        assert kind == "ResourceExhaustedError" and "memory budget" in msg, msg
+        with pytest.raises(fl.FlightError) as info:
+            waiting[2].read()
+            waiting[1].close()
+        kind, msg = plain_error(info.value)
+        assert kind == "ResourceExhaustedError" and "memory budget" in msg, msg
+        waiting[0].close()
+        assert _rows_stored(srv) == 4  # the first put's alone
+
+
+def _rows_stored(srv: flightq.Server) -> int:
+    with flightq.connect(srv.location) as c:
+        return int(c.stats()["partitions"]["p"]["rows"])
+
+
 def _schema_json(name: str, fields: int = 1) -> str:
     fs = [{"name": "input_ids", "dtype": "int64", "role": "token", "shape": [None]}]
     fs += [
