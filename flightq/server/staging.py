@@ -8,8 +8,8 @@ until every part has arrived. The handler of the last part stores all of them in
 (in part order, so rows keep the client's order), and every part's handler answers with
 the same result or raises the same error. If a part fails, or does not arrive within the
 put's timeout (and :data:`GRACE_S`), every part fails and nothing is stored. A decided put
-is remembered for a while, so a part that comes late fails at once instead of waiting; a retry draws a new
-``stage``.
+is remembered for a while, so a part that comes late fails at once instead of waiting; a
+retry draws a new ``stage``.
 """
 
 from __future__ import annotations
