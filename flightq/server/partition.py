@@ -55,6 +55,8 @@ RECENT_PUTS = 4096
 #: Numbers each partition made in this process: a partition dropped and created again
 #: under its name is another one.
 _EPOCHS = itertools.count(1)
+#: Bytes a piece counts from which :meth:`Partition.compact` copies its last rows out.
+COMPACT_MIN_BYTES = 1 << 20
 #: Writes, and row keys in all, the journal of recent writes keeps (:meth:`Partition.touched`).
 JOURNAL_WRITES = 1024
 JOURNAL_KEYS = 65536
@@ -302,19 +304,69 @@ class Partition:
         self.wrote(plan.keys)
         return len(plan.keys)
 
-    def cleared(self, rows: Iterable[Row]) -> None:
+    def cleared(self, rows: Iterable[Row]) -> list[Piece]:
         """Rows removed: the pieces holding their cells no longer hold whole what they
         stored (a retry of them is not a replay), and the media copies they used are used
-        once less. With the store's lock."""
+        once less. Returns the pieces that rows still use, each once. With the store's
+        lock."""
         from .media import release, row_copies
 
         fields = self.media_fields
+        touched: dict[int, Piece] = {}
         for r in rows:
             for pc in row_pieces(r):
                 pc.damaged = True
                 self.use(pc, -1)
+                touched[id(pc)] = pc
             if fields:
                 release(self, row_copies(r, fields))
+        return [pc for pc in touched.values() if pc.users]
+
+    def compact(self, pieces: Iterable[Piece]) -> int:
+        """Copy the rows still stored out of each of ``pieces`` that they use little (at
+        most half its rows, :data:`COMPACT_MIN_BYTES` or more counted, no media column)
+        into a piece of their own, so that the rest of its memory goes: rows cleared from
+        a put no longer keep its whole batch alive (a dead letter, a row kept from each
+        put). The rows are replaced by new ones (answers under way keep reading the old),
+        as a write of their keys. Returns the rows moved. With the store's lock."""
+        moved = 0
+        for pc in pieces:
+            n = len(pc.checked.keys)
+            if pc.media or not 0 < pc.users * 2 <= n or pc.cost < COMPACT_MIN_BYTES:
+                continue
+            moved += self._compact(pc)
+        return moved
+
+    def _compact(self, pc: Piece) -> int:
+        keys = pc.checked.keys
+        at: list[int] = []
+        rows: list[Row] = []
+        for i, k in enumerate(keys):
+            r = self.rows.get(k)
+            if r is not None and any(c[0] is pc and c[1] == i for c in r.cells.values()):
+                at.append(i)
+                rows.append(r)
+        if len(rows) != pc.users:  # what the count says differs: leave it be
+            return 0
+        idx = np.asarray(at, dtype=np.int64)
+        ck = pc.checked
+        checked = Checked(
+            ck.schema, [keys[i] for i in at], ck.fields, ck.seq_lens[idx], ck.nbytes[idx]
+        )
+        held = pc.held[idx] if len(pc.held) else pc.held
+        new = Piece(pc.batch.take(pa.array(idx)), checked, [pc.tags[i] for i in at], held)
+        new.cost = int(held.sum()) if len(held) else int(checked.nbytes.sum())
+        new.stored = new.damaged = True  # not what a put sent: a retry is stored again
+        new.epoch = pc.epoch
+        for j, r in enumerate(rows):
+            cell = (new, j)
+            cells = {f: cell if c[0] is pc else c for f, c in r.cells.items()}
+            home = cell if r.home is not None and r.home[0] is pc else r.home
+            self.rows[r.key] = Row(r.key, r.group, cells, r.tags, r.seq_len, r.nbytes, r.held, home)
+        self.use(new, len(rows))
+        self.use(pc, -pc.users)
+        self.wrote(checked.keys)  # plans and merges that read the old rows see it
+        return len(rows)
 
     def use(self, pc: Piece, n: int) -> None:
         """``n`` more stored rows use ``pc`` (fewer where negative): the budget counts it,

@@ -595,8 +595,9 @@ class Store:
                     gone.append(row)
                     p.nbytes -= row.nbytes
                 n = len(gone)
-                p.cleared(gone)
+                left = p.cleared(gone)
                 p.wrote(keys)
+                p.compact(left)
                 p.progress.removed(keys)
                 for lease in list(p.progress.leases.values()):
                     p.progress.settle(lease)

@@ -373,26 +373,51 @@ def _rows(n: int, tokens: int, start: int = 0) -> dict[str, list[np.ndarray]]:
     return {"input_ids": [np.full(tokens, start + i, np.int64) for i in range(n)]}
 
 
-def test_a_batch_counts_whole_until_its_last_row_is_cleared() -> None:
-    # 50 rows of 160 KB in one record batch: clearing 49 of them frees nothing (the last
-    # row keeps the batch's buffers alive), so the budget keeps counting the batch.
+def test_a_batch_counts_whole_until_its_rows_are_few_then_they_are_copied_out() -> None:
+    # 50 rows of 160 KB in one record batch. Clearing 20 frees nothing (the rows left keep
+    # the batch's buffers alive), so the budget keeps counting the batch whole; once at
+    # most half its rows are left they are copied into a batch of their own and the rest
+    # of the memory goes, and so does its count.
     with flightq.Server(memory_budget=64 << 20) as srv, flightq.connect(srv.location) as c:
         c.create_partition("p", TEXT, tasks=["t"])
         keys = [f"k{i}" for i in range(50)]
         c.put("p", keys, _rows(50, 20_000))
         whole = srv.store.held()
         assert whole >= 50 * 160_000
-        assert c.clear("p", keys[1:]) == 49
+        assert c.clear("p", keys[:20]) == 20
         assert srv.store.held() == whole
-        assert c.get("p", keys[:1], as_="numpy")["input_ids"][0][0] == 0  # still served
-        assert c.clear("p", keys[:1]) == 1
+        assert c.clear("p", keys[20:30]) == 10
+        assert whole * 0.39 < srv.store.held() < whole * 0.41  # 20 rows of 50
+        got = c.get("p", keys[30:], as_="numpy")["input_ids"]
+        assert [int(x[0]) for x in got] == list(range(30, 50))
+        assert all(len(x) == 20_000 for x in got)
+        with c.claim("p", "t", 20) as b:  # claims, acks, write-backs read the copies
+            assert sorted(b.keys) == sorted(keys[30:])
+        assert c.clear("p") == 20
         assert srv.store.held() == 0
 
 
-def test_puts_whose_rows_are_cleared_but_one_are_refused_once_their_batches_fill_it() -> None:
-    # The attack the count closes: keep one row of each put, clear the rest, repeat. Each
-    # kept row holds its whole batch; a budget counting only the kept rows would let the
-    # server hold 40 times what it allows.
+def test_rows_kept_from_each_put_hold_only_themselves() -> None:
+    # Keep one row of each put, clear the rest, repeat: each kept row is copied out of its
+    # batch, which goes, so 40 such puts hold 40 rows, not 40 batches.
+    with (
+        flightq.Server(memory_budget=16 << 20) as srv,
+        flightq.connect(srv.location, timeout=5.0) as c,
+    ):
+        c.create_partition("p", TEXT, tasks=["t"])
+        for i in range(40):
+            keys = [f"r{i}_{j}" for j in range(50)]
+            c.put("p", keys, _rows(50, 5_000, 100 * i))  # 2 MB a put
+            c.clear("p", keys[1:])
+        assert srv.store.held() < 40 * 2 * 40_000
+        kept = [f"r{i}_0" for i in range(40)]
+        got = c.get("p", kept, as_="numpy")["input_ids"]
+        assert [int(x[0]) for x in got] == [100 * i for i in range(40)]
+
+
+def test_puts_whose_rows_are_mostly_kept_are_refused_once_their_batches_fill_it() -> None:
+    # Keep 30 rows of each put of 50: too many to copy out, so each batch stays whole and
+    # counts whole, and puts are refused once the batches fill the budget.
     budget_bytes = 16 << 20
     with (
         flightq.Server(memory_budget=budget_bytes) as srv,
@@ -405,7 +430,7 @@ def test_puts_whose_rows_are_cleared_but_one_are_refused_once_their_batches_fill
                 keys = [f"r{i}_{j}" for j in range(50)]
                 c.put("p", keys, _rows(50, 5_000))  # 2 MB a put
                 stored += 1
-                c.clear("p", keys[1:])
+                c.clear("p", keys[30:])
                 assert srv.store.held() <= budget_bytes
         assert 4 <= stored < 10  # 16 MiB holds 8 such batches, less what each row costs
         c.clear("p")

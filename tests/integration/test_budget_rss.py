@@ -172,19 +172,33 @@ def _many_schemas(loc: str) -> str:
     return kind
 
 
-def _cleared_but_one(loc: str) -> str:
-    # 50 rows of 160 KB in one batch a put, 49 of them cleared: the one kept holds the
-    # whole batch alive, and the budget counts it so.
+def _batches_of_50(loc: str, keep: int, most: int) -> tuple[int, str]:
+    """Puts of 50 rows of 160 KB in one batch, all but ``keep`` of each cleared, until one
+    is refused (at most ``most``)."""
     schema = flightq.SchemaRegistry.default().get(TEXT)
 
     def put(i: int) -> None:
-        keys = [f"c{i}_{j}" for j in range(50)]
+        keys = [f"c{keep}_{i}_{j}" for j in range(50)]
         ids = [np.full(20_000, j, np.int64) for j in range(50)]
         _put(loc, "t", [flightq.encode(schema, {"input_ids": ids}, keys)])
-        action(loc, "clear", {"partition": "t", "keys": keys[1:]})
+        action(loc, "clear", {"partition": "t", "keys": keys[keep:]})
 
-    _, kind = _until_refused(put, 60)
-    return kind
+    for i in range(most):
+        try:
+            put(i)
+        except fl.FlightError as e:
+            return i, plain_error(e)[0]
+    return most, "none refused"
+
+
+def _cleared_but_one(loc: str) -> str:
+    # The one row kept is copied out of its batch, which goes: 60 puts hold 60 rows.
+    return _batches_of_50(loc, 1, 60)[1]
+
+
+def _mostly_kept(loc: str) -> str:
+    # 30 rows kept keep the whole batch alive, and the budget counts it so.
+    return _batches_of_50(loc, 30, 60)[1]
 
 
 def _cached_plans(loc: str) -> str:
@@ -205,7 +219,8 @@ LOADS = [
     ("staged parts", _staged_parts, "ResourceExhaustedError"),
     ("many schemas", _many_schemas, "ResourceExhaustedError"),
     ("cached plans", _cached_plans, "SchemaMismatchError"),
-    ("batches cleared but one row", _cleared_but_one, "ResourceExhaustedError"),
+    ("batches cleared but one row", _cleared_but_one, "none refused"),
+    ("batches cleared but 30 rows", _mostly_kept, "ResourceExhaustedError"),
 ]
 
 

@@ -139,3 +139,31 @@ def test_a_key_repeating_across_a_puts_batches_is_named(
     with pytest.raises(EncodeError, match=r"duplicate row key 'a4' within one put"):
         put_keys([_piece(a, [2] * 6), _piece(["b0", "a4", "b1"], [2] * 3)])
     assert put_keys([_piece(a, [2] * 6)]).set() == set(a)  # one batch: checked by validation
+
+
+def test_compacting_a_piece_moves_its_rows_counts_them_and_tells_plans() -> None:
+    p = Partition("p", TEXT, ("train",), None)
+    keys = [f"k{i}" for i in range(8)]
+    pc = _piece(keys, [40_000] * 8, tags=[{"i": i} for i in range(8)])  # 320 KB a row
+    p.commit(plan_put(p, [pc], False, None, p.writes))
+    whole = p.held
+    assert (pc.users, whole) == (8, pc.cost)
+    left = p.cleared([p.rows.pop(k) for k in keys[:3]])
+    assert left == [pc] and pc.users == 5 and p.held == whole  # counted whole
+    assert p.compact(left) == 0  # 5 of 8 rows: more than half, left as it is
+    left = p.cleared([p.rows.pop(k) for k in keys[3:5]])
+    seen = p.writes
+    assert p.compact(left) == 3
+    assert p.touched(seen, {"k6"}) and not p.touched(seen, {"k0"})  # plans of k5-k7 redo
+    assert pc.users == 0
+    new = p.rows["k5"].cells["input_ids"][0]
+    assert new is not pc and new.users == 3 and p.held == new.cost < whole / 2
+    assert new.batch.num_rows == 3 and new.checked.keys == keys[5:]
+    for j, k in enumerate(keys[5:]):
+        r = p.rows[k]
+        assert r.home == (new, j) and r.cells == {"input_ids": (new, j)}
+        assert r.tags == {"i": 5 + j}
+        ids = new.batch.column("input_ids")[j].as_py()
+        assert np.frombuffer(ids, np.int64).tolist() == list(range(40_000))
+    p.cleared([p.rows.pop(k) for k in keys[5:]])
+    assert p.held == 0 and new.users == 0
