@@ -39,7 +39,7 @@ from ..layout import (
 )
 from ..schema import Schema
 from ..validation import Checked
-from .budget import row_costs, tags_size
+from .budget import declaration_cost, row_costs, tags_size
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Progress
 
 if TYPE_CHECKING:
@@ -55,8 +55,11 @@ RECENT_PUTS = 4096
 #: Numbers each partition made in this process: a partition dropped and created again
 #: under its name is another one.
 _EPOCHS = itertools.count(1)
-#: Bytes a piece counts from which :meth:`Partition.compact` copies its last rows out.
+#: Bytes a piece counts from which :meth:`Partition.compact` copies its last rows out, and
+#: most rows it walks and bytes it copies to do so (under the store's lock).
 COMPACT_MIN_BYTES = 1 << 20
+COMPACT_MAX_ROWS = 1 << 14
+COMPACT_MAX_BYTES = 32 << 20
 #: Writes, and row keys in all, the journal of recent writes keeps (:meth:`Partition.touched`).
 JOURNAL_WRITES = 1024
 JOURNAL_KEYS = 65536
@@ -84,9 +87,11 @@ class Piece:
     batch: pa.RecordBatch
     checked: Checked
     tags: list[dict[str, Any] | None]
-    #: Per row, the bytes the memory budget counts while the row is stored
-    #: (:func:`flightq.server.budget.row_costs`).
+    #: Per row, the bytes of it the memory budget counts while a row uses the piece, and
+    #: those the row holds of its own (key, tags map, its objects), counted while it is
+    #: stored (:func:`flightq.server.budget.row_costs`).
     held: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    own: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     #: Bytes of this piece the store counts as pending (read, not yet stored or let go).
     reserved: int = 0
     #: Bytes counted while any stored row uses it (its rows' :attr:`held`, set when a put
@@ -155,7 +160,8 @@ class Row:
     tags: dict[str, Any] = field(default_factory=dict)
     seq_len: int = -1
     nbytes: int = 0
-    #: Bytes the memory budget counts for the row (payload and what holding it costs).
+    #: Bytes the memory budget counts for what the row holds of its own (its key, its tags
+    #: map, its objects); its cells' pieces count on their own (:attr:`Piece.cost`).
     held: int = 0
     #: The piece and index holding every field of the row, where the row has every field
     #: that piece carries and its tags are that piece's (a row as a put created it); None
@@ -177,8 +183,9 @@ class Partition:
     progress: Progress = None  # type: ignore[assignment]  # made from ``tasks``
     next_group: int = 0
     nbytes: int = 0
-    #: Bytes the memory budget counts for the partition's rows (:attr:`Row.held`) and
-    #: its media copies (counted once, ``media_bytes`` of it).
+    #: Bytes the memory budget counts for the partition: its rows' own
+    #: (:attr:`Row.held`), the pieces they use (:meth:`use`) and its media copies (counted
+    #: once, ``media_bytes`` of it).
     held: int = 0
     #: The media copies its rows use, filed by hint (column, hint, shape), oldest first
     #: (:mod:`flightq.server.media`).
@@ -200,12 +207,16 @@ class Partition:
     #: Per set of fields some claim needs beyond the required ones, the keys of the rows
     #: that carry them all (:mod:`flightq.server.readiness`).
     complete: dict[frozenset[str], Complete] = field(default_factory=dict, repr=False)
+    #: Bytes the memory budget counts for the declaration itself while it exists
+    #: (:func:`flightq.server.budget.declaration_cost`).
+    declared: int = 0
     #: This partition among those ever made under its name (:data:`_EPOCHS`).
     epoch: int = field(default_factory=lambda: next(_EPOCHS), repr=False)
 
     def __post_init__(self) -> None:
         if self.progress is None:
             self.progress = Progress(self.tasks, self.max_failures)
+        self.declared = declaration_cost(self.name, self.tasks)
 
     def declaration(self) -> dict[str, Any]:
         """The declaration as sent by ``declare``."""
@@ -286,6 +297,7 @@ class Partition:
         else:
             self.rows.update(plan.rows)
         self.nbytes += plan.nbytes
+        self.held += plan.held
         for pc, n in plan.uses:
             self.use(pc, n)
         for pc in plan.damaged:
@@ -314,6 +326,7 @@ class Partition:
         fields = self.media_fields
         touched: dict[int, Piece] = {}
         for r in rows:
+            self.held -= r.held
             for pc in row_pieces(r):
                 pc.damaged = True
                 self.use(pc, -1)
@@ -325,7 +338,9 @@ class Partition:
     def compact(self, pieces: Iterable[Piece]) -> int:
         """Copy the rows still stored out of each of ``pieces`` that they use little (at
         most half its rows, :data:`COMPACT_MIN_BYTES` or more counted, no media column)
-        into a piece of their own, so that the rest of its memory goes: rows cleared from
+        into a piece of their own (at most :data:`COMPACT_MAX_ROWS` rows walked and
+        :data:`COMPACT_MAX_BYTES` copied; none whose block other pieces keep alive; none
+        where the copy fails), so that the rest of its memory goes: rows cleared from
         a put no longer keep its whole batch alive (a dead letter, a row kept from each
         put). The rows are replaced by new ones (answers under way keep reading the old),
         as a write of their keys. Returns the rows moved. With the store's lock."""
@@ -334,7 +349,14 @@ class Partition:
             n = len(pc.checked.keys)
             if pc.media or not 0 < pc.users * 2 <= n or pc.cost < COMPACT_MIN_BYTES:
                 continue
-            moved += self._compact(pc)
+            if n > COMPACT_MAX_ROWS or pc.cost // n * pc.users > COMPACT_MAX_BYTES:
+                continue  # too long a copy under the store's lock: it stays counted whole
+            if pc.block is not None and pc.block.users > 1:
+                continue  # other batches keep its memory alive: a copy would free nothing
+            try:
+                moved += self._compact(pc)
+            except Exception:  # an allocation refused (the memory cap): it stays as it is
+                continue
         return moved
 
     def _compact(self, pc: Piece) -> int:
@@ -354,7 +376,8 @@ class Partition:
             ck.schema, [keys[i] for i in at], ck.fields, ck.seq_lens[idx], ck.nbytes[idx]
         )
         held = pc.held[idx] if len(pc.held) else pc.held
-        new = Piece(pc.batch.take(pa.array(idx)), checked, [pc.tags[i] for i in at], held)
+        own = pc.own[idx] if len(pc.own) else pc.own
+        new = Piece(pc.batch.take(pa.array(idx)), checked, [pc.tags[i] for i in at], held, own=own)
         new.cost = int(held.sum()) if len(held) else int(checked.nbytes.sum())
         new.stored = new.damaged = True  # not what a put sent: a retry is stored again
         new.epoch = pc.epoch
@@ -376,12 +399,17 @@ class Partition:
         if (before > 0) == (after > 0):
             return
         step = 1 if after > 0 else -1
-        self.held += step * pc.cost
         b = pc.block
-        if b is not None:
-            b.users += step
-            if b.users == (1 if step > 0 else 0):
-                self.held += step * b.cost
+        if b is None:
+            self.held += step * pc.cost
+            return
+        b.users += step
+        if step > 0:
+            self.held += pc.cost + (b.cost if b.users == 1 else 0)
+        elif b.users:  # its buffers are slices of the block, which others keep alive
+            b.cost += pc.cost
+        else:
+            self.held -= pc.cost + b.cost
 
     @property
     def media_fields(self) -> tuple[str, ...]:
@@ -594,4 +622,5 @@ def make_piece(batch: pa.RecordBatch, checked: Checked, limit: int | None = None
     """Wrap a validated batch, parsing its tags (refusing invalid msgpack, and tags whose
     Python objects would take more than ``limit`` bytes), and count what it holds."""
     tags, sizes = _decode_tags(batch, checked.keys, limit)
-    return Piece(batch, checked, tags, row_costs(batch, checked.keys, sizes, checked.nbytes))
+    held, own = row_costs(batch, checked.keys, sizes, checked.nbytes)
+    return Piece(batch, checked, tags, held, own=own)

@@ -22,6 +22,7 @@ never a cell by cell walk.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ import numpy as np
 from ..errors import ConflictError, MissingFieldError, ShapeError
 from ..layout import in_slices, mapped, pylist
 from . import merge
+from .budget import ROW_OVERHEAD, tags_size
 
 if TYPE_CHECKING:
     from .partition import Partition, Piece, Row
@@ -67,6 +69,8 @@ class PutPlan:
     rows: dict[str, Row] = field(default_factory=dict)
     #: Change in the partition's payload bytes.
     nbytes: int = 0
+    #: Change in what the rows it stores hold of their own (:attr:`Row.held`).
+    held: int = 0
     #: Per piece, how many more stored rows use it (fewer where negative: the rows it
     #: replaces): what the budget counts follows (:meth:`Partition.use`).
     uses: list[tuple[Piece, int]] = field(default_factory=list)
@@ -94,7 +98,7 @@ def plan_put(
         If a row's token length differs from the stored row's, or a grouped partition
         would get part of a group.
     """
-    from .partition import Row, row_pieces
+    from .partition import Row
 
     # One piece's own list where there is one: a copy of a million keys is one more
     # list for the garbage collector to walk.
@@ -170,21 +174,23 @@ def plan_put(
     new: list[str] = []
     damaged: dict[int, Piece] = {}
     uses: dict[int, list[Any]] = {}  # id -> [piece, rows more that use it]
-    nbytes_in = held_in = gone = 0
+    nbytes_in = held_in = gone = own_delta = 0
     for pc, mine in zip(pieces, olds, strict=True):
         ck = pc.checked
         dense = [f for f in ck.fields if pc.valid(f) is None]
         sparse = [(f, v) for f in ck.fields if (v := pc.valid(f)) is not None]
         seq_lens, nbytes = pylist(ck.seq_lens), pylist(ck.nbytes)
         held = pylist(pc.held) if len(pc.held) else nbytes
+        own = pylist(pc.own) if len(pc.own) else [0] * len(nbytes)
         nbytes_in += sum(nbytes)
         pc.cost = sum(held)
-        held_in += pc.cost + pc.extra
+        held_in += pc.cost + pc.extra + sum(own)
         mine_used = uses[id(pc)] = [pc, 0]  # stored rows that will use it
         if not sparse and len(mine) > _FEW and (not rows or not any(mine)):
             # Every row new with every field: the rows built in a few C-level passes.
             first = len(new)
-            made = _new_rows(pc, dense, group, g, first, seq_lens, nbytes, held)
+            made = _new_rows(pc, dense, group, g, first, seq_lens, nbytes, own)
+            own_delta += sum(own)
             mine_used[1] += len(made) if dense else 0
             for ks, rs in zip(in_slices(ck.keys), in_slices(made), strict=True):
                 out.update(zip(ks, rs, strict=True))
@@ -208,31 +214,39 @@ def plan_put(
                     t or {},  # the piece's map, never changed in place
                     seq_lens[i],
                     nbytes[i],
-                    held[i],
-                    cell if len(fields) == len(ck.fields) else None,
+                    own[i],
+                    cell if fields and len(fields) == len(ck.fields) else None,
                 )
+                own_delta += own[i]
                 new.append(k)
                 continue
             cells = dict(old.cells)
             freed = 0
-            replaced = False
+            lost: list[Piece] = []  # pieces whose cells it replaced
             for f in fields:
                 was = cells.get(f)
                 if was is not None:  # overwrite: the old cell's bytes go
                     freed += was[0].cell_nbytes(f, was[1])
                     damaged[id(was[0])] = was[0]
-                    replaced = True
+                    if not any(was[0] is q for q in lost):
+                        lost.append(was[0])
                 cells[f] = cell
             tags = old.tags
+            kept = old.held
             if t:
                 if any(tags.get(a, _MISSING) != b for a, b in t.items()):
                     for was in old.cells.values():  # their tags are no longer all there
                         damaged[id(was[0])] = was[0]
                 tags = {**tags, **t}
+                # A map of its own now: counted as the row's, in place of the old one.
+                kept = sys.getsizeof(k) + ROW_OVERHEAD + tags_size(tags)
+                own_delta += kept - old.held
             gone += freed
-            for used in row_pieces(old) if replaced else ():  # one it no longer uses
-                if not any(c[0] is used for c in cells.values()):
-                    uses.setdefault(id(used), [used, 0])[1] -= 1
+            if lost:  # one user less for each the new row no longer uses
+                still = {id(c[0]) for c in cells.values()}
+                for used in lost:
+                    if id(used) not in still:
+                        uses.setdefault(id(used), [used, 0])[1] -= 1
             out[k] = Row(
                 k,
                 old.group,
@@ -240,7 +254,7 @@ def plan_put(
                 tags,
                 seq_lens[i] if seq_lens[i] >= 0 else old.seq_len,
                 old.nbytes - freed + nbytes[i],
-                old.held - freed + held[i],
+                kept,
             )
     # Into a partition holding rows, many new rows are merged into copies of the ready
     # orders outside the store's lock (flightq.server.merge), from ``new``: no index of
@@ -263,6 +277,7 @@ def plan_put(
         fresh=fresh,
         rows=out,
         nbytes=nbytes_in - gone,
+        held=own_delta,
         uses=[(u[0], u[1]) for u in uses.values() if u[1]],
         need=held_in,
         damaged=list(damaged.values()),
@@ -306,7 +321,7 @@ def _new_rows(
     first: int,
     seq_lens: list[int],
     nbytes: list[int],
-    held: list[int],
+    own: list[int],
 ) -> list[Row]:
     """The rows of a piece whose rows are all new and carry every one of ``fields``: the
     put's new rows ``first`` onwards (their group numbers follow from that)."""
@@ -321,7 +336,9 @@ def _new_rows(
     cells = map(dict.fromkeys, itertools.repeat(fields, n), homes)
     # The piece's maps, never changed in place (rows of a group may share one).
     tags = [t or {} for t in pc.tags]
-    return list(map(Row, pc.checked.keys, groups, cells, tags, seq_lens, nbytes, held, homes))
+    if not fields:  # rows of no field use no cell of the piece: no home in it
+        homes = [None] * n  # type: ignore[list-item]
+    return list(map(Row, pc.checked.keys, groups, cells, tags, seq_lens, nbytes, own, homes))
 
 
 def replays(p: Partition, pieces: Iterable[Piece]) -> bool:

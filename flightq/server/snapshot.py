@@ -316,12 +316,13 @@ def _restore_partition(root: Path, e: dict[str, Any]) -> Partition:
                 int(group[k]),
                 seq_len=int(ck.seq_lens[i]),
                 nbytes=int(ck.nbytes[i]),
-                held=int(piece.held[i]),
+                held=int(piece.own[i]),
             )
             row.cells = {f: (piece, i) for f in ck.fields if valid[f][i]}
             row.tags = dict(piece.tags[i] or {})
             part.rows[k] = row
             part.nbytes += row.nbytes
+            part.held += row.held
             if row.cells:
                 part.use(piece, 1)
             if part.media_fields:

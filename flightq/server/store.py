@@ -39,6 +39,7 @@ from ..errors import (
     UnavailableError,
 )
 from ..schema import Schema
+from .budget import MAX_NAME_CHARS, MAX_PARTITIONS, MAX_TASKS, declaration_cost
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskState
 from .media import grouped_by_media, waiting_homes
 from .merge import Merge
@@ -170,6 +171,7 @@ class Store:
                 actual=max_failures,
                 partition=name,
             )
+        _check_names(name, tasks)
         if len(set(tasks)) != len(tasks):
             raise ProtocolError(
                 f"tasks of partition {name!r} repeat: {list(tasks)}",
@@ -206,6 +208,7 @@ class Store:
                         partition=name,
                     )
                 return False
+            self._room_for_declaration(name, tasks)
             self._parts[name] = Partition(
                 name,
                 schema,
@@ -216,6 +219,29 @@ class Store:
                 max_failures=max_failures,
             )
             return True
+
+    def _room_for_declaration(self, name: str, tasks: Sequence[str]) -> None:
+        # With the lock held: refused at once (a control call waits for nothing).
+        if len(self._parts) >= MAX_PARTITIONS:
+            raise ResourceExhaustedError(
+                f"declare {name!r}: the server holds {len(self._parts)} partitions, its limit "
+                f"of {MAX_PARTITIONS}; drop partitions no longer used",
+                expected=MAX_PARTITIONS,
+                actual=len(self._parts) + 1,
+                partition=name,
+            )
+        budget = self.memory_budget
+        cost = declaration_cost(name, tasks)
+        held = self._counted()
+        if budget is not None and held + cost > budget:
+            raise ResourceExhaustedError(
+                f"declare {name!r} ({cost} bytes with its {len(tasks)} tasks): the server holds "
+                f"{held} of its {budget}-byte memory budget; clear consumed rows or drop "
+                "partitions no longer used",
+                expected=budget,
+                actual=held + cost,
+                partition=name,
+            )
 
     def partition(self, name: str) -> Partition:
         """A partition by name.
@@ -310,6 +336,20 @@ class Store:
         # With the lock held.
         return sum(p.held for p in self._parts.values()) + self._pending + self._held_outside()
 
+    def counted(self) -> int:
+        """Bytes the memory budget counts now: :meth:`held`, and each declared
+        partition's :attr:`~flightq.server.partition.Partition.declared`."""
+        with self._lock:
+            return self._counted()
+
+    def _counted(self) -> int:
+        # With the lock held: what the budget counts, the partitions' declarations included.
+        return self._held() + self._declared()
+
+    def _declared(self) -> int:
+        # With the lock held.
+        return sum(p.declared for p in self._parts.values())
+
     def _held_outside(self) -> int:
         # With the lock held: answers being written, and those waiting for their reader.
         return self._outside + (0 if self.unread is None else self.unread())
@@ -321,7 +361,9 @@ class Store:
         were counted; :meth:`give_outside` stops counting them once :attr:`unread` does."""
         with self._lock:
             budget = self.memory_budget
-            if self._held_outside() + n > cap or (budget is not None and self._held() + n > budget):
+            if self._held_outside() + n > cap or (
+                budget is not None and self._counted() + n > budget
+            ):
                 return False
             self._outside += n
             return True
@@ -359,7 +401,7 @@ class Store:
             If the put passes the whole budget, or no room is made within ``timeout``.
         """
         # Its rows, the media payloads it brought, and the memory beyond it (the first's).
-        n = int(piece.held.sum()) + piece.brings + piece.extra
+        n = int(piece.held.sum()) + int(piece.own.sum()) + piece.brings + piece.extra
         more = n - piece.reserved  # a piece reserved already counts what it grew by
         with self._changed:
             ahead = 0 if advance is None else min(more, advance.left)
@@ -437,16 +479,18 @@ class Store:
         while True:
             self._check_open(f"put to {name!r}")
             held = self._held() - mine
-            if held + need <= budget:
+            declared = self._declared()
+            if held + declared + need <= budget:
                 return waited
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ResourceExhaustedError(
                     f"put to {name!r} of {need} bytes: the server holds {held} of its "
-                    f"{budget}-byte memory budget and no space was cleared within "
+                    f"{budget}-byte memory budget (and {declared} in its {len(self._parts)} "
+                    f"partitions' declarations) and no space was cleared within "
                     f"{timeout:g}s; clear consumed rows",
                     expected=budget,
-                    actual=held + need,
+                    actual=held + declared + need,
                     partition=name,
                 )
             self._wait_for_room(name, left)
@@ -597,10 +641,10 @@ class Store:
                 n = len(gone)
                 left = p.cleared(gone)
                 p.wrote(keys)
-                p.compact(left)
                 p.progress.removed(keys)
                 for lease in list(p.progress.leases.values()):
                     p.progress.settle(lease)
+                p.compact(left)  # last: the clear stands whatever it does
             if put_id is not None:
                 p.recent_puts.pop(put_id, None)
             self._wake()
@@ -1105,6 +1149,38 @@ def _describe(p: Partition, waiting: dict[str, int], waiting_puts: int) -> dict[
         "waiting_puts": waiting_puts,
     }
     return d
+
+
+def _check_names(name: str, tasks: Sequence[str]) -> None:
+    """A partition's name and tasks within their caps (:mod:`flightq.server.budget`).
+
+    Raises
+    ------
+    ResourceExhaustedError
+        Naming the cap and what arrived.
+    """
+    if len(name) > MAX_NAME_CHARS:
+        raise ResourceExhaustedError(
+            f"partition name of {len(name)} characters: the limit is {MAX_NAME_CHARS}",
+            expected=MAX_NAME_CHARS,
+            actual=len(name),
+        )
+    if len(tasks) > MAX_TASKS:
+        raise ResourceExhaustedError(
+            f"partition {name!r} declares {len(tasks)} tasks: the limit is {MAX_TASKS}",
+            expected=MAX_TASKS,
+            actual=len(tasks),
+            partition=name,
+        )
+    long = next((t for t in tasks if len(t) > MAX_NAME_CHARS), None)
+    if long is not None:
+        raise ResourceExhaustedError(
+            f"partition {name!r}: a task name of {len(long)} characters; the limit is "
+            f"{MAX_NAME_CHARS}",
+            expected=MAX_NAME_CHARS,
+            actual=len(long),
+            partition=name,
+        )
 
 
 def _same_partition(p: Partition, epochs: set[int]) -> None:

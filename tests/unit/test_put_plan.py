@@ -61,11 +61,12 @@ def test_new_rows_are_planned_as_defined(group_size: int | None, sparse: bool) -
             assert (row.seq_len, row.nbytes, row.held) == (
                 int(ck.seq_lens[i]),
                 int(ck.nbytes[i]),
-                int(pc.held[i]),
+                int(pc.own[i]),  # its key, tags map and objects; the piece counts the rest
             )
             n += 1
     assert plan.nbytes == int(sum(pc.checked.nbytes.sum() for pc in pieces))
-    assert plan.need == int(sum(pc.held.sum() for pc in pieces))
+    assert plan.need == int(sum(pc.held.sum() + pc.own.sum() for pc in pieces))
+    assert plan.held == int(sum(pc.own.sum() for pc in pieces))
     # Each piece is counted whole once a stored row uses it, as many rows as use it.
     assert [(pc, n) for pc, n in plan.uses] == [(pc, len(pc.checked.keys)) for pc in pieces]
     assert [pc.cost for pc in pieces] == [int(pc.held.sum()) for pc in pieces]
@@ -147,9 +148,10 @@ def test_compacting_a_piece_moves_its_rows_counts_them_and_tells_plans() -> None
     pc = _piece(keys, [40_000] * 8, tags=[{"i": i} for i in range(8)])  # 320 KB a row
     p.commit(plan_put(p, [pc], False, None, p.writes))
     whole = p.held
-    assert (pc.users, whole) == (8, pc.cost)
+    assert (pc.users, whole) == (8, pc.cost + int(pc.own.sum()))
     left = p.cleared([p.rows.pop(k) for k in keys[:3]])
-    assert left == [pc] and pc.users == 5 and p.held == whole  # counted whole
+    gone = int(pc.own[:3].sum())  # what the cleared rows held of their own
+    assert left == [pc] and pc.users == 5 and p.held == whole - gone  # the piece whole
     assert p.compact(left) == 0  # 5 of 8 rows: more than half, left as it is
     left = p.cleared([p.rows.pop(k) for k in keys[3:5]])
     seen = p.writes
@@ -157,7 +159,8 @@ def test_compacting_a_piece_moves_its_rows_counts_them_and_tells_plans() -> None
     assert p.touched(seen, {"k6"}) and not p.touched(seen, {"k0"})  # plans of k5-k7 redo
     assert pc.users == 0
     new = p.rows["k5"].cells["input_ids"][0]
-    assert new is not pc and new.users == 3 and p.held == new.cost < whole / 2
+    assert new is not pc and new.users == 3
+    assert p.held == new.cost + int(pc.own[5:].sum()) < whole / 2
     assert new.batch.num_rows == 3 and new.checked.keys == keys[5:]
     for j, k in enumerate(keys[5:]):
         r = p.rows[k]

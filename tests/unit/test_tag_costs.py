@@ -37,6 +37,8 @@ maps = st.one_of(st.none(), st.dictionaries(st.text(max_size=6), values, max_siz
 
 
 def _expected(rb: pa.RecordBatch, keys: list[str], tags: list, payload: np.ndarray) -> list[int]:
+    """Per row, what the piece counts plus what the row holds of its own: the tags twice
+    (the put's decoded map in the piece, the row's map), the key and the row's objects."""
     n = len(keys)
     rest = rb.get_total_buffer_size() - int(payload.sum()) + metadata_bytes(rb.schema)
     share = -(-max(rest, 0) // n)
@@ -56,7 +58,8 @@ def test_each_row_is_charged_for_its_own_tags(distinct: list, picks: list[int]) 
     checked = validate(rb, TEXT)
     piece = make_piece(rb, checked, None)
     assert piece.tags == tags
-    assert piece.held.tolist() == _expected(rb, keys, piece.tags, checked.nbytes)
+    got = (piece.held + piece.own).tolist()
+    assert got == _expected(rb, keys, piece.tags, checked.nbytes)
 
 
 def test_the_batch_bound_counts_every_row_even_when_rows_share_bytes() -> None:
