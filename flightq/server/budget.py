@@ -80,9 +80,11 @@ MAX_TASKS = 64
 MAX_PARTITIONS = 65536
 #: Bytes a declared partition takes before any row (its ready orders, progress and leases
 #: maps), and per task: measured with tracemalloc over 2000 declarations, 1.8 KB with no
-#: task and 0.8 KB more per task, counted with room.
-PARTITION_OVERHEAD = 4096
-TASK_OVERHEAD = 1024
+#: task and 0.8 KB more per task, counted with room for the allocator's share (a server
+#: declaring partitions of 64 tasks until refused grew its RSS by 2.9 budgets counting
+#: half this: test_budget_rss.py).
+PARTITION_OVERHEAD = 8192
+TASK_OVERHEAD = 2048
 
 
 def declaration_cost(name: str, tasks: Sequence[str]) -> int:

@@ -201,6 +201,23 @@ def _mostly_kept(loc: str) -> str:
     return _batches_of_50(loc, 30, 60)[1]
 
 
+def _many_partitions(loc: str) -> str:
+    # Declarations of 64 tasks each until refused; each counts against the budget.
+    text = flightq.SchemaRegistry.default().get(TEXT).canonical_json
+    tasks = [f"task-{j:03d}" for j in range(64)]
+
+    def declare(i: int) -> None:
+        action(loc, "declare", {"partition": f"d{i}", "schema": text, "tasks": tasks})
+
+    _, kind = _until_refused(declare, 5000)
+    for i in range(5000):  # drop them again: the loads after this one need the room
+        try:
+            action(loc, "drop", {"partition": f"d{i}"})
+        except fl.FlightError:
+            break
+    return kind
+
+
 def _cached_plans(loc: str) -> str:
     rb = text_batch(["c"])
     kinds = set()
@@ -221,6 +238,7 @@ LOADS = [
     ("cached plans", _cached_plans, "SchemaMismatchError"),
     ("batches cleared but one row", _cleared_but_one, "none refused"),
     ("batches cleared but 30 rows", _mostly_kept, "ResourceExhaustedError"),
+    ("partitions of 64 tasks", _many_partitions, "ResourceExhaustedError"),
 ]
 
 

@@ -17,7 +17,8 @@ def _rows(prefix: str, n: int, s: int = 1000) -> tuple[list[str], dict[str, list
 
 
 def test_put_over_budget_fails_typed_after_its_timeout_and_stores_nothing() -> None:
-    with flightq.Server(memory_budget=20_000) as srv, flightq.connect(srv.location) as c:
+    # 20 000 bytes for rows, and what the partition's declaration counts (10 246).
+    with flightq.Server(memory_budget=30_246) as srv, flightq.connect(srv.location) as c:
         c.create_partition("p", "rollout_text@1", tasks=["train"])
         keys, cols = _rows("a", 2)  # 16 000 bytes
         c.put("p", keys, cols)
@@ -27,7 +28,7 @@ def test_put_over_budget_fails_typed_after_its_timeout_and_stores_nothing() -> N
         stats = c.stats()
         assert stats["rows"] == 2
         assert stats["partitions"]["p"]["waiting_puts"] == 0  # the put that gave up is not counted
-        big_keys, big = _rows("c", 3)
+        big_keys, big = _rows("c", 4)
         with pytest.raises(flightq.ResourceExhaustedError, match="more than the server's whole"):
             c.put("p", big_keys, big)
         assert isinstance(flightq.ResourceExhaustedError("x"), RuntimeError)
@@ -35,7 +36,8 @@ def test_put_over_budget_fails_typed_after_its_timeout_and_stores_nothing() -> N
 
 
 def test_put_waiting_for_space_lands_once_rows_are_cleared() -> None:
-    with flightq.Server(memory_budget=20_000) as srv, flightq.connect(srv.location) as c:
+    # 20 000 bytes for rows, and what the partition's declaration counts (10 246).
+    with flightq.Server(memory_budget=30_246) as srv, flightq.connect(srv.location) as c:
         c.create_partition("p", "rollout_text@1", tasks=["train"])
         keys, cols = _rows("a", 2)
         c.put("p", keys, cols)
