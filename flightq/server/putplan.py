@@ -175,6 +175,7 @@ def plan_put(
     damaged: dict[int, Piece] = {}
     uses: dict[int, list[Any]] = {}  # id -> [piece, rows more that use it]
     nbytes_in = held_in = gone = own_delta = 0
+    sized: dict[tuple[int, int], int] = {}  # merged tags maps' sizes
     for pc, mine in zip(pieces, olds, strict=True):
         ck = pc.checked
         dense = [f for f in ck.fields if pc.valid(f) is None]
@@ -233,13 +234,17 @@ def plan_put(
                 cells[f] = cell
             tags = old.tags
             kept = old.held
-            if t:
-                if any(tags.get(a, _MISSING) != b for a, b in t.items()):
-                    for was in old.cells.values():  # their tags are no longer all there
-                        damaged[id(was[0])] = was[0]
-                tags = {**tags, **t}
-                # A map of its own now: counted as the row's, in place of the old one.
-                kept = sys.getsizeof(k) + ROW_OVERHEAD + tags_size(tags)
+            if t and any(tags.get(a, _MISSING) != b for a, b in t.items()):
+                for was in old.cells.values():  # their tags are no longer all there
+                    damaged[id(was[0])] = was[0]
+                tags = {**tags, **t}  # an equal map stays as it is
+                # A map of its own now: counted as the row's, in place of the old one (sized
+                # once per old map and new tags: a group's rows share both).
+                pair = (id(old.tags), id(t))
+                size = sized.get(pair)
+                if size is None:
+                    size = sized[pair] = tags_size(tags)
+                kept = sys.getsizeof(k) + ROW_OVERHEAD + size
                 own_delta += kept - old.held
             gone += freed
             if lost:  # one user less for each the new row no longer uses
