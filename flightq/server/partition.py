@@ -304,6 +304,12 @@ class Partition:
             pc.damaged = True
         for pc in plan.pieces:
             pc.stored = True
+            b = pc.block
+            if not pc.users and b is not None and b.users:
+                # No row uses it (tags rewritten, fields all null), but its buffers lie in
+                # a block another stored batch keeps alive: counted with the block from now.
+                b.cost += pc.cost
+                self.held += pc.cost
         if fresh:
             self.progress.adopt(plan.fresh)
         else:  # built outside the lock by the plan (and by the merge)

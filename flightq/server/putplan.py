@@ -234,7 +234,7 @@ def plan_put(
                 cells[f] = cell
             tags = old.tags
             kept = old.held
-            if t and any(tags.get(a, _MISSING) != b for a, b in t.items()):
+            if t and any(not _same_value(tags.get(a, _MISSING), b) for a, b in t.items()):
                 for was in old.cells.values():  # their tags are no longer all there
                     damaged[id(was[0])] = was[0]
                 tags = {**tags, **t}  # an equal map stays as it is
@@ -287,6 +287,18 @@ def plan_put(
         need=held_in,
         damaged=list(damaged.values()),
     )
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether two tag values are the same as stored: equal and of one type all the way
+    down (``1``, ``1.0`` and ``True`` are equal in Python, not in msgpack)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_value(v, b[k]) for k, v in a.items())
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
 
 
 def _index(keys: list[str]) -> dict[str, None]:

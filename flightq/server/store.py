@@ -171,7 +171,6 @@ class Store:
                 actual=max_failures,
                 partition=name,
             )
-        _check_names(name, tasks)
         if len(set(tasks)) != len(tasks):
             raise ProtocolError(
                 f"tasks of partition {name!r} repeat: {list(tasks)}",
@@ -208,6 +207,7 @@ class Store:
                         partition=name,
                     )
                 return False
+            _check_names(name, tasks)  # a new one: those declared before stand as they are
             self._room_for_declaration(name, tasks)
             self._parts[name] = Partition(
                 name,
@@ -466,11 +466,14 @@ class Store:
         if budget is None:
             return False
         whole = need if whole is None else whole
-        if whole > budget:
+        declared = self._declared()
+        if whole > budget - declared:
             raise ResourceExhaustedError(
                 f"put to {name!r} carries {whole} bytes, more than the server's whole memory "
-                f"budget of {budget} bytes; split it",
-                expected=budget,
+                f"budget of {budget} bytes"
+                + (f" less the {declared} its partitions' declarations hold" if declared else "")
+                + "; split it",
+                expected=budget - declared,
                 actual=whole,
                 partition=name,
             )

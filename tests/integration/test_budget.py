@@ -298,7 +298,8 @@ def test_stats_and_inspect_report_what_the_budget_counts_beside_the_payload(caps
             "more than the server's whole memory budget",
             timeout=0.3,
         )
-        ids = [np.zeros((8 * mib - 16 * 1024) // 8, np.int64)]  # fits only an empty server
+        declared = srv.store.counted() - srv.store.held()  # the two partitions' declarations
+        ids = [np.zeros((8 * mib - declared - 16 * 1024) // 8, np.int64)]  # an empty server's
         msg = _refused(
             srv.location,
             [flightq.encode(schema, {"input_ids": ids}, ["big"])],
@@ -524,67 +525,146 @@ def test_rows_with_no_field_and_rewritten_tags_count_what_they_hold() -> None:
     ):
         c.register_schema(opt)
         c.create_partition("a", opt, tasks=["t"])
+        stored = 0
         with pytest.raises(flightq.ResourceExhaustedError):
             for i in range(40):  # 2.5 MB of tags a put, as Python objects more
                 keys = [f"a{i}_{j}" for j in range(50)]
                 c.put("a", keys, {}, [_big_tags(i * 50 + j) for j in range(50)])
+                stored += 1
+        assert 0 < stored < 4, stored
         c.clear("a")
         assert srv.store.held() == 0
         c.create_partition("b", TEXT, tasks=["t"])
         c.put("b", ["r"], {"input_ids": [np.arange(4)]})
+        rewrites = 0
         with pytest.raises(flightq.ResourceExhaustedError):
             for i in range(300):  # each rewrite adds 50 tags to the row's map
                 c.put("b", ["r"], {}, [_big_tags(10_000 + i)])
-        assert len(c.get("b", ["r"]).tags[0]) >= 50
+                rewrites += 1
+        assert 10 < rewrites < 300, rewrites
+        assert len(c.get("b", ["r"]).tags[0]) == 50 * rewrites
+
+
+class _Frames:
+    """A request stream a plain Flight client holds, sending puts as 'ipc' frames of
+    several record batches (one block of memory on the server)."""
+
+    def __init__(self, location: str) -> None:
+        from flightq.frames import parse_frame
+        from flightq.protocol import RequestsCommand
+
+        self._parse = parse_frame
+        self.client = fl.connect(location)
+        desc = fl.FlightDescriptor.for_command(RequestsCommand().to_wire())
+        self.w, self.r = self.client.do_exchange(desc)
+        parse_frame(self.r.read_chunk().app_metadata, "hello")
+
+    def put(self, batches: list[pa.RecordBatch]) -> dict | None:
+        """One put of ``batches`` in one frame; None when stored, else the error."""
+        from flightq.protocol import PutCommand
+
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, batches[0].schema) as wr:
+            for b in batches:
+                wr.write_batch(b.replace_schema_metadata(batches[0].schema.metadata))
+        body = sink.getvalue()
+        cmd = PutCommand(partition="p", timeout=0).to_wire()
+        head = msgpack.packb(
+            {"op": "put", "cmd": cmd, "body": "ipc", "batches": [body.size]}, use_bin_type=True
+        )
+        frame = len(head).to_bytes(4, "little") + head + body.to_pybytes()
+        self.w.write_metadata(pa.py_buffer(frame))
+        ans = self._parse(self.r.read_chunk().app_metadata, "answer").header
+        return None if "ok" in ans else msgpack.unpackb(ans["error"])
+
+    def clear(self, keys: list[str]) -> None:
+        from flightq.frames import pack_frame
+
+        cmd = msgpack.packb({"partition": "p", "keys": keys})
+        self.w.write_metadata(pack_frame({"op": "act", "type": "clear", "cmd": cmd}))
+        assert "ok" in self._parse(self.r.read_chunk().app_metadata, "answer").header
+
+    def close(self) -> None:
+        self.w.done_writing()
+        self.client.close()
 
 
 def test_batches_read_from_one_frame_count_while_any_of_them_is_stored() -> None:
     # One request-stream frame carrying two batches (4 rows of 900 KB, then 1 tiny row),
     # the first batch's rows cleared each round: the tiny row keeps the frame's memory
     # alive, so the budget keeps counting it, and refuses once the frames fill it.
-    import msgpack as mp
-
-    from flightq.frames import pack_frame, parse_frame
-    from flightq.protocol import PutCommand, RequestsCommand
-
     schema = flightq.SchemaRegistry.default().get(TEXT)
     with flightq.Server(memory_budget=16 << 20) as srv:
         _declare(srv.location)
-        fc = fl.connect(srv.location)
-        w, r = fc.do_exchange(fl.FlightDescriptor.for_command(RequestsCommand().to_wire()))
-        parse_frame(r.read_chunk().app_metadata, "hello")
-        refused = None
+        frames = _Frames(srv.location)
+        refused, i = None, 0
         for i in range(40):
             a_keys = [f"a{i}_{j}" for j in range(4)]
             ids = [np.full(112_000, j, np.int64) for j in range(4)]
             a = flightq.encode(schema, {"input_ids": ids}, a_keys)
             b = flightq.encode(schema, {"input_ids": [np.arange(4)]}, [f"b{i}"])
-            sink = pa.BufferOutputStream()
-            with pa.ipc.new_stream(sink, a.schema) as wr:
-                wr.write_batch(a)
-                wr.write_batch(b.replace_schema_metadata(a.schema.metadata))
-            body = sink.getvalue()
-            head = mp.packb(
-                {
-                    "op": "put",
-                    "cmd": PutCommand(partition="p", timeout=0).to_wire(),
-                    "body": "ipc",
-                    "batches": [body.size],
-                },
-                use_bin_type=True,
-            )
-            w.write_metadata(
-                pa.py_buffer(len(head).to_bytes(4, "little") + head + body.to_pybytes())
-            )
-            ans = parse_frame(r.read_chunk().app_metadata, "answer").header
-            if "error" in ans:
-                refused = mp.unpackb(ans["error"])
+            refused = frames.put([a, b])
+            if refused is not None:
                 break
-            clear = {"partition": "p", "keys": a_keys}
-            w.write_metadata(pack_frame({"op": "act", "type": "clear", "cmd": mp.packb(clear)}))
-            assert "ok" in parse_frame(r.read_chunk().app_metadata, "answer").header
+            frames.clear(a_keys)
             assert srv.store.held() <= 16 << 20
-        w.done_writing()
-        fc.close()
+        frames.close()
         assert refused is not None and refused["type"] == "ResourceExhaustedError", refused
         assert 2 <= i < 8, i  # 16 MiB holds 4 frames of 3.6 MB
+
+
+def test_a_batch_no_row_uses_counts_while_its_frame_is_alive() -> None:
+    # A frame of a new tiny row and 1 MB of tag-only rewrites equal to the stored tags: no
+    # row uses the second batch, but the first keeps the frame (and so it) alive, so it
+    # counts with the frame, and the frames fill the budget.
+    schema = flightq.SchemaRegistry.default().get(TEXT)
+    tkeys = [f"t{j}" for j in range(20)]
+    tags = [_big_tags(j) for j in range(20)]
+    with flightq.Server(memory_budget=16 << 20) as srv, flightq.connect(srv.location) as c:
+        _declare(srv.location)
+        c.put("p", tkeys, {"input_ids": [np.arange(4)] * 20}, tags)
+        rewrite = flightq.encode(schema, {"input_ids": [None] * 20}, tkeys, tags)
+        frames = _Frames(srv.location)
+        refused, i = None, 0
+        for i in range(60):
+            new = flightq.encode(schema, {"input_ids": [np.arange(4)]}, [f"a{i}"])
+            refused = frames.put([new, rewrite])
+            if refused is not None:
+                break
+        frames.close()
+        assert refused is not None and refused["type"] == "ResourceExhaustedError", refused
+        assert 3 <= i < 30, i  # frames of about 1 MB each, and the rows' tags
+
+
+def test_a_write_back_that_changes_a_tags_type_stores_it() -> None:
+    with flightq.Server() as srv, flightq.connect(srv.location) as c:
+        c.create_partition("p", TEXT, tasks=["t"])
+        c.put("p", ["r"], {"input_ids": [np.arange(4)]}, [{"a": 1, "b": 0, "c": [1]}])
+        c.put("p", ["r"], {}, [{"a": 1.0, "b": False, "c": [True]}])
+        got = c.get("p", ["r"]).tags[0]
+        assert got == {"a": 1.0, "b": False, "c": [True]}
+        assert [type(got[k]) for k in "ab"] == [float, bool] and type(got["c"][0]) is bool
+
+
+def test_caps_apply_to_new_partitions_and_a_put_past_what_declarations_leave_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from flightq.server import store
+
+    with flightq.Server(memory_budget=4 << 20) as srv, flightq.connect(srv.location) as c:
+        c.create_partition("p", TEXT, tasks=["a", "b", "c"])
+        monkeypatch.setattr(store, "MAX_TASKS", 2)  # as a partition declared before a cap
+        assert c.create_partition("p", TEXT, tasks=["a", "b", "c"]) is False  # it stands
+        with pytest.raises(flightq.ResourceExhaustedError, match="3 tasks"):
+            c.create_partition("q", TEXT, tasks=["a", "b", "c"])
+        monkeypatch.undo()
+        tasks = [f"t{i}" for i in range(64)]
+        for i in range(20):
+            c.create_partition(f"d{i}", TEXT, tasks=tasks)
+        declared = srv.store.counted() - srv.store.held()
+        assert declared > 2 << 20
+        rows = _rows(1, ((4 << 20) - declared + 100_000) // 8)  # fits the budget, not the room
+        t0 = time.monotonic()
+        with pytest.raises(flightq.ResourceExhaustedError, match="declarations hold; split it"):
+            c.put("p", ["big"], rows, timeout=30)
+        assert time.monotonic() - t0 < 10  # refused at once, not after the timeout

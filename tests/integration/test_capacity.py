@@ -9,6 +9,7 @@ import pytest
 from helpers_waiting import stat_until
 
 import flightq
+from flightq.server.budget import declaration_cost
 
 
 def _rows(prefix: str, n: int, s: int = 1000) -> tuple[list[str], dict[str, list[np.ndarray]]]:
@@ -17,8 +18,9 @@ def _rows(prefix: str, n: int, s: int = 1000) -> tuple[list[str], dict[str, list
 
 
 def test_put_over_budget_fails_typed_after_its_timeout_and_stores_nothing() -> None:
-    # 20 000 bytes for rows, and what the partition's declaration counts (10 246).
-    with flightq.Server(memory_budget=30_246) as srv, flightq.connect(srv.location) as c:
+    # 20 000 bytes for rows, and what the partition's declaration counts.
+    budget = 20_000 + declaration_cost("p", ["train"])
+    with flightq.Server(memory_budget=budget) as srv, flightq.connect(srv.location) as c:
         c.create_partition("p", "rollout_text@1", tasks=["train"])
         keys, cols = _rows("a", 2)  # 16 000 bytes
         c.put("p", keys, cols)
@@ -36,8 +38,9 @@ def test_put_over_budget_fails_typed_after_its_timeout_and_stores_nothing() -> N
 
 
 def test_put_waiting_for_space_lands_once_rows_are_cleared() -> None:
-    # 20 000 bytes for rows, and what the partition's declaration counts (10 246).
-    with flightq.Server(memory_budget=30_246) as srv, flightq.connect(srv.location) as c:
+    # 20 000 bytes for rows, and what the partition's declaration counts.
+    budget = 20_000 + declaration_cost("p", ["train"])
+    with flightq.Server(memory_budget=budget) as srv, flightq.connect(srv.location) as c:
         c.create_partition("p", "rollout_text@1", tasks=["train"])
         keys, cols = _rows("a", 2)
         c.put("p", keys, cols)
