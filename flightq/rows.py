@@ -159,11 +159,13 @@ def _column(name: str, v: Any, schema: Schema | None) -> Any:
                 "a row without media an empty one); put the rows' segment lists",
                 field=name,
             )
-        packed = _packed(name, v.values, v.offsets)
-        return packed if _on_cpu(packed.values) else list(packed)
+        # On a GPU too: a put stages the values to the host in one copy (flightq.cuda.put).
+        return _packed(name, v.values, v.offsets)
     if is_nested(v):
-        if not media and _jagged_on_cpu(v):
-            return PackedRows(v.values(), v.offsets().numpy().astype(np.int64, copy=False))
+        if not media and _jagged_whole(v):
+            offsets = v.offsets()
+            offsets = offsets.cpu() if offsets.device.type != "cpu" else offsets
+            return PackedRows(v.values(), offsets.numpy().astype(np.int64, copy=False))
         rows = list(v.unbind())
         return [[r] for r in rows] if media else rows
     if _dense_rows(v) and _rows_field(schema, name):
@@ -198,21 +200,14 @@ def _dense_rows(v: Any) -> bool:
     return False
 
 
-def _jagged_on_cpu(v: Any) -> bool:
-    """Whether a nested tensor is a jagged one on the CPU whose rows lie end to end in its
-    ``values()`` (ragged along the rows' first dim, no holes)."""
+def _jagged_whole(v: Any) -> bool:
+    """Whether a nested tensor is a jagged one whose rows lie end to end in its
+    ``values()`` (ragged along the rows' first dim, no holes), on any device."""
     return (
         str(v.layout) == "torch.jagged"
-        and v.device.type == "cpu"
         and getattr(v, "_lengths", None) is None
         and getattr(v, "_ragged_idx", 1) == 1
     )
-
-
-def _on_cpu(values: Any) -> bool:
-    """Whether ``values`` is a numpy array or a CPU torch tensor."""
-    device = getattr(values, "device", None)
-    return type(values) is np.ndarray or getattr(device, "type", None) == "cpu"
 
 
 def _packed(name: str, values: Any, offsets: Any) -> PackedRows:
@@ -261,7 +256,8 @@ class PackedRows(Sequence[Any]):
     Attributes
     ----------
     values:
-        A CPU torch tensor or numpy array.
+        A torch tensor or numpy array; a CUDA tensor's rows are staged to the host whole
+        before a put encodes them (:func:`flightq.cuda.put.stage`).
     offsets:
         ``N + 1`` int64 offsets into ``values`` along dim 0, rising (numpy).
     """

@@ -57,10 +57,11 @@ def has_cuda(columns: Mapping[str, Any]) -> bool:
             if v.is_cuda:
                 return True
             continue
-        # PackedRows hold CPU tensors only (flightq.rows): never a row to look at.
-        if isinstance(v, (str, bytes, Mapping, np.ndarray, PackedRows)) or not isinstance(
-            v, Iterable
-        ):
+        if isinstance(v, PackedRows):  # one tensor: never a row to look at
+            if isinstance(v.values, T) and v.values.is_cuda:
+                return True
+            continue
+        if isinstance(v, (str, bytes, Mapping, np.ndarray)) or not isinstance(v, Iterable):
             continue
         for row in v:
             if isinstance(row, (list, tuple)):
@@ -136,8 +137,10 @@ def stage(columns: Mapping[str, Any], pool: PinnedPool) -> Staged:
     in one copy each; large ones get one copy each, in row order. The copies run on the
     pool's side stream of their device, which first waits for the work already queued on
     the current stream. The host copies are numpy views where numpy has the dtype (the
-    encoder's fast path; bf16 and fp8 stay torch views). Columns without CUDA tensors pass
-    through as they are.
+    encoder's fast path; bf16 and fp8 stay torch views). A column whose rows lie end to end
+    in one CUDA tensor (:class:`~flightq.rows.PackedRows`: a ``Packed`` or jagged column)
+    crosses as one tensor and stays packed. Columns without CUDA tensors pass through as
+    they are.
 
     Parameters
     ----------
@@ -177,13 +180,17 @@ def stage(columns: Mapping[str, Any], pool: PinnedPool) -> Staged:
         return hit
 
     whole: dict[str, int | None] = {}
+    # A column whose rows lie end to end in one CUDA tensor crosses as one tensor.
+    packed: dict[str, tuple[int | None, np.ndarray]] = {}
     rows: dict[str, list[Any]] = {}
     for name, v in columns.items():
         if isinstance(v, T):
             whole[name] = slot(v, -1)
-        elif not isinstance(v, (str, bytes, Mapping, np.ndarray, PackedRows)) and isinstance(
-            v, Iterable
-        ):
+        elif isinstance(v, PackedRows):
+            if isinstance(v.values, T) and v.values.is_cuda:
+                lo, hi = int(v.offsets[0]), int(v.offsets[-1])
+                packed[name] = (slot(v.values[lo:hi], -1), v.offsets - lo)
+        elif not isinstance(v, (str, bytes, Mapping, np.ndarray)) and isinstance(v, Iterable):
             rows[name] = list(v)
     # Row by row; a cell is a slot for a tensor, [slots] for a segment list, None as is.
     cells: dict[str, list[Any]] = {name: [] for name in rows}
@@ -298,6 +305,9 @@ def stage(columns: Mapping[str, Any], pool: PinnedPool) -> Staged:
     for name, w in whole.items():
         if w is not None:
             staged[name] = views[w]
+    for name, (w, offsets) in packed.items():
+        if w is not None:
+            staged[name] = PackedRows(views[w], offsets)
     for name, rs in rows.items():
         new: list[Any] = []
         for x, c in zip(rs, cells[name], strict=True):

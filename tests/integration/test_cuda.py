@@ -492,3 +492,46 @@ def test_a_split_get_into_cuda_returns_the_rows_asked(client):
 
     assert b.fields == want.fields and b.tags == want.tags
     assert all(same(_to_host(b[f]), want[f]) for f in b.fields)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("form", ["jagged", "packed"])
+def test_a_packed_or_jagged_cuda_column_crosses_whole_and_puts_what_a_cpu_put_does(client, form):
+    from flightq.rows import PackedRows
+
+    step = workloads.w3(groups=4, g=4)
+    cpu = workloads.to_torch(step)
+    s = flightq.SchemaRegistry.default().get(step.schema)
+    token = [n for n in cpu.columns if s[n].role == "token"]
+    cols: dict[str, Any] = dict(cpu.columns)
+    for n in token:
+        rows = [r.to("cuda:0") for r in cpu.columns[n]]
+        if form == "jagged":
+            cols[n] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+        else:
+            lens = torch.tensor([len(r) for r in rows])
+            cu = torch.zeros(len(rows) + 1, dtype=torch.int32, device="cuda:0")
+            cu[1:] = torch.cumsum(lens, 0).to("cuda:0")
+            cols[n] = flightq.Packed(torch.cat(rows), cu)
+    torch.cuda.synchronize()
+    want = encode_chunks(s, cpu.columns, cpu.keys, cpu.tags, max_bytes=2**20)
+    from flightq.rows import columns_of
+
+    with stage(columns_of(cols, s), PinnedPool()) as st:
+        for n in token:  # one tensor in pinned host memory, still packed
+            got_col = st.columns[n]
+            assert type(got_col) is PackedRows, type(got_col)
+            assert not getattr(got_col.values, "is_cuda", False)
+        got = encode_chunks(
+            s, st.columns, cpu.keys, cpu.tags, max_bytes=2**20, on_range=st.on_range
+        )
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert g.equals(w)
+    client.create_partition("p", step.schema, tasks=["train"])
+    client.put("p", cpu.keys, cols, tags=cpu.tags)
+    b = client.get("p", cpu.keys, as_="numpy")
+    for n in token:
+        for x, r in zip(b[n], cpu.columns[n], strict=True):
+            assert np.array_equal(x, r.numpy())

@@ -285,8 +285,8 @@ def test_an_encoded_batch_keeps_its_scalars_when_the_caller_changes_them() -> No
 def test_packed_rows_on_the_cpu_leave_a_put_with_no_cuda_tensor(
     torch: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A CUDA process's put looks for CUDA tensors in every column: PackedRows (always on
-    the CPU) are not walked row by row for it."""
+    """A CUDA process's put looks for CUDA tensors in every column: PackedRows are not
+    walked row by row for it (their values are one tensor)."""
     from flightq.cuda.put import has_cuda
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # as in a CUDA process
@@ -300,13 +300,16 @@ def test_packed_rows_on_the_cpu_leave_a_put_with_no_cuda_tensor(
     cols = {"input_ids": NoRows(cols["input_ids"].values, cols["input_ids"].offsets)}
     assert has_cuda(cols) is False
     cuda_packed = columns_of({"input_ids": Packed(_Cuda(), np.array([0, 3, 3, 7, 9]))}, TEXT, KEYS)
-    # rows of a CUDA tensor: staged row by row, as a jagged one's are
-    assert cuda_packed["input_ids"] == ["row of 3", "row of 0", "row of 4", "row of 2"]
+    # a CUDA tensor's rows stay packed: a put stages them to the host as one tensor
+    # (flightq.cuda.put.stage; on a GPU: test_cuda.py::test_a_packed_or_jagged_cuda_column_...)
+    col = cuda_packed["input_ids"]
+    assert type(col) is PackedRows and col.offsets.tolist() == [0, 3, 3, 7, 9]
+    assert list(col) == ["row of 3", "row of 0", "row of 4", "row of 2"]
 
 
 class _Cuda:
     """Stands in for a CUDA tensor's device and shape (no GPU here): what ``columns_of``
-    reads to keep PackedRows on the CPU."""
+    reads of a Packed column's values."""
 
     shape = (9,)
 
