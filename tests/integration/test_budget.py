@@ -392,7 +392,7 @@ def test_a_batch_counts_whole_until_its_rows_are_few_then_they_are_copied_out() 
         got = c.get("p", keys[30:], as_="numpy")["input_ids"]
         assert [int(x[0]) for x in got] == list(range(30, 50))
         assert all(len(x) == 20_000 for x in got)
-        with c.claim("p", "t", 20) as b:  # claims, acks, write-backs read the copies
+        with c.claim("p", "t", 20, as_="numpy") as b:  # claims, acks, write-backs read the copies
             assert sorted(b.keys) == sorted(keys[30:])
         assert c.clear("p") == 20
         assert srv.store.held() == 0
@@ -542,7 +542,7 @@ def test_rows_with_no_field_and_rewritten_tags_count_what_they_hold() -> None:
                 c.put("b", ["r"], {}, [_big_tags(10_000 + i)])
                 rewrites += 1
         assert 10 < rewrites < 300, rewrites
-        assert len(c.get("b", ["r"]).tags[0]) == 50 * rewrites
+        assert len(c.get("b", ["r"], as_="numpy").tags[0]) == 50 * rewrites
 
 
 class _Frames:
@@ -641,7 +641,7 @@ def test_a_write_back_that_changes_a_tags_type_stores_it() -> None:
         c.create_partition("p", TEXT, tasks=["t"])
         c.put("p", ["r"], {"input_ids": [np.arange(4)]}, [{"a": 1, "b": 0, "c": [1]}])
         c.put("p", ["r"], {}, [{"a": 1.0, "b": False, "c": [True]}])
-        got = c.get("p", ["r"]).tags[0]
+        got = c.get("p", ["r"], as_="numpy").tags[0]
         assert got == {"a": 1.0, "b": False, "c": [True]}
         assert [type(got[k]) for k in "ab"] == [float, bool] and type(got["c"][0]) is bool
 

@@ -559,7 +559,7 @@ def test_a_segment_counts_whole_while_any_of_its_batches_rows_is_stored(
         gc.collect()
         whole = srv.store.held()
         assert whole >= 40 * 200_000
-        batches = c.get("p", keys).received.record_batches  # answered as stored
+        batches = c.get("p", keys, as_="numpy").received.record_batches  # answered as stored
         assert batches >= 4, batches
         assert c.clear("p", keys[:20]) == 20  # the first batches' rows, whole
         # Their rows' own bytes go; the batches lie in the segment, which stays counted.
