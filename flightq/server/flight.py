@@ -750,8 +750,8 @@ class Server(fl.FlightServerBase):
                 p.batch = _own_copy(p.batch)
                 p.block = None
         else:
-            pc = next((p for p in pieces if p.block is not None and p.extra), None)
-            pc = pc or next((p for p in pieces if p.block is not None), None)
+            # The first piece of the segment's block: the one that reserves it.
+            pc = next((p for p in pieces if p.block is not None), None)
             if rest and pc is not None and pc.block is not None:
                 pc.block.cost += rest
                 pc.extra += rest

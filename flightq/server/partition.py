@@ -94,9 +94,7 @@ class Piece:
     own: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     #: Bytes of this piece the store counts as pending (read, not yet stored or let go).
     reserved: int = 0
-    #: Bytes counted while any stored row uses it (its rows' :attr:`held`, set when a put
-    #: of it is planned), and how many stored rows use it.
-    cost: int = 0
+    #: How many stored rows use it (what it counts then: :attr:`cost`).
     users: int = 0
     #: The memory it shares with the other pieces read from the same place, if any, and
     #: the bytes of it this piece reserves while the put waits (the first piece's).
@@ -126,6 +124,11 @@ class Piece:
     answer_entries: dict[str, tuple[list[Copy], np.ndarray | None]] = field(
         default_factory=dict, repr=False
     )
+
+    @property
+    def cost(self) -> int:
+        """Bytes counted while any stored row uses it: its rows' :attr:`held`."""
+        return int(self.held.sum())
 
     def valid(self, f: str) -> list[bool] | None:
         """Per row whether the batch carries field ``f``; None when every row does."""
@@ -384,7 +387,6 @@ class Partition:
         held = pc.held[idx] if len(pc.held) else pc.held
         own = pc.own[idx] if len(pc.own) else pc.own
         new = Piece(pc.batch.take(pa.array(idx)), checked, [pc.tags[i] for i in at], held, own=own)
-        new.cost = int(held.sum()) if len(held) else int(checked.nbytes.sum())
         new.stored = new.damaged = True  # not what a put sent: a retry is stored again
         new.epoch = pc.epoch
         for j, r in enumerate(rows):

@@ -184,8 +184,7 @@ def plan_put(
         held = pylist(pc.held) if len(pc.held) else nbytes
         own = pylist(pc.own) if len(pc.own) else [0] * len(nbytes)
         nbytes_in += sum(nbytes)
-        pc.cost = sum(held)
-        held_in += pc.cost + pc.extra + sum(own)
+        held_in += sum(held) + pc.extra + sum(own)
         mine_used = uses[id(pc)] = [pc, 0]  # stored rows that will use it
         if not sparse and len(mine) > _FEW and (not rows or not any(mine)):
             # Every row new with every field: the rows built in a few C-level passes.

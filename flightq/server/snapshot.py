@@ -301,7 +301,6 @@ def _restore_partition(root: Path, e: dict[str, Any]) -> Partition:
     for batch in _read_ipc(root / files["rows"]).to_batches():
         # Media through the partition's copies, as a put's: each distinct payload once.
         piece = media_piece(part, batch, None, what, None)
-        piece.cost = int(piece.held.sum())
         ck = piece.checked
         batch = piece.batch
         valid = {
