@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import sys
 import multiprocessing as mp
 import os
 import socket
@@ -42,7 +44,7 @@ from flightq_bench import procs
 from flightq_bench.flightq_system import server_argv
 
 import flightq
-from flightq import workloads
+from flightq import digest, workloads
 
 __all__ = ["main", "measure", "measure_tcp", "TcpSender"]
 
@@ -54,37 +56,64 @@ def _connect(locations: Sequence[str], schema: Any, streams: int | None = None) 
     return flightq.connect_sharded(locations, [schema], timeout=300, get_streams=streams)
 
 
+def _fingerprint(value: Any) -> Any:
+    """What a column holds, small enough to send to every consumer: dtype, shape and a
+    BLAKE3 digest of each array, nested as the column nests its arrays."""
+    if isinstance(value, np.ndarray):
+        data = np.ascontiguousarray(value)
+        return (data.dtype.str, data.shape, digest.digest_of(data))
+    return [_fingerprint(v) for v in value]
+
+
+def _same(got: Any, want: Any) -> bool:
+    """Whether an answer's column matches a fingerprint, row by row where the step's
+    column was a list (an answer may hold those rows as one array)."""
+    if isinstance(want, list):
+        return len(got) == len(want) and all(_same(g, w) for g, w in zip(got, want))
+    return bool(_fingerprint(np.asarray(got)) == want)
+
+
 def _consumer(
-    locations: list[str], name: str, gets: int, streams: int, ready: Any, go: Any, out: Any
+    locations: list[str],
+    schema: str,
+    keys: list[str],
+    want: dict[str, Any],
+    gets: int,
+    streams: int,
+    ready: Any,
+    go: Any,
+    out: Any,
 ) -> None:
-    step = workloads.make(name)
-    with _connect(locations, step.schema, streams) as c:
-        b = c.get("p", step.keys, as_="numpy")
-        for f, want in step.columns.items():
-            got = b[f]
-            if isinstance(want, np.ndarray):
-                assert np.array_equal(got, want), f
-                continue
-            for g, w in zip(got, want, strict=True):
-                if isinstance(w, list):
-                    assert all(np.array_equal(x, y) for x, y in zip(g, w, strict=True)), f
-                else:
-                    assert np.array_equal(g, w), f
+    with _connect(locations, schema, streams) as c:
+        b = c.get("p", keys, as_="numpy")  # one answer untimed, checked bit for bit
+        for f, fp in want.items():
+            assert _same(b[f], fp), f"answer differs from the step in field {f!r}"
         del b
         ready.put(os.getpid())
         go.wait()
         t0 = time.perf_counter()
         for _ in range(gets):
-            c.get("p", step.keys, as_="numpy").to_dict()
+            c.get("p", keys, as_="numpy").to_dict()
         out.put(time.perf_counter() - t0)
+
+
+@functools.lru_cache(maxsize=2)
+def _reference(name: str) -> tuple[str, list[str], dict[str, Any], int]:
+    """The step's schema, keys, per-field fingerprints and payload bytes, made once: a
+    consumer checks its first answer against the fingerprints instead of building the
+    step again (W2 takes seconds to build, and 8 consumers would each hold a copy)."""
+    step = workloads.make(name)
+    want = {f: _fingerprint(v) for f, v in step.columns.items()}
+    return step.schema, step.keys, want, step.nbytes()
 
 
 def measure(locations: list[str], name: str, consumers: int, gets: int, streams: int = 1) -> float:
     """Aggregate GB/s of ``consumers`` processes each getting the step ``gets`` times from
     the servers at ``locations``, each get over at most ``streams`` parallel DoGet streams
     per server."""
-    nbytes = workloads.make(name).nbytes() * gets
-    return _timed(_consumer, (locations, name, gets, streams), consumers, nbytes)
+    schema, keys, want, nbytes = _reference(name)
+    args = (locations, schema, keys, want, gets, streams)
+    return _timed(_consumer, args, consumers, nbytes * gets)
 
 
 def _timed(target: Any, args: tuple[Any, ...], consumers: int, nbytes: int) -> float:
@@ -222,11 +251,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         sender = stack.enter_context(TcpSender(step.nbytes())) if args.raw_tcp else None
         results: dict[int, list[float]] = {n: [] for n in counts}
         tcp: dict[int, list[float]] = {n: [] for n in counts}
-        for _ in range(args.reps):  # interleave counts so load drifts hit all alike
+        for rep in range(args.reps):  # interleave counts so load drifts hit all alike
             for n in counts:
                 results[n].append(measure(locations, args.workload, n, args.gets, args.streams))
+                line = f"round {rep + 1}, {n} consumer(s): flightq {results[n][-1]:.2f} GB/s"
                 if sender is not None:
                     tcp[n].append(measure_tcp(sender, n, args.gets))
+                    line += f", raw TCP {tcp[n][-1]:.2f} GB/s"
+                print(line, file=sys.stderr, flush=True)  # progress: a long run shows life
         print(
             f"{args.workload}: {step.nbytes() / 2**20:.0f} MiB per get, {args.streams} stream(s) "
             f"per get and server, {args.shards} server(s), {os.cpu_count()} CPUs"
