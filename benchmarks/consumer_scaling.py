@@ -29,11 +29,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import sys
 import multiprocessing as mp
 import os
 import socket
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -49,10 +49,12 @@ from flightq import digest, workloads
 __all__ = ["main", "measure", "measure_tcp", "TcpSender"]
 
 
-def _connect(locations: Sequence[str], schema: Any, streams: int | None = None) -> Any:
-    """A client of the one server, or of every shard."""
+def _connect(
+    locations: Sequence[str], schema: Any, streams: int | None = None, shm: bool = False
+) -> Any:
+    """A client of the one server (through shared memory with ``shm``), or of every shard."""
     if len(locations) == 1:
-        return flightq.connect(locations[0], [schema], timeout=300, get_streams=streams)
+        return flightq.connect(locations[0], [schema], timeout=300, get_streams=streams, shm=shm)
     return flightq.connect_sharded(locations, [schema], timeout=300, get_streams=streams)
 
 
@@ -69,7 +71,7 @@ def _same(got: Any, want: Any) -> bool:
     """Whether an answer's column matches a fingerprint, row by row where the step's
     column was a list (an answer may hold those rows as one array)."""
     if isinstance(want, list):
-        return len(got) == len(want) and all(_same(g, w) for g, w in zip(got, want))
+        return len(got) == len(want) and all(_same(g, w) for g, w in zip(got, want, strict=True))
     return bool(_fingerprint(np.asarray(got)) == want)
 
 
@@ -80,11 +82,12 @@ def _consumer(
     want: dict[str, Any],
     gets: int,
     streams: int,
+    shm: bool,
     ready: Any,
     go: Any,
     out: Any,
 ) -> None:
-    with _connect(locations, schema, streams) as c:
+    with _connect(locations, schema, streams, shm) as c:
         b = c.get("p", keys, as_="numpy")  # one answer untimed, checked bit for bit
         for f, fp in want.items():
             assert _same(b[f], fp), f"answer differs from the step in field {f!r}"
@@ -107,12 +110,19 @@ def _reference(name: str) -> tuple[str, list[str], dict[str, Any], int]:
     return step.schema, step.keys, want, step.nbytes()
 
 
-def measure(locations: list[str], name: str, consumers: int, gets: int, streams: int = 1) -> float:
+def measure(
+    locations: list[str],
+    name: str,
+    consumers: int,
+    gets: int,
+    streams: int = 1,
+    shm: bool = False,
+) -> float:
     """Aggregate GB/s of ``consumers`` processes each getting the step ``gets`` times from
     the servers at ``locations``, each get over at most ``streams`` parallel DoGet streams
-    per server."""
+    per server, or through shared memory (``shm``, one server)."""
     schema, keys, want, nbytes = _reference(name)
-    args = (locations, schema, keys, want, gets, streams)
+    args = (locations, schema, keys, want, gets, streams, shm)
     return _timed(_consumer, args, consumers, nbytes * gets)
 
 
@@ -232,12 +242,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=1, help="DoGet streams per get (default 1)")
     p.add_argument("--shards", type=int, default=1, help="server processes holding the step")
     p.add_argument(
+        "--shm",
+        action="store_true",
+        help="consumers get through shared memory (one server; same host), not the socket",
+    )
+    p.add_argument(
         "--raw-tcp",
         action="store_true",
         help="also time the raw TCP reference of one server process (see above)",
     )
     args = p.parse_args(argv)
     counts = [int(x) for x in args.consumers.split(",")]
+    if args.shm and args.shards != 1:
+        p.error("--shm takes one server (--shards 1)")
     with contextlib.ExitStack() as stack:
         servers = [
             stack.enter_context(procs.ServerProcess(server_argv(), "flightq"))
@@ -253,7 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         tcp: dict[int, list[float]] = {n: [] for n in counts}
         for rep in range(args.reps):  # interleave counts so load drifts hit all alike
             for n in counts:
-                results[n].append(measure(locations, args.workload, n, args.gets, args.streams))
+                results[n].append(
+                    measure(locations, args.workload, n, args.gets, args.streams, args.shm)
+                )
                 line = f"round {rep + 1}, {n} consumer(s): flightq {results[n][-1]:.2f} GB/s"
                 if sender is not None:
                     tcp[n].append(measure_tcp(sender, n, args.gets))
@@ -262,6 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"{args.workload}: {step.nbytes() / 2**20:.0f} MiB per get, {args.streams} stream(s) "
             f"per get and server, {args.shards} server(s), {os.cpu_count()} CPUs"
+            + (", gets through shared memory" if args.shm else "")
         )
         _table("flightq", counts, results)
         if sender is not None:
