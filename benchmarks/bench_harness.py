@@ -264,3 +264,13 @@ def test_the_scaling_benchmark_times_flightq_beside_its_raw_tcp_reference(capsys
     assert "\nflightq\n" in out and "\nraw TCP, one sender process\n" in out
     ones = [line.split() for line in out.splitlines() if line.split()[:1] == ["1"]]
     assert [row[-1] for row in ones] == ["1.00", "1.00"]  # each table's own baseline
+
+
+def test_the_scaling_benchmark_reads_through_shared_memory(capsys: Any) -> None:
+    import consumer_scaling as scaling
+
+    argv = ["--consumers", "1,2", "--workload", "W3", "--gets", "1", "--reps", "1", "--shm"]
+    assert scaling.main(argv) == 0  # each consumer checks its first answer bit for bit
+    out = capsys.readouterr().out
+    assert "gets through shared memory" in out
+    assert [line.split()[0] for line in out.splitlines()[-2:]] == ["1", "2"]

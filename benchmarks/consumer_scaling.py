@@ -17,11 +17,17 @@ thread of its own), read by the same number of consumer processes into prefaulte
 buffers, interleaved with flightq's rounds. Where raw TCP's own 8 consumers stay under
 6x its one, no design over one process's sockets on that host reaches it.
 
+``--shm`` is the same host's path: the step is put and read through shared memory
+(``shm=True``), so each get maps the producer's pages instead of receiving them; each
+consumer then copies every array once into a buffer of its own (the read a trainer's copy
+to its device makes), so every byte is still read.
+
 Run::
 
     .venv/bin/python benchmarks/consumer_scaling.py --consumers 1,2,4,8 --workload W2
     .venv/bin/python benchmarks/consumer_scaling.py --consumers 1,8 --shards 4 --reps 1
     .venv/bin/python benchmarks/consumer_scaling.py --consumers 1,8 --raw-tcp
+    .venv/bin/python benchmarks/consumer_scaling.py --consumers 1,2,4,8 --shm
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -91,13 +97,35 @@ def _consumer(
         b = c.get("p", keys, as_="numpy")  # one answer untimed, checked bit for bit
         for f, fp in want.items():
             assert _same(b[f], fp), f"answer differs from the step in field {f!r}"
+        # Through shared memory a get maps the producer's pages and reads none of them:
+        # there each consumer copies every array once into a buffer of its own, the read
+        # a trainer's copy to its device makes.
+        sink = np.ones(sum(a.nbytes for a in _arrays(b.to_dict())), np.uint8) if shm else None
         del b
         ready.put(os.getpid())
         go.wait()
         t0 = time.perf_counter()
         for _ in range(gets):
-            c.get("p", keys, as_="numpy").to_dict()
+            got = c.get("p", keys, as_="numpy").to_dict()
+            if sink is not None:
+                at = 0
+                for a in _arrays(got):
+                    sink[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
+                    at += a.nbytes
+            del got
         out.put(time.perf_counter() - t0)
+
+
+def _arrays(value: Any) -> Iterator[np.ndarray]:
+    """Every array in an answer's columns, nested lists walked."""
+    if isinstance(value, np.ndarray):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _arrays(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _arrays(v)
 
 
 @functools.lru_cache(maxsize=2)
@@ -262,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         locations = [s.info["listening"] for s in servers]
         step = workloads.make(args.workload)
-        with _connect(locations, step.schema) as c:
+        with _connect(locations, step.schema, shm=args.shm) as c:  # producer on the host
             c.create_partition("p", step.schema, tasks=["t"], group_size=step.group_size)
             c.put("p", step.keys, step.columns, step.tags)
         sender = stack.enter_context(TcpSender(step.nbytes())) if args.raw_tcp else None
