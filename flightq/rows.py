@@ -288,8 +288,9 @@ class PackedRows(Sequence[Any]):
         if len(o) < 2:
             return iter(())
         whole = self.values[int(o[0]) : int(o[-1])]
-        if type(whole) is np.ndarray:
-            return iter(np.split(whole, (o[1:-1] - o[0]).tolist()))
+        if type(whole) is np.ndarray:  # slices: np.split's per-piece work costs 4x more
+            cut = (o - o[0]).tolist()
+            return iter([whole[cut[i] : cut[i + 1]] for i in range(len(cut) - 1)])
         return iter(whole.split(np.diff(o).tolist()))
 
     def _row_bytes(self) -> int:
