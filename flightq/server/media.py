@@ -191,7 +191,7 @@ def media_piece(
 
     media = [f.name for f in p.schema.fields if f.role == "media" and f.name in batch.schema.names]
     if not media:
-        return make_piece(batch, validate(batch, p.schema), limit)
+        return make_piece(batch, validate(batch, p.schema), limit, len(p.tasks))
     try:
         batch.validate(full=True)  # offsets are read below, before validation proper
     except pa.ArrowException as e:
@@ -231,7 +231,7 @@ def media_piece(
     nbytes = checked.nbytes.copy()
     for name in copies:  # media bytes count once, on the partition (their copies)
         nbytes -= media_row_bytes(view.column(name))
-    piece = make_piece(stored, dataclasses.replace(checked, nbytes=nbytes), limit)
+    piece = make_piece(stored, dataclasses.replace(checked, nbytes=nbytes), limit, len(p.tasks))
     piece.media = {n: [c for c in found if c is not None] for n, found in copies.items()}
     piece.media_index = {n: _positions(found) for n, found in copies.items()}
     piece.brings = brings

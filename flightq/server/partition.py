@@ -39,7 +39,7 @@ from ..layout import (
 )
 from ..schema import Schema
 from ..validation import Checked
-from .budget import declaration_cost, row_costs, tags_size
+from .budget import declaration_cost, row_costs, row_overhead, tags_size
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Progress
 
 if TYPE_CHECKING:
@@ -626,9 +626,12 @@ def _check_tag_limit(at: np.ndarray, sizes: list[int], keys: list[str], limit: i
         raise _tags_past(limit, keys[int(np.argmax(total > limit))])
 
 
-def make_piece(batch: pa.RecordBatch, checked: Checked, limit: int | None = None) -> Piece:
+def make_piece(
+    batch: pa.RecordBatch, checked: Checked, limit: int | None = None, tasks: int = 1
+) -> Piece:
     """Wrap a validated batch, parsing its tags (refusing invalid msgpack, and tags whose
-    Python objects would take more than ``limit`` bytes), and count what it holds."""
+    Python objects would take more than ``limit`` bytes), and count what it holds, its rows
+    as rows of a partition of ``tasks`` tasks."""
     tags, sizes = _decode_tags(batch, checked.keys, limit)
-    held, own = row_costs(batch, checked.keys, sizes, checked.nbytes)
+    held, own = row_costs(batch, checked.keys, sizes, checked.nbytes, row_overhead(tasks))
     return Piece(batch, checked, tags, held, own=own)

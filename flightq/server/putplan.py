@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import ConflictError, MissingFieldError, ShapeError
 from ..layout import in_slices, mapped, pylist
 from . import merge
-from .budget import ROW_OVERHEAD, tags_size
+from .budget import row_overhead, tags_size
 
 if TYPE_CHECKING:
     from .partition import Partition, Piece, Row
@@ -243,7 +243,7 @@ def plan_put(
                 size = sized.get(pair)
                 if size is None:
                     size = sized[pair] = tags_size(tags)
-                kept = sys.getsizeof(k) + ROW_OVERHEAD + size
+                kept = sys.getsizeof(k) + row_overhead(len(p.tasks)) + size
                 own_delta += kept - old.held
             gone += freed
             if lost:  # one user less for each the new row no longer uses

@@ -139,3 +139,33 @@ def test_rows_with_equal_tag_bytes_share_one_decoded_map() -> None:
     piece = make_piece(rb, validate(rb, TEXT), None)
     assert piece.tags == tags
     assert piece.tags[0] is piece.tags[3] and piece.tags[3] is not piece.tags[4]
+
+
+def test_a_row_counts_what_each_task_of_its_partition_keeps_of_it() -> None:
+    """A partition keeps an entry per row in each task's index of ready rows: a row of a
+    64-task partition counts at least the Python objects tracemalloc sees it take."""
+    import gc
+    import tracemalloc
+
+    from helpers_store import store_put
+
+    from flightq.server.store import Store
+
+    n = 4000
+    store = Store()
+    store.declare("p", TEXT, [f"task{i}" for i in range(64)], None)
+    keys = [f"k{i:06d}" for i in range(n + 100)]
+    store_put(store, "p", keys[:100])  # the partition's first indexes made before
+    base = store.held()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(100, n + 100, 500):
+            store_put(store, "p", keys[i : i + 500])
+        gc.collect()
+        taken = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert taken > 64 * 16 * n  # the 64 tasks' entries are there to be counted
+    assert store.held() - base >= taken, (store.held() - base, taken)
