@@ -22,11 +22,21 @@ every call.
 from __future__ import annotations
 
 import math
+import sys
 import uuid
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["TaskState", "Lease", "Progress", "DEFAULT_LEASE", "DEFAULT_MAX_FAILURES"]
+from .budget import LEASE_KEY_OVERHEAD, LEASE_OVERHEAD, keys_size, record_stamp
+
+__all__ = [
+    "TaskState",
+    "Lease",
+    "Progress",
+    "lease_cost",
+    "DEFAULT_LEASE",
+    "DEFAULT_MAX_FAILURES",
+]
 
 #: Seconds a claim's rows stay leased without an ack, unless the partition or the claim
 #: says otherwise.
@@ -35,7 +45,9 @@ DEFAULT_LEASE = 600.0
 #: which a row goes to the dead letters.
 DEFAULT_MAX_FAILURES = 3
 #: Leases that ended, remembered per partition so that a late or repeated ``ack`` of one
-#: still acknowledges its rows that no other claim took meanwhile.
+#: still acknowledges its rows that no other claim took meanwhile; each counts against the
+#: memory budget while remembered (:func:`lease_cost`), and the store forgets the oldest
+#: first when the budget needs their room (:meth:`Progress.drop_ended`).
 ENDED_KEPT = 4096
 #: Keys a task's :attr:`TaskState.moved` keeps while a large put merges outside the
 #: store's lock; past it the merge falls back to the in-lock update.
@@ -122,6 +134,22 @@ class Lease:
     #: Rows the consumer gave back (``nack``): no longer its own, whatever ``ack`` says
     #: later (a blanket ack of the claim must not swallow a row it handed on).
     returned: set[str] = field(default_factory=set)
+    #: Bytes the memory budget counts for it once it ended (:func:`lease_cost`), and
+    #: when it ended (:func:`~flightq.server.budget.record_stamp`).
+    kept: int = 0
+    ended_at: int = 0
+
+
+def lease_cost(lease: Lease) -> int:
+    """Bytes the memory budget counts for an ended lease while it is remembered: its keys'
+    strings whole (the rows they named may be gone), their slots and row numbers, the
+    lease's own objects."""
+    return (
+        LEASE_OVERHEAD
+        + (LEASE_KEY_OVERHEAD * len(lease.keys))
+        + keys_size(lease.keys)
+        + sys.getsizeof(lease.returned)
+    )
 
 
 class Progress:
@@ -130,8 +158,10 @@ class Progress:
     def __init__(self, tasks: Iterable[str], max_failures: int = DEFAULT_MAX_FAILURES) -> None:
         self.tasks: dict[str, TaskState] = {t: TaskState() for t in tasks}
         self.leases: dict[str, Lease] = {}
-        #: Leases that hold no row any more, oldest first (at most :data:`ENDED_KEPT`).
+        #: Leases that hold no row any more, oldest first (at most :data:`ENDED_KEPT`),
+        #: and the bytes the budget counts for them (:func:`lease_cost`).
         self.ended: dict[str, Lease] = {}
+        self.ended_bytes = 0
         self.max_failures = max_failures
         #: Bumped on every change that can make rows ready: a waiting claim looks again
         #: only after it moved.
@@ -314,9 +344,25 @@ class Progress:
         """Move ``lease`` to the ended ones once it holds no row."""
         if lease.id in self.leases and not self.held(lease, None):
             del self.leases[lease.id]
+            lease.kept = lease_cost(lease)
+            lease.ended_at = record_stamp()
             self.ended[lease.id] = lease
+            self.ended_bytes += lease.kept
             while len(self.ended) > ENDED_KEPT:
-                del self.ended[next(iter(self.ended))]
+                self.drop_ended()
+
+    def oldest_ended(self) -> int | None:
+        """The stamp of the lease that ended first of those remembered; None: none is."""
+        ended = self.ended
+        return next(iter(ended.values())).ended_at if ended else None
+
+    def drop_ended(self) -> int:
+        """Forget the lease that ended first (a later ``ack`` of it is ``NotFoundError``;
+        rows it did not acknowledge are delivered again). Returns the bytes it counted."""
+        ended = self.ended
+        lease = ended.pop(next(iter(ended)))
+        self.ended_bytes -= lease.kept
+        return lease.kept
 
     def expire(self, now: float) -> int:
         """End every lease past its time, each of its rows' failures counted. Returns the

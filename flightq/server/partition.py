@@ -39,7 +39,15 @@ from ..layout import (
 )
 from ..schema import Schema
 from ..validation import Checked
-from .budget import declaration_cost, row_costs, row_overhead, tags_size
+from .budget import (
+    declaration_cost,
+    journal_cost,
+    put_id_cost,
+    record_stamp,
+    row_costs,
+    row_overhead,
+    tags_size,
+)
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Progress
 
 if TYPE_CHECKING:
@@ -50,7 +58,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Block", "Piece", "Row", "Partition", "PutKeys", "make_piece", "put_keys", "row_pieces"]
 
-#: Put ids remembered per partition (for idempotent retries).
+#: Put ids remembered per partition (for idempotent retries); each counts against the
+#: memory budget while remembered (:attr:`Partition.records`).
 RECENT_PUTS = 4096
 #: Numbers each partition made in this process: a partition dropped and created again
 #: under its name is another one.
@@ -60,7 +69,8 @@ _EPOCHS = itertools.count(1)
 COMPACT_MIN_BYTES = 1 << 20
 COMPACT_MAX_ROWS = 1 << 14
 COMPACT_MAX_BYTES = 32 << 20
-#: Writes, and row keys in all, the journal of recent writes keeps (:meth:`Partition.touched`).
+#: Writes, and row keys in all, the journal of recent writes keeps (:meth:`Partition.touched`);
+#: what it keeps counts against the memory budget (:attr:`Partition.records`).
 JOURNAL_WRITES = 1024
 JOURNAL_KEYS = 65536
 
@@ -194,7 +204,8 @@ class Partition:
     #: (:mod:`flightq.server.media`).
     media: dict[Any, list[Copy]] = field(default_factory=dict, repr=False)
     media_bytes: int = 0
-    #: Acknowledgements of recent puts by put id (oldest first), for idempotent retries.
+    #: Acknowledgements of recent puts by put id (oldest first), for idempotent retries
+    #: (changed through :meth:`remember_put` and :meth:`forget_put`, which count them).
     recent_puts: dict[str, int] = field(default_factory=dict)
     #: Most rows the partition holds at once; a put that would pass it waits for clears.
     max_rows: int | None = None
@@ -202,10 +213,18 @@ class Partition:
     lease: float = DEFAULT_LEASE
     #: Failed deliveries after which a row goes to the dead letters.
     max_failures: int = DEFAULT_MAX_FAILURES
-    #: Writes of rows so far, and the recent ones' keys (:meth:`touched`).
+    #: Writes of rows so far, and the recent ones' keys (:meth:`touched`), each with the
+    #: bytes the budget counts for it (:func:`~flightq.server.budget.journal_cost`) and
+    #: its :func:`~flightq.server.budget.record_stamp`.
     writes: int = 0
-    journal: deque[tuple[int, Sequence[str] | None]] = field(default_factory=deque, repr=False)
+    journal: deque[tuple[int, Sequence[str] | None, int, int]] = field(
+        default_factory=deque, repr=False
+    )
     _journaled: int = field(default=0, repr=False)
+    #: Bytes the budget counts for the journal, and for the put ids remembered.
+    journal_bytes: int = field(default=0, repr=False)
+    put_id_bytes: int = field(default=0, repr=False)
+    _put_stamps: dict[str, int] = field(default_factory=dict, repr=False)
     _groups: threading.Lock = field(default_factory=threading.Lock, repr=False)
     #: Per set of fields some claim needs beyond the required ones, the keys of the rows
     #: that carry them all (:mod:`flightq.server.readiness`).
@@ -220,6 +239,64 @@ class Partition:
         if self.progress is None:
             self.progress = Progress(self.tasks, self.max_failures)
         self.declared = declaration_cost(self.name, self.tasks)
+        self.put_id_bytes = sum(map(put_id_cost, self.recent_puts))
+        self._put_stamps = {k: record_stamp() for k in self.recent_puts}
+
+    @property
+    def records(self) -> int:
+        """Bytes the memory budget counts for what the partition keeps of its past, which
+        its rows do not hold: the journal of recent writes, ended leases and recent put
+        ids. The store drops them, the oldest of any partition first, when the budget
+        needs their room (:meth:`drop_oldest_record`)."""
+        return self.journal_bytes + self.put_id_bytes + self.progress.ended_bytes
+
+    def oldest_record(self) -> int | None:
+        """The stamp (:func:`~flightq.server.budget.record_stamp`) of the oldest of
+        :attr:`records`; None when it keeps none."""
+        heads = [
+            self.journal[0][3] if self.journal else None,
+            next(iter(self._put_stamps.values())) if self._put_stamps else None,
+            self.progress.oldest_ended(),
+        ]
+        return min((h for h in heads if h is not None), default=None)
+
+    def drop_oldest_record(self) -> int:
+        """Forget the oldest of :attr:`records` (one must be kept); returns the bytes it
+        counted. With the store's lock.
+
+        Each kind fails safe: a plan or merge that the journal no longer reaches back for
+        is made again, or updates in place (:meth:`written_since`); an ``ack`` of a
+        forgotten lease is ``NotFoundError``, and the rows it did not acknowledge are
+        delivered again; a retry of a forgotten put id is stored again, unless its rows
+        are still stored whole (then it is a retry by content)."""
+        oldest = self.oldest_record()
+        if self.journal and self.journal[0][3] == oldest:
+            return self._forget_write()
+        if self._put_stamps and next(iter(self._put_stamps.values())) == oldest:
+            return self._forget_oldest_put()
+        return self.progress.drop_ended()
+
+    def _forget_oldest_put(self) -> int:
+        put_id = next(iter(self._put_stamps))
+        self.forget_put(put_id)
+        return put_id_cost(put_id)
+
+    def remember_put(self, put_id: str, rows: int) -> None:
+        """Remember a put id (for a retry of it) and what it acknowledged, forgetting the
+        oldest past :data:`RECENT_PUTS`. With the store's lock."""
+        puts = self.recent_puts
+        if put_id not in puts:
+            self.put_id_bytes += put_id_cost(put_id)
+            self._put_stamps[put_id] = record_stamp()
+        puts[put_id] = rows
+        while len(puts) > RECENT_PUTS:
+            self._forget_oldest_put()
+
+    def forget_put(self, put_id: str) -> None:
+        """Forget a put id (a retry of it is stored again). With the store's lock."""
+        if self.recent_puts.pop(put_id, None) is not None:
+            del self._put_stamps[put_id]
+            self.put_id_bytes -= put_id_cost(put_id)
 
     def declaration(self) -> dict[str, Any]:
         """The declaration as sent by ``declare``."""
@@ -260,7 +337,7 @@ class Partition:
         if not journal or journal[0][0] > seen + 1:
             return None
         out: list[Sequence[str]] = []
-        for n, written in reversed(journal):
+        for n, written, _, _ in reversed(journal):
             if n <= seen:
                 break
             if written is None:
@@ -268,17 +345,28 @@ class Partition:
             out.append(written)
         return out
 
-    def wrote(self, keys: Sequence[str] | None) -> None:
+    def wrote(self, keys: Sequence[str] | None, cost: int | None = None) -> None:
         """Count a write of rows ``keys`` (None: possibly every row) in the journal that
-        :meth:`touched` reads. With the store's lock."""
+        :meth:`touched` reads; ``cost`` is its :func:`~flightq.server.budget.journal_cost`
+        where known. With the store's lock."""
         self.writes += 1
         if keys is not None and len(keys) > JOURNAL_KEYS // 4:
             keys = None  # too many to keep: plans running now will plan again
-        self.journal.append((self.writes, keys))
+            cost = None
+        if cost is None:
+            cost = journal_cost(keys)
+        self.journal.append((self.writes, keys, cost, record_stamp()))
         self._journaled += len(keys) if keys is not None else 0
+        self.journal_bytes += cost
         while len(self.journal) > JOURNAL_WRITES or self._journaled > JOURNAL_KEYS:
-            _, old = self.journal.popleft()
-            self._journaled -= len(old) if old is not None else 0
+            self._forget_write()
+
+    def _forget_write(self) -> int:
+        """Drop the journal's oldest entry; returns the bytes it counted."""
+        _, old, cost, _ = self.journal.popleft()
+        self._journaled -= len(old) if old is not None else 0
+        self.journal_bytes -= cost
+        return cost
 
     def commit(self, plan: PutPlan, merge: Merge | None = None) -> int:
         """Store what ``plan`` (:func:`flightq.server.putplan.plan_put`, still valid:
@@ -319,10 +407,8 @@ class Partition:
             ready = plan.ready if plan.ready is not None else plan.new
             self.progress.added(ready, merge.readies() if merge is not None else ())
         if plan.put_id is not None:
-            self.recent_puts[plan.put_id] = len(plan.keys)
-            while len(self.recent_puts) > RECENT_PUTS:
-                del self.recent_puts[next(iter(self.recent_puts))]
-        self.wrote(plan.keys)
+            self.remember_put(plan.put_id, len(plan.keys))
+        self.wrote(plan.keys, plan.journal)
         return len(plan.keys)
 
     def cleared(self, rows: Iterable[Row]) -> list[Piece]:

@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import ConflictError, MissingFieldError, ShapeError
 from ..layout import in_slices, mapped, pylist
 from . import merge
-from .budget import row_overhead, tags_size
+from .budget import journal_cost, row_overhead, tags_size
 
 if TYPE_CHECKING:
     from .partition import Partition, Piece, Row
@@ -78,6 +78,10 @@ class PutPlan:
     need: int = 0
     #: Stored pieces whose rows this put changes (a cell replaced, a tag rewritten).
     damaged: list[Piece] = field(default_factory=list)
+    #: Bytes the budget counts for the put's entry in the partition's journal of recent
+    #: writes (:func:`~flightq.server.budget.journal_cost`; None: the partition works it
+    #: out), counted from the commit while the journal keeps it.
+    journal: int | None = None
 
 
 def plan_put(
@@ -98,7 +102,7 @@ def plan_put(
         If a row's token length differs from the stored row's, or a grouped partition
         would get part of a group.
     """
-    from .partition import Row
+    from .partition import JOURNAL_KEYS, Row
 
     # One piece's own list where there is one: a copy of a million keys is one more
     # list for the garbage collector to walk.
@@ -285,6 +289,8 @@ def plan_put(
         uses=[(u[0], u[1]) for u in uses.values() if u[1]],
         need=held_in,
         damaged=list(damaged.values()),
+        # Worked out here, outside the store's lock (a write the journal keeps whole).
+        journal=journal_cost(keys) if len(keys) <= JOURNAL_KEYS // 4 else None,
     )
 
 

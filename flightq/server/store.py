@@ -18,6 +18,7 @@ right now are counted per partition and task, and the puts waiting for room per 
 from __future__ import annotations
 
 import difflib
+import heapq
 import itertools
 import operator
 import threading
@@ -82,7 +83,9 @@ class Store:
         self._closing = False
 
     def _wake(self) -> None:
-        """Wake every waiting put and claim to look again. With the lock."""
+        """Wake every waiting put and claim to look again, after a change (which may have
+        made records of the past: :meth:`_fit`). With the lock."""
+        self._fit()
         self._changed.notify_all()
         for waiters in self._claims.values():
             for w in waiters:
@@ -232,7 +235,7 @@ class Store:
             )
         budget = self.memory_budget
         cost = declaration_cost(name, tasks)
-        held = self._counted()
+        held = self._held() + self._declared()  # records of the past make room (_fit)
         if budget is not None and held + cost > budget:
             raise ResourceExhaustedError(
                 f"declare {name!r} ({cost} bytes with its {len(tasks)} tasks): the server holds "
@@ -242,6 +245,7 @@ class Store:
                 actual=held + cost,
                 partition=name,
             )
+        self._fit(cost)
 
     def partition(self, name: str) -> Partition:
         """A partition by name.
@@ -337,18 +341,64 @@ class Store:
         return sum(p.held for p in self._parts.values()) + self._pending + self._held_outside()
 
     def counted(self) -> int:
-        """Bytes the memory budget counts now: :meth:`held`, and each declared
-        partition's :attr:`~flightq.server.partition.Partition.declared`."""
+        """Bytes the memory budget counts now: :meth:`held`, :meth:`declared` and
+        :meth:`records`."""
         with self._lock:
             return self._counted()
 
+    def declared(self) -> int:
+        """Bytes the memory budget counts for the declared partitions themselves
+        (:attr:`~flightq.server.partition.Partition.declared`)."""
+        with self._lock:
+            return self._declared()
+
+    def records(self) -> int:
+        """Bytes the memory budget counts for what partitions keep of their past
+        (:attr:`~flightq.server.partition.Partition.records`)."""
+        with self._lock:
+            return self._records()
+
     def _counted(self) -> int:
-        # With the lock held: what the budget counts, the partitions' declarations included.
-        return self._held() + self._declared()
+        # With the lock held: what the budget counts, the partitions' declarations and
+        # records of the past included.
+        return self._held() + self._declared() + self._records()
 
     def _declared(self) -> int:
         # With the lock held.
         return sum(p.declared for p in self._parts.values())
+
+    def _records(self) -> int:
+        # With the lock held.
+        return sum(p.records for p in self._parts.values())
+
+    def _fit(self, need: int = 0) -> None:
+        """Forget records of the past (journal entries, ended leases, put ids: the oldest
+        of any partition first) until what the budget counts, with ``need`` bytes more,
+        fits it, or none is left. With the lock.
+
+        Records are made without asking for room (a clear, an ack), so they are called
+        to fit after every change, and they never make a put or a declaration wait: what
+        is waited for leaves them out, and they make way for it here."""
+        budget = self.memory_budget
+        if budget is None:
+            return
+        over = self._counted() + need - budget
+        if over <= 0:
+            return
+        parts = [
+            (stamp, i, p)
+            for i, p in enumerate(self._parts.values())
+            if (stamp := p.oldest_record()) is not None
+        ]
+        heapq.heapify(parts)
+        while over > 0 and parts:
+            _, i, p = parts[0]
+            over -= p.drop_oldest_record()
+            stamp = p.oldest_record()
+            if stamp is None:
+                heapq.heappop(parts)
+            else:
+                heapq.heapreplace(parts, (stamp, i, p))
 
     def _held_outside(self) -> int:
         # With the lock held: answers being written, and those waiting for their reader.
@@ -362,9 +412,10 @@ class Store:
         with self._lock:
             budget = self.memory_budget
             if self._held_outside() + n > cap or (
-                budget is not None and self._counted() + n > budget
+                budget is not None and self._held() + self._declared() + n > budget
             ):
                 return False
+            self._fit(n)
             self._outside += n
             return True
 
@@ -483,7 +534,8 @@ class Store:
             self._check_open(f"put to {name!r}")
             held = self._held() - mine
             declared = self._declared()
-            if held + declared + need <= budget:
+            if held + declared + need <= budget:  # records of the past make way
+                self._fit(need - mine)
                 return waited
             left = deadline - time.monotonic()
             if left <= 0:
@@ -596,6 +648,7 @@ class Store:
                     for pc in pieces:  # stored: counted by the rows from now on
                         self._pending -= pc.reserved
                         pc.reserved = 0
+                    self._fit()  # its journal entry and put id, the oldest records out
                     self._changed.notify_all()  # puts waiting for room (budget, row limit)
                     self._wake_claims(name, p)
                     return n
@@ -649,7 +702,7 @@ class Store:
                     p.progress.settle(lease)
                 p.compact(left)  # last: the clear stands whatever it does
             if put_id is not None:
-                p.recent_puts.pop(put_id, None)
+                p.forget_put(put_id)
             self._wake()
             return n
 
@@ -678,8 +731,8 @@ class Store:
         if lease is None:
             raise NotFoundError(
                 f"partition {p.name!r} knows no claim {claim[:64]!r} (a claim's id is "
-                "remembered until a few thousand later ones have ended, and not over a "
-                "restart)",
+                "remembered until a few thousand later ones have ended, or the memory "
+                "budget needs the room, and not over a restart)",
                 key=claim[:64],
                 partition=p.name,
             )

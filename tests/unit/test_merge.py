@@ -193,3 +193,44 @@ def test_rows_claimed_and_acked_beside_large_puts_are_neither_lost_nor_given_twi
         assert len(acked[task]) == len(set(acked[task])), task  # none given twice
         assert set(acked[task]) == want, task  # none lost
         assert tasks[task] == (set(), set(), want, set()), task
+
+
+def test_a_put_whose_journal_was_dropped_for_room_plans_again_and_loses_no_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The journal of recent writes counts against the memory budget, and the store drops
+    # it (oldest first, with the partition's other records) when the budget needs the
+    # room. A put planned before writes that the journal no longer names cannot tell
+    # whether they touched its keys: it plans again, and every write stands.
+    monkeypatch.setattr(merge_module, "MERGE_ROWS", 8)
+    store = Store(memory_budget=1 << 30)
+    store.declare("p", TEXT, TASKS, None)
+    store_put(store, "p", [f"a{i}" for i in range(8)])
+    build = merge_module.Merge.build
+    builds = []
+
+    def build_then_drop_the_journal(self: merge_module.Merge, plan: Any) -> None:
+        build(self, plan)
+        builds.append(plan.seen)
+        if len(builds) > 1:
+            return
+        store.clear("p", ["a0", "a1"])  # writes the first plan did not see
+        store_put(store, "p", ["b3"], "advantages")  # a write-back beside the put
+        with store._lock:
+            p = store._parts["p"]
+            assert p.journal and p.records > 0
+            store.memory_budget = store._held() + store._declared()  # no room for records
+            store._fit()
+            assert not p.journal and p.records == 0
+            store.memory_budget = 1 << 30
+
+    monkeypatch.setattr(merge_module.Merge, "build", build_then_drop_the_journal)
+    store_put(store, "p", ["b3"])
+    keys = [f"b{i}" for i in range(16) if i != 3]
+    store_put(store, "p", keys)
+    assert len(builds) == 2 and builds[1] > builds[0]  # planned again after the drop
+    rows, tasks = _state(store)
+    assert set(rows) == {f"a{i}" for i in range(2, 8)} | {f"b{i}" for i in range(16)}
+    assert "advantages" in rows["b3"].cells  # the write-back meanwhile stands
+    for t in TASKS:
+        assert tasks[t][0] == set(rows), t
