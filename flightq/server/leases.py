@@ -134,8 +134,8 @@ class Lease:
     #: Rows the consumer gave back (``nack``): no longer its own, whatever ``ack`` says
     #: later (a blanket ack of the claim must not swallow a row it handed on).
     returned: set[str] = field(default_factory=set)
-    #: Bytes the memory budget counts for it once it ended (:func:`lease_cost`), and
-    #: when it ended (:func:`~flightq.server.budget.record_stamp`).
+    #: Bytes the memory budget counts for it (:func:`lease_cost`, while it holds rows and
+    #: once it ended), and when it ended (:func:`~flightq.server.budget.record_stamp`).
     kept: int = 0
     ended_at: int = 0
 
@@ -162,6 +162,10 @@ class Progress:
         #: and the bytes the budget counts for them (:func:`lease_cost`).
         self.ended: dict[str, Lease] = {}
         self.ended_bytes = 0
+        #: Bytes the budget counts for the leases holding rows (:func:`lease_cost` each,
+        #: from the claim on: a consumer could clear the rows it claimed while its lease
+        #: keeps their keys). Never dropped to make room: a claim ends by ack or expiry.
+        self.live_bytes = 0
         self.max_failures = max_failures
         #: Bumped on every change that can make rows ready: a waiting claim looks again
         #: only after it moved.
@@ -244,6 +248,8 @@ class Progress:
             st.deliveries[k] = n = st.deliveries.get(k, 0) + 1
             st.redelivered += n > 1
         st.note(keys)
+        lease.kept = lease_cost(lease)
+        self.live_bytes += lease.kept
         self.leases[lease.id] = lease
         self._next_expiry = min(self._next_expiry, lease.expires)
         return lease
@@ -344,6 +350,7 @@ class Progress:
         """Move ``lease`` to the ended ones once it holds no row."""
         if lease.id in self.leases and not self.held(lease, None):
             del self.leases[lease.id]
+            self.live_bytes -= lease.kept
             lease.kept = lease_cost(lease)
             lease.ended_at = record_stamp()
             self.ended[lease.id] = lease

@@ -235,7 +235,7 @@ class Store:
             )
         budget = self.memory_budget
         cost = declaration_cost(name, tasks)
-        held = self._held() + self._declared()  # records of the past make room (_fit)
+        held = self._held() + self._standing()  # records of the past make room (_fit)
         if budget is not None and held + cost > budget:
             raise ResourceExhaustedError(
                 f"declare {name!r} ({cost} bytes with its {len(tasks)} tasks): the server holds "
@@ -361,11 +361,19 @@ class Store:
     def _counted(self) -> int:
         # With the lock held: what the budget counts, the partitions' declarations and
         # records of the past included.
-        return self._held() + self._declared() + self._records()
+        return self._held() + self._standing() + self._records()
 
     def _declared(self) -> int:
         # With the lock held.
         return sum(p.declared for p in self._parts.values())
+
+    def _leased(self) -> int:
+        # With the lock held: what the partitions' live claims keep (their keys).
+        return sum(p.progress.live_bytes for p in self._parts.values())
+
+    def _standing(self) -> int:
+        # With the lock held: what the budget counts that no record drop can free.
+        return self._declared() + self._leased()
 
     def _records(self) -> int:
         # With the lock held.
@@ -412,7 +420,7 @@ class Store:
         with self._lock:
             budget = self.memory_budget
             if self._held_outside() + n > cap or (
-                budget is not None and self._held() + self._declared() + n > budget
+                budget is not None and self._held() + self._standing() + n > budget
             ):
                 return False
             self._fit(n)
@@ -533,8 +541,8 @@ class Store:
         while True:
             self._check_open(f"put to {name!r}")
             held = self._held() - mine
-            declared = self._declared()
-            if held + declared + need <= budget:  # records of the past make way
+            declared, leased = self._declared(), self._leased()
+            if held + declared + leased + need <= budget:  # records of the past make way
                 self._fit(need - mine)
                 return waited
             left = deadline - time.monotonic()
@@ -542,10 +550,11 @@ class Store:
                 raise ResourceExhaustedError(
                     f"put to {name!r} of {need} bytes: the server holds {held} of its "
                     f"{budget}-byte memory budget (and {declared} in its {len(self._parts)} "
-                    f"partitions' declarations) and no space was cleared within "
+                    f"partitions' declarations, {leased} in their live claims' records) "
+                    f"and no space was cleared within "
                     f"{timeout:g}s; clear consumed rows",
                     expected=budget,
-                    actual=held + declared + need,
+                    actual=held + declared + leased + need,
                     partition=name,
                 )
             self._wait_for_room(name, left)

@@ -302,6 +302,34 @@ def test_records_of_the_past_count_against_the_budget_and_make_way_for_puts():
         assert srv.store.counted() == 0
 
 
+def test_a_live_claim_counts_the_keys_it_keeps_so_clearing_its_rows_cannot_overfill():
+    # A consumer claims rows of 1000-character keys and clears all but one of them
+    # without an ack: its lease, alive while it holds that row, keeps every key it took,
+    # which counts from the claim until the lease ends. Before, it counted nothing while
+    # the claim lived, and each round kept 1 MiB more.
+    mib = 2**20
+    with flightq.Server(memory_budget=8 * mib) as srv, flightq.connect(srv.location) as c:
+        c.create_partition("p", TEXT, tasks=["train"])
+        rounds, refused = 0, None
+        for i in range(40):
+            keys = [f"r{i}_{j:04d}".ljust(1000, "k") for j in range(1024)]
+            ids = [np.arange(4, dtype=np.int64)] * len(keys)
+            try:
+                c.put("p", keys, {"input_ids": ids}, timeout=1)
+            except flightq.ResourceExhaustedError as e:
+                refused = e
+                break
+            c.claim("p", "train", len(keys), as_="numpy", lease=600)  # kept, not acked
+            c.clear("p", keys[1:])
+            rounds += 1
+            kept = rounds * 1024 * 1000  # the live leases' keys, at least
+            assert srv.store.counted() - srv.store.held() >= kept, rounds
+        assert refused is not None and rounds >= 2, rounds  # refused, not grown past it
+        assert "live claims" in str(refused)
+        c.drop("p")
+        assert srv.store.counted() == 0
+
+
 def test_concurrent_refusals_leave_nothing_counted():
     with flightq.Server(memory_budget=2**20) as srv:
         _declare(srv.location, VLM)
