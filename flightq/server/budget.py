@@ -44,6 +44,7 @@ __all__ = [
     "MAX_SCHEMA_BYTES",
     "MAX_SCHEMAS",
     "ROW_OVERHEAD",
+    "Tally",
     "TASK_ROW_BYTES",
     "MAX_NAME_CHARS",
     "MAX_TASKS",
@@ -325,6 +326,33 @@ def underlying_bytes(batches: Sequence[pa.RecordBatch]) -> int:
         for col in batch.columns:
             walk(col)
     return sum(tops.values())
+
+
+class Tally:
+    """Running totals of what the memory budget counts in a store's partitions, kept
+    current by each partition as its counts change (``Partition.attach``): the store reads
+    them at every change without walking its partitions."""
+
+    __slots__ = ("declared", "held", "leased", "records")
+
+    def __init__(self) -> None:
+        #: Rows, the pieces they use and media copies (``Partition.held``).
+        self.held = 0
+        #: The declarations themselves (``Partition.declared``).
+        self.declared = 0
+        #: Records of the past: journals, ended leases, put ids (``Partition.records``).
+        self.records = 0
+        #: Live leases (``Progress.live_bytes``).
+        self.leased = 0
+
+
+def tallied(obj: object, fields: dict[str, str], tally: Tally | None, sign: int) -> None:
+    """Add (``sign`` 1) or take out (-1) ``obj``'s counted attributes (attribute ->
+    :class:`Tally` total) to or from ``tally``."""
+    if tally is None:
+        return
+    for name, total in fields.items():
+        setattr(tally, total, getattr(tally, total) + sign * getattr(obj, name))
 
 
 def row_overhead(tasks: int) -> int:

@@ -26,8 +26,9 @@ import sys
 import uuid
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from .budget import LEASE_KEY_OVERHEAD, LEASE_OVERHEAD, keys_size, record_stamp
+from .budget import LEASE_KEY_OVERHEAD, LEASE_OVERHEAD, Tally, keys_size, record_stamp, tallied
 
 __all__ = [
     "TaskState",
@@ -152,8 +153,27 @@ def lease_cost(lease: Lease) -> int:
     )
 
 
+#: Progress attributes the store's :class:`~flightq.server.budget.Tally` adds up.
+_TALLIED = {"ended_bytes": "records", "live_bytes": "leased"}
+
+
 class Progress:
     """Every task's :class:`TaskState` of one partition, and its leases."""
+
+    _tally: Tally | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        total = _TALLIED.get(name)
+        if total is not None and self._tally is not None:
+            t = self._tally
+            setattr(t, total, getattr(t, total) + value - getattr(self, name))
+        object.__setattr__(self, name, value)
+
+    def attach(self, tally: Tally | None) -> None:
+        """Keep ``tally`` current with what the leases count (None: stop)."""
+        tallied(self, _TALLIED, self._tally, -1)
+        tallied(self, _TALLIED, tally, 1)
+        object.__setattr__(self, "_tally", tally)
 
     def __init__(self, tasks: Iterable[str], max_failures: int = DEFAULT_MAX_FAILURES) -> None:
         self.tasks: dict[str, TaskState] = {t: TaskState() for t in tasks}

@@ -40,6 +40,7 @@ from ..layout import (
 from ..schema import Schema
 from ..validation import Checked
 from .budget import (
+    Tally,
     declaration_cost,
     journal_cost,
     put_id_cost,
@@ -47,6 +48,7 @@ from .budget import (
     row_costs,
     row_overhead,
     tags_size,
+    tallied,
 )
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Progress
 
@@ -183,6 +185,15 @@ class Row:
     home: tuple[Piece, int] | None = None
 
 
+#: Partition attributes the store's :class:`~flightq.server.budget.Tally` adds up.
+_TALLIED = {
+    "held": "held",
+    "declared": "declared",
+    "journal_bytes": "records",
+    "put_id_bytes": "records",
+}
+
+
 @dataclass
 class Partition:
     """A declared partition and its rows (insertion-ordered)."""
@@ -234,6 +245,24 @@ class Partition:
     declared: int = 0
     #: This partition among those ever made under its name (:data:`_EPOCHS`).
     epoch: int = field(default_factory=lambda: next(_EPOCHS), repr=False)
+    #: The store's running totals it keeps current (:meth:`attach`); None: a copy.
+    tally: Tally | None = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        total = _TALLIED.get(name)
+        if total is not None:
+            t = self.__dict__.get("tally")
+            if t is not None:
+                setattr(t, total, getattr(t, total) + value - self.__dict__[name])
+        object.__setattr__(self, name, value)
+
+    def attach(self, tally: Tally | None) -> None:
+        """Add what the partition counts to ``tally`` (the store's) and keep it current as
+        it changes; None: take it out again (the partition leaves the store)."""
+        tallied(self, _TALLIED, self.tally, -1)
+        tallied(self, _TALLIED, tally, 1)
+        object.__setattr__(self, "tally", tally)
+        self.progress.attach(tally)
 
     def __post_init__(self) -> None:
         if self.progress is None:

@@ -40,7 +40,7 @@ from ..errors import (
     UnavailableError,
 )
 from ..schema import Schema
-from .budget import MAX_NAME_CHARS, MAX_PARTITIONS, MAX_TASKS, declaration_cost
+from .budget import MAX_NAME_CHARS, MAX_PARTITIONS, MAX_TASKS, Tally, declaration_cost
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskState
 from .media import grouped_by_media, waiting_homes
 from .merge import Merge
@@ -65,6 +65,8 @@ class Store:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._parts: dict[str, Partition] = {}
+        #: What the partitions count, kept current by each (:meth:`Partition.attach`).
+        self._tally = Tally()
         #: Claims waiting for rows right now: partition name -> task -> count, and each
         #: one (a put wakes only those its partition's ready rows may serve).
         self._waiting: dict[str, dict[str, int]] = {}
@@ -212,7 +214,7 @@ class Store:
                 return False
             _check_names(name, tasks)  # a new one: those declared before stand as they are
             self._room_for_declaration(name, tasks)
-            self._parts[name] = Partition(
+            p = self._parts[name] = Partition(
                 name,
                 schema,
                 tuple(tasks),
@@ -221,6 +223,7 @@ class Store:
                 lease=lease,
                 max_failures=max_failures,
             )
+            p.attach(self._tally)
             return True
 
     def _room_for_declaration(self, name: str, tasks: Sequence[str]) -> None:
@@ -318,13 +321,14 @@ class Store:
                     f"cannot restore partitions that exist already: {clash}", partition=clash[0]
                 )
             for p in parts:
+                p.attach(self._tally)
                 self._parts[p.name] = p
             self._wake()
 
     def drop(self, name: str) -> None:
         """Remove a partition and its rows."""
         with self._changed:
-            self._get(name)
+            self._get(name).attach(None)
             del self._parts[name]
             self._wake()
 
@@ -338,7 +342,7 @@ class Store:
 
     def _held(self) -> int:
         # With the lock held.
-        return sum(p.held for p in self._parts.values()) + self._pending + self._held_outside()
+        return self._tally.held + self._pending + self._held_outside()
 
     def counted(self) -> int:
         """Bytes the memory budget counts now: :meth:`held`, :meth:`declared` and
@@ -365,11 +369,11 @@ class Store:
 
     def _declared(self) -> int:
         # With the lock held.
-        return sum(p.declared for p in self._parts.values())
+        return self._tally.declared
 
     def _leased(self) -> int:
         # With the lock held: what the partitions' live claims keep (their keys).
-        return sum(p.progress.live_bytes for p in self._parts.values())
+        return self._tally.leased
 
     def _standing(self) -> int:
         # With the lock held: what the budget counts that no record drop can free.
@@ -377,7 +381,7 @@ class Store:
 
     def _records(self) -> int:
         # With the lock held.
-        return sum(p.records for p in self._parts.values())
+        return self._tally.records
 
     def _fit(self, need: int = 0) -> None:
         """Forget records of the past (journal entries, ended leases, put ids: the oldest
@@ -391,7 +395,7 @@ class Store:
         if budget is None:
             return
         over = self._counted() + need - budget
-        if over <= 0:
+        if over <= 0 or not self._tally.records:
             return
         parts = [
             (stamp, i, p)

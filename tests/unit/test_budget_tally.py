@@ -1,0 +1,76 @@
+"""The store's running totals of what its memory budget counts (:class:`Tally`) equal, after
+every operation, what a walk of its partitions adds up: puts, write-backs, claims, acks,
+nacks, clears, drops, restores and records dropped for room, in random order."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from helpers_store import TEXT, store_put
+
+from flightq.errors import FlightqError
+from flightq.server.store import Store
+
+
+def _walked(store: Store) -> dict[str, int]:
+    parts = store.partitions()
+    return {
+        "held": sum(p.held for p in parts),
+        "declared": sum(p.declared for p in parts),
+        "records": sum(p.records for p in parts),
+        "leased": sum(p.progress.live_bytes for p in parts),
+    }
+
+
+def _tally(store: Store) -> dict[str, int]:
+    t = store._tally
+    return {"held": t.held, "declared": t.declared, "records": t.records, "leased": t.leased}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_running_totals_equal_a_walk_of_the_partitions_after_every_operation(seed: int):
+    rng = random.Random(seed)
+    # A budget small enough that records are dropped for room now and then.
+    store = Store(memory_budget=rng.choice([None, 600_000, 4_000_000]))
+    names = ["a", "b", "c"]
+    claims: list[tuple[str, str]] = []
+    n = 0
+    for step in range(150):
+        op = rng.choice(["put", "put", "back", "claim", "ack", "nack", "clear", "drop", "copy"])
+        name = rng.choice(names)
+        try:
+            if name not in {p.name for p in store.partitions()}:
+                store.declare(name, TEXT, ["t", "u"][: rng.randint(1, 2)], None)
+            p = store.partition(name)
+            keys = list(p.rows)
+            if op == "put":
+                new = [f"{name}{n + i}".ljust(rng.choice([4, 300]), "k") for i in range(8)]
+                n += 8
+                store_put(store, name, new)
+            elif op == "back" and keys:
+                store_put(store, name, rng.sample(keys, min(4, len(keys))), "generation_logprobs")
+            elif op == "claim" and keys:
+                _, _, _, lease = store.claim(name, "t", rng.randint(1, 4), None, 0.0)
+                claims.append((name, lease.id))
+            elif op in ("ack", "nack") and claims:
+                at, claim = claims.pop(rng.randrange(len(claims)))
+                lease = store.partition(at).progress.find(claim)
+                if op == "ack":
+                    store.ack(at, claim, None)
+                elif lease is not None:
+                    store.nack(at, claim, lease.keys[:1], rng.random() < 0.5)
+            elif op == "clear" and keys:
+                store.clear(name, rng.sample(keys, rng.randint(1, len(keys))))
+            elif op == "drop":
+                store.drop(name)
+            elif op == "copy":  # a snapshot's capture, restored under the store
+                (c,) = store.capture([name])
+                store.drop(name)
+                store.restore([c])
+        except FlightqError:
+            pass  # refusals (no room, no rows ready, a claim forgotten): fine here
+        assert _tally(store) == _walked(store), (seed, step, op)
+    for name in [p.name for p in store.partitions()]:
+        store.drop(name)
+    assert _tally(store) == {"held": 0, "declared": 0, "records": 0, "leased": 0}
