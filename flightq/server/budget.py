@@ -43,6 +43,7 @@ __all__ = [
     "MAX_METADATA_BYTES",
     "MAX_SCHEMA_BYTES",
     "MAX_SCHEMAS",
+    "RECORDS_SHARE",
     "ROW_OVERHEAD",
     "Tally",
     "TASK_ROW_BYTES",
@@ -78,11 +79,18 @@ MAX_SCHEMAS = 64
 #: its cells map, the partition's and its validation's entries for it): 660 bytes,
 #: counted with room for per-row state to come.
 ROW_OVERHEAD = 1024
-#: Bytes a stored row takes for each task of its partition past the first (its entry in
-#: that task's index of ready rows): 21 bytes measured with tracemalloc over 20 000 rows of
-#: partitions of 1, 8 and 64 tasks, counted with room for the index's growth.
-TASK_ROW_BYTES = 32
+#: Bytes a stored row takes for each task of its partition past the first, measured with
+#: tracemalloc over 1 600 rows of a 64-task partition: its entry in that task's index of
+#: ready rows (35 bytes), and once delivered to the task its counts of deliveries and
+#: failures and its lease or dead-letter entry (131 more). Counted from the put on, with
+#: room.
+TASK_ROW_BYTES = 192
 
+
+#: Records of the past may keep their newest bytes up to this share of the budget even
+#: where rows, declarations and live claims fill it (``Store._fit``): dropping them
+#: could make no room then, and the newest make repeated acks and put retries work.
+RECORDS_SHARE = 16
 
 #: Longest partition or task name, in characters; most tasks one partition declares; most
 #: partitions a server holds.
@@ -333,9 +341,12 @@ class Tally:
     current by each partition as its counts change (``Partition.attach``): the store reads
     them at every change without walking its partitions."""
 
-    __slots__ = ("declared", "held", "leased", "records")
+    __slots__ = ("declared", "held", "holders", "leased", "records")
 
     def __init__(self) -> None:
+        #: The partitions keeping records of the past now, by ``id``: those the store
+        #: drops records from, without walking the others.
+        self.holders: dict[int, Any] = {}
         #: Rows, the pieces they use and media copies (``Partition.held``).
         self.held = 0
         #: The declarations themselves (``Partition.declared``).
@@ -344,6 +355,13 @@ class Tally:
         self.records = 0
         #: Live leases (``Progress.live_bytes``).
         self.leased = 0
+
+    def note(self, partition: Any) -> None:
+        """File ``partition`` among :attr:`holders` while it keeps records."""
+        if partition.records:
+            self.holders[id(partition)] = partition
+        else:
+            self.holders.pop(id(partition), None)
 
 
 def tallied(obj: object, fields: dict[str, str], tally: Tally | None, sign: int) -> None:

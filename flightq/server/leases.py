@@ -161,19 +161,26 @@ class Progress:
     """Every task's :class:`TaskState` of one partition, and its leases."""
 
     _tally: Tally | None = None
+    _owner: Any = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         total = _TALLIED.get(name)
         if total is not None and self._tally is not None:
             t = self._tally
             setattr(t, total, getattr(t, total) + value - getattr(self, name))
+            object.__setattr__(self, name, value)
+            if total == "records":
+                t.note(self._owner)
+            return
         object.__setattr__(self, name, value)
 
-    def attach(self, tally: Tally | None) -> None:
-        """Keep ``tally`` current with what the leases count (None: stop)."""
+    def attach(self, tally: Tally | None, owner: Any = None) -> None:
+        """Keep ``tally`` current with what the leases count, as part of ``owner`` (its
+        partition); None: stop."""
         tallied(self, _TALLIED, self._tally, -1)
         tallied(self, _TALLIED, tally, 1)
         object.__setattr__(self, "_tally", tally)
+        object.__setattr__(self, "_owner", owner)
 
     def __init__(self, tasks: Iterable[str], max_failures: int = DEFAULT_MAX_FAILURES) -> None:
         self.tasks: dict[str, TaskState] = {t: TaskState() for t in tasks}

@@ -254,15 +254,23 @@ class Partition:
             t = self.__dict__.get("tally")
             if t is not None:
                 setattr(t, total, getattr(t, total) + value - self.__dict__[name])
+                object.__setattr__(self, name, value)
+                if total == "records":
+                    t.note(self)
+                return
         object.__setattr__(self, name, value)
 
     def attach(self, tally: Tally | None) -> None:
         """Add what the partition counts to ``tally`` (the store's) and keep it current as
         it changes; None: take it out again (the partition leaves the store)."""
+        if self.tally is not None:
+            self.tally.holders.pop(id(self), None)
         tallied(self, _TALLIED, self.tally, -1)
         tallied(self, _TALLIED, tally, 1)
         object.__setattr__(self, "tally", tally)
-        self.progress.attach(tally)
+        self.progress.attach(tally, self)
+        if tally is not None:
+            tally.note(self)
 
     def __post_init__(self) -> None:
         if self.progress is None:

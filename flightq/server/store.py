@@ -40,7 +40,14 @@ from ..errors import (
     UnavailableError,
 )
 from ..schema import Schema
-from .budget import MAX_NAME_CHARS, MAX_PARTITIONS, MAX_TASKS, Tally, declaration_cost
+from .budget import (
+    MAX_NAME_CHARS,
+    MAX_PARTITIONS,
+    MAX_TASKS,
+    RECORDS_SHARE,
+    Tally,
+    declaration_cost,
+)
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskState
 from .media import grouped_by_media, waiting_homes
 from .merge import Merge
@@ -386,26 +393,33 @@ class Store:
     def _fit(self, need: int = 0) -> None:
         """Forget records of the past (journal entries, ended leases, put ids: the oldest
         of any partition first) until what the budget counts, with ``need`` bytes more,
-        fits it, or none is left. With the lock.
+        fits it. With the lock.
 
         Records are made without asking for room (a clear, an ack), so they are called
         to fit after every change, and they never make a put or a declaration wait: what
-        is waited for leaves them out, and they make way for it here."""
+        is waited for leaves them out, and they make way for it here. Their newest bytes,
+        up to a :data:`~flightq.server.budget.RECORDS_SHARE` of the budget, stay even where
+        rows, declarations and live claims fill it (a claim is never refused, so these
+        may pass it for a while): dropping them could make no room then, and they make
+        the latest acks and put retries work. Once records pass that share over a full
+        budget, they go down to half of it, so the next drops wait for more records.
+        Only the partitions keeping records are looked at."""
         budget = self.memory_budget
-        if budget is None:
+        t = self._tally
+        if budget is None or not t.records:
             return
         over = self._counted() + need - budget
-        if over <= 0 or not self._tally.records:
+        keep = budget // RECORDS_SHARE
+        if over <= 0 or t.records <= keep:
             return
+        drop = over if t.records - over >= keep // 2 else t.records - keep // 2
         parts = [
-            (stamp, i, p)
-            for i, p in enumerate(self._parts.values())
-            if (stamp := p.oldest_record()) is not None
+            (stamp, i, p) for i, p in t.holders.items() if (stamp := p.oldest_record()) is not None
         ]
         heapq.heapify(parts)
-        while over > 0 and parts:
+        while drop > 0 and parts:
             _, i, p = parts[0]
-            over -= p.drop_oldest_record()
+            drop -= p.drop_oldest_record()
             stamp = p.oldest_record()
             if stamp is None:
                 heapq.heappop(parts)

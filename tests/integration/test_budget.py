@@ -330,6 +330,40 @@ def test_a_live_claim_counts_the_keys_it_keeps_so_clearing_its_rows_cannot_overf
         assert srv.store.counted() == 0
 
 
+def test_a_budget_full_of_rows_and_a_live_claim_keeps_the_newest_records():
+    # A claim is never refused, so rows and a trainer's live claim may fill the budget
+    # past its end; no record dropped could make room then. The newest records, up to a
+    # share of the budget, stay: a repeated ack of a claim that just ended still answers,
+    # and a put id is still known. Before, every record of every partition went at once.
+    budget = 8 * 2**20
+    with flightq.Server(memory_budget=budget) as srv, flightq.connect(srv.location) as c:
+        st = srv.store
+        c.create_partition("a", TEXT, tasks=["train"])
+        c.create_partition("fill", TEXT, tasks=["train"])
+        c.put("a", ["a0", "a1", "a2"], {"input_ids": [np.arange(4)] * 3}, put_id="put-1")
+        n = 0
+        while True:
+            keys = [f"f{n + j}" for j in range(500)]
+            try:
+                c.put("fill", keys, {"input_ids": [np.arange(4)] * 500}, timeout=0)
+            except flightq.ResourceExhaustedError:
+                break
+            n += 500
+        live = c.claim("fill", "train", n, as_="numpy", lease=600)
+        assert st.held() + st.declared() + srv.store._leased() > budget  # past it
+        for _ in range(3):
+            got = c.claim("a", "train", 1, as_="numpy")
+            assert c.ack(got) == 1
+            assert c.ack(got) == 0  # remembered: acknowledges nothing more
+        assert "put-1" in st.partition("a").recent_puts
+        assert 0 < st.records() <= budget // 16
+        c.ack(live)
+        assert st.counted() <= budget + budget // 16
+        c.drop("a")
+        c.drop("fill")
+        assert st.counted() == 0
+
+
 def test_concurrent_refusals_leave_nothing_counted():
     with flightq.Server(memory_budget=2**20) as srv:
         _declare(srv.location, VLM)

@@ -1,6 +1,7 @@
 """The store's running totals of what its memory budget counts (:class:`Tally`) equal, after
-every operation, what a walk of its partitions adds up: puts, write-backs, claims, acks,
-nacks, clears, drops, restores and records dropped for room, in random order."""
+every operation, what a walk of its partitions adds up, and its holders are the partitions
+keeping records: puts, write-backs, claims, acks, nacks, clears, drops, restores and
+records dropped for room, in random order."""
 
 from __future__ import annotations
 
@@ -71,6 +72,9 @@ def test_the_running_totals_equal_a_walk_of_the_partitions_after_every_operation
         except FlightqError:
             pass  # refusals (no room, no rows ready, a claim forgotten): fine here
         assert _tally(store) == _walked(store), (seed, step, op)
+        holding = {id(p) for p in store.partitions() if p.records}
+        assert set(store._tally.holders) == holding, (seed, step, op)
     for name in [p.name for p in store.partitions()]:
         store.drop(name)
     assert _tally(store) == {"held": 0, "declared": 0, "records": 0, "leased": 0}
+    assert not store._tally.holders

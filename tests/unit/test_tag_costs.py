@@ -142,8 +142,10 @@ def test_rows_with_equal_tag_bytes_share_one_decoded_map() -> None:
 
 
 def test_a_row_counts_what_each_task_of_its_partition_keeps_of_it() -> None:
-    """A partition keeps an entry per row in each task's index of ready rows: a row of a
-    64-task partition counts at least the Python objects tracemalloc sees it take."""
+    """A partition keeps per row, for each task, an entry in its index of ready rows and,
+    once delivered, counts of deliveries and failures and a dead-letter entry: a row of a
+    64-task partition, failed until dead for every task, counts at least the Python
+    objects tracemalloc sees it take."""
     import gc
     import tracemalloc
 
@@ -151,9 +153,10 @@ def test_a_row_counts_what_each_task_of_its_partition_keeps_of_it() -> None:
 
     from flightq.server.store import Store
 
-    n = 4000
+    n = 1500
+    tasks = [f"task{i}" for i in range(64)]
     store = Store()
-    store.declare("p", TEXT, [f"task{i}" for i in range(64)], None)
+    store.declare("p", TEXT, tasks, None, max_failures=1)
     keys = [f"k{i:06d}" for i in range(n + 100)]
     store_put(store, "p", keys[:100])  # the partition's first indexes made before
     base = store.held()
@@ -163,9 +166,18 @@ def test_a_row_counts_what_each_task_of_its_partition_keeps_of_it() -> None:
         before = tracemalloc.get_traced_memory()[0]
         for i in range(100, n + 100, 500):
             store_put(store, "p", keys[i : i + 500])
+        for t in tasks:  # every row delivered to every task, failed, dead
+            _, rows, _, lease = store.claim("p", t, n + 100, None, 0.0)
+            assert len(rows) == n + 100
+            store.nack("p", lease.id, None, failed=True)
+        p = store.partition("p")
+        with store._lock:  # the ended claims are records, counted apart: let them go
+            while p.progress.ended:
+                p.progress.drop_ended()
         gc.collect()
         taken = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert taken > 64 * 16 * n  # the 64 tasks' entries are there to be counted
+    assert sum(len(st.dead) for st in p.progress.tasks.values()) == 64 * (n + 100)
+    assert taken > 64 * 64 * n  # the tasks' entries are there to be counted
     assert store.held() - base >= taken, (store.held() - base, taken)
