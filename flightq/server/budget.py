@@ -43,7 +43,7 @@ __all__ = [
     "MAX_METADATA_BYTES",
     "MAX_SCHEMA_BYTES",
     "MAX_SCHEMAS",
-    "RECORDS_SHARE",
+    "RECORDS_SLACK",
     "ROW_OVERHEAD",
     "Tally",
     "TASK_ROW_BYTES",
@@ -87,10 +87,9 @@ ROW_OVERHEAD = 1024
 TASK_ROW_BYTES = 192
 
 
-#: Records of the past may keep their newest bytes up to this share of the budget even
-#: where rows, declarations and live claims fill it (``Store._fit``): dropping them
-#: could make no room then, and the newest make repeated acks and put retries work.
-RECORDS_SHARE = 16
+#: Records of the past dropped for room go this share of the budget beyond the need
+#: (``Store._fit``), so the next drop waits for as many new records.
+RECORDS_SLACK = 64
 
 #: Longest partition or task name, in characters; most tasks one partition declares; most
 #: partitions a server holds.

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import sys
 import uuid
+import weakref
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,8 +170,9 @@ class Progress:
             t = self._tally
             setattr(t, total, getattr(t, total) + value - getattr(self, name))
             object.__setattr__(self, name, value)
-            if total == "records":
-                t.note(self._owner)
+            owner = self._owner() if total == "records" and self._owner is not None else None
+            if owner is not None:
+                t.note(owner)
             return
         object.__setattr__(self, name, value)
 
@@ -180,7 +182,9 @@ class Progress:
         tallied(self, _TALLIED, self._tally, -1)
         tallied(self, _TALLIED, tally, 1)
         object.__setattr__(self, "_tally", tally)
-        object.__setattr__(self, "_owner", owner)
+        # A weak reference: a strong one would make partition and progress a cycle, which
+        # keeps a dropped partition's rows until the cyclic collector runs.
+        object.__setattr__(self, "_owner", None if owner is None else weakref.ref(owner))
 
     def __init__(self, tasks: Iterable[str], max_failures: int = DEFAULT_MAX_FAILURES) -> None:
         self.tasks: dict[str, TaskState] = {t: TaskState() for t in tasks}

@@ -44,7 +44,7 @@ from .budget import (
     MAX_NAME_CHARS,
     MAX_PARTITIONS,
     MAX_TASKS,
-    RECORDS_SHARE,
+    RECORDS_SLACK,
     Tally,
     declaration_cost,
 )
@@ -397,22 +397,23 @@ class Store:
 
         Records are made without asking for room (a clear, an ack), so they are called
         to fit after every change, and they never make a put or a declaration wait: what
-        is waited for leaves them out, and they make way for it here. Their newest bytes,
-        up to a :data:`~flightq.server.budget.RECORDS_SHARE` of the budget, stay even where
-        rows, declarations and live claims fill it (a claim is never refused, so these
-        may pass it for a while): dropping them could make no room then, and they make
-        the latest acks and put retries work. Once records pass that share over a full
-        budget, they go down to half of it, so the next drops wait for more records.
-        Only the partitions keeping records are looked at."""
+        is waited for leaves them out, and they make way for it here. Where rows,
+        declarations and live claims alone fill the budget (a claim is never refused),
+        none goes: dropping them could make no room, only forget the latest acks and put
+        ids, and while that lasts no record adds to what is counted (a clear frees more
+        than its journal entry takes, an ack moves a live lease to the ended ones, puts
+        wait). Each drop goes :data:`~flightq.server.budget.RECORDS_SLACK` of the budget
+        beyond the need, so the next waits for that many new records; only the
+        partitions keeping records are looked at."""
         budget = self.memory_budget
         t = self._tally
         if budget is None or not t.records:
             return
-        over = self._counted() + need - budget
-        keep = budget // RECORDS_SHARE
-        if over <= 0 or t.records <= keep:
+        floor = self._held() + self._standing() + need
+        over = floor + t.records - budget
+        if over <= 0 or floor > budget:
             return
-        drop = over if t.records - over >= keep // 2 else t.records - keep // 2
+        drop = min(t.records, over + budget // RECORDS_SLACK)
         parts = [
             (stamp, i, p) for i, p in t.holders.items() if (stamp := p.oldest_record()) is not None
         ]

@@ -78,3 +78,28 @@ def test_the_running_totals_equal_a_walk_of_the_partitions_after_every_operation
         store.drop(name)
     assert _tally(store) == {"held": 0, "declared": 0, "records": 0, "leased": 0}
     assert not store._tally.holders
+
+
+def test_a_dropped_partition_is_freed_at_once_not_by_the_cyclic_collector():
+    # A partition and its progress must not refer to each other strongly: a cycle would
+    # keep a dropped partition's rows (their record batches) alive until the cyclic
+    # collector ran, and the server's memory past what the budget counts.
+    import gc
+    import weakref
+
+    store = Store(memory_budget=1 << 30)
+    store.declare("p", TEXT, ["t", "u"], None)
+    store_put(store, "p", [f"k{i}" for i in range(8)])
+    _, _, _, lease = store.claim("p", "t", 4, None, 0.0)
+    store.ack("p", lease.id, None)  # an ended lease: a record, filed with the store
+    store.clear("p", ["k0"])  # a journal entry
+    p = store.partition("p")
+    assert p.records and store._tally.holders
+    gone = weakref.ref(p)
+    del p, lease
+    gc.disable()
+    try:
+        store.drop("p")
+        assert gone() is None
+    finally:
+        gc.enable()
