@@ -43,6 +43,8 @@ __all__ = [
     "MAX_METADATA_BYTES",
     "MAX_SCHEMA_BYTES",
     "MAX_SCHEMAS",
+    "RECORDS_SHARE",
+    "RETURNED_KEY_BYTES",
     "RECORDS_SLACK",
     "ROW_OVERHEAD",
     "Tally",
@@ -87,8 +89,11 @@ ROW_OVERHEAD = 1024
 TASK_ROW_BYTES = 192
 
 
-#: Records of the past dropped for room go this share of the budget beyond the need
-#: (``Store._fit``), so the next drop waits for as many new records.
+#: Records of the past may keep their newest bytes up to this share of the budget even
+#: where rows, declarations and live claims fill it (``Store._fit``).
+RECORDS_SHARE = 16
+#: Records of the past dropped for room go this share of the budget below what they are
+#: allowed (``Store._fit``), so the next drop waits for as many new records.
 RECORDS_SLACK = 64
 
 #: Longest partition or task name, in characters; most tasks one partition declares; most
@@ -135,6 +140,10 @@ def record_stamp() -> int:
 JOURNAL_ENTRY_OVERHEAD = 128
 LEASE_OVERHEAD = 1024
 LEASE_KEY_OVERHEAD = 64
+#: Bytes a lease's set of rows given back (``nack``) may take per key it names: a set's
+#: table is at most 4 slots of 16 bytes an entry. Counted from the claim on, whether or
+#: not a row is ever given back, so a lease's count does not change while it lives.
+RETURNED_KEY_BYTES = 64
 PUT_ID_OVERHEAD = 96
 
 

@@ -22,14 +22,21 @@ every call.
 from __future__ import annotations
 
 import math
-import sys
 import uuid
 import weakref
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .budget import LEASE_KEY_OVERHEAD, LEASE_OVERHEAD, Tally, keys_size, record_stamp, tallied
+from .budget import (
+    LEASE_KEY_OVERHEAD,
+    LEASE_OVERHEAD,
+    RETURNED_KEY_BYTES,
+    Tally,
+    keys_size,
+    record_stamp,
+    tallied,
+)
 
 __all__ = [
     "TaskState",
@@ -143,14 +150,14 @@ class Lease:
 
 
 def lease_cost(lease: Lease) -> int:
-    """Bytes the memory budget counts for an ended lease while it is remembered: its keys'
-    strings whole (the rows they named may be gone), their slots and row numbers, the
-    lease's own objects."""
+    """Bytes the memory budget counts for a lease, live or ended and remembered: its keys'
+    strings whole (the rows they named may be gone), their slots and row numbers, room
+    for every key in its set of rows given back, the lease's own objects. The same from
+    the claim to the last: a partial ``nack`` grows nothing uncounted."""
     return (
         LEASE_OVERHEAD
-        + (LEASE_KEY_OVERHEAD * len(lease.keys))
+        + (LEASE_KEY_OVERHEAD + RETURNED_KEY_BYTES) * len(lease.keys)
         + keys_size(lease.keys)
-        + sys.getsizeof(lease.returned)
     )
 
 

@@ -44,6 +44,7 @@ from .budget import (
     MAX_NAME_CHARS,
     MAX_PARTITIONS,
     MAX_TASKS,
+    RECORDS_SHARE,
     RECORDS_SLACK,
     Tally,
     declaration_cost,
@@ -392,28 +393,27 @@ class Store:
 
     def _fit(self, need: int = 0) -> None:
         """Forget records of the past (journal entries, ended leases, put ids: the oldest
-        of any partition first) until what the budget counts, with ``need`` bytes more,
-        fits it. With the lock.
+        of any partition first) until they fit what the budget leaves them with ``need``
+        bytes more, or :data:`~flightq.server.budget.RECORDS_SHARE` of it, whichever is
+        more. With the lock.
 
         Records are made without asking for room (a clear, an ack), so they are called
         to fit after every change, and they never make a put or a declaration wait: what
-        is waited for leaves them out, and they make way for it here. Where rows,
-        declarations and live claims alone fill the budget (a claim is never refused),
-        none goes: dropping them could make no room, only forget the latest acks and put
-        ids, and while that lasts no record adds to what is counted (a clear frees more
-        than its journal entry takes, an ack moves a live lease to the ended ones, puts
-        wait). Each drop goes :data:`~flightq.server.budget.RECORDS_SLACK` of the budget
-        beyond the need, so the next waits for that many new records; only the
-        partitions keeping records are looked at."""
+        is waited for leaves them out, and they make way for it here. Their share is kept
+        even where rows, declarations and live claims fill the budget (a claim is never
+        refused, so these may pass it for a while): the newest records make repeated acks
+        and put retries work, and what is counted passes the budget by at most that share
+        and the live claims. Each drop goes :data:`~flightq.server.budget.RECORDS_SLACK`
+        of the budget below what is allowed, so the next waits for that many new
+        records; only the partitions keeping records are looked at."""
         budget = self.memory_budget
         t = self._tally
         if budget is None or not t.records:
             return
-        floor = self._held() + self._standing() + need
-        over = floor + t.records - budget
-        if over <= 0 or floor > budget:
+        allowed = max(budget - self._held() - self._standing() - need, budget // RECORDS_SHARE)
+        if t.records <= allowed:
             return
-        drop = min(t.records, over + budget // RECORDS_SLACK)
+        drop = min(t.records, t.records - allowed + budget // RECORDS_SLACK)
         parts = [
             (stamp, i, p) for i, p in t.holders.items() if (stamp := p.oldest_record()) is not None
         ]
@@ -724,8 +724,10 @@ class Store:
                     p.nbytes -= row.nbytes
                 n = len(gone)
                 left = p.cleared(gone)
-                p.wrote(keys)
-                p.progress.removed(keys)
+                if gone:  # the journal names each removed row once, a no-op clear nothing
+                    removed = [row.key for row in gone]
+                    p.wrote(removed)
+                    p.progress.removed(removed)
                 for lease in list(p.progress.leases.values()):
                     p.progress.settle(lease)
                 p.compact(left)  # last: the clear stands whatever it does
