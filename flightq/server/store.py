@@ -49,7 +49,7 @@ from .budget import (
     Tally,
     declaration_cost,
 )
-from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskState
+from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskState, shrink
 from .media import grouped_by_media, waiting_homes
 from .merge import Merge
 from .partition import Partition, Piece, PutKeys, Row, put_keys
@@ -723,6 +723,7 @@ class Store:
                     gone.append(row)
                     p.nbytes -= row.nbytes
                 n = len(gone)
+                shrink(p.rows)
                 left = p.cleared(gone)
                 if gone:  # the journal names each removed row once, a no-op clear nothing
                     removed = [row.key for row in gone]
