@@ -364,6 +364,15 @@ class Tally:
         #: Live leases (``Progress.live_bytes``).
         self.leased = 0
 
+    def set(self, obj: object, name: str, total: str, value: int, owner: Any) -> None:
+        """Set ``obj``'s counted attribute ``name`` to ``value``, adding the change to
+        ``total``; a change of records files ``owner`` (its partition) or not
+        (:meth:`note`)."""
+        setattr(self, total, getattr(self, total) + value - getattr(obj, name))
+        object.__setattr__(obj, name, value)
+        if total == "records" and owner is not None:
+            self.note(owner)
+
     def note(self, partition: Any) -> None:
         """File ``partition`` among :attr:`holders` while it keeps records."""
         if partition.records:

@@ -191,14 +191,10 @@ class Progress:
     def __setattr__(self, name: str, value: Any) -> None:
         total = _TALLIED.get(name)
         if total is not None and self._tally is not None:
-            t = self._tally
-            setattr(t, total, getattr(t, total) + value - getattr(self, name))
+            owner = self._owner() if self._owner is not None else None
+            self._tally.set(self, name, total, value, owner)
+        else:
             object.__setattr__(self, name, value)
-            owner = self._owner() if total == "records" and self._owner is not None else None
-            if owner is not None:
-                t.note(owner)
-            return
-        object.__setattr__(self, name, value)
 
     def attach(self, tally: Tally | None, owner: Any = None) -> None:
         """Keep ``tally`` current with what the leases count, as part of ``owner`` (its
@@ -407,8 +403,7 @@ class Progress:
         """Move ``lease`` to the ended ones once it holds no row."""
         if lease.id in self.leases and not self.held(lease, None):
             del self.leases[lease.id]
-            self.live_bytes -= lease.kept
-            lease.kept = lease_cost(lease)
+            self.live_bytes -= lease.kept  # the same count moves to the ended ones
             lease.ended_at = record_stamp()
             self.ended[lease.id] = lease
             self.ended_bytes += lease.kept

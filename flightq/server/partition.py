@@ -250,15 +250,11 @@ class Partition:
 
     def __setattr__(self, name: str, value: Any) -> None:
         total = _TALLIED.get(name)
-        if total is not None:
-            t = self.__dict__.get("tally")
-            if t is not None:
-                setattr(t, total, getattr(t, total) + value - self.__dict__[name])
-                object.__setattr__(self, name, value)
-                if total == "records":
-                    t.note(self)
-                return
-        object.__setattr__(self, name, value)
+        t = self.__dict__.get("tally") if total is not None else None
+        if t is not None:
+            t.set(self, name, total, value, self)
+        else:
+            object.__setattr__(self, name, value)
 
     def attach(self, tally: Tally | None) -> None:
         """Add what the partition counts to ``tally`` (the store's) and keep it current as

@@ -330,6 +330,21 @@ def test_a_live_claim_counts_the_keys_it_keeps_so_clearing_its_rows_cannot_overf
         assert srv.store.counted() == 0
 
 
+def _fill_with_rows(c: flightq.Client, partition: str, chunks: tuple[int, ...]) -> int:
+    """Put one-token rows into ``partition``, ``chunks`` rows a put (each size until one
+    is refused for room), until the budget is full; returns how many were stored."""
+    n = 0
+    for chunk in chunks:
+        while True:
+            keys = [f"{partition}{n + j:07d}" for j in range(chunk)]
+            try:
+                c.put(partition, keys, {"input_ids": [np.arange(4)] * chunk}, timeout=0)
+            except flightq.ResourceExhaustedError:
+                break
+            n += chunk
+    return n
+
+
 def test_a_budget_full_of_rows_and_a_live_claim_keeps_its_newest_records():
     # A claim is never refused, so rows and a trainer's live claim may fill the budget
     # past its end; no record dropped could make room then. The newest, up to a share of
@@ -341,14 +356,7 @@ def test_a_budget_full_of_rows_and_a_live_claim_keeps_its_newest_records():
         c.create_partition("a", TEXT, tasks=["train"])
         c.create_partition("fill", TEXT, tasks=["train"])
         c.put("a", ["a0", "a1", "a2"], {"input_ids": [np.arange(4)] * 3}, put_id="put-1")
-        n = 0
-        while True:
-            keys = [f"f{n + j}" for j in range(500)]
-            try:
-                c.put("fill", keys, {"input_ids": [np.arange(4)] * 500}, timeout=0)
-            except flightq.ResourceExhaustedError:
-                break
-            n += 500
+        n = _fill_with_rows(c, "fill", (500,))
         live = c.claim("fill", "train", n, as_="numpy", lease=600)
         assert st.held() + st.declared() + srv.store._leased() > budget  # past it
         for _ in range(3):
@@ -375,15 +383,7 @@ def test_records_made_while_rows_and_live_claims_fill_the_budget_stay_within_a_s
         c.create_partition("q", TEXT, tasks=["train"])
         long = "q-".ljust(1000, "x")
         c.put("q", [long], {"input_ids": [np.arange(4)]})
-        n = 0
-        for chunk in (1000, 100, 10):
-            while True:
-                keys = [f"r{n + j:07d}" for j in range(chunk)]
-                try:
-                    c.put("p", keys, {"input_ids": [np.arange(4)] * chunk}, timeout=0)
-                except flightq.ResourceExhaustedError:
-                    break
-                n += chunk
+        n = _fill_with_rows(c, "p", (1000, 100, 10))
         c.claim("p", "train", n // 2, as_="numpy", lease=600)  # the trainer's, kept
         assert st.held() + st.declared() + st._leased() > budget
         for i in range(60):
