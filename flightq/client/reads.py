@@ -211,13 +211,46 @@ class Reader:
         """A read as one stream, decoded (through shared memory where it applies)."""
         t = self.routed(ticket)
         d = PartDecoder(as_, copy)
-        if not t.shm:
+        if t.shm:
+            came = self._shm_streamed(t, what, timeout, d, grant)
+            if came is not None:
+                return self.decoded(ticket.partition, [d], came)
+        else:
             got = self._streamed(t, what, timeout, d, grant)
             if got is not None:  # its batches own their buffers: no slices to tell apart
                 return self.decoded(ticket.partition, [d], "socket", got)
         route = ["shm" if t.shm else "socket"]
         self.read(t, what, timeout, decoder=d, grant=grant, route=route)
         return self.decoded(ticket.partition, [d], route[0])
+
+    def _shm_streamed(
+        self,
+        ticket: Ticket,
+        what: str,
+        timeout: float | None,
+        decoder: PartDecoder,
+        grant: list[ClaimGrant] | None,
+    ) -> str | None:
+        """A read through shared memory, asked on the request stream: its answer only
+        names where the rows lie, a message of a few hundred bytes, which the stream
+        carries for less than a call costs. Returns how the rows came (``"shm"``, or
+        ``"socket"`` where the server had no room to answer through shared memory and
+        sent them), its batches now in ``decoder``; None: it goes per call."""
+        if self.requests is None or not self.stream_max_bytes:
+            return None
+        got = self.requests.read(ticket, what, timeout, self.stream_max_bytes)
+        if got is None:
+            return None
+        if grant is not None and not grant:
+            assert got.schema is not None
+            grant.append(_grant_of(got.schema, what))
+        assert self.shm_dir is not None
+        from ..shm.table import take
+
+        batches = take(got.batches, self.shm_dir, what)
+        for b in batches:
+            decoder.add(b)
+        return "socket" if batches is got.batches else "shm"
 
     def _streamed(
         self,

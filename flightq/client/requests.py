@@ -4,11 +4,11 @@ Two calls per round trip cost a W4 put and get about 1.3 ms of gRPC call setup o
 cores; the same two operations as messages on a stream already open cost about 0.7 ms.
 So a :class:`~flightq.Client` sends an operation here when it is small (a put of less
 than ``stream_max_bytes`` payload bytes, a read the partition's last answer predicts that
-small; an ack, nack, clear or reset; a list_keys, inspect, stats, describe or
-dead_letters) and no other thread of the client is using the stream: it is used by one
-call at a time, and a second call at the same time goes per call rather than waiting.
-Everything else (large transfers, shared memory, device reads, parallel streams) goes
-per call.
+small, or any read through shared memory, whose answer only names segments; an ack,
+nack, clear or reset; a list_keys, inspect, stats, describe or dead_letters) and no other
+thread of the client is using the stream: it is used by one call at a time, and a second
+call at the same time goes per call rather than waiting. Everything else (large
+transfers, puts through shared memory, device reads, parallel streams) goes per call.
 
 The stream opens on the first small operation, and closes after a second without one
 (so that a stopping server is never held by an idle client); the next one opens it

@@ -142,6 +142,30 @@ def test_w2_round_trips_bit_exact_and_the_tensors_are_views_into_a_mapped_segmen
     assert not row[0].flags.writeable  # numpy marks views of the answer read-only
 
 
+def test_reads_through_shared_memory_are_asked_on_the_request_stream(client):
+    # The answer only names where the rows lie: a message the client's request stream
+    # carries, instead of a DoGet each; a client without the stream reads per call.
+    step = workloads.w2(groups=1)
+    client.create_partition("w2", step.schema, tasks=["train"], group_size=step.group_size)
+    client.put("w2", step.keys, step.columns, tags=step.tags)
+    calls = client.stats()["counters"]["gets"]
+    served = client.requests.served
+    got = client.get("w2", step.keys, as_="numpy")
+    assert got.received is not None and got.received.route == "shm"
+    assert client.requests.served == served + 1
+    assert assert_rows_match(got, step) > 0
+    claimed = client.claim("w2", "train", step.group_size, timeout=TIMEOUT, as_="numpy")
+    assert claimed.received is not None and claimed.received.route == "shm"
+    assert client.requests.served == served + 2 and claimed.claim is not None
+    client.ack(claimed)
+    client.stream_max_bytes = 0  # no request stream: the same read per call
+    again = client.get("w2", step.keys, as_="numpy")
+    assert again.received is not None and again.received.route == "shm"
+    assert client.requests.served == served + 3  # the ack went on the stream; the get not
+    assert assert_rows_match(again, step) > 0
+    assert client.stats()["counters"]["gets"] == calls + 2
+
+
 def test_the_servers_copy_of_a_large_put_split_over_threads_is_bit_exact(
     server, client, monkeypatch
 ):
@@ -198,7 +222,9 @@ def test_a_claim_whose_answer_cannot_be_written_comes_over_the_socket(server, cl
     server.shm_dir = str(tmp_path / "gone")  # the server can no longer create segments
     got = client.claim("c", "train", 4, as_="numpy", timeout=TIMEOUT)
     assert got.received is not None and got.received.route == "socket"
-    assert client.stats()["counters"]["shm_answers_declined"] == declined + 1
+    # Asked on the request stream first: declined there, its 2.5 MB over what the stream
+    # carries, the rows went back and the claim went per call, declined again.
+    assert client.stats()["counters"]["shm_answers_declined"] == declined + 2
     server.shm_dir = _DIR
     rest = client.claim("c", "train", 4, timeout=TIMEOUT, as_="numpy")
     assert rest.received is not None and rest.received.route == "shm"
