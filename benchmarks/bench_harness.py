@@ -114,6 +114,26 @@ def test_bare_flight_references_move_distinct_bytes_and_flightq_records_and_chec
         assert ref in doc["workloads"]["W1"]["ratios"]["flightq_vs"]
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="ray is not installed (the ray extra)"
+)
+def test_same_host_peers_carry_torch_and_numpy_rows_and_each_is_checked(tmp_path: Path) -> None:
+    # Ray with the rows as torch tensors (what flightq carries) beside Ray with numpy
+    # arrays, and flightq through shared memory with either: every row verified.
+    systems = ["ray", "ray-torch", "flightq-shm", "flightq-shm-numpy"]
+    argv = ["--quick", "--workloads", "W1", "--systems", ",".join(systems)]
+    argv += ["--reps", "1", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    w1 = doc["workloads"]["W1"]
+    for name in systems:
+        res = w1["results"][name]
+        assert res["status"] == "measured" and res["verified_cycles"] >= 2, (name, res)
+    assert set(w1["ratios"]["flightq-shm_vs"]) == {"ray", "ray-torch"}
+    assert set(w1["ratios"]["flightq-shm-numpy_vs"]) == {"ray", "ray-torch"}
+    assert "| W1 | flightq-shm-numpy | ray |" in (tmp_path / "bench.md").read_text()
+
+
 def test_cpu_seconds_follows_this_process_cpu_clock() -> None:
     before, start = procs.cpu_seconds(), time.process_time()
     while time.process_time() - start < 0.3:  # burn CPU, not wall time

@@ -32,6 +32,8 @@ __all__ = [
     "FlightqGroupsConsumer",
     "FlightqShmProducer",
     "FlightqShmConsumer",
+    "FlightqShmNumpyProducer",
+    "FlightqShmNumpyConsumer",
     "FlightqCudaProducer",
     "FlightqCudaConsumer",
     "PinnedH2DConsumer",
@@ -147,6 +149,8 @@ class FlightqConsumer(Consumer):
 
     shm = False
     suffix = ""
+    #: What the get hands out (``Client.get(as_=...)``).
+    as_ = "torch"
 
     def setup(self) -> dict[str, Any]:
         import flightq
@@ -160,7 +164,7 @@ class FlightqConsumer(Consumer):
 
     def get(self) -> dict[str, Any]:
         t0 = now_ns()
-        batch = self.client.get(self.partition, self.ref.keys)
+        batch = self.client.get(self.partition, self.ref.keys, as_=self.as_)
         returned = time.perf_counter()
         cols = {f: batch[f] for f in batch.fields}
         end = time.perf_counter()
@@ -254,6 +258,16 @@ class FlightqShmProducer(FlightqProducer):
     suffix = "-shm"
 
 
+class FlightqShmNumpyProducer(FlightqShmProducer):
+    """``put`` through shared memory of the generated numpy arrays (what the ``ray``
+    peer puts), not torch tensors."""
+
+    suffix = "-shmnp"
+
+    def prepare(self) -> None:
+        self._torch = self.step  # the numpy step itself: nothing converted
+
+
 class FlightqShmCopyProducer(FlightqShmProducer):
     """``put`` through shared memory, the writer copying the payloads into its segment
     (``Client.shm_direct = False``): the way before direct reads, beside it in one run."""
@@ -283,6 +297,14 @@ class FlightqShmConsumer(FlightqConsumer):
 
     shm = True
     suffix = "-shm"
+
+
+class FlightqShmNumpyConsumer(FlightqShmConsumer):
+    """``get(as_="numpy")`` through shared memory: numpy views of every field, what the
+    ``ray`` peer hands out."""
+
+    suffix = "-shmnp"
+    as_ = "numpy"
 
 
 class FlightqShmCopyConsumer(FlightqShmConsumer):

@@ -8,6 +8,9 @@ process, bound to 127.0.0.1. Producer and consumer join it as drivers.
   Same-node Ray reads from shared memory, so its get is a mapping, not a transfer; the
   pages show up in the producer's and consumer's RSS (``RssShmem``), not the raylet's.
   Like pickle, Ray serialises an array referenced by several rows once.
+- ``ray-torch``: the same with the rows as torch tensors (what flightq puts and hands
+  out), with Ray's zero-copy torch serializer on (``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``,
+  in :data:`RAY_ENV`; without it Ray pickles every tensor's bytes in band).
 - ``transferqueue``: ``kv_batch_put`` of a TensorDict (token fields as jagged nested
   tensors, media as a NonTensorStack of per-row segment lists, scalars as tensors),
   ``kv_batch_get`` by key, ``kv_clear``; TransferQueue's own controller and its default
@@ -30,7 +33,9 @@ __all__ = [
     "RefBox",
     "ray_connect",
     "RayProducer",
+    "RayTorchProducer",
     "RayConsumer",
+    "RayTorchConsumer",
     "TqProducer",
     "TqConsumer",
 ]
@@ -42,6 +47,9 @@ RAY_ENV = {
     "RAY_DEDUP_LOGS": "0",
     "RAY_AUTH_MODE": "token",
     "TQ_LOGGING_LEVEL": "ERROR",
+    # Torch tensors mapped from the object store as numpy arrays are (Ray's default
+    # pickles their bytes); read when ray is imported, so set before.
+    "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
 }
 NAMESPACE = "flightq_bench"
 REFBOX = "flightq_bench_refbox"
@@ -81,17 +89,24 @@ def ray_connect(address: str) -> Any:
 class RayProducer(Producer):
     """``ray.put`` of the step, then its reference handed to the consumer through an actor."""
 
+    #: Ends the reference's name in the actor: systems sharing it never share steps.
+    suffix = ""
+
     def setup(self) -> dict[str, Any]:
         self.ray = ray_connect(self.info["ray_address"])
         self.box = self.ray.get_actor(REFBOX, namespace=NAMESPACE)
-        self.key = f"{self.info['run']}-{self.step.name}"
+        self.key = f"{self.info['run']}-{self.step.name}{self.suffix}"
         self._ref: Any = None
         return {}
+
+    def prepare(self) -> None:
+        if getattr(self, "_payload", None) is None:
+            self._payload = as_payload(self.step)
 
     def put(self) -> dict[str, Any]:
         ray = self.ray
         t0 = now_ns()
-        self._ref = ray.put(as_payload(self.step))
+        self._ref = ray.put(self._payload)
         ray.get(self.box.put.remote(self.key, [self._ref]))
         return timed(t0)
 
@@ -102,13 +117,28 @@ class RayProducer(Producer):
         self._ref = None
 
 
+class RayTorchProducer(RayProducer):
+    """``ray.put`` of the step's rows as torch tensors (views of the generated arrays,
+    made once, untimed)."""
+
+    suffix = "-torch"
+
+    def prepare(self) -> None:
+        if getattr(self, "_payload", None) is None:
+            from flightq.workloads import to_torch
+
+            self._payload = as_payload(to_torch(self.step))
+
+
 class RayConsumer(Consumer):
     """Take the reference from the actor, ``ray.get`` the step."""
+
+    suffix = ""
 
     def setup(self) -> dict[str, Any]:
         self.ray = ray_connect(self.info["ray_address"])
         self.box = self.ray.get_actor(REFBOX, namespace=NAMESPACE)
-        self.key = f"{self.info['run']}-{self.ref.name}"
+        self.key = f"{self.info['run']}-{self.ref.name}{self.suffix}"
         self._got: Any = None
         return {}
 
@@ -125,6 +155,12 @@ class RayConsumer(Consumer):
 
     def release(self) -> None:
         self._got = None
+
+
+class RayTorchConsumer(RayConsumer):
+    """``ray.get`` of what :class:`RayTorchProducer` put: the rows as torch tensors."""
+
+    suffix = "-torch"
 
 
 def _tq() -> Any:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .stats import fmt_spread
-from .systems import BASELINE
+from .systems import BASELINE, COMPARED
 
 __all__ = ["write", "markdown", "chart", "header"]
 
@@ -118,7 +118,7 @@ def markdown(doc: dict[str, Any]) -> str:
     out += ["## flightq against each peer (ratio of flightq's speed to the peer's)", ""]
     out += ["| workload | flightq | peer | put | get | step |", "|---|---|---|---|---|---|"]
     for w, wd in doc["workloads"].items():
-        for mine in ("flightq", "flightq-shm", "flightq-tensordict"):
+        for mine in COMPARED:
             for peer, rat in wd.get("ratios", {}).get(f"{mine}_vs", {}).items():
                 row = [w, mine, peer, _ratio(rat, "put"), _ratio(rat, "get"), _ratio(rat, "step")]
                 out.append("| " + " | ".join(row) + " |")

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .stats import fmt_spread, paired_ratio, percentiles, summary
-from .systems import BASELINE, PEERS
+from .systems import BASELINE, COMPARED, PEERS
 
 __all__ = [
     "results",
@@ -218,7 +218,7 @@ def ratios(workload: str, samples: dict[str, list[dict[str, Any]]], nbytes: int)
     out: dict[str, Any] = {"vs_" + BASELINE: {}, "flightq_vs": {}}
     if BASELINE in per:
         out["vs_" + BASELINE] = {n: pair(n, BASELINE) for n in per if n != BASELINE}
-    for mine in ("flightq", "flightq-shm", "flightq-tensordict"):
+    for mine in COMPARED:
         if mine in per:
             out[f"{mine}_vs"] = {p: pair(mine, p) for p in (*PEERS, "memcpy") if p in per}
     if "flightq" in per:  # compressed against raw, over the same server and link

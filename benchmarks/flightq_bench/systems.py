@@ -19,6 +19,7 @@ __all__ = [
     "SYSTEMS",
     "BASELINE",
     "PEERS",
+    "COMPARED",
     "CUDA_SYSTEMS",
     "resolve",
     "missing_module",
@@ -145,7 +146,20 @@ SYSTEMS: dict[str, System] = {
             server="peers",
             requires=("ray",),
             server_procs=("raylet", "gcs_server", "RefBox"),
-            note="ray.put / ray.get across processes (same-node shared memory)",
+            note="ray.put / ray.get across processes (same-node shared memory) of "
+            "per-row numpy arrays",
+        ),
+        System(
+            "ray-torch",
+            "server",
+            _M + "peers:RayTorchProducer",
+            _M + "peers:RayTorchConsumer",
+            server="peers",
+            requires=("ray", "torch"),
+            server_procs=("raylet", "gcs_server", "RefBox"),
+            note="the same with per-row torch tensors, what flightq puts and gets, "
+            "with Ray's zero-copy torch serializer on (RAY_ENABLE_ZERO_COPY_TORCH_TENSORS)",
+            default=False,
         ),
         System(
             "flightq",
@@ -222,6 +236,17 @@ SYSTEMS: dict[str, System] = {
             "segment reference, the bytes are mapped",
         ),
         System(
+            "flightq-shm-numpy",
+            "server",
+            _M + "flightq_system:FlightqShmNumpyProducer",
+            _M + "flightq_system:FlightqShmNumpyConsumer",
+            server="flightq",
+            requires=("flightq.client.client", "flightq.server.flight", "flightq.shm"),
+            note="flightq-shm putting the generated numpy arrays and reading numpy views "
+            "(as_='numpy'): the types the ray peer carries",
+            default=False,
+        ),
+        System(
             "flightq-shm-copy",
             "server",
             _M + "flightq_system:FlightqShmCopyProducer",
@@ -271,7 +296,12 @@ PEERS = (
     "bare-flight-exchange",
     "transferqueue",
     "ray",
+    "ray-torch",
 )
+
+
+#: The flightq systems each compared with every peer of the run.
+COMPARED = ("flightq", "flightq-shm", "flightq-shm-numpy", "flightq-tensordict")
 
 
 def missing_module(system: System) -> str | None:
