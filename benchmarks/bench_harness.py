@@ -134,6 +134,18 @@ def test_same_host_peers_carry_torch_and_numpy_rows_and_each_is_checked(tmp_path
     assert "| W1 | flightq-shm-numpy | ray |" in (tmp_path / "bench.md").read_text()
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="ray is not installed (the ray extra)"
+)
+def test_the_same_host_get_benchmark_checks_ray_and_flightq_answers(capsys: Any) -> None:
+    script = _script("same_host_get")
+    assert script.main(["--workloads", "W4", "--reps", "2", "--modes", "off"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:2] == ["workload", "zero-copy"]
+    row = lines[1].split()
+    assert row[:2] == ["W4", "off"] and all(float(x) > 0 for x in row[2:6])
+
+
 def test_cpu_seconds_follows_this_process_cpu_clock() -> None:
     before, start = procs.cpu_seconds(), time.process_time()
     while time.process_time() - start < 0.3:  # burn CPU, not wall time
