@@ -289,6 +289,26 @@ class Segment:
             os.close(self.fd)
 
 
+def _reserve(fd: int, size: int) -> None:
+    """Give the file's first ``size`` bytes their pages now. ``ftruncate`` leaves a sparse
+    file, and on a full tmpfs (``/dev/shm`` is shared by every process of the host, and
+    small in containers) the first write into a page that cannot be had kills the process
+    with SIGBUS; reserved here, a full directory is an ``OSError`` (ENOSPC) instead,
+    which callers turn into a refusal or an answer over the socket.
+
+    Raises
+    ------
+    OSError
+        If the directory's filesystem has no room for them.
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return  # a filesystem that reserves nothing ahead (not tmpfs): as before
+        raise
+
+
 @dataclass
 class SegmentPool:
     """The shared-memory segments one process writes, kept warm for reuse.
@@ -536,6 +556,7 @@ class SegmentPool:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         try:
             os.ftruncate(fd, HEADER + capacity)
+            _reserve(fd, HEADER + capacity)
             mm = mmap.mmap(fd, HEADER + capacity, flags=mmap.MAP_SHARED | MAP_POPULATE_FLAG)
         except BaseException:
             os.close(fd)
@@ -552,6 +573,7 @@ class SegmentPool:
     def _grow(seg: Segment, capacity: int) -> Segment:
         try:
             os.ftruncate(seg.fd, HEADER + capacity)
+            _reserve(seg.fd, HEADER + capacity)
             mm = mmap.mmap(seg.fd, HEADER + capacity, flags=mmap.MAP_SHARED | MAP_POPULATE_FLAG)
         except BaseException:
             seg.close()

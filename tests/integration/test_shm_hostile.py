@@ -479,3 +479,67 @@ def test_an_answer_declined_takes_no_shared_memory(shm_dir):
             got = c.get("p", keys, as_="numpy")
             assert got.received is not None and got.received.route == "socket"
         assert srv.shm_pool is None or srv.shm_pool.paths() == []
+
+
+@contextlib.contextmanager
+def _small_tmpfs(size: int) -> Iterator[str]:
+    """A tmpfs of ``size`` bytes this test mounts and always unmounts (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    import tempfile
+
+    where = tempfile.mkdtemp(prefix="flightq-small-tmpfs-")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", where], capture_output=True
+    )
+    if mounted.returncode != 0:
+        os.rmdir(where)
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", where], check=False)
+        os.rmdir(where)
+
+
+def _fill(directory: str, leave: int) -> None:
+    """Another process's file takes all but ``leave`` bytes of ``directory``'s tmpfs."""
+    st = os.statvfs(directory)
+    with open(os.path.join(directory, "another-process"), "ab") as f:
+        f.write(b"\0" * (st.f_bavail * st.f_frsize - leave))
+
+
+def test_a_full_shared_memory_directory_refuses_or_answers_over_the_socket_never_crashes():
+    # /dev/shm is shared by every process of the host (and 64 MiB in a container): a
+    # segment sized with ftruncate alone is sparse, and the server's first write into a
+    # page tmpfs cannot give killed it with SIGBUS, and every row it held with it.
+    n = 1_500_000  # 12 MB of int64 tokens
+    with _small_tmpfs(32 * 2**20) as d:
+        code = "import sys, time, flightq\n" + (
+            "srv = flightq.Server(shm=sys.argv[1]).start()\n"
+            "print(srv.location, flush=True)\ntime.sleep(120)\n"
+        )
+        proc = subprocess.Popen([sys.executable, "-c", code, d], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            location = proc.stdout.readline().strip()
+            with flightq.connect(location, timeout=TIMEOUT) as plain:
+                plain.create_partition("r", "rollout_text@1", tasks=["train"])
+                plain.put("r", ["a"], {"input_ids": [np.arange(n, dtype=np.int64)]})
+                _fill(d, 4 * 2**20)  # an answer's segment of 12 MB cannot be had
+                with flightq.connect(location, timeout=TIMEOUT, shm=d) as c:
+                    got = c.get("r", ["a"], as_="numpy")
+                    assert got.received is not None and got.received.route == "socket"
+                    assert np.array_equal(got["input_ids"][0], np.arange(n, dtype=np.int64))
+                    os.unlink(os.path.join(d, "another-process"))
+                    _fill(d, 16 * 2**20)  # the writer's segment fits, the server's copy not
+                    with pytest.raises(
+                        flightq.ResourceExhaustedError, match=r"no room for .* shared memory"
+                    ):
+                        c.put("r", ["b"], {"input_ids": [np.zeros(n, dtype=np.int64)]})
+                assert proc.poll() is None  # alive
+                assert list(plain.list_keys("r")) == ["a"]  # nothing half-stored, nothing lost
+                assert plain.get("r", ["a"], as_="numpy").keys == ["a"]
+        finally:
+            proc.kill()
+            proc.wait()
