@@ -34,6 +34,7 @@ from ..errors import FlightqError, ProtocolError, UnavailableError
 from ..frames import MAX_FRAME_BYTES, STREAM_ACTIONS, pack_frame, parse_frame
 from ..protocol import ErrorDetail, PutAck, Ticket, parse_ticket
 from .metrics import Counters
+from .store import suggest
 
 __all__ = ["serve_requests", "HELLO"]
 
@@ -106,6 +107,7 @@ def serve_requests(
                     f"request stream: the request could not be handled ({type(e).__name__}: {e})"
                 ) from e
         except FlightqError as e:
+            suggest(e)  # close names of an unknown one, now that no lock is held
             counters.refused(type(e).__name__)
             log.info(
                 "refused %s on the request stream (partition %s, key %s): %s",

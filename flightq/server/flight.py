@@ -70,7 +70,7 @@ from .media import media_piece
 from .metrics import Counters, call_kind
 from .partition import Block, Partition, Row
 from .staging import Staging
-from .store import Advance, Store
+from .store import Advance, Store, suggest
 
 if TYPE_CHECKING:
     from ..shm import SegmentPool
@@ -362,6 +362,7 @@ class Server(fl.FlightServerBase):
         try:
             return fn(*args)
         except FlightqError as e:
+            suggest(e)  # close names of an unknown one, now that no lock is held
             self.counters.refused(type(e).__name__)
             log.info(
                 "refused %s (partition %s, key %s): %s",

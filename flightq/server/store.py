@@ -272,8 +272,8 @@ class Store:
     def _get(self, name: str) -> Partition:
         p = self._parts.get(name)
         if p is None:
-            raise NotFoundError(
-                f"unknown partition {name!r}{_close(name, self._parts)}", partition=name
+            raise _near(
+                NotFoundError(f"unknown partition {name!r}", partition=name), name, self._parts
             )
         return p
 
@@ -1127,16 +1127,32 @@ class _Waiter:
 #: Most names an error lists: other partitions are never listed wholesale (they may be
 #: other users'), and a partition's tasks only while they are this few.
 _LISTED = 8
-#: Most names searched for close matches.
-_CANDIDATES = 10_000
+#: Most names searched for close matches, and the characters of each compared: difflib's
+#: worst case over names a client chose is then under 20 ms of CPU per error.
+_CANDIDATES = 256
+_COMPARED = 48
 
 
-def _close(name: str, names: Iterable[str]) -> str:
-    """``"; did you mean 'a', 'b'?"`` with at most 3 names close to ``name``, or ``""``."""
-    # Bounded: this runs under the store's lock, on a name a client chose.
-    candidates = [n for n in itertools.islice(names, _CANDIDATES) if len(n) <= 256]
-    near = difflib.get_close_matches(name[:256], candidates, n=3)
-    return f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+def _near(e: NotFoundError, name: str, names: Iterable[str]) -> NotFoundError:
+    """``e``, remembering the names (at most :data:`_CANDIDATES`, copied now, under the
+    store's lock) that :func:`suggest` later searches for ones close to ``name``."""
+    e.__dict__["_near"] = (name, list(itertools.islice(names, _CANDIDATES)))
+    return e
+
+
+def suggest(e: BaseException) -> None:
+    """Add ``"; did you mean 'a', 'b'?"`` (at most 3 close names) to the message of a
+    :class:`NotFoundError` the store raised for an unknown name. Called where the error
+    leaves the server, outside the store's lock: a close-name search runs difflib over
+    names a client may have chosen to make it slow, and no other call waits for it."""
+    near = e.__dict__.pop("_near", None)
+    if near is None or not e.args:
+        return
+    name, names = near
+    found = difflib.get_close_matches(name[:_COMPARED], [n[:_COMPARED] for n in names], n=3)
+    full = {n[:_COMPARED]: n for n in reversed(names)}  # the first name of each prefix
+    if found:
+        e.args = (f"{e.args[0]}; did you mean {', '.join(repr(full[n]) for n in found)}?",)
 
 
 def _known(p: Partition, keys: Sequence[str]) -> None:
@@ -1152,15 +1168,15 @@ def _known(p: Partition, keys: Sequence[str]) -> None:
 def _task(p: Partition, task: str) -> TaskState:
     st = p.progress.tasks.get(task)
     if st is None:
-        declared = (
-            f"; declared: {list(p.tasks)}" if len(p.tasks) <= _LISTED else _close(task, p.tasks)
-        )
-        raise NotFoundError(
-            f"partition {p.name!r} declares no task {task!r}{declared}",
+        few = len(p.tasks) <= _LISTED
+        e = NotFoundError(
+            f"partition {p.name!r} declares no task {task!r}"
+            + (f"; declared: {list(p.tasks)}" if few else ""),
             expected=list(p.tasks),
             actual=task,
             partition=p.name,
         )
+        raise e if few else _near(e, task, p.tasks)
     return st
 
 

@@ -94,6 +94,31 @@ def test_an_unknown_partition_names_a_few_close_ones_never_every_partition(serve
         assert message.count("'user") <= 4  # the name asked and at most 3 close ones
 
 
+def test_close_names_are_searched_outside_the_stores_lock_over_a_bounded_few(server, monkeypatch):
+    # difflib over names a client chose can be made to take seconds per error: searched
+    # under the store's lock, one unknown name asked for held every other call that long.
+    from flightq.server import store as store_module
+
+    for i in range(300):
+        _declare(server.location, f"{'x' * 200}{i:04d}")
+    seen: list[tuple[bool, int, int]] = []
+    real = store_module.difflib.get_close_matches
+
+    def watched(word: str, possibilities: list[str], **kw: Any) -> list[str]:
+        free = server.store._lock.acquire(blocking=False)
+        if free:
+            server.store._lock.release()
+        seen.append((free, len(possibilities), max(map(len, [word, *possibilities]))))
+        return real(word, possibilities, **kw)
+
+    monkeypatch.setattr(store_module.difflib, "get_close_matches", watched)
+    with fl.connect(server.location) as c, pytest.raises(fl.FlightServerError) as err:
+        list(c.do_action(fl.Action("clear", msgpack.packb({"partition": "x" * 201}))))
+    kind, message = plain_error(err.value)
+    assert kind == "NotFoundError" and "; did you mean 'xxx" in message
+    assert seen == [(True, 256, 48)]  # the lock free; 256 names of their first 48 characters
+
+
 def test_an_unknown_task_of_many_names_a_few_close_ones(server):
     tasks = [f"task_{i:02d}" for i in range(40)]
     _declare(server.location, "p", tasks)
