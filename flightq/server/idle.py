@@ -143,6 +143,7 @@ class IdleWatch(fl.ServerMiddlewareFactory):
         #: Connections (host, port) a handler ran a call of, most recent last: never cut
         #: for another's call that never started (a client between two calls).
         self._seen: dict[tuple[str, int], None] = {}
+        self._pruned = 0.0  # time.monotonic() of the last pruning of gone connections
         #: Connections seen by the watchdog carrying no handled call, since when.
         self._unknown: dict[tuple[str, int], float] = {}
         #: Once the server stops: the connections on its port then, the only ones it may
@@ -185,8 +186,24 @@ class IdleWatch(fl.ServerMiddlewareFactory):
             with self._lock:
                 self._seen.pop(where, None)
                 self._seen[where] = None
-                if len(self._seen) > _SEEN_KEPT:  # forget the oldest
-                    del self._seen[next(iter(self._seen))]
+                if len(self._seen) > _SEEN_KEPT:
+                    self._forget_some()
+
+    def _forget_some(self) -> None:
+        """Bring the table of connections seen back to :data:`_SEEN_KEPT`: first by the
+        connections that are gone (at most once a second: it reads the TCP table), then
+        the oldest. Under ``self._lock``."""
+        now = time.monotonic()
+        if self.port and now - self._pruned >= 1.0:
+            self._pruned = now
+            live: set[tuple[str, int]] = set()
+            with contextlib.suppress(OSError):
+                live = {(_norm(h), p) for h, p in _connections(self.port)}
+            if live:  # (no table to read: only the oldest go)
+                for w in [w for w in self._seen if w not in live]:
+                    del self._seen[w]
+        while len(self._seen) > _SEEN_KEPT:
+            del self._seen[next(iter(self._seen))]
 
     def entered(self, context: fl.ServerCallContext | None) -> None:
         """A handler runs the call of ``context``: its first message came, and its
@@ -346,7 +363,11 @@ class IdleWatch(fl.ServerMiddlewareFactory):
             if not stalled:
                 self._unknown.clear()
                 return
+            # A connection a live call was handled on is never one to cut, however long
+            # ago it entered: the table of those seen is bounded, and others' calls may
+            # have pushed it out.
             seen = set(self._seen)
+            seen.update(w for c in self._calls if c.entered and (w := _where(c.peer or "")))
         conns = {(_norm(h), p) for h, p in _connections(self.port)}
         if self._owned is not None:
             conns &= self._owned

@@ -291,6 +291,32 @@ def test_a_stall_before_the_first_message_spares_connections_with_live_calls() -
         assert idle.health()["ok"] is True
 
 
+def test_a_flood_of_short_connections_cannot_get_a_live_sessions_connection_cut(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The connections a handler ran a call on are remembered in a bounded table: a client
+    # opening more short connections than it keeps pushed a held session's out of it,
+    # and one stalled call then had that session cut by elimination (its leases ended).
+    from flightq.server import idle as idle_module
+
+    monkeypatch.setattr(idle_module, "_SEEN_KEPT", 4)  # the flood, in a few connections
+    with (
+        flightq.Server(idle_timeout=IDLE) as srv,
+        flightq.connect(srv.location, timeout=TIMEOUT) as c,
+    ):
+        c.create_partition("held", TEXT, tasks=["t"])
+        c.put("held", ["a", "b"], {"input_ids": [np.arange(3)] * 2})
+        held = c.claim("held", "t", 2, lease=float("inf"), as_="numpy")  # opens the session
+        for _ in range(idle_module._SEEN_KEPT + 4):
+            with fl.connect(srv.location) as short:
+                list(short.do_action(fl.Action("health", b"")))
+        with HeadersOnly("127.0.0.1", srv.port) as raw:
+            raw.open("DoPut")
+            assert raw.closed.wait(TIMEOUT), "the stalled call's connection was never cut"
+        assert srv.store.stats()["partitions"]["held"]["leased"] == {"t": 2}
+        assert c.ack(held) == 2
+
+
 def test_calls_refused_busy_are_not_taken_for_stalled_ones() -> None:
     # A refused call never reaches a handler: were it followed as one that waits for its
     # first message, the bystander's idle connection would be cut for it.
