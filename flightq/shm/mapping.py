@@ -429,7 +429,7 @@ def store_copy(
             raise
         weakref.finalize(data, STORES.let_go, dirpath, pool)
         # The owner marks its own segment taken: no reader may write a 0400 file.
-        struct.pack_into("<q", seg.mm, STATE_AT, TAKEN)
+        seg.set_state(TAKEN)
         return data, size
     finally:
         os.close(fd)

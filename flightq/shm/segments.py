@@ -50,6 +50,8 @@ MAGIC = b"FQSHM001"
 HEADER_FORMAT = struct.Struct("<8sqqqqd")
 STATE_AT = 8
 FREE, WRITTEN, TAKEN = 0, 1, 2
+#: What :meth:`Segment.state` says of a file shorter than its segment (never on disk).
+GONE = -1
 SEGMENT_NAME = re.compile(r"^flightq-(\d+)-[0-9a-f]{8}-\d+$")
 MAP_POPULATE_FLAG = getattr(mmap, "MAP_POPULATE", 0)
 
@@ -265,8 +267,25 @@ class Segment:
     gen: int = 0
     written_at: float = 0.0
 
+    # The header is read and written through the descriptor, never the mapping: a reader
+    # (whose answer segments are writable, to mark them taken) may truncate the file, and
+    # a page of a mapping past the file's end is SIGBUS, where pread and pwrite are not.
+
     def state(self) -> int:
-        return int(struct.unpack_from("<q", self.mm, STATE_AT)[0])
+        """The header's state word; :data:`GONE` once the file is shorter than its
+        segment (truncated under its owner: never filled again)."""
+        if self.fd < 0:
+            raise ValueError(f"segment {self.path} is closed")
+        raw = os.pread(self.fd, 8, STATE_AT)
+        if len(raw) < 8 or os.fstat(self.fd).st_size < HEADER + self.capacity:
+            return GONE
+        return int(struct.unpack("<q", raw)[0])
+
+    def set_state(self, state: int) -> None:
+        os.pwrite(self.fd, struct.pack("<q", state), STATE_AT)
+
+    def set_header(self, state: int, gen: int, n: int, at: float) -> None:
+        os.pwrite(self.fd, HEADER_FORMAT.pack(MAGIC, state, gen, n, os.getpid(), at), 0)
 
     def lock(self) -> bool:
         """Take the exclusive lock if no reader holds the segment (kept while writing)."""
@@ -287,6 +306,7 @@ class Segment:
             self.mm.close()  # views still exported (a writer mid-flight): dropped at GC
         with contextlib.suppress(OSError):
             os.close(self.fd)
+        self.fd = -1  # its number may name another file from now on
 
 
 def _reserve(fd: int, size: int) -> None:
@@ -428,7 +448,7 @@ class SegmentPool:
         seg = self.room(n, what)
         more = HEADER + seg.capacity - least
         if more > 0 and not admit(more):  # a free one reused: back to the pool, unwritten
-            struct.pack_into("<q", seg.mm, STATE_AT, FREE)
+            seg.set_state(FREE)
             seg.unlock()
             raise Declined(f"{what}: no room for {HEADER + seg.capacity} bytes")
         return seg
@@ -455,7 +475,7 @@ class SegmentPool:
         # A new generation, then the exclusive lock goes: readers may come.
         seg.gen += 1
         seg.written_at = time.monotonic()
-        HEADER_FORMAT.pack_into(seg.mm, 0, MAGIC, WRITTEN, seg.gen, n, os.getpid(), seg.written_at)
+        seg.set_header(WRITTEN, seg.gen, n, seg.written_at)
         with self._lock:
             self._waiting[seg.path] = seg
         seg.unlock()
@@ -486,7 +506,7 @@ class SegmentPool:
         with self._lock:
             seg = next((s for s in self._segs if s.path == ref.get("path")), None)
             if seg is not None and seg.gen == ref.get("gen") and seg.state() == WRITTEN:
-                struct.pack_into("<q", seg.mm, STATE_AT, FREE)
+                seg.set_state(FREE)
                 self._waiting.pop(seg.path, None)
 
     def acquire(self, n: int) -> Segment:
@@ -506,12 +526,18 @@ class SegmentPool:
             if self._closed:
                 raise ProtocolError("shared memory: the segment pool is closed")
             now = time.monotonic()
+            states = {s.path: s.state() for s in self._segs}
+            for s in [s for s in self._segs if states[s.path] == GONE]:
+                # Truncated under its owner (by a reader): writing into it would be SIGBUS.
+                self._segs.remove(s)
+                self._waiting.pop(s.path, None)
+                drop.append(s)
             # Free: not waiting for its reader (unless the lease ran out) and no reader holds
             # it (the exclusive lock is free; it stays taken on the one chosen).
             free = [
                 s
                 for s in self._segs
-                if (s.state() != WRITTEN or now - s.written_at > self.lease_s) and s.lock()
+                if (states[s.path] != WRITTEN or now - s.written_at > self.lease_s) and s.lock()
             ]
             # Best fit that does not waste more than the request; else grow a small one.
             fits = [s for s in free if need <= s.capacity <= 2 * need + GRANULE]
@@ -525,7 +551,7 @@ class SegmentPool:
             if seg is not None:
                 free.remove(seg)
                 self._waiting.pop(seg.path, None)  # being written: no longer waiting
-                HEADER_FORMAT.pack_into(seg.mm, 0, MAGIC, WRITTEN, seg.gen, 0, os.getpid(), now)
+                seg.set_header(WRITTEN, seg.gen, 0, now)
                 seg.written_at = now
             self._count += 1
             name = f"flightq-{os.getpid()}-{self._token}-{self._count}"
@@ -564,8 +590,8 @@ class SegmentPool:
                 os.unlink(path)
             raise
         now = time.monotonic()
-        HEADER_FORMAT.pack_into(mm, 0, MAGIC, WRITTEN, 0, 0, os.getpid(), now)
         seg = Segment(path, fd, mm, capacity, written_at=now)
+        seg.set_header(WRITTEN, 0, 0, now)
         seg.lock()
         return seg
 
@@ -606,7 +632,7 @@ class SegmentPool:
             for path, s in list(self._waiting.items()):
                 try:
                     waiting = now - s.written_at <= self.lease_s and s.state() == WRITTEN
-                except ValueError:  # closed: unlinked since
+                except (ValueError, OSError):  # closed: unlinked since
                     waiting = False
                 if waiting:
                     nbytes += HEADER + s.capacity
@@ -628,7 +654,7 @@ class SegmentPool:
         with self._lock:
             seg = next((s for s in self._segs if s.path == ref.get("path")), None)
             if seg is not None and seg.gen == ref.get("gen"):
-                struct.pack_into("<q", seg.mm, STATE_AT, FREE)
+                seg.set_state(FREE)
 
     def close(self) -> None:
         """Unlink every segment; readers that mapped one keep valid pages."""

@@ -543,3 +543,40 @@ def test_a_full_shared_memory_directory_refuses_or_answers_over_the_socket_never
         finally:
             proc.kill()
             proc.wait()
+
+
+def test_a_reader_truncating_its_answer_segment_crashes_nothing(shm_dir):
+    # Answer segments are writable by their reader (it marks them taken). A page of the
+    # server's mapping past a truncated file's end is SIGBUS: the server now reads and
+    # writes their headers through the descriptor and never fills a shortened one again.
+    n = 400_000  # 3.2 MB a row, put over the socket: an answer needs a segment
+    code = "import sys, time, flightq\n" + (
+        "srv = flightq.Server(shm=sys.argv[1]).start()\n"
+        "print(srv.location, flush=True)\ntime.sleep(120)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, shm_dir], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        location = proc.stdout.readline().strip()
+        rows = {"input_ids": [np.arange(n, dtype=np.int64) + i for i in range(3)]}
+        with flightq.connect(location, timeout=TIMEOUT) as plain:
+            plain.create_partition("r", "rollout_text@1")
+            plain.put("r", ["a", "b", "c"], rows)
+            with flightq.connect(location, timeout=TIMEOUT, shm=shm_dir) as c:
+                first = c.get("r", ["a"], as_="numpy")
+                assert first.received is not None and first.received.route == "shm"
+                segments = [f for f in os.listdir(shm_dir) if f"-{proc.pid}-" in f]
+                assert segments
+                for name in segments:
+                    os.truncate(os.path.join(shm_dir, name), 0)
+                del first
+                for key, want in (("b", rows["input_ids"][1]), ("c", rows["input_ids"][2])):
+                    got = c.get("r", [key], as_="numpy")
+                    assert np.array_equal(got["input_ids"][0], want)
+            assert proc.poll() is None  # alive, and serving
+            assert sorted(plain.list_keys("r")) == ["a", "b", "c"]
+    finally:
+        proc.kill()
+        proc.wait()
