@@ -271,13 +271,14 @@ class Segment:
     # (whose answer segments are writable, to mark them taken) may truncate the file, and
     # a page of a mapping past the file's end is SIGBUS, where pread and pwrite are not.
 
-    def state(self) -> int:
-        """The header's state word; :data:`GONE` once the file is shorter than its
-        segment (truncated under its owner: never filled again)."""
+    def state(self, whole: bool = False) -> int:
+        """The header's state word; :data:`GONE` where the file no longer holds it, or
+        (``whole``: before filling it again) is shorter than the segment: truncated
+        under its owner, never to be filled again."""
         if self.fd < 0:
             raise ValueError(f"segment {self.path} is closed")
         raw = os.pread(self.fd, 8, STATE_AT)
-        if len(raw) < 8 or os.fstat(self.fd).st_size < HEADER + self.capacity:
+        if len(raw) < 8 or (whole and os.fstat(self.fd).st_size < HEADER + self.capacity):
             return GONE
         return int(struct.unpack("<q", raw)[0])
 
@@ -526,7 +527,7 @@ class SegmentPool:
             if self._closed:
                 raise ProtocolError("shared memory: the segment pool is closed")
             now = time.monotonic()
-            states = {s.path: s.state() for s in self._segs}
+            states = {s.path: s.state(whole=True) for s in self._segs}
             for s in [s for s in self._segs if states[s.path] == GONE]:
                 # Truncated under its owner (by a reader): writing into it would be SIGBUS.
                 self._segs.remove(s)
