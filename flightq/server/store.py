@@ -285,34 +285,51 @@ class Store:
     def capture(self, names: Sequence[str] | None = None) -> list[Partition]:
         """Consistent copies of partitions (all when ``names`` is None), for a snapshot.
 
-        Rows, cells, tags and each task's progress are copied under the lock; the stored record
-        batches they point to are immutable and shared.
+        Under the lock only what changes in place is copied, at C speed: each partition's
+        table of rows (a stored :class:`Row` is never changed, a write replaces it) and
+        each task's sets and maps. The copies are built from those after the lock is let
+        go, so a snapshot of many rows holds no other call for long. The stored record
+        batches the rows point to are immutable and shared.
         """
         with self._lock:
             parts = list(self._parts.values()) if names is None else [self._get(n) for n in names]
-            return [
-                Partition(
-                    p.name,
-                    p.schema,
-                    p.tasks,
-                    p.group_size,
-                    rows={
-                        k: Row(
-                            r.key, r.group, dict(r.cells), dict(r.tags), r.seq_len, r.nbytes, r.held
+            frozen = [
+                (
+                    p,
+                    dict(p.rows),
+                    [
+                        (
+                            t,
+                            set(st.done),
+                            dict(st.dead),
+                            dict(st.deliveries),
+                            dict(st.failures),
+                            st.trimmed,
                         )
-                        for k, r in p.rows.items()
-                    },
-                    progress=_copy_progress(p),
-                    next_group=p.next_group,
-                    nbytes=p.nbytes,
-                    held=p.held,
-                    max_rows=p.max_rows,
-                    recent_puts=dict(p.recent_puts),
-                    lease=p.lease,
-                    max_failures=p.max_failures,
+                        for t, st in p.progress.tasks.items()
+                    ],
+                    (p.next_group, p.nbytes, p.held, dict(p.recent_puts)),
                 )
                 for p in parts
             ]
+        return [
+            Partition(
+                p.name,
+                p.schema,
+                p.tasks,
+                p.group_size,
+                rows=rows,
+                progress=_copy_progress(p, rows, tasks),
+                next_group=next_group,
+                nbytes=nbytes,
+                held=held,
+                max_rows=p.max_rows,
+                recent_puts=recent,
+                lease=p.lease,
+                max_failures=p.max_failures,
+            )
+            for p, rows, tasks, (next_group, nbytes, held, recent) in frozen
+        ]
 
     def restore(self, parts: Sequence[Partition]) -> None:
         """Adopt restored partitions (see :mod:`flightq.server.snapshot`).
@@ -1195,18 +1212,25 @@ def _of_lease(p: Partition, lease: Lease, keys: Sequence[str] | None) -> None:
         )
 
 
-def _copy_progress(p: Partition) -> Progress:
-    """A copy of a partition's progress, for a snapshot: leased rows are not done, so
-    after a restore they are ready again."""
+def _copy_progress(
+    p: Partition,
+    rows: dict[str, Row],
+    tasks: list[tuple[str, set[str], dict[str, Any], dict[str, int], dict[str, int], bool]],
+) -> Progress:
+    """A partition's progress for a snapshot, from copies of its rows and its tasks' done,
+    dead, deliveries and failures: leased rows are not done, so after a restore they are
+    ready again."""
     out = Progress(p.tasks, p.max_failures)
-    for t, st in p.progress.tasks.items():
+    for t, done, dead, deliveries, failures, trimmed in tasks:
         c = out.tasks[t]
-        c.done = set(st.done)
-        c.dead = dict(st.dead)
-        c.deliveries = dict(st.deliveries)
-        c.failures = dict(st.failures)
-        c.trimmed = st.trimmed
-        c.ready = {k: None for k in p.rows if k not in c.done and k not in c.dead}
+        c.done, c.dead, c.deliveries, c.failures, c.trimmed = (
+            done,
+            dead,
+            deliveries,
+            failures,
+            trimmed,
+        )
+        c.ready = {k: None for k in rows if k not in done and k not in dead}
     return out
 
 
