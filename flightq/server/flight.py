@@ -65,7 +65,7 @@ from .assemble import assemble
 from .budget import DictionaryUse, check_batch, underlying_bytes
 from .exchange import serve_requests
 from .idle import DEFAULT_IDLE_TIMEOUT, MIDDLEWARE_KEY, IdleWatch
-from .limits import DEFAULT_MAX_CALLS, DEFAULT_MAX_SESSIONS, CallLimits
+from .limits import DEFAULT_MAX_CALLS, DEFAULT_MAX_SESSIONS, LIMITS_KEY, CallLimits
 from .media import media_piece
 from .metrics import Counters, call_kind
 from .partition import Block, Partition, Row
@@ -203,7 +203,7 @@ class Server(fl.FlightServerBase):
         # In this order: a call refused by authentication never takes a slot, and the
         # watch follows only admitted calls (Flight tells no middleware started before a
         # refusing one that the call ended: it would follow a refused call for good).
-        kwargs["middleware"] = {**kwargs.get("middleware", {}), "flightq.limits": self.limits}
+        kwargs["middleware"] = {**kwargs.get("middleware", {}), LIMITS_KEY: self.limits}
         kwargs["middleware"] = {**kwargs.get("middleware", {}), MIDDLEWARE_KEY: self.idle}
         self.registry = registry if registry is not None else SchemaRegistry.default()
         self.store = Store(memory_budget)
@@ -562,6 +562,7 @@ class Server(fl.FlightServerBase):
             cancelled,
             t.lease,
             t.session,
+            park=lambda: self.limits.park(context),
         )
         try:
             schema, batches = self._assemble(t, part, rows, names, count)

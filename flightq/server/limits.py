@@ -17,7 +17,12 @@ client's request
 stream (:mod:`flightq.server.exchange`, a DoExchange whose call carries the header
 :data:`STREAM_HEADER`) also holds a thread for as long as it is open: those are counted
 against ``max_sessions`` too, on a third count, so that a consumer's own request stream
-never takes the slot its session needs. A call past its bound
+never takes the slot its session needs. A claim that waits for rows gives up its slot
+among the data calls while it waits and takes one among the claims waiting, counted
+against ``max_calls`` on a count of their own: a client's waiting claims (or many
+consumers', each waiting for the next step) never take the slots the generators' puts and
+the readers' gets need. A claim that would wait when that count is full is refused busy
+(a claim that finds its rows at once takes none). A call past its bound
 is refused before it takes anything, with :class:`~flightq.errors.ResourceExhaustedError`
 ("server busy: N calls in flight"); the slot frees the moment a call ends, however it ends.
 """
@@ -33,7 +38,7 @@ import pyarrow.flight as fl
 from ..errors import ProtocolError, ResourceExhaustedError
 from ..protocol import to_flight_error
 
-__all__ = ["CallLimits", "DEFAULT_MAX_CALLS", "DEFAULT_MAX_SESSIONS", "STREAM_HEADER"]
+__all__ = ["CallLimits", "DEFAULT_MAX_CALLS", "DEFAULT_MAX_SESSIONS", "LIMITS_KEY", "STREAM_HEADER"]
 
 #: Calls (DoPut, DoGet, DoAction, ...) in flight at once, consumer sessions apart.
 DEFAULT_MAX_CALLS = 128
@@ -43,14 +48,19 @@ DEFAULT_MAX_SESSIONS = 128
 STREAM_HEADER = ("flightq-stream", "requests")
 
 
+#: The key the limits are installed under in the server's middleware.
+LIMITS_KEY = "flightq.limits"
+
+
 class _Slot(fl.ServerMiddleware):
-    """One admitted call; gives its slot back when the call completes."""
+    """One admitted call; gives its slot back when the call completes (``kind``: the
+    count it is on now; a waiting claim moves between two)."""
 
     def __init__(self, limits: CallLimits, kind: str) -> None:
-        self._limits, self._kind = limits, kind
+        self._limits, self.kind = limits, kind
 
     def call_completed(self, exception: Any) -> None:
-        self._limits._end(self._kind)
+        self._limits._end(self)
 
 
 class CallLimits(fl.ServerMiddlewareFactory):
@@ -76,7 +86,7 @@ class CallLimits(fl.ServerMiddlewareFactory):
         #: Told the error class of each call refused here (the server's refusal counts).
         self._on_refused = on_refused
         self._lock = threading.Lock()
-        self._counts = {"calls": 0, "actions": 0, "sessions": 0, "streams": 0}
+        self._counts = {"calls": 0, "actions": 0, "sessions": 0, "streams": 0, "waiting": 0}
 
     def __repr__(self) -> str:
         return f"CallLimits(max_calls={self.max_calls}, max_sessions={self.max_sessions})"
@@ -96,6 +106,50 @@ class CallLimits(fl.ServerMiddlewareFactory):
         with self._lock:
             return self._counts["streams"]
 
+    def waiting(self) -> int:
+        """Claims waiting for rows that gave up their data call's slot (bounded by
+        ``max_calls``)."""
+        with self._lock:
+            return self._counts["waiting"]
+
+    def park(self, context: fl.ServerCallContext | None) -> Callable[[], None] | None:
+        """A claim of ``context`` starts waiting for rows: its slot moves from the data
+        calls to the claims waiting. Returns what moves it back (its rows found, it is
+        answered as a data call again: that count may pass its bound by the claims that
+        come back at once); None where the call holds no data call's slot (a claim on a
+        request stream, which waits on the stream's own slot).
+
+        Raises
+        ------
+        ResourceExhaustedError
+            If ``max_calls`` claims wait already.
+        """
+        slot = None if context is None else context.get_middleware(LIMITS_KEY)
+        if not isinstance(slot, _Slot) or slot.kind != "calls":
+            return None
+        with self._lock:
+            n = self._counts["waiting"]
+            if n >= self.max_calls:
+                refusal = _busy(n, self.max_calls, "waiting")
+            else:
+                self._counts["waiting"] = n + 1
+                self._counts["calls"] -= 1
+                slot.kind = "waiting"
+                refusal = None
+        if refusal is not None:
+            if self._on_refused is not None:
+                self._on_refused(type(refusal).__name__)
+            raise refusal
+
+        def unpark() -> None:
+            with self._lock:
+                if slot.kind == "waiting":
+                    self._counts["waiting"] -= 1
+                    self._counts["calls"] += 1
+                    slot.kind = "calls"
+
+        return unpark
+
     def start_call(self, info: fl.CallInfo, headers: dict[str, Any]) -> fl.ServerMiddleware:
         kind = "actions" if info.method in _ONE_MESSAGE else "calls"
         if info.method == fl.FlightMethod.DO_EXCHANGE:
@@ -112,9 +166,9 @@ class CallLimits(fl.ServerMiddlewareFactory):
             self._on_refused(type(refusal).__name__)
         raise to_flight_error(refusal)
 
-    def _end(self, kind: str) -> None:
+    def _end(self, slot: _Slot) -> None:
         with self._lock:
-            self._counts[kind] -= 1
+            self._counts[slot.kind] -= 1
 
 
 #: Calls of one request message (an action, a listing, a lookup): counted apart from the
@@ -133,8 +187,8 @@ _ONE_MESSAGE = frozenset(
 
 
 def _busy(n: int, limit: int, what: str) -> ResourceExhaustedError:
-    option = "max_calls" if what in ("calls", "actions") else "max_sessions"
-    shown = "request streams" if what == "streams" else what
+    option = "max_calls" if what in ("calls", "actions", "waiting") else "max_sessions"
+    shown = {"streams": "request streams", "waiting": "claims waiting for rows"}.get(what, what)
     return ResourceExhaustedError(
         f"server busy: {n} {shown} in flight, its limit ({option}={limit}); retry shortly, "
         f"or serve with a larger --{option.replace('_', '-')}",

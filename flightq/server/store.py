@@ -895,6 +895,7 @@ class Store:
         cancelled: Callable[[], bool] | None = None,
         lease: float | None = None,
         session: str | None = None,
+        park: Callable[[], Callable[[], None] | None] | None = None,
     ) -> tuple[Partition, list[Row], list[str], Lease]:
         """Wait for ``batch_size`` ready rows, lease them to ``task``, return them.
 
@@ -905,7 +906,9 @@ class Store:
         ``fields`` (every column they have when None), under a lease of ``lease`` seconds
         (the partition's when None) that also ends when ``session`` ends. ``cancelled``
         (e.g. ``ServerCallContext.is_cancelled``) is polled while waiting: a claim its
-        caller abandoned stops waiting and takes no rows.
+        caller abandoned stops waiting and takes no rows. ``park()`` is called once the
+        claim must wait (it may refuse, raising) and returns what is called when it stops
+        waiting (or None).
 
         Raises
         ------
@@ -948,6 +951,7 @@ class Store:
                     partition=name,
                 )
             waiter: _Waiter | None = None  # once it waits
+            unpark: Callable[[], None] | None = None
             seen = (0, -1)  # the partition (its epoch) and its progress version last looked at
             try:
                 while True:
@@ -985,6 +989,7 @@ class Store:
                             partition=name,
                         )
                     if waiter is None:
+                        unpark = park() if park is not None else None
                         waiter = _Waiter(threading.Condition(self._lock), task, batch_size, need)
                         self._claims.setdefault(name, {})[waiter] = None
                         tasks = self._waiting.setdefault(name, {})
@@ -996,6 +1001,8 @@ class Store:
             finally:
                 if waiter is not None:
                     self._stop_waiting(name, waiter)
+                if unpark is not None:
+                    unpark()
 
     def _stop_waiting(self, name: str, waiter: _Waiter) -> None:
         claims = self._claims[name]

@@ -320,29 +320,32 @@ def test_a_flood_of_short_connections_cannot_get_a_live_sessions_connection_cut(
 def test_calls_refused_busy_are_not_taken_for_stalled_ones() -> None:
     # A refused call never reaches a handler: were it followed as one that waits for its
     # first message, the bystander's idle connection would be cut for it.
+    mib = 2**20
     with (
-        flightq.Server(max_calls=1, idle_timeout=IDLE) as srv,
+        flightq.Server(max_calls=1, idle_timeout=IDLE, memory_budget=4 * mib) as srv,
         flightq.connect(srv.location, timeout=TIMEOUT) as c,
         flightq.connect(srv.location, timeout=TIMEOUT) as bystander,
     ):
         c.create_partition("p", TEXT, tasks=["t"])
+        c.put("p", ["full"], {"input_ids": [np.zeros(3 * mib // 8, dtype=np.int64)]})
         assert bystander.health()["ok"] is True
         got: list[object] = []
 
-        def claim() -> None:  # waits on the server, not on its client: never cut
+        def put() -> None:  # waits on the server for room, not on its client: never cut
             try:
-                c.claim("p", "t", 1, timeout=4 * IDLE, as_="numpy")
+                big = {"input_ids": [np.zeros(2 * mib // 8, dtype=np.int64)]}
+                c.put("p", ["big"], big, timeout=5 * IDLE)
             except Exception as e:
                 got.append(e)
 
-        waiter = threading.Thread(target=claim)
+        waiter = threading.Thread(target=put)
         waiter.start()
-        _until("the claim holds the one slot", lambda: srv.limits.in_flight()[0] == 1)
+        _until("the put holds the one slot", lambda: srv.limits.in_flight()[0] == 1)
         for _ in range(3):
             with pytest.raises(fl.FlightError, match="server busy"):
                 plain_put(srv.location, put_command("p", rows=1), [text_batch(["x"])])
         waiter.join(TIMEOUT)
-        assert [type(e) for e in got] == [flightq.ClaimTimeoutError]
+        assert [type(e) for e in got] == [flightq.ResourceExhaustedError]
         assert srv.counters.snapshot()["idle_cuts"] == 0
         assert bystander.health()["ok"] is True
         assert plain_put(srv.location, put_command("p", rows=1), [text_batch(["a"])]) == {"rows": 1}

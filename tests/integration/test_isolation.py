@@ -230,6 +230,50 @@ def _open_session(location: str) -> tuple[fl.FlightClient, object, object]:
     return client, writer, reader
 
 
+def test_claims_waiting_for_rows_never_take_the_slots_puts_and_gets_need() -> None:
+    # A claim that waits gives up its data call's slot for one among the claims waiting:
+    # a client's (or many consumers') waiting claims cannot refuse the generators' puts.
+    from flightq.protocol import ClaimTicket
+
+    def waiting_claim(location: str, errors: list[BaseException]) -> None:
+        ticket = ClaimTicket(partition="p", task="t", batch_size=1, timeout=TIMEOUT)
+        try:
+            with fl.connect(location) as plain:
+                plain.do_get(fl.Ticket(ticket.to_wire())).read_all()
+        except BaseException as e:  # a refusal, or the end of the test
+            errors.append(e)
+
+    with (
+        flightq.Server(max_calls=2) as srv,
+        flightq.connect(srv.location, timeout=TIMEOUT) as c,
+    ):
+        c.create_partition("p", TEXT, tasks=["t"])
+        c.stream_max_bytes = 0  # every call per call: each takes a data call's slot
+        errors: list[BaseException] = []
+        claims = [
+            threading.Thread(target=waiting_claim, args=(srv.location, errors)) for _ in range(2)
+        ]
+        for th in claims:
+            th.start()
+        deadline = time.monotonic() + TIMEOUT
+        while srv.limits.waiting() < 2:
+            assert time.monotonic() < deadline and not errors, errors
+            time.sleep(0.02)
+        assert srv.limits.in_flight()[0] == 0  # both wait, neither holds a data slot
+        # A third claim that must wait is refused busy; a put and a get go through.
+        with pytest.raises(
+            flightq.ResourceExhaustedError, match=r"server busy: 2 claims waiting for rows"
+        ):
+            c.claim("p", "t", 1, timeout=TIMEOUT)
+        for i in range(3):
+            assert c.put("p", [f"r{i}"], {"input_ids": [np.arange(3)]}).route == "socket"
+        for th in claims:
+            th.join(TIMEOUT)
+        assert not errors and srv.limits.waiting() == 0  # both took a row, then ended
+        assert c.get("p", ["r0", "r1", "r2"], as_="numpy").keys == ["r0", "r1", "r2"]
+        assert c.claim("p", "t", 1, timeout=TIMEOUT, as_="numpy").keys == ["r2"]
+
+
 def test_sessions_are_capped_apart_from_calls() -> None:
     with flightq.Server(max_sessions=1, max_calls=4) as srv:
         first = _open_session(srv.location)
