@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -57,6 +57,7 @@ __all__ = [
     "journal_cost",
     "put_id_cost",
     "keys_size",
+    "shrunk",
     "check_batch",
     "DictionaryUse",
     "underlying_bytes",
@@ -163,6 +164,28 @@ def journal_cost(keys: Sequence[str] | None) -> int:
 def put_id_cost(put_id: str) -> int:
     """Bytes the budget counts for a put id a partition remembers."""
     return PUT_ID_OVERHEAD + sys.getsizeof(put_id)
+
+
+#: A dict or set whose table takes more than this many bytes an entry (and 1 KiB) once
+#: entries went is rebuilt at its size (:func:`shrunk`).
+SHRINK_BYTES_PER_ENTRY = 128
+
+_Table = TypeVar("_Table", dict[Any, Any], set[Any])
+
+
+def shrunk(table: _Table) -> _Table:
+    """``table``, or a copy of it at its size (in its order) where deletions left it more
+    than :data:`SHRINK_BYTES_PER_ENTRY` bytes an entry: Python never shrinks a dict or set
+    on deletion, so a partition cleared of most of its rows would keep, uncounted, tables
+    sized for its peak. The caller swaps the copy in. Rebuilding the table in place would
+    show it empty midway to those who read it without the store's lock (a put's plan, a
+    large put's merge), which then took its rows for gone.
+
+    Amortized O(1) a deletion: a copy takes at most 64 bytes an entry (and 1 KiB), so the
+    next is made only once half its entries or more went."""
+    if sys.getsizeof(table) > 1024 + SHRINK_BYTES_PER_ENTRY * len(table):
+        return type(table)(table)
+    return table
 
 
 def metadata_bytes(schema: pa.Schema) -> int:

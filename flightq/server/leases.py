@@ -22,7 +22,6 @@ every call.
 from __future__ import annotations
 
 import math
-import sys
 import uuid
 import weakref
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -36,6 +35,7 @@ from .budget import (
     Tally,
     keys_size,
     record_stamp,
+    shrunk,
     tallied,
 )
 
@@ -62,22 +62,6 @@ ENDED_KEPT = 4096
 #: Keys a task's :attr:`TaskState.moved` keeps while a large put merges outside the
 #: store's lock; past it the merge falls back to the in-lock update.
 MOVED_KEPT = 1 << 16
-
-
-#: A dict or set whose table takes more than this many bytes an entry (and 1 KiB) once
-#: entries went is rebuilt to its size: Python never shrinks a table on deletion, so a
-#: partition cleared of most of its rows would keep, uncounted, tables sized for its peak.
-SHRINK_BYTES_PER_ENTRY = 128
-
-
-def shrink(table: dict[Any, Any] | set[Any]) -> None:
-    """Let ``table`` give back what deletions left of its peak size, keeping the object
-    (a merge under way holds a task's ``ready`` by identity) and its order."""
-    n = len(table)
-    if sys.getsizeof(table) > 1024 + SHRINK_BYTES_PER_ENTRY * n:
-        kept = table.copy()
-        table.clear()  # frees the table
-        table.update(kept)
 
 
 @dataclass
@@ -258,15 +242,20 @@ class Progress:
                 st.ready = ready
         self.version += 1
 
-    def removed(self, keys: Iterable[str]) -> None:
-        """Rows cleared: forgotten by every task (their leases end for them)."""
+    def removed(self, keys: Sequence[str]) -> None:
+        """Rows cleared: forgotten by every task (their leases end for them). Tables they
+        leave mostly empty are rebuilt at their size (:func:`~flightq.server.budget.shrunk`)."""
         for k in keys:
             for st in self.tasks.values():
                 st.forget(k)
         for st in self.tasks.values():
             st.trimmed = True
-            for table in (st.ready, st.leased, st.done, st.dead, st.deliveries, st.failures):
-                shrink(table)
+            st.ready = shrunk(st.ready)  # a merge that copied the old one updates in place
+            st.leased = shrunk(st.leased)
+            st.done = shrunk(st.done)
+            st.dead = shrunk(st.dead)
+            st.deliveries = shrunk(st.deliveries)
+            st.failures = shrunk(st.failures)
         self.version += 1
 
     def removed_all(self) -> None:

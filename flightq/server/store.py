@@ -48,8 +48,9 @@ from .budget import (
     RECORDS_SLACK,
     Tally,
     declaration_cost,
+    shrunk,
 )
-from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskState, shrink
+from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskState
 from .media import grouped_by_media, waiting_homes
 from .merge import Merge
 from .partition import Partition, Piece, PutKeys, Row, put_keys
@@ -723,7 +724,7 @@ class Store:
                     gone.append(row)
                     p.nbytes -= row.nbytes
                 n = len(gone)
-                shrink(p.rows)
+                p.rows = shrunk(p.rows)  # swapped: a plan or merge reading it sees it whole
                 left = p.cleared(gone)
                 if gone:  # the journal names each removed row once, a no-op clear nothing
                     removed = [row.key for row in gone]

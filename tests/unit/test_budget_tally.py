@@ -129,3 +129,34 @@ def test_a_partition_cleared_of_most_rows_gives_back_its_tables():
         tables += [st.ready, st.leased, st.done, st.dead, st.deliveries, st.failures]
     assert max(sys.getsizeof(t) for t in tables) < 4096, [sys.getsizeof(t) for t in tables]
     assert list(p.progress.tasks["t"].ready) == [keys[-1]]  # what is left stands
+
+
+def test_a_reader_without_the_lock_finds_every_kept_row_at_each_step_of_a_clear():
+    # A put plans, and a large put's merge copies the row table and each task's ready
+    # order, without the store's lock: between any two calls the clear makes, another
+    # thread may run. A clear that gives a table's peak size back must never show it empty
+    # midway (rebuilt in place, between its clear() and update(), it did: a put planned
+    # then took the rows kept for new ones, a merge copied an empty order and left them
+    # unclaimable). Each call's return is such a moment; a reader looks there.
+    import sys
+
+    store = Store(memory_budget=1 << 30)
+    store.declare("p", TEXT, ["t", "u"], None)
+    keys = [f"k{i:06d}" for i in range(20_000)]
+    for i in range(0, len(keys), 2000):
+        store_put(store, "p", keys[i : i + 2000])
+    p, kept = store.partition("p"), keys[-1]
+    seen: list[bool] = []
+
+    def reader(frame: object, event: str, arg: object) -> None:
+        if event == "c_return":
+            tasks = p.progress.tasks.values()
+            seen.append(kept in p.rows and all(kept in st.ready for st in tasks))
+
+    sys.setprofile(reader)
+    try:
+        store.clear("p", keys[:-1])
+    finally:
+        sys.setprofile(None)
+    assert len(seen) > 1000 and all(seen), seen.index(False)
+    assert list(p.rows) == [kept]
