@@ -179,7 +179,7 @@ def shrunk(table: _Table) -> _Table:
     on deletion, so a partition cleared of most of its rows would keep, uncounted, tables
     sized for its peak. The caller swaps the copy in. Rebuilding the table in place would
     show it empty midway to those who read it without the store's lock (a put's plan, a
-    large put's merge), which then took its rows for gone.
+    large put's merge, a media lookup), which then took its rows for gone.
 
     Amortized O(1) a deletion: a copy takes at most 64 bytes an entry (and 1 KiB), so the
     next is made only once half its entries or more went."""

@@ -55,7 +55,14 @@ from .media import grouped_by_media, waiting_homes
 from .merge import Merge
 from .partition import Partition, Piece, PutKeys, Row, put_keys
 from .putplan import plan_put
-from .readiness import complete_keys, count_ready, may_serve, maybe_remnant, ready_rows
+from .readiness import (
+    complete_keys,
+    count_ready,
+    forget_rows,
+    may_serve,
+    maybe_remnant,
+    ready_rows,
+)
 
 __all__ = ["Store"]
 
@@ -710,6 +717,7 @@ class Store:
                 n = len(p.rows)
                 p.cleared(p.rows.values())
                 p.rows.clear()
+                forget_rows(p, None)
                 p.nbytes = 0
                 p.held = 0
                 p.progress.removed_all()
@@ -730,6 +738,7 @@ class Store:
                     removed = [row.key for row in gone]
                     p.wrote(removed)
                     p.progress.removed(removed)
+                    forget_rows(p, removed)
                 for lease in list(p.progress.leases.values()):
                     p.progress.settle(lease)
                 p.compact(left)  # last: the clear stands whatever it does

@@ -131,6 +131,49 @@ def test_a_partition_cleared_of_most_rows_gives_back_its_tables():
     assert list(p.progress.tasks["t"].ready) == [keys[-1]]  # what is left stands
 
 
+def test_a_partition_cleared_of_most_rows_gives_back_its_media_and_index_tables():
+    # The same for the partition's table of media copies, and for a claim's index of the
+    # rows carrying a written-back field: a partition of 4 000 rows with an image each,
+    # cleared to one, kept them at their peak size (600 KB and 2 MB for 20 000 rows), the
+    # index also every cleared row's key until a claim needing that field came again.
+    import sys
+
+    import numpy as np
+
+    from flightq import SchemaRegistry, encode
+    from flightq.server.media import media_piece
+
+    vlm = SchemaRegistry.default().get("rollout_vlm@1")
+    store = Store(memory_budget=1 << 30)
+    store.declare("p", vlm, ["t", "u"], None)
+    keys = [f"k{i:06d}" for i in range(4000)]
+    for i in range(0, len(keys), 1000):
+        part = keys[i : i + 1000]
+        cols = {
+            "input_ids": [np.arange(4) for _ in part],
+            "generation_logprobs": [np.zeros(4, np.float32) for _ in part],
+            "pixel_values": [[np.full((1, 4), i + j, np.float32)] for j in range(len(part))],
+        }
+        rb = encode(vlm, cols, part)
+        store.put("p", [media_piece(store.partition("p"), rb, None, "put", None)], False)
+    want = ["generation_logprobs"]
+    _, _, _, lease = store.claim("p", "t", 10, None, 0.0, wait_for=want)
+    store.ack("p", lease.id, None)
+    for i in range(0, len(keys) - 1, 500):  # cleared in pieces, as consumers clear
+        store.clear("p", keys[i : min(i + 500, len(keys) - 1)])
+    p = store.partition("p")
+    (index,) = p.complete.values()
+    assert index.keys == {keys[-1]} and len(p.media) == 1
+    assert sys.getsizeof(p.media) < 4096 and sys.getsizeof(index.keys) < 4096, (
+        sys.getsizeof(p.media),
+        sys.getsizeof(index.keys),
+    )
+    _, rows, _, _ = store.claim("p", "u", 1, None, 0.0, wait_for=want)  # what is left serves
+    assert [r.key for r in rows] == [keys[-1]]
+    store.clear("p", None)
+    assert not p.media and not p.complete
+
+
 def test_a_reader_without_the_lock_finds_every_kept_row_at_each_step_of_a_clear():
     # A put plans, and a large put's merge copies the row table and each task's ready
     # order, without the store's lock: between any two calls the clear makes, another
