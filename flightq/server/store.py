@@ -388,7 +388,8 @@ class Store:
         return self._tally.declared
 
     def _leased(self) -> int:
-        # With the lock held: what the partitions' live claims keep (their keys).
+        # With the lock held: what the partitions' live claims keep (their keys), and the
+        # logs of keys moved while large puts merge.
         return self._tally.leased
 
     def _standing(self) -> int:
@@ -577,7 +578,8 @@ class Store:
                 raise ResourceExhaustedError(
                     f"put to {name!r} of {need} bytes: the server holds {held} of its "
                     f"{budget}-byte memory budget (and {declared} in its {len(self._parts)} "
-                    f"partitions' declarations, {leased} in their live claims' records) "
+                    f"partitions' declarations, {leased} in their live claims' records and "
+                    f"merging puts' logs) "
                     f"and no space was cleared within "
                     f"{timeout:g}s; clear consumed rows",
                     expected=budget,
@@ -652,8 +654,8 @@ class Store:
                     try:
                         merge.build(plan)  # outside the lock, a slice at a time
                     except BaseException:
-                        with self._lock:
-                            merge.end()
+                        with self._changed:
+                            self._end_merge(merge)
                         raise
                 if p.writes != seen:
                     keys.set()  # as above
@@ -690,8 +692,14 @@ class Store:
                     return n
                 finally:
                     if merge is not None:
-                        merge.end()
+                        self._end_merge(merge)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _end_merge(self, merge: Merge) -> None:
+        # With the lock: the merge's logs of moved keys go, and puts waiting for room
+        # look again (the budget counted them).
+        merge.end()
+        self._changed.notify_all()
 
     def _stale(self, name: str, p: Partition, seen: int, keys: PutKeys) -> bool:
         # With the lock held: whether a plan of ``p`` from write count ``seen`` may no

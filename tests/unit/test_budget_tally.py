@@ -1,7 +1,8 @@
 """The store's running totals of what its memory budget counts (:class:`Tally`) equal, after
 every operation, what a walk of its partitions adds up, and its holders are the partitions
-keeping records: puts, write-backs, claims, acks, nacks, clears, drops, restores and
-records dropped for room, in random order."""
+keeping records: puts, write-backs, claims, acks, nacks, clears, drops, restores, records
+dropped for room, and large puts' merges beginning and ending (their logs of moved keys),
+in random order."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import pytest
 from helpers_store import TEXT, store_put
 
 from flightq.errors import FlightqError
+from flightq.server.budget import moved_cost
+from flightq.server.partition import Partition
 from flightq.server.store import Store
+
+
+def _logged(p: Partition) -> int:
+    """What the budget counts for the partition's logs of moved keys, from the logs."""
+    return sum(moved_cost(st.moved) for st in p.progress.tasks.values() if st.moved is not None)
 
 
 def _walked(store: Store) -> dict[str, int]:
@@ -20,7 +28,7 @@ def _walked(store: Store) -> dict[str, int]:
         "held": sum(p.held for p in parts),
         "declared": sum(p.declared for p in parts),
         "records": sum(p.records for p in parts),
-        "leased": sum(p.progress.live_bytes for p in parts),
+        "leased": sum(p.progress.live_bytes + _logged(p) for p in parts),
     }
 
 
@@ -36,9 +44,11 @@ def test_the_running_totals_equal_a_walk_of_the_partitions_after_every_operation
     store = Store(memory_budget=rng.choice([None, 600_000, 4_000_000]))
     names = ["a", "b", "c"]
     claims: list[tuple[str, str]] = []
+    merging: list[Partition] = []  # each once per merge under way (as Merge.begin does)
     n = 0
+    ops = ["put", "put", "back", "claim", "ack", "nack", "clear", "drop", "copy", "merge", "end"]
     for step in range(150):
-        op = rng.choice(["put", "put", "back", "claim", "ack", "nack", "clear", "drop", "copy"])
+        op = rng.choice(ops)
         name = rng.choice(names)
         try:
             if name not in {p.name for p in store.partitions()}:
@@ -69,11 +79,24 @@ def test_the_running_totals_equal_a_walk_of_the_partitions_after_every_operation
                 (c,) = store.capture([name])
                 store.drop(name)
                 store.restore([c])
+            elif op == "merge":  # a large put begins merging: the tasks log moved keys
+                with store._lock:
+                    p.progress.watch()
+                merging.append(p)
+            elif op == "end" and merging:
+                with store._lock:
+                    merging.pop(rng.randrange(len(merging))).progress.unwatch()
         except FlightqError:
             pass  # refusals (no room, no rows ready, a claim forgotten): fine here
         assert _tally(store) == _walked(store), (seed, step, op)
         holding = {id(p) for p in store.partitions() if p.records}
         assert set(store._tally.holders) == holding, (seed, step, op)
+    assert any(_logged(p) for p in merging), "no key was logged: the test tests nothing"
+    with store._lock:
+        for p in merging:
+            p.progress.unwatch()
+    assert not any(p.progress.moved_bytes for p in store.partitions())
+    assert _tally(store) == _walked(store)
     for name in [p.name for p in store.partitions()]:
         store.drop(name)
     assert _tally(store) == {"held": 0, "declared": 0, "records": 0, "leased": 0}
