@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -56,7 +56,9 @@ __all__ = [
     "record_stamp",
     "journal_cost",
     "put_id_cost",
+    "moved_cost",
     "keys_size",
+    "shrunk",
     "check_batch",
     "DictionaryUse",
     "underlying_bytes",
@@ -145,6 +147,10 @@ LEASE_KEY_OVERHEAD = 64
 #: not a row is ever given back, so a lease's count does not change while it lives.
 RETURNED_KEY_BYTES = 64
 PUT_ID_OVERHEAD = 96
+#: Bytes a key takes in a task's log of keys moved while a large put merges
+#: (:attr:`~flightq.server.leases.TaskState.moved`) beyond its string: its list slot,
+#: measured with tracemalloc over 65 536 keys (8.6 bytes), counted with room.
+MOVED_KEY_OVERHEAD = 16
 
 
 def keys_size(keys: Iterable[str]) -> int:
@@ -163,6 +169,34 @@ def journal_cost(keys: Sequence[str] | None) -> int:
 def put_id_cost(put_id: str) -> int:
     """Bytes the budget counts for a put id a partition remembers."""
     return PUT_ID_OVERHEAD + sys.getsizeof(put_id)
+
+
+def moved_cost(keys: Collection[str]) -> int:
+    """Bytes the budget counts for ``keys`` in a task's log of keys moved while a large
+    put merges, while the log keeps them: their strings whole, as if no row held them."""
+    return MOVED_KEY_OVERHEAD * len(keys) + keys_size(keys)
+
+
+#: A dict or set whose table takes more than this many bytes an entry (and 1 KiB) once
+#: entries went is rebuilt at its size (:func:`shrunk`).
+SHRINK_BYTES_PER_ENTRY = 128
+
+_Table = TypeVar("_Table", dict[Any, Any], set[Any])
+
+
+def shrunk(table: _Table) -> _Table:
+    """``table``, or a copy of it at its size (in its order) where deletions left it more
+    than :data:`SHRINK_BYTES_PER_ENTRY` bytes an entry: Python never shrinks a dict or set
+    on deletion, so a partition cleared of most of its rows would keep, uncounted, tables
+    sized for its peak. The caller swaps the copy in. Rebuilding the table in place would
+    show it empty midway to those who read it without the store's lock (a put's plan, a
+    large put's merge, a media lookup), which then took its rows for gone.
+
+    Amortized O(1) a deletion: a copy takes at most 64 bytes an entry (and 1 KiB), so the
+    next is made only once half its entries or more went."""
+    if sys.getsizeof(table) > 1024 + SHRINK_BYTES_PER_ENTRY * len(table):
+        return type(table)(table)
+    return table
 
 
 def metadata_bytes(schema: pa.Schema) -> int:
@@ -361,7 +395,8 @@ class Tally:
         self.declared = 0
         #: Records of the past: journals, ended leases, put ids (``Partition.records``).
         self.records = 0
-        #: Live leases (``Progress.live_bytes``).
+        #: Live leases, and the keys logged for large puts merging (``Progress.live_bytes``,
+        #: ``Progress.moved_bytes``).
         self.leased = 0
 
     def set(self, obj: object, name: str, total: str, value: int, owner: Any) -> None:

@@ -22,7 +22,6 @@ every call.
 from __future__ import annotations
 
 import math
-import sys
 import uuid
 import weakref
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -35,7 +34,9 @@ from .budget import (
     RETURNED_KEY_BYTES,
     Tally,
     keys_size,
+    moved_cost,
     record_stamp,
+    shrunk,
     tallied,
 )
 
@@ -60,24 +61,9 @@ DEFAULT_MAX_FAILURES = 3
 #: first when the budget needs their room (:meth:`Progress.drop_ended`).
 ENDED_KEPT = 4096
 #: Keys a task's :attr:`TaskState.moved` keeps while a large put merges outside the
-#: store's lock; past it the merge falls back to the in-lock update.
+#: store's lock; past it the merge falls back to the in-lock update. What the log keeps
+#: counts against the memory budget meanwhile (:func:`~flightq.server.budget.moved_cost`).
 MOVED_KEPT = 1 << 16
-
-
-#: A dict or set whose table takes more than this many bytes an entry (and 1 KiB) once
-#: entries went is rebuilt to its size: Python never shrinks a table on deletion, so a
-#: partition cleared of most of its rows would keep, uncounted, tables sized for its peak.
-SHRINK_BYTES_PER_ENTRY = 128
-
-
-def shrink(table: dict[Any, Any] | set[Any]) -> None:
-    """Let ``table`` give back what deletions left of its peak size, keeping the object
-    (a merge under way holds a task's ``ready`` by identity) and its order."""
-    n = len(table)
-    if sys.getsizeof(table) > 1024 + SHRINK_BYTES_PER_ENTRY * n:
-        kept = table.copy()
-        table.clear()  # frees the table
-        table.update(kept)
 
 
 @dataclass
@@ -106,29 +92,35 @@ class TaskState:
     gone: int = 0
     #: While a large put builds this task's next ready order outside the store's lock
     #: (:class:`flightq.server.merge.Merge`, ``merging`` of them): the keys that entered or
-    #: left ``ready`` in place since, for the merge to replay. None while none is under way.
+    #: left ``ready`` in place since, for the merge to replay, and the bytes the budget
+    #: counts for them (:func:`~flightq.server.budget.moved_cost`, in
+    #: :attr:`Progress.moved_bytes`). None while none is under way.
     moved: list[str] | None = field(default=None, repr=False)
+    moved_bytes: int = field(default=0, repr=False)
     merging: int = field(default=0, repr=False)
     #: Bumped when ``ready`` changes in place in a way ``moved`` does not name (emptied
     #: whole, or more keys moved than :data:`MOVED_KEPT`).
     reshaped: int = field(default=0, repr=False)
 
-    def note(self, keys: Collection[str]) -> None:
-        """Record that ``keys`` entered or left ``ready`` in place (for a merge under way)."""
+    def note(self, keys: Collection[str], cost: int | None = None) -> int:
+        """Record that ``keys`` entered or left ``ready`` in place, for the merge under way
+        (:attr:`moved` is a list); ``cost`` is their :func:`moved_cost` where known. Returns
+        the change of :attr:`moved_bytes`."""
         log = self.moved
-        if log is None:
-            return
+        assert log is not None
+        before = self.moved_bytes
         if len(log) + len(keys) > MOVED_KEPT:
             log.clear()
+            self.moved_bytes = 0
             self.reshaped += 1
         else:
             log.extend(keys)
+            self.moved_bytes += moved_cost(keys) if cost is None else cost
+        return self.moved_bytes - before
 
     def forget(self, key: str) -> None:
         """Drop every trace of a row (it was cleared)."""
         self.ready.pop(key, None)
-        if self.moved is not None:
-            self.note((key,))
         self.leased.pop(key, None)
         self.done.discard(key)
         self.dead.pop(key, None)
@@ -179,7 +171,7 @@ def lease_cost(lease: Lease) -> int:
 
 
 #: Progress attributes the store's :class:`~flightq.server.budget.Tally` adds up.
-_TALLIED = {"ended_bytes": "records", "live_bytes": "leased"}
+_TALLIED = {"ended_bytes": "records", "live_bytes": "leased", "moved_bytes": "leased"}
 
 
 class Progress:
@@ -217,6 +209,10 @@ class Progress:
         #: from the claim on: a consumer could clear the rows it claimed while its lease
         #: keeps their keys). Never dropped to make room: a claim ends by ack or expiry.
         self.live_bytes = 0
+        #: Bytes the budget counts for the tasks' logs of keys moved while a large put
+        #: merges (:attr:`TaskState.moved_bytes` of each), from :meth:`watch` to
+        #: :meth:`unwatch`; never dropped to make room: the merge ends soon.
+        self.moved_bytes = 0
         self.max_failures = max_failures
         #: Bumped on every change that can make rows ready: a waiting claim looks again
         #: only after it moved.
@@ -235,6 +231,7 @@ class Progress:
         per task in order, its ready order with them added already
         (:meth:`flightq.server.merge.Merge.readies`), which it becomes (None: updated)."""
         ready = keys if isinstance(keys, dict) else None  # made only if some task needs it
+        cost = None  # of noting them, worked out once for every task logging moves
         for i, st in enumerate(self.tasks.values()):
             whole = merged[i] if i < len(merged) else None
             if whole is not None:
@@ -243,7 +240,9 @@ class Progress:
             if ready is None:
                 ready = dict.fromkeys(keys)
             st.ready.update(ready)
-            st.note(ready)
+            if st.moved is not None:
+                cost = moved_cost(ready) if cost is None else cost
+                self._note(st, ready, cost)
         self.version += 1
 
     def adopt(self, readies: Sequence[dict[str, None]]) -> None:
@@ -253,20 +252,29 @@ class Progress:
         for st, ready in zip(self.tasks.values(), readies, strict=True):
             if st.ready:
                 st.ready.update(ready)
-                st.note(ready)
+                self._note(st, ready)
             else:
                 st.ready = ready
         self.version += 1
 
-    def removed(self, keys: Iterable[str]) -> None:
-        """Rows cleared: forgotten by every task (their leases end for them)."""
+    def removed(self, keys: Sequence[str]) -> None:
+        """Rows cleared: forgotten by every task (their leases end for them). Tables they
+        leave mostly empty are rebuilt at their size (:func:`~flightq.server.budget.shrunk`)."""
         for k in keys:
             for st in self.tasks.values():
                 st.forget(k)
+        cost = None
         for st in self.tasks.values():
             st.trimmed = True
-            for table in (st.ready, st.leased, st.done, st.dead, st.deliveries, st.failures):
-                shrink(table)
+            if st.moved is not None:
+                cost = moved_cost(keys) if cost is None else cost
+                self._note(st, keys, cost)
+            st.ready = shrunk(st.ready)  # a merge that copied the old one updates in place
+            st.leased = shrunk(st.leased)
+            st.done = shrunk(st.done)
+            st.dead = shrunk(st.dead)
+            st.deliveries = shrunk(st.deliveries)
+            st.failures = shrunk(st.failures)
         self.version += 1
 
     def removed_all(self) -> None:
@@ -277,6 +285,37 @@ class Progress:
             self.settle(lease)
         self._next_expiry = math.inf
         self.version += 1
+
+    # ------------------------------------------------------------------ merges
+
+    def watch(self) -> None:
+        """A large put begins merging (:class:`flightq.server.merge.Merge`): each task logs
+        the keys that move in its ready order in place (:attr:`TaskState.moved`), counted
+        in :attr:`moved_bytes`, until the last merge under way ends (:meth:`unwatch`)."""
+        for st in self.tasks.values():
+            st.merging += 1
+            if st.moved is None:
+                st.moved = []
+
+    def unwatch(self) -> None:
+        """A merge ended: the logs no merge under way reads go, with their count."""
+        freed = 0
+        for st in self.tasks.values():
+            st.merging -= 1
+            if not st.merging:
+                st.moved = None
+                freed += st.moved_bytes
+                st.moved_bytes = 0
+        if freed:
+            self.moved_bytes -= freed
+
+    def _note(self, st: TaskState, keys: Collection[str], cost: int | None = None) -> None:
+        """Log ``keys`` as moved in ``st``'s ready order, for a merge under way (if one is:
+        :meth:`TaskState.note`)."""
+        if st.moved is not None:
+            change = st.note(keys, cost)
+            if change:
+                self.moved_bytes += change
 
     # ------------------------------------------------------------------ leases
 
@@ -300,7 +339,7 @@ class Progress:
             st.leased[k] = lease.id
             st.deliveries[k] = n = st.deliveries.get(k, 0) + 1
             st.redelivered += n > 1
-        st.note(keys)
+        self._note(st, keys)
         lease.kept = lease_cost(lease)
         self.live_bytes += lease.kept
         self.leases[lease.id] = lease
@@ -330,7 +369,7 @@ class Progress:
             owner = st.leased.get(k)
             if owner == lease.id or (owner is None and k in st.ready):
                 if st.ready.pop(k, 0) is None:
-                    st.note((k,))
+                    self._note(st, (k,))
                 st.leased.pop(k, None)
                 st.failures.pop(k, None)
                 st.done.add(k)
@@ -369,7 +408,7 @@ class Progress:
                 dead += 1
             else:
                 st.ready[k] = None
-                st.note((k,))
+                self._note(st, (k,))
                 ready += 1
         self.settle(lease)
         self.version += 1

@@ -13,14 +13,16 @@ replaying what changed since they were taken:
   table as it is now (none of them is one of the put's keys: the store plans again when a
   write touched those);
 - keys that entered or left a task's ready order in place since (taken, acked, released,
-  cleared, other puts' rows): :attr:`~flightq.server.leases.TaskState.moved` names them,
-  and each is kept or dropped as the order holds it now. A key that came back since
-  (a ``nack``, an expiry) then sits behind the put's rows rather than before them.
+  cleared, other puts' rows): :attr:`~flightq.server.leases.TaskState.moved` names them
+  (counted against the memory budget meanwhile), and each is kept or dropped as the order
+  holds it now. A key that came back since (a ``nack``, an expiry) then sits behind the
+  put's rows rather than before them.
 
-Where that record does not reach back (the table or an order replaced since, the journal
-overrun, more keys moved than :data:`~flightq.server.leases.MOVED_KEPT`), the commit
-updates under the lock as before. Replay is idempotent: each key is set to what the
-partition holds at the commit, so a change made while a copy was taken is right either way.
+Where that record does not reach back (the table or an order replaced since, by a clear
+that rebuilt it at its size among others; the journal overrun; more keys moved than
+:data:`~flightq.server.leases.MOVED_KEPT`), the commit updates under the lock as before.
+Replay is idempotent: each key is set to what the partition holds at the commit, so a
+change made while a copy was taken is right either way.
 """
 
 from __future__ import annotations
@@ -67,10 +69,9 @@ class Merge:
         """Start recording what changes in ``p`` from now. With the store's lock."""
         m = cls(p, plan)
         if len(plan.new) >= MERGE_ROWS:
+            p.progress.watch()
             for st in p.progress.tasks.values():
-                st.merging += 1
-                if st.moved is None:
-                    st.moved = []
+                assert st.moved is not None
                 m._tasks.append((st, st.ready, len(st.moved), st.reshaped))
         return m
 
@@ -83,10 +84,8 @@ class Merge:
 
     def end(self) -> None:
         """Stop recording (committed or not). With the store's lock."""
-        for st, _, _, _ in self._tasks:
-            st.merging -= 1
-            if not st.merging:
-                st.moved = None
+        if self._tasks:
+            self._p.progress.unwatch()
         self._tasks = []
 
     def rows(self) -> dict[str, Row] | None:

@@ -47,6 +47,7 @@ from .budget import (
     record_stamp,
     row_costs,
     row_overhead,
+    shrunk,
     tags_size,
     tallied,
 )
@@ -447,8 +448,9 @@ class Partition:
     def cleared(self, rows: Iterable[Row]) -> list[Piece]:
         """Rows removed: the pieces holding their cells no longer hold whole what they
         stored (a retry of them is not a replay), and the media copies they used are used
-        once less. Returns the pieces that rows still use, each once. With the store's
-        lock."""
+        once less (a table of copies left mostly empty is rebuilt at its size:
+        :func:`~flightq.server.budget.shrunk`). Returns the pieces that rows still use,
+        each once. With the store's lock."""
         from .media import release, row_copies
 
         fields = self.media_fields
@@ -461,6 +463,8 @@ class Partition:
                 touched[id(pc)] = pc
             if fields:
                 release(self, row_copies(r, fields))
+        if fields:
+            self.media = shrunk(self.media)  # swapped: a lookup under way reads the old one
         return [pc for pc in touched.values() if pc.users]
 
     def compact(self, pieces: Iterable[Piece]) -> int:
@@ -563,7 +567,9 @@ class Partition:
                 if was is not None:
                     lost.extend(cell_copies(was[0], f, was[1]))
         acquire(self, gained)  # first: a copy both gained and lost stays
-        release(self, lost)
+        if lost:
+            release(self, lost)
+            self.media = shrunk(self.media)
 
 
 def row_pieces(row: Row) -> list[Piece]:

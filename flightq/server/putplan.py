@@ -148,13 +148,7 @@ def plan_put(
             if not overwrite:
                 for f in ck.fields:
                     if f in row.cells and _valid_at(pc, f, i):
-                        raise ConflictError(
-                            f"row key {k!r} already has column {f!r} in partition "
-                            f"{name!r}; pass overwrite=True to rewrite it",
-                            field=f,
-                            key=k,
-                            partition=name,
-                        )
+                        raise _conflict(p, pc, i, row, f, put_id)
             s = int(ck.seq_lens[i])
             if s >= 0 and row.seq_len >= 0 and s != row.seq_len:
                 raise ShapeError(
@@ -372,15 +366,63 @@ def replays(p: Partition, pieces: Iterable[Piece]) -> bool:
     found through the put's first row (its first cell must be that batch's first), then
     compared whole in one Arrow call (which lets go of the GIL).
     """
-    from .media import same_media
-
     for pc in pieces:
         twin = _twin(p, pc)
-        if twin is None or not pc.batch.equals(twin.batch, check_metadata=True):
-            return False
-        if (pc.media or twin.media) and not same_media(pc, twin):
+        if twin is None or not _same_batch(pc, twin):
             return False
     return True
+
+
+def _same_batch(pc: Piece, stored: Piece) -> bool:
+    """Whether ``pc`` carries what the stored piece ``stored`` did: an equal record batch
+    (one Arrow comparison) naming the same media."""
+    from .media import same_media
+
+    if not pc.batch.equals(stored.batch, check_metadata=True):
+        return False
+    return not (pc.media or stored.media) or same_media(pc, stored)
+
+
+def _conflict(
+    p: Partition, pc: Piece, i: int, row: Row, f: str, put_id: str | None
+) -> ConflictError:
+    """The refusal of a put without ``overwrite`` whose row ``i`` of ``pc`` has column
+    ``f`` stored already (``row``).
+
+    The put may retry one that was stored and whose answer was lost, its rows cleared or
+    rewritten in part since (else it would be a replay), its put id forgotten (the
+    partition keeps its last :data:`~flightq.server.partition.RECENT_PUTS`, fewer when the
+    memory budget needs their room) or never given: nothing tells it from a new put of
+    those keys, so it is refused, never stored twice. The message says whether an earlier
+    put of this same record batch stored the row (one comparison, on a refusal only), and
+    that the put id is not remembered."""
+    from .partition import RECENT_PUTS
+
+    k, name = pc.checked.keys[i], p.name
+    where = f"row key {k!r} already has column {f!r} in partition {name!r}"
+    forgotten = (
+        ""
+        if put_id is None
+        else f"put id {put_id[:64]!r} is not among those the partition remembers (its "
+        f"last {RECENT_PUTS}, fewer when the server's memory budget needs their room)"
+    )
+    stored, at = row.cells[f]
+    if at == i and stored is not pc and stored.stored and _same_batch(pc, stored):
+        message = (
+            f"{where}, stored by an earlier put of this same record batch (its rows cleared "
+            f"or rewritten in part since){', and ' + forgotten if forgotten else ''}: if "
+            "this put retries one whose answer was lost, that one was stored; count it as "
+            "stored and do not send it again (overwrite=True stores it again all the same)"
+        )
+    elif forgotten:
+        message = (
+            f"{where}, and {forgotten}: a retry of a put that was stored, some of whose rows "
+            "were cleared since, is refused so, never stored twice; if this put is no "
+            "retry, pass overwrite=True to rewrite the column"
+        )
+    else:
+        message = f"{where}; pass overwrite=True to rewrite it"
+    return ConflictError(message, field=f, key=k, partition=name)
 
 
 def _twin(p: Partition, pc: Piece) -> Piece | None:

@@ -16,13 +16,16 @@ per key written, and walks every row only when it is made or the journal no long
 back. With it a claim counts the ready rows it could take by walking whichever of the
 index and the ready order is smaller, and walks the ready order only when they may be
 enough. A partition keeps at most :data:`MAX_INDEXES` indexes (the least recently used
-goes); each holds a key reference per row that carries its fields.
+goes); each holds a key reference per row that carries its fields, and lets go of a
+row's key when the row is cleared (:func:`forget_rows`), not at its next sync.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from .budget import shrunk
 
 if TYPE_CHECKING:
     from .leases import TaskState
@@ -33,6 +36,7 @@ __all__ = [
     "MAX_INDEXES",
     "complete_keys",
     "count_ready",
+    "forget_rows",
     "may_serve",
     "maybe_remnant",
     "ready_rows",
@@ -88,6 +92,19 @@ def complete_keys(p: Partition, need: Sequence[str]) -> set[str] | None:
     p.complete[extra] = index
     index.sync(p)
     return index.keys
+
+
+def forget_rows(p: Partition, keys: Sequence[str] | None) -> None:
+    """Rows ``keys`` of ``p`` (every row when None) were cleared: its indexes let go of
+    their keys now, not at their next sync (which a claim waiting for those fields may
+    never make), and of what they took of their tables
+    (:func:`~flightq.server.budget.shrunk`). With the store's lock."""
+    if keys is None:
+        p.complete.clear()  # a claim makes its index again, from the rows then
+        return
+    for index in p.complete.values():
+        index.keys.difference_update(keys)
+        index.keys = shrunk(index.keys)
 
 
 def count_ready(st: TaskState, complete: set[str] | None) -> int:

@@ -48,13 +48,21 @@ from .budget import (
     RECORDS_SLACK,
     Tally,
     declaration_cost,
+    shrunk,
 )
-from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskState, shrink
+from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskState
 from .media import grouped_by_media, waiting_homes
 from .merge import Merge
 from .partition import Partition, Piece, PutKeys, Row, put_keys
 from .putplan import plan_put
-from .readiness import complete_keys, count_ready, may_serve, maybe_remnant, ready_rows
+from .readiness import (
+    complete_keys,
+    count_ready,
+    forget_rows,
+    may_serve,
+    maybe_remnant,
+    ready_rows,
+)
 
 __all__ = ["Store"]
 
@@ -397,7 +405,8 @@ class Store:
         return self._tally.declared
 
     def _leased(self) -> int:
-        # With the lock held: what the partitions' live claims keep (their keys).
+        # With the lock held: what the partitions' live claims keep (their keys), and the
+        # logs of keys moved while large puts merge.
         return self._tally.leased
 
     def _standing(self) -> int:
@@ -586,7 +595,8 @@ class Store:
                 raise ResourceExhaustedError(
                     f"put to {name!r} of {need} bytes: the server holds {held} of its "
                     f"{budget}-byte memory budget (and {declared} in its {len(self._parts)} "
-                    f"partitions' declarations, {leased} in their live claims' records) "
+                    f"partitions' declarations, {leased} in their live claims' records and "
+                    f"merging puts' logs) "
                     f"and no space was cleared within "
                     f"{timeout:g}s; clear consumed rows",
                     expected=budget,
@@ -661,8 +671,8 @@ class Store:
                     try:
                         merge.build(plan)  # outside the lock, a slice at a time
                     except BaseException:
-                        with self._lock:
-                            merge.end()
+                        with self._changed:
+                            self._end_merge(merge)
                         raise
                 if p.writes != seen:
                     keys.set()  # as above
@@ -699,8 +709,14 @@ class Store:
                     return n
                 finally:
                     if merge is not None:
-                        merge.end()
+                        self._end_merge(merge)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _end_merge(self, merge: Merge) -> None:
+        # With the lock: the merge's logs of moved keys go, and puts waiting for room
+        # look again (the budget counted them).
+        merge.end()
+        self._changed.notify_all()
 
     def _stale(self, name: str, p: Partition, seen: int, keys: PutKeys) -> bool:
         # With the lock held: whether a plan of ``p`` from write count ``seen`` may no
@@ -726,6 +742,7 @@ class Store:
                 n = len(p.rows)
                 p.cleared(p.rows.values())
                 p.rows.clear()
+                forget_rows(p, None)
                 p.nbytes = 0
                 p.held = 0
                 p.progress.removed_all()
@@ -740,12 +757,13 @@ class Store:
                     gone.append(row)
                     p.nbytes -= row.nbytes
                 n = len(gone)
-                shrink(p.rows)
+                p.rows = shrunk(p.rows)  # swapped: a plan or merge reading it sees it whole
                 left = p.cleared(gone)
                 if gone:  # the journal names each removed row once, a no-op clear nothing
                     removed = [row.key for row in gone]
                     p.wrote(removed)
                     p.progress.removed(removed)
+                    forget_rows(p, removed)
                 for lease in list(p.progress.leases.values()):
                     p.progress.settle(lease)
                 p.compact(left)  # last: the clear stands whatever it does

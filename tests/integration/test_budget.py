@@ -302,6 +302,48 @@ def test_records_of_the_past_count_against_the_budget_and_make_way_for_puts():
         assert srv.store.counted() == 0
 
 
+def test_a_retry_whose_put_id_was_dropped_for_room_is_refused_and_says_it_was_stored():
+    # A put whose answer was lost, two of its rows consumed and cleared, its put id then
+    # dropped to make room (the oldest record): its retry can no longer be told from a new
+    # put of those keys. It is refused, never stored twice, and the refusal says that an
+    # earlier put of this same batch stored the rows and its put id is forgotten.
+    mib = 2**20
+    with flightq.Server(memory_budget=8 * mib) as srv, flightq.connect(srv.location) as c:
+        c.create_partition("p", TEXT, tasks=["train"])
+        c.create_partition("q", TEXT, tasks=["train"])
+        keys, cols = ["k0", "k1", "k2", "k3"], {"input_ids": [np.arange(4, dtype=np.int64)] * 4}
+        assert c.put("p", keys, cols, put_id="put-1") == 4
+        got = c.claim("p", "train", 2, as_="numpy")
+        c.ack(got)
+        c.clear("p", got.keys)
+        for i in range(2):  # newer records: the journal of clears of long keys
+            long = [f"q{i}_{j:04d}".ljust(1000, "k") for j in range(1024)]
+            c.put("q", long, {"input_ids": [np.arange(4, dtype=np.int64)] * len(long)})
+            c.clear("q", long)
+        assert "put-1" in srv.store.partition("p").recent_puts
+        room = 8 * mib - srv.store.declared() - srv.store.held() - 256 * 1024
+        c.put("q", ["big"], {"input_ids": [np.zeros(room // 8, np.int64)]}, timeout=5)
+        assert "put-1" not in srv.store.partition("p").recent_puts  # dropped for room
+        c.clear("q", ["big"])
+        before = partition_state(srv.location, "p")
+        with pytest.raises(flightq.ConflictError) as e:
+            c.put("p", keys, cols, put_id="put-1")
+        assert str(e.value).startswith(
+            "row key 'k2' already has column 'input_ids' in partition 'p', stored by an "
+            "earlier put of this same record batch (its rows cleared or rewritten in part "
+            "since), and put id 'put-1' is not among those the partition remembers (its "
+            "last 4096, fewer when the server's memory budget needs their room): if this "
+            "put retries one whose answer was lost, that one was stored; count it as stored "
+            "and do not send it again"
+        ), e.value
+        assert partition_state(srv.location, "p") == before  # nothing stored twice
+        # Other content under those keys, its put id unknown: refused, saying what may be.
+        other = {"input_ids": [np.arange(5, dtype=np.int64)] * 4}
+        with pytest.raises(flightq.ConflictError, match="is refused so, never stored twice"):
+            c.put("p", keys, other, put_id="put-2")
+        assert partition_state(srv.location, "p") == before
+
+
 def test_a_live_claim_counts_the_keys_it_keeps_so_clearing_its_rows_cannot_overfill():
     # A consumer claims rows of 1000-character keys and clears all but one of them
     # without an ack: its lease, alive while it holds that row, keeps every key it took,

@@ -1,7 +1,8 @@
 """The store's running totals of what its memory budget counts (:class:`Tally`) equal, after
 every operation, what a walk of its partitions adds up, and its holders are the partitions
-keeping records: puts, write-backs, claims, acks, nacks, clears, drops, restores and
-records dropped for room, in random order."""
+keeping records: puts, write-backs, claims, acks, nacks, clears, drops, restores, records
+dropped for room, and large puts' merges beginning and ending (their logs of moved keys),
+in random order."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import pytest
 from helpers_store import TEXT, store_put
 
 from flightq.errors import FlightqError
+from flightq.server.budget import moved_cost
+from flightq.server.partition import Partition
 from flightq.server.store import Store
+
+
+def _logged(p: Partition) -> int:
+    """What the budget counts for the partition's logs of moved keys, from the logs."""
+    return sum(moved_cost(st.moved) for st in p.progress.tasks.values() if st.moved is not None)
 
 
 def _walked(store: Store) -> dict[str, int]:
@@ -20,7 +28,7 @@ def _walked(store: Store) -> dict[str, int]:
         "held": sum(p.held for p in parts),
         "declared": sum(p.declared for p in parts),
         "records": sum(p.records for p in parts),
-        "leased": sum(p.progress.live_bytes for p in parts),
+        "leased": sum(p.progress.live_bytes + _logged(p) for p in parts),
     }
 
 
@@ -36,9 +44,11 @@ def test_the_running_totals_equal_a_walk_of_the_partitions_after_every_operation
     store = Store(memory_budget=rng.choice([None, 600_000, 4_000_000]))
     names = ["a", "b", "c"]
     claims: list[tuple[str, str]] = []
+    merging: list[Partition] = []  # each once per merge under way (as Merge.begin does)
     n = 0
+    ops = ["put", "put", "back", "claim", "ack", "nack", "clear", "drop", "copy", "merge", "end"]
     for step in range(150):
-        op = rng.choice(["put", "put", "back", "claim", "ack", "nack", "clear", "drop", "copy"])
+        op = rng.choice(ops)
         name = rng.choice(names)
         try:
             if name not in {p.name for p in store.partitions()}:
@@ -69,11 +79,24 @@ def test_the_running_totals_equal_a_walk_of_the_partitions_after_every_operation
                 (c,) = store.capture([name])
                 store.drop(name)
                 store.restore([c])
+            elif op == "merge":  # a large put begins merging: the tasks log moved keys
+                with store._lock:
+                    p.progress.watch()
+                merging.append(p)
+            elif op == "end" and merging:
+                with store._lock:
+                    merging.pop(rng.randrange(len(merging))).progress.unwatch()
         except FlightqError:
             pass  # refusals (no room, no rows ready, a claim forgotten): fine here
         assert _tally(store) == _walked(store), (seed, step, op)
         holding = {id(p) for p in store.partitions() if p.records}
         assert set(store._tally.holders) == holding, (seed, step, op)
+    assert any(_logged(p) for p in merging), "no key was logged: the test tests nothing"
+    with store._lock:
+        for p in merging:
+            p.progress.unwatch()
+    assert not any(p.progress.moved_bytes for p in store.partitions())
+    assert _tally(store) == _walked(store)
     for name in [p.name for p in store.partitions()]:
         store.drop(name)
     assert _tally(store) == {"held": 0, "declared": 0, "records": 0, "leased": 0}
@@ -129,3 +152,77 @@ def test_a_partition_cleared_of_most_rows_gives_back_its_tables():
         tables += [st.ready, st.leased, st.done, st.dead, st.deliveries, st.failures]
     assert max(sys.getsizeof(t) for t in tables) < 4096, [sys.getsizeof(t) for t in tables]
     assert list(p.progress.tasks["t"].ready) == [keys[-1]]  # what is left stands
+
+
+def test_a_partition_cleared_of_most_rows_gives_back_its_media_and_index_tables():
+    # The same for the partition's table of media copies, and for a claim's index of the
+    # rows carrying a written-back field: a partition of 4 000 rows with an image each,
+    # cleared to one, kept them at their peak size (600 KB and 2 MB for 20 000 rows), the
+    # index also every cleared row's key until a claim needing that field came again.
+    import sys
+
+    import numpy as np
+
+    from flightq import SchemaRegistry, encode
+    from flightq.server.media import media_piece
+
+    vlm = SchemaRegistry.default().get("rollout_vlm@1")
+    store = Store(memory_budget=1 << 30)
+    store.declare("p", vlm, ["t", "u"], None)
+    keys = [f"k{i:06d}" for i in range(4000)]
+    for i in range(0, len(keys), 1000):
+        part = keys[i : i + 1000]
+        cols = {
+            "input_ids": [np.arange(4) for _ in part],
+            "generation_logprobs": [np.zeros(4, np.float32) for _ in part],
+            "pixel_values": [[np.full((1, 4), i + j, np.float32)] for j in range(len(part))],
+        }
+        rb = encode(vlm, cols, part)
+        store.put("p", [media_piece(store.partition("p"), rb, None, "put", None)], False)
+    want = ["generation_logprobs"]
+    _, _, _, lease = store.claim("p", "t", 10, None, 0.0, wait_for=want)
+    store.ack("p", lease.id, None)
+    for i in range(0, len(keys) - 1, 500):  # cleared in pieces, as consumers clear
+        store.clear("p", keys[i : min(i + 500, len(keys) - 1)])
+    p = store.partition("p")
+    (index,) = p.complete.values()
+    assert index.keys == {keys[-1]} and len(p.media) == 1
+    assert sys.getsizeof(p.media) < 4096 and sys.getsizeof(index.keys) < 4096, (
+        sys.getsizeof(p.media),
+        sys.getsizeof(index.keys),
+    )
+    _, rows, _, _ = store.claim("p", "u", 1, None, 0.0, wait_for=want)  # what is left serves
+    assert [r.key for r in rows] == [keys[-1]]
+    store.clear("p", None)
+    assert not p.media and not p.complete
+
+
+def test_a_reader_without_the_lock_finds_every_kept_row_at_each_step_of_a_clear():
+    # A put plans, and a large put's merge copies the row table and each task's ready
+    # order, without the store's lock: between any two calls the clear makes, another
+    # thread may run. A clear that gives a table's peak size back must never show it empty
+    # midway (rebuilt in place, between its clear() and update(), it did: a put planned
+    # then took the rows kept for new ones, a merge copied an empty order and left them
+    # unclaimable). Each call's return is such a moment; a reader looks there.
+    import sys
+
+    store = Store(memory_budget=1 << 30)
+    store.declare("p", TEXT, ["t", "u"], None)
+    keys = [f"k{i:06d}" for i in range(20_000)]
+    for i in range(0, len(keys), 2000):
+        store_put(store, "p", keys[i : i + 2000])
+    p, kept = store.partition("p"), keys[-1]
+    seen: list[bool] = []
+
+    def reader(frame: object, event: str, arg: object) -> None:
+        if event == "c_return":
+            tasks = p.progress.tasks.values()
+            seen.append(kept in p.rows and all(kept in st.ready for st in tasks))
+
+    sys.setprofile(reader)
+    try:
+        store.clear("p", keys[:-1])
+    finally:
+        sys.setprofile(None)
+    assert len(seen) > 1000 and all(seen), seen.index(False)
+    assert list(p.rows) == [kept]

@@ -24,6 +24,7 @@ from helpers_store import TEXT, store_put
 from flightq.errors import ClaimTimeoutError
 from flightq.server import merge as merge_module
 from flightq.server import store as store_module
+from flightq.server.budget import moved_cost
 from flightq.server.store import Store
 
 TASKS = ["train", "ref"]
@@ -109,9 +110,11 @@ def test_a_merged_put_ends_as_an_update_in_place_would_whatever_changed_meanwhil
         with store._lock:
             p = store._parts["p"]
             seen["objects"] = (p.rows, [st.ready for st in p.progress.tasks.values()])
+            logs = [st.moved for st in p.progress.tasks.values() if st.moved is not None]
+            seen["logged"] = (p.progress.moved_bytes, sum(map(moved_cost, logs)))
 
     monkeypatch.setattr(merge_module.Merge, "build", build_while_others_call)
-    swapped_rows = swapped_ready = 0
+    swapped_rows = swapped_ready = logged_any = 0
     for n in range(40):
         meddler.reshape = n % 4 == 3
         if meddler.reshape or rng.random() < 0.7 or not meddler.keys():
@@ -128,6 +131,11 @@ def test_a_merged_put_ends_as_an_update_in_place_would_whatever_changed_meanwhil
         if not seen:  # no merge: the partition was empty
             continue
         (rows0, tasks0), (rows_obj, ready_objs) = seen["before"], seen["objects"]
+        counted, logged = seen["logged"]
+        assert counted == logged  # the budget counts the logs of moved keys while they live
+        logged_any += logged > 0
+        with store._lock:
+            assert store._parts["p"].progress.moved_bytes == 0  # and stops when they go
         rows1, tasks1 = _state(store)
         assert set(rows1) == set(rows0) | set(keys)
         assert all(rows1[k] is rows0[k] for k in rows0 if k not in keys)
@@ -145,6 +153,7 @@ def test_a_merged_put_ends_as_an_update_in_place_would_whatever_changed_meanwhil
             order = list(p.progress.tasks["train"].ready)
         assert [k for k in order if k in set(new)] == new  # the put's rows in its order
     assert swapped_rows >= 10 and swapped_ready >= 5, (swapped_rows, swapped_ready)
+    assert logged_any >= 10, logged_any
     # The partition still serves: every row ready for "ref" once reset, claimed whole.
     store.reset("p", "ref", None)
     _, rows, _, _ = store.claim("p", "ref", len(_state(store)[0]), None, 0.0)

@@ -181,3 +181,38 @@ def test_a_row_counts_what_each_task_of_its_partition_keeps_of_it() -> None:
     assert sum(len(st.dead) for st in p.progress.tasks.values()) == 64 * (n + 100)
     assert taken > 64 * 64 * n  # the tasks' entries are there to be counted
     assert store.held() - base >= taken, (store.held() - base, taken)
+
+
+def test_a_large_puts_log_of_moved_keys_counts_what_it_holds_until_it_goes() -> None:
+    """While a large put merges, each task logs the keys that move in its ready order
+    (:attr:`~flightq.server.leases.TaskState.moved`, up to ``MOVED_KEPT``): at its fullest,
+    with strings only the log keeps (an ack's keys are the client's), it counts at least
+    what tracemalloc sees it take, and nothing once the log goes (overrun, or the merge
+    ended)."""
+    import gc
+    import tracemalloc
+
+    from flightq.server.leases import MOVED_KEPT, Progress
+
+    progress = Progress(["t"])
+    progress.watch()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(0, MOVED_KEPT, 512):
+            progress.removed([f"key-{j:08d}" for j in range(i, i + 512)])
+        gc.collect()
+        taken = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    st = progress.tasks["t"]
+    assert st.moved is not None and len(st.moved) == MOVED_KEPT
+    assert taken > 60 * MOVED_KEPT  # the strings are there to be counted
+    assert progress.moved_bytes >= taken, (progress.moved_bytes, taken)
+    progress.removed(["one-more"])  # past MOVED_KEPT: the log goes (the merge updates in place)
+    assert st.moved == [] and progress.moved_bytes == 0
+    progress.removed(["again"])
+    assert progress.moved_bytes > 0
+    progress.unwatch()
+    assert st.moved is None and progress.moved_bytes == 0
