@@ -24,7 +24,7 @@ True
 >>> Clear.parse({"partition": "rollouts", "keys": None, "all": True})
 Traceback (most recent call last):
 ...
-flightq.errors.ProtocolError: clear: unknown key 'all'; expected partition, keys
+flightq.errors.ProtocolError: clear: unknown key 'all'; expected partition, keys, put_id, groups
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ __all__ = [
     "ShmRef",
     "PutCommand",
     "PutAck",
+    "PutCreated",
     "SessionCommand",
     "RequestsCommand",
     "SessionReply",
@@ -279,6 +280,20 @@ def _ints(v: Any, key: str, what: str) -> list[int]:
             raise ProtocolError(
                 f"{what}: {key} must be integers, item {i} has type {type(x).__name__}"
             )
+    return v
+
+
+def _span(v: Any, key: str, what: str) -> list[int]:
+    """``[first, end]``: a range of non-negative integers, ``first <= end``."""
+    if (
+        not isinstance(v, list)
+        or len(v) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+        or v[0] > v[1]
+    ):
+        raise ProtocolError(
+            f"{what}: {key!r} must be [first, end], two integers with 0 <= first <= end; got {v!r}"
+        )
     return v
 
 
@@ -616,6 +631,29 @@ class PutAck(Message):
     rows: int = _field(_int(0))
 
 
+@dataclasses.dataclass(**_FROZEN)
+class PutCreated(Message):
+    """What a put created, sent after its :class:`PutAck` (a second DoPut metadata
+    message; ``"created"`` beside ``"ok"`` in a request stream's answer).
+
+    A client that undoes the put (a sharded put rolling back a part) clears only these
+    rows: a put acknowledged again as a replay created none, one that added columns to
+    existing rows created none of those. A separate message, so that a client that reads
+    only the acknowledgement (an older one) is not refused by a key it does not know; a
+    server that sends none (an older one) leaves the client not knowing.
+    """
+
+    WHAT: ClassVar[str] = "put creation record"
+    #: Rows the put created (0: a replay, or columns added to existing rows only).
+    created: int = _field(_int(0))
+    #: Acknowledged again as a retry of an earlier put (by put id or by content).
+    replay: bool = _field(_bool, False, omit=False)
+    #: ``[first, end]``: the creation numbers (a grouped partition's group numbers, else
+    #: one per row) the server gave the rows it created; a ``clear`` naming them removes
+    #: those rows and no other. None when it created none.
+    groups: list[int] | None = _field(_optional(_span), None, omit=None)
+
+
 # ---- DoAction: requests and answers
 
 
@@ -719,6 +757,10 @@ class Clear(Message):
     #: A put id the partition forgets with the rows, so that a retry of that put is
     #: stored again (a sharded put rolling back its part); None: none.
     put_id: str | None = _field(_optional(_str(256)), None, omit=None)
+    #: ``[first, end]``: remove only rows whose creation number lies in ``[first, end)``
+    #: (those one put created: its :class:`PutCreated`'s ``groups``), skipping keys not
+    #: held; None: every row named.
+    groups: list[int] | None = _field(_optional(_span), None, omit=None)
 
 
 @dataclasses.dataclass(**_FROZEN)

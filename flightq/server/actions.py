@@ -173,7 +173,7 @@ def _describe(ctx: ActionContext, req: Describe) -> Declaration:
 
 
 def _clear(ctx: ActionContext, req: Clear) -> ClearReply:
-    return ClearReply(cleared=ctx.store.clear(req.partition, req.keys, req.put_id))
+    return ClearReply(cleared=ctx.store.clear(req.partition, req.keys, req.put_id, req.groups))
 
 
 def _reset(ctx: ActionContext, req: Reset) -> ResetReply:

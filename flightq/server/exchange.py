@@ -34,6 +34,7 @@ from ..errors import FlightqError, ProtocolError, UnavailableError
 from ..frames import MAX_FRAME_BYTES, STREAM_ACTIONS, pack_frame, parse_frame
 from ..protocol import ErrorDetail, PutAck, Ticket, parse_ticket
 from .metrics import Counters
+from .putplan import Stored
 from .store import suggest
 
 __all__ = ["serve_requests", "HELLO"]
@@ -45,7 +46,7 @@ HELLO = {"ok": b"", "max_frame": MAX_FRAME_BYTES}
 #: Room an answer's frame needs beyond its batches (header, schema).
 _FRAME_SLACK = 64 << 10
 
-Put = Callable[[bytes, list[pa.RecordBatch], list[bytes | None], list[int] | None, Any], int]
+Put = Callable[[bytes, list[pa.RecordBatch], list[bytes | None], list[int] | None, Any], Stored]
 Answer = Callable[
     [Ticket, Any, bool], tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[..., None] | None]
 ]
@@ -157,9 +158,12 @@ def _handle(
         raise ProtocolError(f"{what}: a request's 'cmd' must be bytes, got {type(cmd).__name__}")
     if op == "put":
         claims = _claims(frame.header, len(frame.batches), what)
-        n = put(cmd, frame.batches, claims, frame.blocks, context)
+        done = put(cmd, frame.batches, claims, frame.blocks, context)
         counters.add("puts")
-        return "put", pack_frame({"ok": PutAck(rows=n).to_wire()}), None
+        # What it created beside the acknowledgement: a client that reads only "ok" (an
+        # older one) never parses it.
+        ack = {"ok": PutAck(rows=done.rows).to_wire(), "created": done.record().to_wire()}
+        return "put", pack_frame(ack), None
     if op == "act":
         kind = frame.header.get("type")
         if kind not in STREAM_ACTIONS:

@@ -69,6 +69,7 @@ from .limits import DEFAULT_MAX_CALLS, DEFAULT_MAX_SESSIONS, LIMITS_KEY, CallLim
 from .media import media_piece
 from .metrics import Counters, call_kind
 from .partition import Block, Partition, Row
+from .putplan import Stored
 from .staging import Staging
 from .store import Advance, Store, suggest
 
@@ -406,18 +407,21 @@ class Server(fl.FlightServerBase):
         def source(cmd: PutCommand, what: str, advance: Advance) -> Iterator[Incoming]:
             return self._put_source(cmd, reader, context, what, advance)
 
-        n = self._store_put(_command(descriptor, PutCommand.WHAT), source, context)
-        writer.write(pa.py_buffer(PutAck(rows=n).to_wire()))
+        done = self._store_put(_command(descriptor, PutCommand.WHAT), source, context)
+        # The acknowledgement, then what the put created: a message of its own, which a
+        # client reading only the acknowledgement (an older one) never parses.
+        writer.write(pa.py_buffer(PutAck(rows=done.rows).to_wire()))
+        writer.write(pa.py_buffer(done.record().to_wire()))
 
     def _store_put(
         self,
         command: bytes,
         source: Callable[[PutCommand, str, Advance], Iterator[Incoming]],
         context: fl.ServerCallContext | None,
-    ) -> int:
+    ) -> Stored:
         """One put, all or nothing: ``command`` parsed, the batches ``source`` gives checked
-        and stored (or its part staged); returns the rows stored. The one path of every
-        put, per call (DoPut) or on the request stream (:mod:`flightq.server.exchange`)."""
+        and stored (or its part staged); returns what it did. The one path of every put,
+        per call (DoPut) or on the request stream (:mod:`flightq.server.exchange`)."""
         raw = unpack(command, PutCommand.WHAT)
         try:
             cmd = PutCommand.parse(raw)
@@ -438,19 +442,19 @@ class Server(fl.FlightServerBase):
                     self._staging.fail(name, staged[0], staged[2], e)
                 raise
 
-            def store(every: list[Any]) -> int:
+            def store(every: list[Any]) -> Stored:
                 return self.store.put(name, every, cmd.overwrite, cmd.timeout, cmd.put_id)
 
             if staged is None:
-                n = store(pieces)
+                done = store(pieces)
             else:
-                n = self._staging.join(name, *staged, pieces, store, cmd.timeout)
+                done = self._staging.join(name, *staged, pieces, store, cmd.timeout)
         finally:
             self.store.release(pieces)  # what was not stored counts no more
             advance.release()
-        self.counters.add("rows_put", n)
-        log.debug("put of %d rows to %r", n, name)
-        return n
+        self.counters.add("rows_put", done.rows)
+        log.debug("put of %d rows to %r (%d created)", done.rows, name, done.created)
+        return done
 
     def _put_pieces(
         self,
@@ -708,7 +712,7 @@ class Server(fl.FlightServerBase):
         claims: list[bytes | None],
         blocks: list[int] | None,
         context: fl.ServerCallContext,
-    ) -> int:
+    ) -> Stored:
         """A put on the request stream: the DoPut path over the frame's batches, each with
         the media digests it claims (``claims``; None: its payloads are filed under their
         hints, as through shm) and, where each was read from a copy of its own, that copy's

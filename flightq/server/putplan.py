@@ -31,17 +31,38 @@ import numpy as np
 
 from ..errors import ConflictError, MissingFieldError, ShapeError
 from ..layout import in_slices, mapped, pylist
+from ..protocol import PutCreated
 from . import merge
 from .budget import journal_cost, row_overhead, tags_size
 
 if TYPE_CHECKING:
     from .partition import Partition, Piece, Row
 
-__all__ = ["PutPlan", "plan_put", "replays"]
+__all__ = ["PutPlan", "Stored", "plan_put", "replays", "stored"]
 
 _MISSING = object()
 #: Rows up to which a piece's new rows are built one by one (numpy costs more there).
 _FEW = 8
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What a put did, as its acknowledgement tells the client
+    (:class:`~flightq.protocol.PutAck`, :class:`~flightq.protocol.PutCreated`)."""
+
+    #: The rows acknowledged: the put's, or for a replay what the first attempt said.
+    rows: int
+    #: The rows it created (none for a replay or a put that only added columns).
+    created: int = 0
+    #: The creation numbers ``(first, end)`` of the rows it created; None if none.
+    groups: tuple[int, int] | None = None
+    #: Whether it was acknowledged again as a retry, storing nothing.
+    replay: bool = False
+
+    def record(self) -> PutCreated:
+        """The message that tells the client what the put created."""
+        groups = None if self.groups is None else list(self.groups)
+        return PutCreated(created=self.created, replay=self.replay, groups=groups)
 
 
 @dataclass(frozen=True)
@@ -76,12 +97,24 @@ class PutPlan:
     uses: list[tuple[Piece, int]] = field(default_factory=list)
     #: Bytes the budget must find room for (every piece's, before cells it replaces).
     need: int = 0
+    #: The creation numbers ``(first, end)`` reserved for the rows it creates (group
+    #: numbers: a grouped partition's rows share one per group; else one per row). They
+    #: are never given out twice in a partition, so they tell the rows of this put from
+    #: any other's (:meth:`~flightq.server.store.Store.clear` with ``groups``).
+    groups: tuple[int, int] = (0, 0)
     #: Stored pieces whose rows this put changes (a cell replaced, a tag rewritten).
     damaged: list[Piece] = field(default_factory=list)
     #: Bytes the budget counts for the put's entry in the partition's journal of recent
     #: writes (:func:`~flightq.server.budget.journal_cost`; None: the partition works it
     #: out), counted from the commit while the journal keeps it.
     journal: int | None = None
+
+
+def stored(plan: PutPlan) -> Stored:
+    """What ``plan`` did once committed (or, for a replay, acknowledged)."""
+    if plan.replay is not None:
+        return Stored(plan.replay, replay=True)
+    return Stored(len(plan.keys), len(plan.new), plan.groups if plan.new else None)
 
 
 def plan_put(
@@ -167,7 +200,8 @@ def plan_put(
             actual=n_new,
             partition=name,
         )
-    group = p.reserve_groups(n_new // g if g else n_new)
+    reserved = n_new // g if g else n_new
+    group = p.reserve_groups(reserved)
     out: dict[str, Row] = {}
     new: list[str] = []
     damaged: dict[int, Piece] = {}
@@ -282,6 +316,7 @@ def plan_put(
         held=own_delta,
         uses=[(u[0], u[1]) for u in uses.values() if u[1]],
         need=held_in,
+        groups=(group, group + reserved),
         damaged=list(damaged.values()),
         # Worked out here, outside the store's lock (a write the journal keeps whole).
         journal=journal_cost(keys) if len(keys) <= JOURNAL_KEYS // 4 else None,

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..errors import FlightqError, ProtocolError
 from ..protocol import MAX_PUT_PARTS, PutCommand
+from .putplan import Stored
 
 __all__ = ["Staging", "MAX_PARTS"]
 
@@ -44,7 +45,7 @@ class _Put:
     done: bool = False
     committing: bool = False  # every part is here; only the commit decides now
     decided_at: float = 0.0
-    result: int = 0
+    result: Stored | None = None
     error: BaseException | None = None
 
 
@@ -107,10 +108,11 @@ class Staging:
         part: int,
         parts: int,
         pieces: list[Any],
-        commit: Callable[[list[Any]], int],
+        commit: Callable[[list[Any]], Stored],
         timeout: float,
-    ) -> int:
-        """Add one part's checked pieces; wait for the others; return the rows stored.
+    ) -> Stored:
+        """Add one part's checked pieces; wait for the others; return what the put did
+        (the same for every part).
 
         The last part to arrive runs ``commit`` on every part's pieces, in part order.
 
@@ -173,6 +175,7 @@ class Staging:
             if isinstance(p.error, FlightqError):
                 raise type(p.error)(str(p.error))
             raise ProtocolError(f"{what}: {p.error}")
+        assert p.result is not None, "a put decided without an error has its result"
         return p.result
 
     def staged(self) -> dict[str, int]:
@@ -198,7 +201,11 @@ class Staging:
         return p
 
     def _decide(
-        self, p: _Put, result: int = 0, error: BaseException | None = None, final: bool = False
+        self,
+        p: _Put,
+        result: Stored | None = None,
+        error: BaseException | None = None,
+        final: bool = False,
     ) -> None:
         # With the lock held: the first decision stands, and once every part is here only
         # the commit's (``final``); the parts' pieces are let go.

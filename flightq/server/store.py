@@ -54,7 +54,7 @@ from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskSt
 from .media import grouped_by_media, waiting_homes
 from .merge import Merge
 from .partition import Partition, Piece, PutKeys, Row, put_keys
-from .putplan import plan_put
+from .putplan import Stored, plan_put, stored
 from .readiness import (
     complete_keys,
     count_ready,
@@ -629,15 +629,16 @@ class Store:
         overwrite: bool,
         timeout: float = 0.0,
         put_id: str | None = None,
-    ) -> int:
-        """Store the rows of validated pieces, all or nothing. Returns the rows written.
+    ) -> Stored:
+        """Store the rows of validated pieces, all or nothing. Returns what it did: the
+        rows written, and those of them it created.
 
         Under the lock: the partition plans the put (every check), the store waits for
         room by the plan's numbers (memory budget, row limit), and the partition applies
         it. With a budget or a row limit, waits up to ``timeout`` seconds for clears to make
         room. A retry is idempotent: a ``put_id`` seen recently in the partition, or a put
         whose every cell and tag equals what its rows already hold, is acknowledged again
-        and stores nothing.
+        and stores nothing (a replay: it created nothing).
 
         Raises
         ------
@@ -685,7 +686,7 @@ class Store:
                     elif self._stale(name, p, plan.seen, keys):
                         continue
                     if plan.replay is not None:
-                        return plan.replay
+                        return stored(plan)
                     mine = sum(pc.reserved for pc in pieces)  # counted already, as pending
                     left = max(0.0, deadline - time.monotonic())
                     need = plan.need + waiting_homes(pieces)  # media counted once, as it goes live
@@ -698,15 +699,15 @@ class Store:
                         _same_partition(p, epochs)
                         plan = plan_put(p, pieces, overwrite, put_id, p.writes)
                         if plan.replay is not None:
-                            return plan.replay
-                    n = p.commit(plan, merge)
+                            return stored(plan)
+                    p.commit(plan, merge)
                     for pc in pieces:  # stored: counted by the rows from now on
                         self._pending -= pc.reserved
                         pc.reserved = 0
                     self._fit()  # its journal entry and put id, the oldest records out
                     self._changed.notify_all()  # puts waiting for room (budget, row limit)
                     self._wake_claims(name, p)
-                    return n
+                    return stored(plan)
                 finally:
                     if merge is not None:
                         self._end_merge(merge)
@@ -725,19 +726,38 @@ class Store:
             return True
         return p.writes != seen and p.touched(seen, keys.set())
 
-    def clear(self, name: str, keys: Sequence[str] | None, put_id: str | None = None) -> int:
+    def clear(
+        self,
+        name: str,
+        keys: Sequence[str] | None,
+        put_id: str | None = None,
+        groups: Sequence[int] | None = None,
+    ) -> int:
         """Remove rows (all when ``keys`` is None). Returns how many were removed. A
         cleared row counts as acknowledged: the leases holding it end for it. With
         ``put_id``, the partition also forgets that put id, in the same step: a retry of
         the put is stored again, not acknowledged as a replay.
 
+        With ``groups`` (``[first, end]``, a put's :class:`~flightq.protocol.PutCreated`),
+        only the rows among ``keys`` whose creation number lies in ``[first, end)`` go:
+        the rows that one put created, which no other put's row shares, whatever was put
+        or cleared since. Keys not held are skipped: undoing a put never removes a row it
+        did not create, such as one a replay or a write-back only acknowledged.
+
         Raises
         ------
         NotFoundError
-            If a key is unknown (nothing is removed then).
+            If a key is unknown, without ``groups`` (nothing is removed then).
         """
         with self._changed:
             p = self._get(name)
+            if groups is not None:
+                first, end = groups
+                named = list(p.rows) if keys is None else keys
+                rows = p.rows
+                keys = [
+                    k for k in named if (r := rows.get(k)) is not None and first <= r.group < end
+                ]
             if keys is None:
                 n = len(p.rows)
                 p.cleared(p.rows.values())
@@ -748,7 +768,8 @@ class Store:
                 p.progress.removed_all()
                 p.wrote(None)
             else:
-                _known(p, keys)
+                if groups is None:
+                    _known(p, keys)
                 gone = []
                 for k in keys:
                     row = p.rows.pop(k, None)

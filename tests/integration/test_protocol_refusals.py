@@ -98,6 +98,12 @@ CASES = [
         r"clear: unknown key 'all'; expected partition, keys",
     ),
     (
+        "clear-groups-not-a-range",
+        lambda loc: _do(loc, "clear", {"partition": "p", "keys": ["k0"], "groups": [5, 3]}),
+        r"clear: 'groups' must be \[first, end\], two integers with 0 <= first <= end; "
+        r"got \[5, 3\]",
+    ),
+    (
         "unknown-key-in-a-reset",
         lambda loc: _do(loc, "reset", {"partition": "p", "task": "train", "key": ["k0"]}),
         r"reset: unknown key 'key'; expected partition, task, keys",

@@ -1,13 +1,13 @@
 """docs/protocol.md and flightq/protocol.py describe the same messages.
 
-The test reads the doc's message tables (the put command's keys, the DoGet tickets, the
-DoAction bodies and results, a partition's stats ``P``, the error detail, the error
-classes) and compares them with the protocol types: every documented key exists with the
-same optionality, default, nullability and kind of type, and every key of a type, every
-ticket op and every action is documented. It also holds the action table
-(``protocol.ACTIONS``) and the server's handlers (``server.actions.HANDLERS``) together,
-and checks that every message survives ``parse(to_wire(x))``. No server needed, except
-for ListActions.
+The test reads the doc's message tables (the put command's keys and the put creation
+record's, the DoGet tickets, the DoAction bodies and results, a partition's stats ``P``,
+the error detail, the error classes) and compares them with the protocol types: every
+documented key exists with the same optionality, default, nullability and kind of type,
+and every key of a type, every ticket op and every action is documented. It also holds
+the action table (``protocol.ACTIONS``) and the server's handlers
+(``server.actions.HANDLERS``) together, and checks that every message survives
+``parse(to_wire(x))``. No server needed, except for ListActions.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from flightq.protocol import (
     Message,
     PartitionStats,
     PutCommand,
+    PutCreated,
     ScanTicket,
 )
 from flightq.server.actions import HANDLERS
@@ -210,6 +211,8 @@ def contract_problems(text: str) -> list[str]:
 
     put = _table(doc, "DoPut: writing rows", ["key", "type", "meaning"])
     problems += compare(PutCommand, _key_table(put), "put command")
+    created = _table(doc, "DoPut: writing rows", ["key", "type", "what it says"])
+    problems += compare(PutCreated, _key_table(created), "put creation record")
 
     tickets = _table(doc, "DoGet: reading rows", ["op", "ticket", "what comes back"])
     ops = {_code(r[0]): _map_keys(_code(r[1])) for r in tickets}
@@ -270,8 +273,8 @@ def test_the_protocol_doc_and_the_protocol_types_agree():
         ('"wait_for": [str] = [], ', "", "claim ticket: ClaimTicket.wait_for is not documented"),
         ('| `inspect` | `{"partition": str}` | `P` |\n', "", "action 'inspect' is in only one"),
         (
-            '"put_id": str \\| null = null}` | `{"cleared"',
-            '"put_id": str \\| null}` | `{"cleared"',
+            '"put_id": str \\| null = null, "groups"',
+            '"put_id": str \\| null, "groups"',
             "clear body: 'put_id' has a default (None) the doc does not show",
         ),
         (
@@ -384,6 +387,8 @@ EXAMPLES: list[Message] = [
         shm=_REF,
     ),
     protocol.PutAck(rows=7),
+    protocol.PutCreated(created=4, groups=[3, 5]),
+    protocol.PutCreated(created=0, replay=True),
     protocol.Health(),
     protocol.Health(shm_probe="/dev/shm/flightq-probe"),
     protocol.HealthReply(ok=True, protocol=1, partitions=2, shm={"dir": "/dev/shm", "probe": None}),
@@ -406,6 +411,7 @@ EXAMPLES: list[Message] = [
     protocol.Declaration(**_DECLARATION),
     protocol.Clear(partition="p", keys=["k0"]),
     protocol.Clear(partition="p"),
+    protocol.Clear(partition="p", keys=["k0", "k1"], put_id="x", groups=[3, 5]),
     protocol.ClearReply(cleared=3),
     protocol.Reset(partition="p", task="train", keys=None),
     protocol.ResetReply(reset=2),
