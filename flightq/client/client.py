@@ -760,31 +760,31 @@ class Client:
             from ..shm.client import put_via_shm
 
             batch_bytes = self._put_batch_bytes()
-            rows = put_via_shm(
+            rows, made = put_via_shm(
                 self._transport, self._segments, cmd, batches, timeout, batch_bytes, sink
             )
-            return PutReceipt(rows, "shm")
+            return PutReceipt(rows, "shm", creation=made)
         streams = 1 if crowded(self._reader) else self.put_streams
         groups = put_groups(batches, streams, self.min_stream_bytes)
         if len(groups) > 1:
-            rows = put_parts(
+            rows, made = put_parts(
                 self._reader, cmd, batches, fills, groups, timeout, self.max_batch_bytes
             )
-            return PutReceipt(rows, f"streams={len(groups)}")
+            return PutReceipt(rows, f"streams={len(groups)}", creation=made)
         if self._small(batches):
             ready = list(filled(batches, fills))
             took = self._requests.put(cmd, ready[0].schema, ready, f"put to {partition!r}", timeout)
             if took is not None:
-                return PutReceipt(took, "socket")
+                return PutReceipt(took[0], "socket", creation=took[1])
             batches, fills = ready, None
-        rows = self._transport.put(
+        rows, made = self._transport.put(
             cmd,
             batches[0].schema,
             filled(batches, fills),
             max_batch_bytes=self.max_batch_bytes,
             timeout=timeout,
         )
-        return PutReceipt(rows, "socket")
+        return PutReceipt(rows, "socket", creation=made)
 
     def _small(self, batches: list[pa.RecordBatch]) -> bool:
         """Whether a put over the socket takes the request stream: it is small (its media

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from ..batch import Batch, Claim
+    from ..protocol import PutCreated
     from ..registry import SchemaRegistry
     from ..schema import Schema
 
@@ -44,21 +45,34 @@ class PutReceipt(int):
         segment). A sharded put's routes, when its shards' differ, joined by ``"+"``.
     shards:
         For a sharded put, the location of each shard it wrote to; empty otherwise.
+    creation:
+        What the server says the put created (:class:`flightq.protocol.PutCreated`:
+        ``created`` rows, 0 for a retry acknowledged again (``replay``) or a put that only
+        added columns); a sharded put's, summed over its shards (without ``groups``).
+        None where a server did not say (one older than this field).
 
     Examples
     --------
     >>> r = PutReceipt(16, "streams=2")
-    >>> r == 16, r.rows, r.route
-    (True, 16, 'streams=2')
+    >>> r == 16, r.rows, r.route, r.created
+    (True, 16, 'streams=2', None)
     """
 
     route: str
     shards: tuple[str, ...]
+    creation: PutCreated | None
 
-    def __new__(cls, rows: int, route: str = "socket", shards: Iterable[str] = ()) -> PutReceipt:
+    def __new__(
+        cls,
+        rows: int,
+        route: str = "socket",
+        shards: Iterable[str] = (),
+        creation: PutCreated | None = None,
+    ) -> PutReceipt:
         self = super().__new__(cls, rows)
         self.route = route
         self.shards = tuple(shards)
+        self.creation = creation
         return self
 
     @property
@@ -66,8 +80,13 @@ class PutReceipt(int):
         """The rows written, as a plain ``int``."""
         return int(self)
 
+    @property
+    def created(self) -> int | None:
+        """The rows the put created; None where the server did not say."""
+        return None if self.creation is None else self.creation.created
+
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (int(self), self.route, self.shards))
+        return (type(self), (int(self), self.route, self.shards, self.creation))
 
 
 @runtime_checkable

@@ -40,11 +40,12 @@ from ..protocol import (
     Message,
     PutAck,
     PutCommand,
+    PutCreated,
     RequestsCommand,
     Ticket,
     from_flight_error,
 )
-from .transport import Transport, action_spec
+from .transport import Acked, Transport, action_spec
 
 __all__ = ["Requests", "IDLE_CLOSE_S", "OPEN_S", "RETRY_OPEN_S"]
 
@@ -112,9 +113,10 @@ class Requests:
         batches: Sequence[pa.RecordBatch],
         what: str,
         timeout: float | None,
-    ) -> int | None:
-        """A put on the stream; returns the rows stored, or None where it must go per call
-        (the stream is busy or not open, or broke before an answer)."""
+    ) -> Acked | None:
+        """A put on the stream; returns the rows stored and what it created (as
+        :meth:`Transport.put`), or None where it must go per call (the stream is busy or
+        not open, or broke before an answer)."""
         header: dict[str, Any] = {"op": "put", "cmd": cmd.to_wire()}
         split = [split_claims(b.schema) for b in batches]
         if any(c is not None for _, c in split):
@@ -125,7 +127,12 @@ class Requests:
             batches = [b.replace_schema_metadata(schema.metadata) for b in batches]
         frame = pack_frame(header, schema, batches)
         got = self._call(frame, what, timeout)
-        return None if got is None else PutAck.parse(got.header["ok"]).rows
+        if got is None:
+            return None
+        # "created" beside "ok" says what the put created; an older server sends none.
+        created = got.header.get("created")
+        record = None if created is None else PutCreated.parse(created)
+        return PutAck.parse(got.header["ok"]).rows, record
 
     def read(
         self, ticket: Ticket, what: str, timeout: float | None, max_bytes: int | None = None

@@ -32,6 +32,7 @@ from ..cuda import decode_streams_to_device, decode_to_device
 from ..errors import FlightqError, MissingFieldError, NotFoundError, ResourceExhaustedError
 from ..protocol import AbortPut, GetTicket, PutCommand
 from .reads import Reader, received_on_device
+from .transport import Acked
 
 __all__ = [
     "CROWDED_SECONDS",
@@ -94,7 +95,7 @@ def put_parts(
     groups: list[range],
     timeout: float | None,
     max_batch_bytes: int,
-) -> int:
+) -> Acked:
     """One put over parallel DoPut streams, one range of batches each, on their own
     connections; the server stores the parts together or not at all
     (:mod:`flightq.server.staging`). Each stream fills its batches just before sending them.
@@ -108,7 +109,7 @@ def put_parts(
     transport = reader.transport
     stage = secrets.token_hex(8)
 
-    def send(i: int) -> int:
+    def send(i: int) -> Acked:
         part = groups[i]
         rows = sum(batches[j].num_rows for j in part)
         mine = dataclasses.replace(cmd, rows=rows, stage=stage, part=i, parts=len(groups))
@@ -143,7 +144,7 @@ def put_parts(
             if isinstance(first, ResourceExhaustedError) and _crowded(reader, first):
                 raise Crowded(str(first)) from first
             raise first
-    return int(futures[0].result())
+    return futures[0].result()  # every part is answered alike
 
 
 def read_keys(

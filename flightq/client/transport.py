@@ -5,7 +5,8 @@ extra connections a get or put split over parallel streams uses, opened on first
 the default timeout, and the translation of every Flight or Arrow error into the flightq
 error it stands for (:func:`flightq.protocol.from_flight_error`). It speaks the protocol's
 types: an action's request gives the action's name and its reply's type, a put sends a
-:class:`~flightq.protocol.PutCommand` and parses the :class:`~flightq.protocol.PutAck`.
+:class:`~flightq.protocol.PutCommand` and parses the :class:`~flightq.protocol.PutAck` and
+the :class:`~flightq.protocol.PutCreated` after it.
 
 Nothing above this module handles a ``pyarrow.flight`` object or catches a Flight error;
 the client, the parallel streams, shared memory and the sharded client all go through it.
@@ -30,15 +31,25 @@ from ..protocol import (
     Message,
     PutAck,
     PutCommand,
+    PutCreated,
     SessionCommand,
     SessionReply,
     Ticket,
     from_flight_error,
 )
 
-__all__ = ["Transport", "action_spec", "generic_options", "keepalive_options", "with_scheme"]
+__all__ = [
+    "Acked",
+    "Transport",
+    "action_spec",
+    "generic_options",
+    "keepalive_options",
+    "with_scheme",
+]
 
 R = TypeVar("R", bound=Message)
+#: A put's answer: the rows acknowledged, and what it created (None: the server did not say).
+Acked = tuple[int, PutCreated | None]
 
 #: Each action's name and spec, by its request type.
 _BY_REQUEST: dict[type[Message], tuple[str, ActionSpec]] = {
@@ -208,9 +219,10 @@ class Transport:
         max_batch_bytes: int,
         timeout: float | None = None,
         connection: int = 0,
-    ) -> int:
+    ) -> Acked:
         """One DoPut: the command, ``batches`` cut at ``max_batch_bytes``, then the server's
-        acknowledgement; returns the rows it acknowledged.
+        acknowledgement; returns the rows it acknowledged, and what the put created (None
+        from a server that does not say: :class:`~flightq.protocol.PutCreated`).
 
         Raises
         ------
@@ -233,11 +245,14 @@ class Transport:
                             writer.write_with_metadata(chunk, claims)
                 writer.done_writing()
                 ack = reader.read()
+                # A second message says what the put created; a server that sends none
+                # (an older one) ends the stream instead.
+                created = None if ack is None else reader.read()
         except _FOREIGN as e:
             raise from_flight_error(e, what) from e
         if ack is None:
             raise FlightqError(f"{what}: the server sent no acknowledgement")
-        return PutAck.parse(ack).rows
+        return PutAck.parse(ack).rows, None if created is None else PutCreated.parse(created)
 
     def get(
         self,

@@ -20,7 +20,7 @@ from .gather import ShmGather
 from .segments import SegmentPool
 
 if TYPE_CHECKING:
-    from ..client.transport import Transport
+    from ..client.transport import Acked, Transport
 
 __all__ = ["ClientSegments", "handshake", "probe", "put_via_shm"]
 
@@ -132,8 +132,9 @@ def put_via_shm(
     timeout: float | None,
     batch_bytes: int,
     sink: Sink | None = None,
-) -> int:
+) -> Acked:
     """One put whose batches travel in a segment; the DoPut carries only the command.
+    Returns what :meth:`~flightq.client.transport.Transport.put` returns.
 
     ``batch_bytes`` is the record-batch size written into the segment. Batches encoded
     into a :class:`~flightq.shm.gather.ShmGather` ``sink`` have their large payloads
@@ -160,7 +161,7 @@ def put_via_shm(
     plain = ShmRef(**ref)
     shm = plain if fills is None else dataclasses.replace(plain, pid=os.getpid(), fills=fills)
 
-    def send(ref: ShmRef) -> int:
+    def send(ref: ShmRef) -> Acked:
         return transport.put(
             dataclasses.replace(cmd, shm=ref),
             chunks[0].schema,
