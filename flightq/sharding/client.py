@@ -46,14 +46,13 @@ from ..errors import (
     ProtocolError,
     UnavailableError,
 )
-from ..protocol import ClaimGrant, ClaimTicket, Clear, GetTicket, Nack
+from ..protocol import ClaimGrant, ClaimTicket, Clear, GetTicket, Nack, PutCreated
 from ..registry import SchemaRegistry
 from ..rows import columns_of
 from ..schema import Schema
 from ..tensordicts import tensordict_reads
 from .fanout import DEFAULT_POLL, Fanout, at_shard
 from .router import (
-    created_rows,
     gather,
     group_key,
     keys_of,
@@ -155,9 +154,12 @@ class ShardedClient(Fanout):
         back, below, forgets the id).
 
         Each shard's part is one atomic DoPut. If a part fails, the rows this put created
-        on the other shards are cleared again, so a put that creates rows (a generator's)
-        is all or nothing; columns a write-back added to existing rows on the shards that
-        succeeded stay, and the error says where (retry with ``overwrite=True``).
+        on the other shards, as each shard says in its acknowledgement, are cleared again,
+        so a put that creates rows (a generator's) is all or nothing. Nothing else is
+        cleared: a shard that acknowledged its part as a replay (a retry of a put it had
+        stored) keeps those acknowledged rows, columns a write-back added to existing rows
+        stay, and a shard whose server does not say what the put created (an older one)
+        is left as it is. The error says what each shard holds and how to retry.
 
         Raises
         ------
@@ -187,7 +189,7 @@ class ShardedClient(Fanout):
             ]
             for s, pos in self.router.split(ks).items()
         }
-        return self._put_parts(partition, schema, parts, overwrite, timeout, put_id)
+        return self._put_parts(partition, parts, overwrite, timeout, put_id)
 
     def put_batch(
         self,
@@ -204,7 +206,7 @@ class ShardedClient(Fanout):
         dictionary is its whole batch's, so a shard also receives the media of rows it
         does not hold: prefer :meth:`put` for media.
         """
-        schema, g = self._decl(partition)
+        _, g = self._decl(partition)
         batches = [batch] if isinstance(batch, pa.RecordBatch) else list(batch)
         keys = keys_of(batches)
         self.router.check_groups(keys, g, f"put to {partition!r}")
@@ -212,12 +214,11 @@ class ShardedClient(Fanout):
         for b in batches:
             for s, pos in self.router.split(keys_of([b])).items():
                 parts.setdefault(s, []).extend(runs(b, pos))
-        return self._put_parts(partition, schema, parts, overwrite, timeout, put_id)
+        return self._put_parts(partition, parts, overwrite, timeout, put_id)
 
     def _put_parts(
         self,
         partition: str,
-        schema: Schema,
         parts: Mapping[int, list[pa.RecordBatch]],
         overwrite: bool,
         timeout: float | None,
@@ -237,50 +238,83 @@ class ShardedClient(Fanout):
             note = (
                 ""
                 if len(parts) == 1
-                else self._roll_back(partition, schema, parts, done, overwrite, put_id)
+                else self._roll_back(partition, parts, done, overwrite, put_id)
             )
             raise self._error(failed, note) from failed[0][1]
         routes = sorted({r.route for r in done.values()})
         shards = [self.locations[s] for s in sorted(done)]
-        return PutReceipt(sum(done.values()), "+".join(routes), shards)
+        return PutReceipt(sum(done.values()), "+".join(routes), shards, _summed(done.values()))
 
     def _roll_back(
         self,
         partition: str,
-        schema: Schema,
         parts: Mapping[int, list[pa.RecordBatch]],
-        done: Mapping[int, int],
+        done: Mapping[int, PutReceipt],
         overwrite: bool,
         put_id: str | None,
     ) -> str:
-        """Clear the rows a failed put created on the shards whose part succeeded.
+        """Clear the rows a failed put created on the shards whose part succeeded, and
+        say what each of them holds now and how to complete the put.
 
-        Each such shard forgets ``put_id`` with the rows, in the same step: a retry of the
-        put by its ``put_id`` stores them again there instead of being acknowledged as a
-        replay of the part it no longer holds.
+        Only the rows a shard says this put created go (its
+        :class:`~flightq.protocol.PutCreated`), by a clear that removes those rows and no
+        other (``groups``): a shard that acknowledged the part as a replay of an earlier
+        put created none, so the rows of that acknowledged put stay; rows that existed
+        before keep what the put wrote. Where a shard did not say (a server older than
+        that record), nothing is cleared there: deleting rows it cannot prove this put
+        created could delete acknowledged ones. Each shard that rolls back forgets
+        ``put_id`` in the same step, so a retry of the put by its ``put_id`` stores the
+        rows there again instead of being acknowledged as a replay.
         """
         if not done:
             return f"nothing of the put to {partition!r} was stored"
-        lines = []
-        for s in done:
-            keys = keys_of(parts[s])
-            # Without overwrite, a row that took a required field was created by this put
-            # (an existing row already has every required field: rewriting one conflicts).
-            created = [x for b in parts[s] for x in created_rows(b, schema)]
-            mine = [] if overwrite else [k for k, new in zip(keys, created, strict=True) if new]
-            kept = len(keys) - len(mine)
+        lines: list[str] = []
+        remains = False  # a shard holds this put's part (from this attempt or an earlier one)
+        columns = False  # ... and rows it added columns to, which a retry rewrites
+        for s, receipt in done.items():
+            n = len(keys_of(parts[s]))
             where = f"shard {self.locations[s]}"
-            if mine:
-                try:
-                    self.transports[s].action(Clear(partition=partition, keys=mine, put_id=put_id))
-                    lines.append(f"rolled back {len(mine)} new rows on {where}")
-                except FlightqError as e:
-                    lines.append(f"could not roll back {len(mine)} new rows on {where}: {e}")
-                    kept = len(keys)
-            if kept:
+            made = receipt.creation
+            if made is None:
+                remains = True
                 lines.append(
-                    f"{kept} rows on {where} keep what this put wrote; retry with overwrite=True"
+                    f"{where} did not say which of its {n} rows this put created (its server "
+                    "predates put creation records): nothing rolled back there, so they hold "
+                    "what this put or an earlier one wrote"
                 )
+                continue
+            if made.replay:
+                remains = True
+                lines.append(
+                    f"{where} had stored this part before (acknowledged again as a replay): "
+                    f"its {n} rows stay as they were"
+                )
+                continue
+            kept = n - made.created
+            if made.groups is not None:
+                keys = keys_of(parts[s])
+                clear = Clear(partition=partition, keys=keys, put_id=put_id, groups=made.groups)
+                try:
+                    reply = self.transports[s].action(clear)
+                    gone = made.created - reply.cleared
+                    lines.append(
+                        f"rolled back {reply.cleared} new rows on {where}"
+                        + (f" ({gone} more it created were cleared meanwhile)" if gone else "")
+                    )
+                except FlightqError as e:
+                    remains = True
+                    lines.append(f"could not roll back {made.created} new rows on {where}: {e}")
+            if kept:
+                remains = True
+                columns = columns or not overwrite
+                lines.append(f"{kept} existing rows on {where} keep what this put wrote")
+        if remains:
+            lines.append(
+                "the put is not whole: retry it once every shard answers, with the same "
+                "put_id or the same content"
+                + (", and overwrite=True" if columns else "")
+                + ": a shard that holds its part acknowledges it again"
+            )
         return "; ".join(lines)
 
     @tensordict_reads
@@ -580,6 +614,17 @@ class ShardedClient(Fanout):
                 if isinstance(error, FlightqError) and key in p.keys:
                     client.nack(p, [key], failed=True)
                 client.nack(p)
+
+
+def _summed(receipts: Iterable[PutReceipt]) -> PutCreated | None:
+    """What a sharded put created, over its shards' receipts; None if one did not say."""
+    made = [r.creation for r in receipts]
+    if any(m is None for m in made):
+        return None
+    return PutCreated(
+        created=sum(m.created for m in made if m is not None),
+        replay=all(m.replay for m in made if m is not None),
+    )
 
 
 def _rows(v: Any, lo: int, hi: int) -> Any:

@@ -38,7 +38,6 @@ import pyarrow as pa
 
 from ..errors import ShapeError
 from ..layout import KEY, arrow_schema, schema_of
-from ..schema import Schema
 
 __all__ = [
     "Router",
@@ -49,7 +48,6 @@ __all__ = [
     "runs",
     "spans",
     "sequential",
-    "created_rows",
     "gather",
     "sum_description",
     "sum_stats",
@@ -282,20 +280,6 @@ def sequential(
         parts.append((range(at, at + m), bs))
         at += m
     return parts
-
-
-def created_rows(batch: pa.RecordBatch, schema: Schema) -> list[bool]:
-    """Rows of a put that create a row (they carry a required field), without overwrite.
-
-    An existing row already has every required field, so a put without ``overwrite``
-    that writes one to it is refused: if such a put succeeded, the row is new.
-    """
-    out = [False] * batch.num_rows
-    for f in schema.required:
-        if f in batch.schema.names:
-            valid = batch.column(f).is_valid().to_pylist()
-            out = [a or bool(b) for a, b in zip(out, valid, strict=True)]
-    return out
 
 
 def gather(

@@ -13,7 +13,7 @@ import pytest
 from fixtures_dataplane import TEXT, python_env, text_columns, text_keys
 
 from flightq import SchemaRegistry, ShapeError, decode, encode
-from flightq.sharding.router import Router, created_rows, gather, group_key, merge, runs, score
+from flightq.sharding.router import Router, gather, group_key, merge, runs, score
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -160,16 +160,6 @@ def test_runs_slices_contiguous_positions() -> None:
         ["p0_g0", "p0_g1", "p0_g2"],
         ["p0_g4", "p0_g5"],
     ]
-
-
-def test_created_rows_are_those_carrying_a_required_field() -> None:
-    schema = SchemaRegistry.default().get(TEXT)
-    lp = [np.zeros(3, dtype=np.float32)] * 2
-    assert created_rows(encode(schema, {"prev_logprobs": lp}, ["a", "b"]), schema) == [
-        False,
-        False,
-    ]
-    assert created_rows(_text_batch(["a", "b"]), schema) == [True, True]
 
 
 def test_gather_takes_whole_units_from_several_shards_by_halving() -> None:
