@@ -10,6 +10,7 @@ language would send it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgpack
 import pyarrow as pa
@@ -192,3 +193,36 @@ def test_flightq_serve_takes_its_cap_from_the_command_line():
         assert message.startswith(
             "clear: a body of 2.9 MiB exceeds the server's cap of 2 MiB (max_request_bytes)"
         ), message
+
+
+def test_schema_json_nested_past_pythons_stack_or_longer_than_a_put_carries_is_refused_typed(
+    served,
+):
+    srv, c = served
+    with fl.connect(srv.location) as plain:
+
+        def act(kind: str, body: dict[str, Any]) -> tuple[str, str]:
+            return _refused(lambda: list(plain.do_action(fl.Action(kind, msgpack.packb(body)))))
+
+        deep = "[" * 30_000  # within register_schema's 32 KiB
+        for kind, body in [
+            ("declare", {"partition": "q", "schema": deep}),
+            ("check_schemas", {"schemas": [deep]}),
+            ("register_schema", {"schema": deep}),
+        ]:
+            got, message = act(kind, body)
+            assert got == "SchemaError", (kind, message)
+            assert message.startswith("schema is not valid JSON: nested too deeply"), message
+        long = " " * 70_000 + flightq.SchemaRegistry.default().get(TEXT).canonical_json
+        for kind, body in [
+            ("declare", {"partition": "q", "schema": long}),
+            ("check_schemas", {"schemas": [long]}),
+        ]:
+            got, message = act(kind, body)
+            assert got == "ResourceExhaustedError", (kind, message)
+            assert message.startswith(
+                f"{kind}: a schema of {len(long)} characters of JSON is longer than any a put "
+                "can carry (65536 bytes of schema metadata)"
+            ), message
+    assert "q" not in c.partitions()
+    _serves_on(c)
