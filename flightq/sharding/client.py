@@ -46,6 +46,7 @@ from ..errors import (
     ProtocolError,
     UnavailableError,
 )
+from ..msgcheck import key_chunks
 from ..protocol import ClaimGrant, ClaimTicket, Clear, GetTicket, Nack
 from ..registry import SchemaRegistry
 from ..rows import columns_of
@@ -272,7 +273,12 @@ class ShardedClient(Fanout):
             where = f"shard {self.locations[s]}"
             if mine:
                 try:
-                    self.transports[s].action(Clear(partition=partition, keys=mine, put_id=put_id))
+                    # Each within what a message carries; the put id goes with the first: a
+                    # retry is then stored again, or refused where rows of it remain.
+                    for part in key_chunks(mine):
+                        self.transports[s].action(
+                            Clear(partition=partition, keys=part, put_id=put_id)
+                        )
                     lines.append(f"rolled back {len(mine)} new rows on {where}")
                 except FlightqError as e:
                     lines.append(f"could not roll back {len(mine)} new rows on {where}: {e}")

@@ -1,7 +1,8 @@
 """Control messages past the server's cap (``max_request_bytes``, 16 MiB by default):
 refused before they are decoded, typed, naming the call, the size, the cap and the fix;
 nothing changes and the server serves on. A message whose headers claim more than
-follows is refused from them, before msgpack runs.
+follows fails before msgpack allocates what they claim. A flightq client cuts its long
+key lists into messages within the cap.
 
 Every hostile message is crafted with plain ``pyarrow.flight``, as a client in another
 language would send it.
@@ -193,6 +194,11 @@ def test_flightq_serve_takes_its_cap_from_the_command_line():
         assert message.startswith(
             "clear: a body of 2.9 MiB exceeds the server's cap of 2 MiB (max_request_bytes)"
         ), message
+        with flightq.connect(loc, [TEXT]) as c:  # its own calls fit: it cuts its key lists
+            c.create_partition("p", TEXT)
+            keys = [f"r{i:04d}_".ljust(1000, "k") for i in range(3000)]
+            assert c.put_batch("p", text_batch(keys)) == len(keys)
+            assert c.clear("p", keys) == len(keys)
 
 
 def test_schema_json_nested_past_pythons_stack_or_longer_than_a_put_carries_is_refused_typed(
@@ -225,4 +231,19 @@ def test_schema_json_nested_past_pythons_stack_or_longer_than_a_put_carries_is_r
                 "can carry (65536 bytes of schema metadata)"
             ), message
     assert "q" not in c.partitions()
+    _serves_on(c)
+
+
+def test_clears_and_acks_of_more_keys_than_a_message_carries_go_in_parts(served):
+    # 66 000 keys of 1000 characters: 66 MB of keys, past what one message may carry;
+    # the client names them over several calls, each within the cap.
+    _, c = served
+    keys = [f"r{i:06d}_".ljust(1000, "k") for i in range(66_000)]
+    assert c.put_batch("p", text_batch(keys)) == len(keys)
+    listed = c.list_keys("p", keys[::-1])
+    assert list(listed) == keys[::-1]
+    batch = c.claim("p", "train", len(keys) + 2, as_="numpy")
+    assert c.ack(batch, [*batch.keys, *batch.keys]) == len(keys) + 2  # named twice: once
+    assert c.clear("p", keys) == len(keys)
+    assert c.inspect("p")["rows"] == 2
     _serves_on(c)
