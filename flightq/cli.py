@@ -224,6 +224,16 @@ def _parser() -> argparse.ArgumentParser:
         "cores to spare for the reader may gain from 8 MiB, see docs/performance.md)",
     )
     sv.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="largest control message a client may send (a ticket, an action body, a "
+        "descriptor), in bytes and in the Python objects it decodes to: past it a call is "
+        "refused before it is decoded, ResourceExhaustedError (default 16 MiB, at least "
+        "2 MiB)",
+    )
+    sv.add_argument(
         "--peers",
         help="every shard's location, comma-separated, this one's included "
         "(GetFlightInfo lists one endpoint per peer; see docs/sharding.md)",

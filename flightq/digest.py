@@ -30,6 +30,7 @@ import msgpack
 import pyarrow as pa
 
 from .errors import ProtocolError
+from .msgcheck import request_bytes
 from .tensor import is_torch, memory_key
 
 __all__ = [
@@ -222,9 +223,12 @@ def pack_claims(hash: str, fields: Mapping[str, list[bytes]]) -> bytes:
 _CLAIM_BYTES = (0, DIGEST_BYTES, DIGEST_BYTES + HINT_BYTES)
 
 
-def parse_claims(raw: bytes | None, what: str) -> tuple[str, dict[str, list[bytes]]] | None:
-    """The claims a put's record batch makes about its media entries (its app metadata),
-    or None.
+def parse_claims(
+    raw: bytes | Any | None, what: str, limit: int | None = None
+) -> tuple[str, dict[str, list[bytes]]] | None:
+    """The claims a put's record batch makes about its media entries (its app metadata:
+    bytes or a buffer), or None; ``limit``: the server's cap on a control message
+    (:func:`flightq.msgcheck.request_bytes`).
 
     Per dictionary entry: empty (a payload, filed under its hint unhashed), a digest (a
     payload the server checks against it on receipt), or a digest followed by a hint
@@ -234,9 +238,13 @@ def parse_claims(raw: bytes | None, what: str) -> tuple[str, dict[str, list[byte
     ------
     ProtocolError
         If the metadata is not such a map.
+    ResourceExhaustedError
+        If the metadata, or what it decodes to, passes ``limit``.
     """
     if raw is None or not len(raw):
         return None
+    if limit is not None:
+        raw = request_bytes(raw, f"{what}: media claims", limit)
     try:
         m = msgpack.unpackb(raw, raw=False)
         hash, fields = m["hash"], m["fields"]

@@ -187,13 +187,16 @@ def pack_frame(
     return pa.py_buffer(b"".join([len(head).to_bytes(_U32, "little"), head, *parts]))
 
 
-def parse_frame(buf: pa.Buffer | None, what: str, *, check: bool = False) -> Frame:
+def parse_frame(
+    buf: pa.Buffer | None, what: str, *, check: bool = False, limit: int | None = None
+) -> Frame:
     """A frame's header, schema and record batches (zero-copy slices of ``buf``).
 
     ``check=True`` (a server reading a client's batches) also runs Arrow's full
     validation of each batch: its offsets must stay inside its buffers; and the batches
     are read from a copy of their own bytes, so that storing them keeps nothing else of
-    the frame alive.
+    the frame alive. ``limit``: the server's cap on the header, a control message
+    (:func:`flightq.protocol.unpack`).
 
     Raises
     ------
@@ -201,7 +204,7 @@ def parse_frame(buf: pa.Buffer | None, what: str, *, check: bool = False) -> Fra
         No frame, a header that is no msgpack map, lengths that do not add up to the bytes
         that arrived, or IPC bytes that do not parse.
     ResourceExhaustedError
-        A frame larger than :data:`MAX_FRAME_BYTES`.
+        A frame larger than :data:`MAX_FRAME_BYTES`, or a header past ``limit``.
     """
     if buf is None:
         raise ProtocolError(f"{what}: a request stream message must carry a frame in its metadata")
@@ -220,7 +223,7 @@ def parse_frame(buf: pa.Buffer | None, what: str, *, check: bool = False) -> Fra
         raise ProtocolError(
             f"{what}: the frame announces a header of {n} bytes; {size - _U32} bytes follow"
         )
-    header = unpack(buf.slice(_U32, n), what)
+    header = unpack(buf.slice(_U32, n), what, limit)
     at = _U32 + n
     kind = header.get("body")
     if kind is None:

@@ -10,7 +10,9 @@ the two together.
 ``parse()`` refuses a bad message with a :class:`ProtocolError` naming the message and
 the key: random bytes, truncated msgpack, a non-map, a missing key, an unknown key, a
 value of the wrong type (a bool is never an integer, and only a bool is a bool), a
-number out of range, an oversized body.
+number out of range, a header claiming more items than follow. On the server, a message
+whose bytes, or the Python objects they decode to, pass its ``max_request_bytes`` is a
+:class:`ResourceExhaustedError`, refused before it is decoded (:mod:`flightq.msgcheck`).
 
 Errors raised on the server travel in the Flight error's ``extra_info`` as an
 :class:`ErrorDetail` (``{"type": ClassName, "message": ..., "field": ...}``), so the
@@ -47,6 +49,7 @@ from .errors import (
     UnavailableError,
 )
 from .layout import META_CLAIM
+from .msgcheck import request_bytes
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -117,7 +120,8 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 
-#: Largest ticket, descriptor or action body accepted (bytes).
+#: Largest answer from its server a client parses (bytes). What a server takes is its
+#: own cap, ``Server(max_request_bytes=...)`` (:mod:`flightq.msgcheck`).
 MAX_BODY = 64 * 2**20
 #: Most ranges of a writer's memory one put through shared memory may name.
 MAX_FILLS = 2**16
@@ -144,25 +148,40 @@ def pack(obj: Mapping[str, Any]) -> bytes:
     return msgpack.packb(dict(obj), use_bin_type=True)
 
 
-def unpack(data: bytes | memoryview | Any, what: str) -> dict[str, Any]:
+def unpack(data: bytes | memoryview | Any, what: str, limit: int | None = None) -> dict[str, Any]:
     """Parse a control message, refusing anything that is not a msgpack map.
+
+    ``limit``: the receiving server's cap (``max_request_bytes``) on the message's bytes
+    and on the Python objects they decode to, both checked before msgpack runs
+    (:func:`flightq.msgcheck.request_bytes`); None (a client reading its server's
+    answer): at most :data:`MAX_BODY` bytes.
 
     Raises
     ------
     ProtocolError
-        On random bytes, truncated msgpack, an oversized body or a non-map.
+        On random bytes, truncated msgpack, an oversized body, a header claiming more
+        items than follow, or a non-map.
+    ResourceExhaustedError
+        With ``limit``: the message, or what it decodes to, passes it.
     """
-    raw = data.to_pybytes() if hasattr(data, "to_pybytes") else bytes(data)
-    if len(raw) > MAX_BODY:
-        raise ProtocolError(f"{what}: body of {len(raw)} bytes exceeds {MAX_BODY}")
+    if limit is not None:
+        raw = request_bytes(data, what, limit)
+    else:
+        raw = data.to_pybytes() if hasattr(data, "to_pybytes") else bytes(data)
+        if len(raw) > MAX_BODY:
+            raise ProtocolError(f"{what}: body of {len(raw)} bytes exceeds {MAX_BODY}")
+    n = len(raw)
     try:
+        # Nothing in a body holds more items or bytes than the body has (each item takes
+        # one byte at least): msgpack refuses any header claiming more, at once.
         obj = msgpack.unpackb(
             raw,
             raw=False,
-            max_str_len=MAX_BODY,
-            max_bin_len=MAX_BODY,
-            max_array_len=10_000_000,
-            max_map_len=1_000_000,
+            max_str_len=n,
+            max_bin_len=n,
+            max_ext_len=n,
+            max_array_len=n,
+            max_map_len=n // 2,
         )
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise ProtocolError(f"{what}: not a valid msgpack map ({type(e).__name__}: {e})") from e
@@ -403,16 +422,19 @@ class Message:
         return [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
 
     @classmethod
-    def parse(cls: type[M], data: Any, what: str | None = None) -> M:
-        """The message in ``data`` (msgpack bytes, a Flight buffer, or a map).
+    def parse(cls: type[M], data: Any, what: str | None = None, limit: int | None = None) -> M:
+        """The message in ``data`` (msgpack bytes, a Flight buffer, or a map); ``limit``:
+        the receiving server's cap on its bytes (:func:`unpack`).
 
         Raises
         ------
         ProtocolError
             Naming the message and the key at fault.
+        ResourceExhaustedError
+            The bytes, or what they decode to, pass ``limit``.
         """
         what = cls.WHAT if what is None else what
-        d = data if isinstance(data, Mapping) else unpack(data, what)
+        d = data if isinstance(data, Mapping) else unpack(data, what, limit)
         fields, names = _fields(cls)
         unknown = [k for k in d if k not in names]
         if unknown:
@@ -526,15 +548,17 @@ Ticket = GetTicket | ClaimTicket | ScanTicket
 _TICKETS: dict[str, type[Message]] = {"get": GetTicket, "claim": ClaimTicket, "scan": ScanTicket}
 
 
-def parse_ticket(data: Any) -> Ticket:
-    """A DoGet ticket, by its ``op``.
+def parse_ticket(data: Any, limit: int | None = None) -> Ticket:
+    """A DoGet ticket, by its ``op``; ``limit``: the server's cap (:func:`unpack`).
 
     Raises
     ------
     ProtocolError
         On a malformed ticket or an unknown ``op``.
+    ResourceExhaustedError
+        The ticket, or what it decodes to, passes ``limit``.
     """
-    d = unpack(data, "ticket")
+    d = unpack(data, "ticket", limit)
     if "op" not in d:
         raise ProtocolError("ticket: missing 'op'")
     cls = _TICKETS.get(d["op"]) if isinstance(d["op"], str) else None

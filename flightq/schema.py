@@ -324,6 +324,8 @@ class Schema:
             data = json.loads(text)
         except (ValueError, UnicodeDecodeError) as e:
             raise SchemaError(f"schema is not valid JSON: {e}") from e
+        except RecursionError as e:  # arrays or objects nested past Python's stack
+            raise SchemaError(f"schema is not valid JSON: nested too deeply ({e})") from e
         return cls.from_dict(data)
 
 

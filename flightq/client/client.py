@@ -46,6 +46,7 @@ from ..errors import (
 from ..frames import STREAM_ACK_ROWS
 from ..layout import DEFAULT_BATCH_BYTES
 from ..memory import keep_freed_memory as _keep_freed_memory
+from ..msgcheck import key_chunks
 from ..protocol import (
     MAX_SECONDS,
     MIN_SILENCE,
@@ -523,9 +524,16 @@ class Client:
         return self._act(Describe(partition=partition)).to_dict()
 
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> int:
-        """Remove rows (all when ``keys`` is None); returns how many."""
+        """Remove rows (all when ``keys`` is None); returns how many.
+
+        Keys that one message cannot carry (past about 1 MiB of keys: a server refuses a
+        message past its ``max_request_bytes``) go in several calls, in order, each key
+        named once; so do those of :meth:`reset`, :meth:`ack`, :meth:`nack` and
+        :meth:`list_keys`. Each call is all or nothing: an error in one (an unknown key)
+        leaves the calls before it done.
+        """
         ks = None if keys is None else list(keys)
-        n = int(self._act(Clear(partition=partition, keys=ks)).cleared)
+        n = sum(int(self._act(Clear(partition=partition, keys=p)).cleared) for p in _parts(ks))
         if ks is None:
             self._forget_media(partition)  # it holds none now: send the next put's bare
         return n
@@ -533,7 +541,9 @@ class Client:
     def reset(self, partition: str, task: str, keys: Sequence[str] | None = None) -> int:
         """Make rows claimable again for ``task`` (all when ``keys`` is None)."""
         ks = None if keys is None else list(keys)
-        return int(self._act(Reset(partition=partition, task=task, keys=ks)).reset)
+        return sum(
+            int(self._act(Reset(partition=partition, task=task, keys=p)).reset) for p in _parts(ks)
+        )
 
     def _act(self, request: Message, rows: int = 0) -> Any:
         """A small action of a training loop (ack, nack, clear, reset, and the reads
@@ -587,10 +597,13 @@ class Client:
         """
         # Every row's keys and tags may be more than a frame holds: per call.
         ks = _keys(keys)
-        r = self._act(
-            ListKeys(partition=partition, keys=ks), rows=_EVERY if ks is None else len(ks)
-        )
-        return _rows_listed(r)
+        out: dict[str, dict[str, Any]] = {}
+        for p in _parts(ks):
+            r = self._act(
+                ListKeys(partition=partition, keys=p), rows=_EVERY if p is None else len(p)
+            )
+            out.update(_rows_listed(r))
+        return out
 
     # ------------------------------------------------------------------ data
 
@@ -976,19 +989,23 @@ class Client:
         """
         c = _claim_of(claim)
         ks = None if keys is None else list(keys)
-        reply = self._act(Ack(partition=c.partition, claim=c.id, keys=ks), rows=len(c.keys))
-        if reply.lost:
-            shown = ", ".join(repr(k) for k in reply.lost[:10])
-            more = f" and {len(reply.lost) - 10} more" if len(reply.lost) > 10 else ""
+        acked, lost = 0, []
+        for p in _parts(ks):
+            reply = self._act(Ack(partition=c.partition, claim=c.id, keys=p), rows=len(c.keys))
+            acked += reply.acked
+            lost += reply.lost
+        if lost:
+            shown = ", ".join(repr(k) for k in lost[:10])
+            more = f" and {len(lost) - 10} more" if len(lost) > 10 else ""
             raise LeaseExpiredError(
                 f"ack of claim {c.id} from {c.partition!r}: the lease had run out and rows "
                 f"{shown}{more} were claimed again or went to the dead letters; "
-                f"{reply.acked} rows were acknowledged",
-                key=reply.lost[0],
-                actual=len(reply.lost),
+                f"{acked} rows were acknowledged",
+                key=lost[0],
+                actual=len(lost),
                 partition=c.partition,
             )
-        return int(reply.acked)
+        return acked
 
     def nack(
         self, claim: Claim | Batch, keys: Sequence[str] | None = None, *, failed: bool = False
@@ -1007,8 +1024,11 @@ class Client:
         """
         c = _claim_of(claim)
         ks = None if keys is None else list(keys)
-        reply = self._act(Nack(partition=c.partition, claim=c.id, keys=ks, failed=failed))
-        return int(reply.released) + int(reply.dead)
+        given = 0
+        for p in _parts(ks):
+            reply = self._act(Nack(partition=c.partition, claim=c.id, keys=p, failed=failed))
+            given += int(reply.released) + int(reply.dead)
+        return given
 
     def dead_letters(self, partition: str, task: str, limit: int = 1000) -> dict[str, Any]:
         """The rows of ``task`` given up on: ``{"keys", "why", "deliveries", "total"}``,
@@ -1058,6 +1078,19 @@ class Client:
 
 def _keys(keys: Sequence[str] | None) -> list[str] | None:
     return None if keys is None else list(keys)
+
+
+def _parts(keys: list[str] | None) -> list[list[str] | None]:
+    """The key lists of the calls that name ``keys`` (None: every row, one call), each
+    within what one message carries to any server (:func:`flightq.msgcheck.key_chunks`).
+    Cut in parts, a key is named once: a later part naming a row an earlier one cleared
+    would find it unknown."""
+    if keys is None:
+        return [None]
+    parts = key_chunks(keys)
+    if len(parts) > 1:
+        parts = key_chunks(list(dict.fromkeys(keys)))
+    return list(parts)
 
 
 def _rows_listed(r: Any) -> dict[str, dict[str, Any]]:

@@ -9,8 +9,15 @@ rebuilds a tensor.
 from .flight import (
     DEFAULT_MAX_BATCH_BYTES,
     DEFAULT_MAX_PUT_BATCH_BYTES,
+    DEFAULT_MAX_REQUEST_BYTES,
     Server,
     serve_forever,
 )
 
-__all__ = ["DEFAULT_MAX_BATCH_BYTES", "DEFAULT_MAX_PUT_BATCH_BYTES", "Server", "serve_forever"]
+__all__ = [
+    "DEFAULT_MAX_BATCH_BYTES",
+    "DEFAULT_MAX_PUT_BATCH_BYTES",
+    "DEFAULT_MAX_REQUEST_BYTES",
+    "Server",
+    "serve_forever",
+]

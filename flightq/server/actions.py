@@ -66,7 +66,7 @@ from ..protocol import (
 )
 from ..registry import SchemaRegistry
 from ..schema import Schema, diff_schemas
-from .budget import MAX_SCHEMA_BYTES, MAX_SCHEMAS
+from .budget import MAX_METADATA_BYTES, MAX_SCHEMA_BYTES, MAX_SCHEMAS
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES
 from .metrics import Counters
 from .staging import Staging
@@ -96,7 +96,7 @@ class ActionContext:
 Handler = Callable[[ActionContext, Any], Message]
 
 
-def resolve_schema(registry: SchemaRegistry, text: str) -> Schema:
+def resolve_schema(registry: SchemaRegistry, text: str, what: str = "schema") -> Schema:
     """The registry's schema for ``text`` (a schema's JSON), which must match it.
 
     Raises
@@ -105,7 +105,19 @@ def resolve_schema(registry: SchemaRegistry, text: str) -> Schema:
         If the registry does not know the schema's name and version.
     SchemaMismatchError
         If the fingerprints differ, with a field-by-field diff.
+    ResourceExhaustedError
+        If ``text`` is longer than a put's schema metadata may be: no partition could be
+        written with it, and it is refused before it is parsed.
     """
+    # Characters: never more than the UTF-8 bytes, and counted without a copy.
+    if len(text) > MAX_METADATA_BYTES:
+        raise ResourceExhaustedError(
+            f"{what}: a schema of {len(text)} characters of JSON is longer than any a put "
+            f"can carry ({MAX_METADATA_BYTES} bytes of schema metadata); send the schema's "
+            "canonical JSON (Schema.canonical_json)",
+            expected=MAX_METADATA_BYTES,
+            actual=len(text),
+        )
     theirs = Schema.from_json(text)
     mine = registry.get(theirs.ref)
     if mine.fingerprint != theirs.fingerprint:
@@ -130,7 +142,7 @@ def _health(ctx: ActionContext, req: Health) -> HealthReply:
 
 
 def _check_schemas(ctx: ActionContext, req: CheckSchemas) -> CheckSchemasReply:
-    found = [resolve_schema(ctx.registry, text) for text in req.schemas]
+    found = [resolve_schema(ctx.registry, text, CheckSchemas.WHAT) for text in req.schemas]
     return CheckSchemasReply(
         schemas=[SchemaRef(ref=s.ref, fingerprint=s.fingerprint) for s in found]
     )
@@ -154,7 +166,7 @@ def _register_schema(ctx: ActionContext, req: RegisterSchema) -> SchemaRef:
 
 
 def _declare(ctx: ActionContext, req: Declare) -> DeclareReply:
-    schema = resolve_schema(ctx.registry, req.schema)
+    schema = resolve_schema(ctx.registry, req.schema, Declare.WHAT)
     created = ctx.store.declare(
         req.partition,
         schema,

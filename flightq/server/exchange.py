@@ -65,6 +65,7 @@ def serve_requests(
     closing: Callable[[], bool],
     watch: Callable[[Iterator[None]], Iterator[None]] = iter,
     patient: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    limit: int | None = None,
 ) -> None:
     """Answer ``reader``'s requests in turn until the client ends the stream.
 
@@ -79,7 +80,9 @@ def serve_requests(
     <flightq.server.idle.IdleWatch.reads>`): a client that stops reading its answers has
     its connection cut; the wait for its next request is by design, cut only once the
     server stops (``patient``, :meth:`IdleWatch.patient
-    <flightq.server.idle.IdleWatch.patient>`).
+    <flightq.server.idle.IdleWatch.patient>`). ``limit``: the server's cap on a control
+    message (``max_request_bytes``), here a frame's header and a read's ticket; ``put``
+    and ``act`` apply it to their commands themselves.
     """
     writer.write_metadata(pack_frame(HELLO))
     while True:
@@ -97,7 +100,7 @@ def serve_requests(
             if closing():
                 raise UnavailableError("the server is shutting down; retry on another server")
             try:
-                kind, reply, undo = _handle(chunk, context, put, answer, act, counters)
+                kind, reply, undo = _handle(chunk, context, put, answer, act, counters, limit)
             except (FlightqError, fl.FlightError):  # typed, or the transport's own
                 raise
             except Exception as e:  # hostile bytes deep in Arrow: refused, the stream lives
@@ -143,6 +146,7 @@ def _handle(
     answer: Answer,
     act: Act,
     counters: Counters,
+    limit: int | None,
 ) -> tuple[str, pa.Buffer, Callable[..., None] | None]:
     """One request: its kind (for the latency histogram), its answer's frame, and what
     gives a claim's rows back."""
@@ -152,7 +156,7 @@ def _handle(
             f"{what}: requests are metadata-only messages (a frame); this one carried a "
             "record batch"
         )
-    frame = parse_frame(chunk.app_metadata, what, check=True)
+    frame = parse_frame(chunk.app_metadata, what, check=True, limit=limit)
     op, cmd = frame.header.get("op"), frame.header.get("cmd")
     if not isinstance(cmd, bytes):
         raise ProtocolError(f"{what}: a request's 'cmd' must be bytes, got {type(cmd).__name__}")
@@ -180,7 +184,7 @@ def _handle(
         return f"action:{kind}", pack_frame({"ok": body}), None
     if op != "read":
         raise ProtocolError(f"{what}: unknown op {op!r}; expected 'put', 'read' or 'act'")
-    t = parse_ticket(cmd)
+    t = parse_ticket(cmd, limit)
     # The most payload bytes the client takes on the stream (more: it reads per call).
     asked = frame.header.get("max")
     if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int)):

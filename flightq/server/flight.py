@@ -40,6 +40,7 @@ from ..errors import (
 )
 from ..layout import DEFAULT_BATCH_BYTES
 from ..memory import cap_memory, collect_rarely, keep_freed_memory, memory_cap
+from ..msgcheck import DEFAULT_MAX_REQUEST_BYTES, MIN_MAX_REQUEST_BYTES
 from ..protocol import (
     ACTIONS,
     CLAIM_METADATA,
@@ -82,6 +83,7 @@ __all__ = [
     "keep_freed_memory",
     "DEFAULT_MAX_BATCH_BYTES",
     "DEFAULT_MAX_PUT_BATCH_BYTES",
+    "DEFAULT_MAX_REQUEST_BYTES",
 ]
 
 #: The server's log: start and stop at INFO, refused calls at INFO (a client's mistake,
@@ -137,6 +139,13 @@ class Server(fl.FlightServerBase):
     max_put_batch_bytes:
         Largest record batch (Arrow buffer bytes) a put may send; a larger one is refused
         with ProtocolError and nothing of the put is stored.
+    max_request_bytes:
+        Largest control message a client may send (a ticket, an action body, a
+        descriptor's command, a request-stream frame's header, a batch's media claims),
+        in bytes and in the Python objects it decodes to (an upper bound read from its
+        msgpack headers, :mod:`flightq.msgcheck`): a larger one is refused with
+        ResourceExhaustedError before it is decoded. 16 MiB by default, at least 2 MiB:
+        a flightq client cuts its key lists to stay within 1 MiB per message.
     tokens:
         Accepted bearer tokens; when given, every call without one is refused with
         UnauthenticatedError before it touches data (:mod:`flightq.auth`).
@@ -178,6 +187,7 @@ class Server(fl.FlightServerBase):
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         memory_budget: int | None = None,
         max_put_batch_bytes: int = DEFAULT_MAX_PUT_BATCH_BYTES,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         tokens: Iterable[str] | None = None,
         snapshot_dir: str | os.PathLike[str] | None = None,
         restore: str | os.PathLike[str] | None = None,
@@ -188,6 +198,18 @@ class Server(fl.FlightServerBase):
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
         **kwargs: Any,
     ) -> None:
+        if (
+            isinstance(max_request_bytes, bool)
+            or not isinstance(max_request_bytes, int)
+            or max_request_bytes < MIN_MAX_REQUEST_BYTES
+        ):
+            raise ProtocolError(
+                f"max_request_bytes must be an int >= {MIN_MAX_REQUEST_BYTES} (2 MiB, what a "
+                f"flightq client's messages may take), got {max_request_bytes!r}",
+                actual=max_request_bytes,
+            )
+        #: Largest control message a client may send, and what it may decode to.
+        self.max_request_bytes = max_request_bytes
         self.counters = counters = Counters()
         self.limits = CallLimits(max_calls, max_sessions, on_refused=counters.refused)
         # The middleware lives in gRPC, out of the garbage collector's sight: nothing it
@@ -422,7 +444,7 @@ class Server(fl.FlightServerBase):
         """One put, all or nothing: ``command`` parsed, the batches ``source`` gives checked
         and stored (or its part staged); returns what it did. The one path of every put,
         per call (DoPut) or on the request stream (:mod:`flightq.server.exchange`)."""
-        raw = unpack(command, PutCommand.WHAT)
+        raw = unpack(command, PutCommand.WHAT, self.max_request_bytes)
         try:
             cmd = PutCommand.parse(raw)
             staged = self._staging.check(cmd)
@@ -488,7 +510,9 @@ class Server(fl.FlightServerBase):
                 check_batch(data, what)
                 got += data.num_rows
                 self.counters.add("bytes_received", size)
-                piece = media_piece(part, data, claims, what, budget, self._hashed)
+                piece = media_piece(
+                    part, data, claims, what, budget, self._hashed, self.max_request_bytes
+                )
                 piece.epoch = part.epoch
                 if block is not None:  # memory beyond the batch, freed with the last piece
                     piece.block = block
@@ -525,12 +549,14 @@ class Server(fl.FlightServerBase):
 
     def do_get(self, context: fl.ServerCallContext, ticket: fl.Ticket) -> fl.FlightDataStream:
         self.idle.entered(context)
-        return self._guard(self._do_get, ticket, context)
+        # Parsed apart, so that the call's latency is filed under the ticket's op.
+        t = self._guard(parse_ticket, ticket.ticket, self.max_request_bytes)
+        return self._guard(self._do_get, t, context)
 
     def _do_get(
-        self, ticket: fl.Ticket, context: fl.ServerCallContext | None = None
+        self, ticket: Ticket, context: fl.ServerCallContext | None = None
     ) -> fl.FlightDataStream:
-        schema, batches, undo = self._answer(parse_ticket(ticket.ticket), context)
+        schema, batches, undo = self._answer(ticket, context)
         return self._send(context, schema, batches if undo is None else _undone(batches, undo))
 
     def _answer(
@@ -633,7 +659,9 @@ class Server(fl.FlightServerBase):
         open by the client while it lives. The leases of claims made under a session end
         the moment it ends (the client closed, crashed or lost its connection), or when
         the server shuts down."""
-        raw = unpack(_command(descriptor, "DoExchange"), "DoExchange command")
+        raw = unpack(
+            _command(descriptor, "DoExchange"), "DoExchange command", self.max_request_bytes
+        )
         if raw.get("op") == "requests":
             RequestsCommand.parse(raw)
             serve_requests(
@@ -647,6 +675,7 @@ class Server(fl.FlightServerBase):
                 closing=lambda: self.store.closing,
                 watch=lambda writes: self.idle.reads(context, writes),
                 patient=lambda: self.idle.patient(context),
+                limit=self.max_request_bytes,
             )
             return
         cmd = SessionCommand.parse(raw)
@@ -889,7 +918,8 @@ class Server(fl.FlightServerBase):
         spec = ACTIONS.get(action.type)
         if spec is None:
             raise ProtocolError(f"unknown action {action.type!r}")
-        request = spec.request.parse(action.body if action.body.size else {})
+        body = action.body if action.body.size else {}
+        request = spec.request.parse(body, limit=self.max_request_bytes)
         self.counters.add("actions")
         context = ActionContext(
             self.store,
@@ -936,7 +966,9 @@ class Server(fl.FlightServerBase):
         else:
             # A command names the partition as a scan ticket does: {"partition": name}.
             scan = self._guard(
-                lambda: ScanTicket.parse(_command(descriptor, "descriptor"), "descriptor")
+                lambda: ScanTicket.parse(
+                    _command(descriptor, "descriptor"), "descriptor", self.max_request_bytes
+                )
             )
             name = scan.partition
         return self._guard(self._info, name)
@@ -1139,6 +1171,7 @@ def serve_forever(args: argparse.Namespace) -> int:
         registry=registry,
         memory_budget=args.memory_budget,
         max_batch_bytes=getattr(args, "max_batch_bytes", None) or DEFAULT_MAX_BATCH_BYTES,
+        max_request_bytes=getattr(args, "max_request_bytes", None) or DEFAULT_MAX_REQUEST_BYTES,
         snapshot_dir=getattr(args, "snapshot_dir", None),
         restore=getattr(args, "restore", None),
         peers=[p for p in (getattr(args, "peers", None) or "").split(",") if p],

@@ -167,6 +167,7 @@ def media_piece(
     what: str,
     limit: int | None,
     hashed: Callable[[int], None] | None = None,
+    max_claims_bytes: int | None = None,
 ) -> Piece:
     """A put's record batch resolved against ``p``'s media, validated, made a piece.
 
@@ -174,8 +175,9 @@ def media_piece(
     digest (``app_metadata``, :func:`flightq.digest.parse_claims`: checked against it) or
     ``p`` holds copies with the same hint (hashed to find an equal one); references are
     found among ``p``'s copies by hint, then digest; ``hashed`` is told the bytes of each
-    payload hashed (refused puts included). The piece keeps the batch with empty
-    media dictionaries, its copies beside it (:attr:`Piece.media`). Reads ``p``'s copies
+    payload hashed (refused puts included); ``max_claims_bytes`` caps the claims
+    (the server's ``max_request_bytes``). The piece keeps the batch with empty media
+    dictionaries, its copies beside it (:attr:`Piece.media`). Reads ``p``'s copies
     without the store's lock (one dict lookup each); the put's commit takes them.
 
     Raises
@@ -186,6 +188,8 @@ def media_piece(
         If a reference names no copy of ``p`` (with that shape) whose bytes hash to it.
     ProtocolError
         If the claims do not match the batch's dictionaries.
+    ResourceExhaustedError
+        If the claims, or what they decode to, pass ``max_claims_bytes``.
     """
     from .partition import make_piece
 
@@ -196,7 +200,7 @@ def media_piece(
         batch.validate(full=True)  # offsets are read below, before validation proper
     except pa.ArrowException as e:
         raise DecodeError(f"{what}: malformed record batch: {e}") from e
-    claims = parse_claims(app_metadata.to_pybytes() if app_metadata else None, what)
+    claims = parse_claims(app_metadata, what, max_claims_bytes)
     hash, claimed = claims if claims is not None else (HASH, {})
     if hash not in HASHES:
         raise MediaDigestError(

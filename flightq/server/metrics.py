@@ -14,8 +14,6 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
-
 __all__ = ["Counters", "COUNTERS", "LATENCY_BUCKETS", "call_kind"]
 
 #: Every counter, in the order the answer lists them.
@@ -65,15 +63,12 @@ _KINDS = {"_do_put": "put", "_do_exchange": "exchange", "_info": "info"}
 def call_kind(handler: str, args: Sequence[Any]) -> str | None:
     """The kind of a call, for its latency: ``put``, ``get``, ``claim``, ``scan``,
     ``action:<type>``, ``exchange`` or ``info``, from the handler's name and arguments
-    (a DoGet's ticket says whether it reads keys, claims or scans); None for a step that
-    is not a whole call (parsing a descriptor)."""
+    (a DoGet's parsed ticket says whether it reads keys, claims or scans); None for a
+    step that is not a whole call (parsing a ticket or a descriptor)."""
     if handler == "_do_action" and args:
         return f"action:{getattr(args[0], 'type', '?')}"
     if handler == "_do_get" and args:
-        try:
-            op = msgpack.unpackb(args[0].ticket).get("op")
-        except Exception:
-            op = None
+        op = getattr(args[0], "op", None)
         return op if op in ("get", "claim", "scan") else "get"
     return _KINDS.get(handler)
 

@@ -46,6 +46,7 @@ from ..errors import (
     ProtocolError,
     UnavailableError,
 )
+from ..msgcheck import key_chunks
 from ..protocol import ClaimGrant, ClaimTicket, Clear, GetTicket, Nack, PutCreated
 from ..registry import SchemaRegistry
 from ..rows import columns_of
@@ -293,12 +294,16 @@ class ShardedClient(Fanout):
             kept = n - made.created
             if made.groups is not None:
                 keys = keys_of(parts[s])
-                clear = Clear(partition=partition, keys=keys, put_id=put_id, groups=made.groups)
                 try:
-                    reply = self.transports[s].action(clear)
-                    gone = made.created - reply.cleared
+                    cleared = 0
+                    for chunk in key_chunks(keys):  # each within what a message carries
+                        clear = Clear(
+                            partition=partition, keys=chunk, put_id=put_id, groups=made.groups
+                        )
+                        cleared += self.transports[s].action(clear).cleared
+                    gone = made.created - cleared
                     lines.append(
-                        f"rolled back {reply.cleared} new rows on {where}"
+                        f"rolled back {cleared} new rows on {where}"
                         + (f" ({gone} more it created were cleared meanwhile)" if gone else "")
                     )
                 except FlightqError as e:

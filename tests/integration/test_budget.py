@@ -22,6 +22,7 @@ from helpers_budget import VLM, action, empty_maps, media_batch, with_keys, with
 from helpers_reliability import partition_state, plain_error, plain_put, put_command, text_batch
 
 import flightq
+from flightq.protocol import Clear
 from flightq.server import budget
 
 TEXT = "rollout_text@1"
@@ -436,7 +437,8 @@ def test_records_made_while_rows_and_live_claims_fill_the_budget_stay_within_a_s
             c.nack(got)
             assert st.records() <= budget // 16, i
         before = len(st.partition("q").journal)
-        c.clear("q", [long] * 4096)
+        # One message naming the row 4096 times (the client would name it once).
+        c.transport.action(Clear(partition="q", keys=[long] * 4096))
         (_, removed, _, _) = st.partition("q").journal[-1]
         assert len(st.partition("q").journal) == before + 1 and list(removed) == [long]
         for _ in range(50):

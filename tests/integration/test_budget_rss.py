@@ -15,12 +15,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
 from fixtures_dataplane import cli_server
-from helpers_budget import VLM, action, empty_maps, media_batch, with_keys, with_tags
+from helpers_budget import VLM, action, empty_maps, hwm_mib, media_batch, with_keys, with_tags
 from helpers_reliability import plain_error, plain_put, put_command, text_batch
 
 import flightq
@@ -294,3 +295,47 @@ def test_every_hostile_load_keeps_the_server_under_start_rss_plus_factor_times_b
         # Still serving: a valid put and a read.
         assert _put(loc, "t", [text_batch(["end"])]) == {"rows": 1}
         print(f"start-up RSS {start / 2**20:.0f} MiB; grown by budget x {grown}")
+
+
+def _clear_body(keys: bytes, n: int) -> bytes:
+    """A clear of partition 't' whose key list is ``n`` items, ``keys`` on the wire."""
+    return b"\x82\xa9partition\xa1t\xa4keys\xdd" + n.to_bytes(4, "big") + keys
+
+
+#: Control messages whose Python objects are many times their bytes, and the largest
+#: that decodes within the default cap (16 MiB): 240 000 keys of 10 characters.
+CONTROL_LOADS = [
+    ("4 MB of empty maps", _clear_body(b"\x80" * 4_000_000, 4_000_000), "ResourceExhaustedError"),
+    (
+        "4 MB of 2-character keys",
+        _clear_body(b"\xa2ab" * 1_333_333, 1_333_333),
+        "ResourceExhaustedError",
+    ),
+    (
+        "2.6 MB of 10-character keys",
+        msgpack.packb({"partition": "t", "keys": [f"k{i:09d}" for i in range(240_000)]}),
+        "NotFoundError",
+    ),
+]
+
+
+@pytest.mark.timeout(120)
+def test_control_messages_decode_within_the_cap_so_their_peak_stays_under_the_promise():
+    # The peak (VmHWM), not the RSS after: a decoded message's strings and dicts live in
+    # Python's arenas, which go back to the kernel once empty. Before the cap the first
+    # load peaked at start + 18 budgets (a 64-byte dict per byte), the second at 7.
+    small = 16 * 2**20
+    with cli_server("--memory-budget", str(small)) as (loc, proc):
+        _declare(loc, "t", TEXT)
+        _put(loc, "t", [text_batch(["w0"])])
+        action(loc, "clear", {"partition": "t", "keys": ["w0"]})
+        start = _rss(proc.pid)
+        for name, body, want in CONTROL_LOADS:
+            with fl.connect(loc) as c:
+                got = _refused(lambda c=c, body=body: list(c.do_action(fl.Action("clear", body))))
+            peak = hwm_mib(proc.pid) * 2**20
+            print(f"{name}: {got}, peak RSS start + {(peak - start) / small:.2f} x budget")
+            assert peak <= start + FACTOR * small, (name, (peak - start) / small)
+            assert got == want, name
+            assert action(loc, "health", {})["ok"], name
+        assert _put(loc, "t", [text_batch(["end"])]) == {"rows": 1}

@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "flightq"
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
     ("dtypes",),
-    ("tensor", "codecs", "digest", "ipccheck"),
+    ("tensor", "codecs", "digest", "ipccheck", "msgcheck"),
     ("schema",),
     ("registry", "layout"),
     ("rows", "draft", "sink", "encode", "chunks", "validation"),
