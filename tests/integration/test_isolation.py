@@ -264,7 +264,7 @@ def test_claims_waiting_for_rows_never_take_the_slots_puts_and_gets_need() -> No
         with pytest.raises(
             flightq.ResourceExhaustedError, match=r"server busy: 2 claims waiting for rows"
         ):
-            c.claim("p", "t", 1, timeout=TIMEOUT)
+            c.claim("p", "t", 1, timeout=TIMEOUT, as_="numpy")
         for i in range(3):
             assert c.put("p", [f"r{i}"], {"input_ids": [np.arange(3)]}).route == "socket"
         for th in claims:
