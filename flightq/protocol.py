@@ -292,7 +292,7 @@ def _strs(v: Any, key: str, what: str) -> list[str]:
 def _ints(v: Any, key: str, what: str) -> list[int]:
     if not isinstance(v, list):
         raise _type_error(v, key, what)
-    if set(map(type, v)) <= {str}:  # the common case in one pass; else find the item
+    if set(map(type, v)) <= {int}:  # the common case in one pass; else find the item
         return v
     for i, x in enumerate(v):
         if not isinstance(x, int) or isinstance(x, bool):

@@ -24,7 +24,7 @@ import pytest
 
 import flightq
 from flightq import protocol
-from flightq.errors import ATTRIBUTES, ERROR_CLASSES, FlightqError
+from flightq.errors import ATTRIBUTES, ERROR_CLASSES, FlightqError, ProtocolError
 from flightq.protocol import (
     ACTIONS,
     ClaimTicket,
@@ -495,3 +495,17 @@ def test_an_error_detail_brings_back_the_same_error():
     back = ErrorDetail.parse(ErrorDetail.of(e).to_wire()).error()
     assert type(back) is flightq.ShapeError and str(back) == "bad"
     assert back.attributes() == e.attributes()
+
+
+@pytest.mark.parametrize(
+    ("message", "body", "key"),
+    [
+        (protocol.ClaimGrant, {"claim": "c", "lease": 1.0, "deliveries": ["1", "2"]}, "deliveries"),
+        (protocol.Health, {"shm_reader": ["123", "456"]}, "shm_reader"),
+    ],
+)
+def test_a_list_of_integers_refuses_strings_naming_the_first(message, body, key):
+    with pytest.raises(ProtocolError, match=rf"{key} must be integers, item 0 has type str"):
+        message.parse(body)
+    good = {**body, key: [1, 2]}
+    assert getattr(message.parse(good), key) == [1, 2]
