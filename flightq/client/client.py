@@ -40,6 +40,7 @@ from ..errors import (
     MediaUnknownError,
     NotFoundError,
     ProtocolError,
+    ResourceExhaustedError,
     SchemaMismatchError,
     UnknownSchemaError,
 )
@@ -666,6 +667,13 @@ class Client:
             return self._put_columns(
                 partition, schema, keys, columns, tags, known, overwrite, timeout, put_id
             )
+        except _NoSharedRoom:
+            # The segment directory (this host's /dev/shm, shared by every process) had no
+            # room for the put or the server's copy of it; nothing was stored: encoded
+            # again for the socket, and sent there.
+            return self._put_columns(
+                partition, schema, keys, columns, tags, known, overwrite, timeout, put_id, False
+            )
 
     def _put_columns(
         self,
@@ -678,9 +686,11 @@ class Client:
         overwrite: bool,
         timeout: float | None,
         put_id: str | None,
+        shm: bool = True,
     ) -> PutReceipt:
         """Encode and send a put (:meth:`put`), once more with every payload where the
-        server lacks a media digest it was sent."""
+        server lacks a media digest it was sent; ``shm=False``: over the socket even
+        where the client has shared memory."""
         for again in (False, True):
             media = (
                 None
@@ -688,18 +698,19 @@ class Client:
                 else MediaRefs(self._digests, () if again else known, claim=again)
             )
             try:
-                with stage(columns, self._pinned) as staged, _put_sink(self.shm_dir) as sink:
+                shm_dir = self.shm_dir if shm else None
+                with stage(columns, self._pinned) as staged, _put_sink(shm_dir) as sink:
                     batches = encode_chunks(
                         schema,
                         staged.columns,
                         keys,
                         tags,
-                        max_bytes=self._put_batch_bytes(),
+                        max_bytes=self._put_batch_bytes() if shm else self.max_batch_bytes,
                         on_range=staged.on_range,
                         sink=sink,
                         media=media,
                     )
-                    receipt = self._put(partition, batches, sink, overwrite, timeout, put_id)
+                    receipt = self._put(partition, batches, sink, overwrite, timeout, put_id, shm)
             except MediaUnknownError:
                 if known is None or again:
                     raise
@@ -753,9 +764,13 @@ class Client:
         overwrite: bool,
         timeout: float | None,
         put_id: str | None,
+        shm: bool = True,
     ) -> PutReceipt:
         """One DoPut of ``batches``, encoded into ``sink`` (encode_chunks): deferred fills
-        (``fills[i]()`` completes batch i) or a gather into a segment."""
+        (``fills[i]()`` completes batch i) or a gather into a segment. Through shared
+        memory where the client has it, ``shm`` and the put is not small; where the
+        directory has no room, whole batches go over the socket instead, and batches
+        gathered for a segment raise :class:`_NoSharedRoom` (encode them again)."""
         fills = sink.fills if isinstance(sink, DeferredFills) else None
         if not batches:
             raise ValueError(f"put to {partition!r}: no record batches")
@@ -769,14 +784,23 @@ class Client:
             rows=sum(b.num_rows for b in batches),
             put_id=put_id,
         )
-        if self._segments is not None and not self._small_put(batches, sink):
+        if shm and self._segments is not None and not self._small_put(batches, sink):
             from ..shm.client import put_via_shm
+            from ..shm.gather import ShmGather
+            from ..shm.segments import SHARED_ROOM
 
             batch_bytes = self._put_batch_bytes()
-            rows, made = put_via_shm(
-                self._transport, self._segments, cmd, batches, timeout, batch_bytes, sink
-            )
-            return PutReceipt(rows, "shm", creation=made)
+            try:
+                rows, made = put_via_shm(
+                    self._transport, self._segments, cmd, batches, timeout, batch_bytes, sink
+                )
+                return PutReceipt(rows, "shm", creation=made)
+            except ResourceExhaustedError as e:
+                if SHARED_ROOM not in str(e):
+                    raise  # the memory budget's refusal, the same over the socket
+                if isinstance(sink, ShmGather) and sink.gathered:
+                    raise _NoSharedRoom from e  # placeholders: encoded again for the socket
+                # Whole record batches: over the socket, below.
         streams = 1 if crowded(self._reader) else self.put_streams
         groups = put_groups(batches, streams, self.min_stream_bytes)
         if len(groups) > 1:
@@ -1099,6 +1123,11 @@ def _rows_listed(r: Any) -> dict[str, dict[str, Any]]:
         k: {"tags": t, "fields": [r.fields[i] for i in present]}
         for k, t, present in zip(r.keys, r.tags, r.present, strict=True)
     }
+
+
+class _NoSharedRoom(Exception):
+    """A put gathered for a segment found no room in the segment directory (for its own
+    segment, or the server's copy); nothing was stored."""
 
 
 def _put_sink(shm_dir: str | None) -> contextlib.AbstractContextManager[Sink]:

@@ -50,6 +50,10 @@ MAGIC = b"FQSHM001"
 HEADER_FORMAT = struct.Struct("<8sqqqqd")
 STATE_AT = 8
 FREE, WRITTEN, TAKEN = 0, 1, 2
+#: The words of the refusal of a segment the directory has no room for: a client that
+#: reads them in a put's refusal (its own pool's or the server's) sends the put over the
+#: socket instead.
+SHARED_ROOM = "bytes of shared memory in"
 #: What :meth:`Segment.state` says of a file shorter than its segment (never on disk).
 GONE = -1
 SEGMENT_NAME = re.compile(r"^flightq-(\d+)-[0-9a-f]{8}-\d+$")
@@ -466,7 +470,7 @@ class SegmentPool:
             return self.acquire(n)
         except OSError as e:
             raise ResourceExhaustedError(
-                f"{what}: no room for {n} bytes of shared memory in {self.dir}: {e}; "
+                f"{what}: no room for {n} {SHARED_ROOM} {self.dir}: {e}; "
                 "free space there or connect without shm"
             ) from e
 

@@ -509,7 +509,7 @@ def _fill(directory: str, leave: int) -> None:
         f.write(b"\0" * (st.f_bavail * st.f_frsize - leave))
 
 
-def test_a_full_shared_memory_directory_refuses_or_answers_over_the_socket_never_crashes():
+def test_a_full_shared_memory_directory_sends_puts_and_answers_over_the_socket_never_crashes():
     # /dev/shm is shared by every process of the host (and 64 MiB in a container): a
     # segment sized with ftruncate alone is sparse, and the server's first write into a
     # page tmpfs cannot give killed it with SIGBUS, and every row it held with it.
@@ -533,13 +533,20 @@ def test_a_full_shared_memory_directory_refuses_or_answers_over_the_socket_never
                     assert np.array_equal(got["input_ids"][0], np.arange(n, dtype=np.int64))
                     os.unlink(os.path.join(d, "another-process"))
                     _fill(d, 16 * 2**20)  # the writer's segment fits, the server's copy not
-                    with pytest.raises(
-                        flightq.ResourceExhaustedError, match=r"no room for .* shared memory"
-                    ):
-                        c.put("r", ["b"], {"input_ids": [np.zeros(n, dtype=np.int64)]})
+                    ids = np.arange(n, dtype=np.int64) * 3
+                    # Refused there, the put goes over the socket, stored once.
+                    assert c.put("r", ["b"], {"input_ids": [ids]}).route == "socket"
+                    _fill(d, 2**20)  # not even the writer's own segment
+                    assert c.put("r", ["c"], {"input_ids": [ids + 1]}).route == "socket"
+                    text = flightq.SchemaRegistry.default().get("rollout_text@1")
+                    batch = flightq.encode(text, {"input_ids": [ids + 2]}, ["d"])
+                    assert c.put_batch("r", batch).route == "socket"
                 assert proc.poll() is None  # alive
-                assert list(plain.list_keys("r")) == ["a"]  # nothing half-stored, nothing lost
-                assert plain.get("r", ["a"], as_="numpy").keys == ["a"]
+                got = plain.get("r", ["a", "b", "c", "d"], as_="numpy")
+                want = [np.arange(n, dtype=np.int64), ids, ids + 1, ids + 2]
+                assert all(
+                    np.array_equal(g, w) for g, w in zip(got["input_ids"], want, strict=True)
+                )
         finally:
             proc.kill()
             proc.wait()
