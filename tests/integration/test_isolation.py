@@ -230,6 +230,15 @@ def _open_session(location: str) -> tuple[fl.FlightClient, object, object]:
     return client, writer, reader
 
 
+def _data_slots_free(srv: flightq.Server) -> None:
+    """Wait until no data call holds a slot: gRPC ends a call on the server a moment
+    after its client has the answer."""
+    deadline = time.monotonic() + TIMEOUT
+    while srv.limits.in_flight()[0]:
+        assert time.monotonic() < deadline, "a data call's slot never freed"
+        time.sleep(0.02)
+
+
 def test_claims_waiting_for_rows_never_take_the_slots_puts_and_gets_need() -> None:
     # A claim that waits gives up its data call's slot for one among the claims waiting:
     # a client's (or many consumers') waiting claims cannot refuse the generators' puts.
@@ -265,11 +274,19 @@ def test_claims_waiting_for_rows_never_take_the_slots_puts_and_gets_need() -> No
             flightq.ResourceExhaustedError, match=r"server busy: 2 claims waiting for rows"
         ):
             c.claim("p", "t", 1, timeout=TIMEOUT, as_="numpy")
+        third = ClaimTicket(partition="p", task="t", batch_size=1, timeout=TIMEOUT)
+        with fl.connect(srv.location) as plain, pytest.raises(fl.FlightError) as info:
+            plain.do_get(fl.Ticket(third.to_wire())).read_all()  # a plain client: the same
+        kind, message = plain_error(info.value)
+        assert kind == "ResourceExhaustedError" and "2 claims waiting for rows" in message
+        assert c.inspect("p")["rows"] == 0 and srv.limits.waiting() == 2  # nothing taken
+        _data_slots_free(srv)  # the refused calls' slots free once they end
         for i in range(3):
             assert c.put("p", [f"r{i}"], {"input_ids": [np.arange(3)]}).route == "socket"
         for th in claims:
             th.join(TIMEOUT)
         assert not errors and srv.limits.waiting() == 0  # both took a row, then ended
+        _data_slots_free(srv)
         assert c.get("p", ["r0", "r1", "r2"], as_="numpy").keys == ["r0", "r1", "r2"]
         assert c.claim("p", "t", 1, timeout=TIMEOUT, as_="numpy").keys == ["r2"]
 
