@@ -236,6 +236,26 @@ class Reader:
         carries for less than a call costs. Returns how the rows came (``"shm"``, or
         ``"socket"`` where the server had no room to answer through shared memory and
         sent them), its batches now in ``decoder``; None: it goes per call."""
+        answered = self._ask(ticket, what, timeout, grant)
+        if answered is None:
+            return None
+        assert self.shm_dir is not None
+        from ..shm.table import take
+
+        batches = take(answered, self.shm_dir, what)
+        for b in batches:
+            decoder.add(b)
+        return "socket" if batches is answered else "shm"
+
+    def _ask(
+        self,
+        ticket: Ticket,
+        what: str,
+        timeout: float | None,
+        grant: list[ClaimGrant] | None,
+    ) -> list[pa.RecordBatch] | None:
+        """A read's record batches as the request stream answered it (a claim's grant
+        appended to ``grant``); None where it goes per call."""
         if self.requests is None or not self.stream_max_bytes:
             return None
         got = self.requests.read(ticket, what, timeout, self.stream_max_bytes)
@@ -244,13 +264,7 @@ class Reader:
         if grant is not None and not grant:
             assert got.schema is not None
             grant.append(_grant_of(got.schema, what))
-        assert self.shm_dir is not None
-        from ..shm.table import take
-
-        batches = take(got.batches, self.shm_dir, what)
-        for b in batches:
-            decoder.add(b)
-        return "socket" if batches is got.batches else "shm"
+        return got.batches
 
     def _streamed(
         self,
@@ -281,15 +295,12 @@ class Reader:
                 return None
         elif rows * per_row >= self.stream_max_bytes:
             return None
-        got = self.requests.read(ticket, what, timeout, self.stream_max_bytes)
-        if got is None:
+        answered = self._ask(ticket, what, timeout, grant)
+        if answered is None:
             return None
-        if grant is not None and not grant:
-            assert got.schema is not None
-            grant.append(_grant_of(got.schema, what))
-        for rb in got.batches:
+        for rb in answered:
             decoder.add(rb)
-        return sum(rb.get_total_buffer_size() for rb in got.batches)
+        return sum(rb.get_total_buffer_size() for rb in answered)
 
     def to_device(
         self,

@@ -1213,8 +1213,8 @@ def suggest(e: BaseException) -> None:
         return
     name, names = near
     found = difflib.get_close_matches(name[:_COMPARED], [n[:_COMPARED] for n in names], n=3)
-    full = {n[:_COMPARED]: n for n in reversed(names)}  # the first name of each prefix
     if found:
+        full = {n[:_COMPARED]: n for n in reversed(names)}  # the first name of each prefix
         e.args = (f"{e.args[0]}; did you mean {', '.join(repr(full[n]) for n in found)}?",)
 
 
