@@ -302,7 +302,14 @@ def test_the_scaling_benchmark_reads_through_shared_memory(capsys: Any) -> None:
     import consumer_scaling as scaling
 
     argv = ["--consumers", "1,2", "--workload", "W3", "--gets", "1", "--reps", "1", "--shm"]
-    assert scaling.main(argv) == 0  # each consumer checks its first answer bit for bit
+    assert scaling.main([*argv, "--memcpy"]) == 0  # each consumer checks its first answer
     out = capsys.readouterr().out
     assert "gets through shared memory" in out
-    assert [line.split()[0] for line in out.splitlines()[-2:]] == ["1", "2"]
+    for title in (
+        "flightq",
+        "memcpy from /dev/shm, mapped for each get",
+        "memcpy from /dev/shm, mapped once",
+    ):
+        rows = out.split(f"\n{title}\n", 1)[1].splitlines()[1:3]
+        assert [r.split()[0] for r in rows] == ["1", "2"] and rows[0].split()[-1] == "1.00"
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("flightq-bench-memcpy-")]

@@ -22,12 +22,19 @@ buffers, interleaved with flightq's rounds. Where raw TCP's own 8 consumers stay
 consumer then copies every array once into a buffer of its own (the read a trainer's copy
 to its device makes), so every byte is still read.
 
+``--memcpy`` adds the same host's floor for that read, interleaved with flightq's rounds:
+each consumer process maps a file of the step's size in ``/dev/shm`` (written once by the
+parent) as flightq's reader maps a segment (private, page tables filled for reading) and
+copies it into a prefaulted buffer of its own, then unmaps it, per get; a second line
+copies from a mapping made once, the memory bandwidth alone. Where eight such processes
+stay under 6x one, no read that copies every byte on that host reaches it.
+
 Run::
 
     .venv/bin/python benchmarks/consumer_scaling.py --consumers 1,2,4,8 --workload W2
     .venv/bin/python benchmarks/consumer_scaling.py --consumers 1,8 --shards 4 --reps 1
     .venv/bin/python benchmarks/consumer_scaling.py --consumers 1,8 --raw-tcp
-    .venv/bin/python benchmarks/consumer_scaling.py --consumers 1,2,4,8 --shm
+    .venv/bin/python benchmarks/consumer_scaling.py --consumers 1,2,4,8 --shm --memcpy
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import mmap
 import multiprocessing as mp
 import os
 import socket
@@ -52,7 +60,7 @@ from flightq_bench.flightq_system import server_argv
 import flightq
 from flightq import digest, workloads
 
-__all__ = ["main", "measure", "measure_tcp", "TcpSender"]
+__all__ = ["main", "measure", "measure_memcpy", "measure_tcp", "SharedFile", "TcpSender"]
 
 
 def _connect(
@@ -260,6 +268,75 @@ def measure_tcp(sender: TcpSender, consumers: int, gets: int) -> float:
     )
 
 
+class SharedFile:
+    """The ``--memcpy`` reference's source: a file of ``nbytes`` ones in ``/dev/shm``,
+    every page written, removed on exit. A context manager."""
+
+    def __init__(self, nbytes: int, dirpath: str = "/dev/shm") -> None:
+        self.nbytes = nbytes
+        self.path = os.path.join(dirpath, f"flightq-bench-memcpy-{os.getpid()}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            with mmap.mmap(fd, nbytes) as mm:
+                np.frombuffer(mm, np.uint8)[:] = 1
+        except BaseException:
+            os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> SharedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def _map(fd: int, nbytes: int) -> mmap.mmap:
+    """``fd`` mapped as flightq's reader maps a segment: private, writable, page tables
+    filled for reading."""
+    mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    with contextlib.suppress(OSError, AttributeError):
+        mm.madvise(mmap.MADV_POPULATE_READ)  # type: ignore[attr-defined]
+    return mm
+
+
+def _memcpy_consumer(
+    path: str, nbytes: int, gets: int, remap: bool, ready: Any, go: Any, out: Any
+) -> None:
+    sink = np.zeros(nbytes, np.uint8)  # touched: no page faults while timed
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        kept = None if remap else _map(fd, nbytes)
+        src = np.frombuffer(kept if kept is not None else _map(fd, nbytes), np.uint8)
+        np.copyto(sink, src)  # one copy untimed, checked
+        assert int(sink.min()) == 1, "memcpy reference: bytes missing"
+        del src
+        ready.put(os.getpid())
+        go.wait()
+        t0 = time.perf_counter()
+        for _ in range(gets):
+            mm = kept if kept is not None else _map(fd, nbytes)
+            view = np.frombuffer(mm, np.uint8)
+            np.copyto(sink, view)
+            del view
+            if kept is None:
+                mm.close()
+        out.put(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+
+
+def measure_memcpy(source: SharedFile, consumers: int, gets: int, remap: bool = True) -> float:
+    """Aggregate GB/s of ``consumers`` processes each copying ``source`` into a buffer of
+    their own ``gets`` times, mapping it for each copy (``remap``) or once, timed as
+    :func:`measure` times flightq's consumers."""
+    args = (source.path, source.nbytes, gets, remap)
+    return _timed(_memcpy_consumer, args, consumers, source.nbytes * gets)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the curve and print one line per consumer count."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -279,6 +356,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="also time the raw TCP reference of one server process (see above)",
     )
+    p.add_argument(
+        "--memcpy",
+        action="store_true",
+        help="also time the same host's copy of every byte from a mapped file (see above)",
+    )
     args = p.parse_args(argv)
     counts = [int(x) for x in args.consumers.split(",")]
     if args.shm and args.shards != 1:
@@ -294,8 +376,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             c.create_partition("p", step.schema, tasks=["t"], group_size=step.group_size)
             c.put("p", step.keys, step.columns, step.tags)
         sender = stack.enter_context(TcpSender(step.nbytes())) if args.raw_tcp else None
+        source = stack.enter_context(SharedFile(step.nbytes())) if args.memcpy else None
         results: dict[int, list[float]] = {n: [] for n in counts}
         tcp: dict[int, list[float]] = {n: [] for n in counts}
+        remapped: dict[int, list[float]] = {n: [] for n in counts}
+        copied: dict[int, list[float]] = {n: [] for n in counts}
         for rep in range(args.reps):  # interleave counts so load drifts hit all alike
             for n in counts:
                 results[n].append(
@@ -305,6 +390,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if sender is not None:
                     tcp[n].append(measure_tcp(sender, n, args.gets))
                     line += f", raw TCP {tcp[n][-1]:.2f} GB/s"
+                if source is not None:
+                    remapped[n].append(measure_memcpy(source, n, args.gets))
+                    copied[n].append(measure_memcpy(source, n, args.gets, remap=False))
+                    line += f", map + copy {remapped[n][-1]:.2f}, copy {copied[n][-1]:.2f} GB/s"
                 print(line, file=sys.stderr, flush=True)  # progress: a long run shows life
         print(
             f"{args.workload}: {step.nbytes() / 2**20:.0f} MiB per get, {args.streams} stream(s) "
@@ -314,6 +403,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _table("flightq", counts, results)
         if sender is not None:
             _table("raw TCP, one sender process", counts, tcp)
+        if source is not None:
+            _table("memcpy from /dev/shm, mapped for each get", counts, remapped)
+            _table("memcpy from /dev/shm, mapped once", counts, copied)
     return 0
 
 
