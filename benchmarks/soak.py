@@ -14,11 +14,12 @@ Every ``--crash-every`` steps a second worker claims the step's rows first and g
 without an ack (its client closes: the session ends, the rows come back at once) and the
 worker takes them again. Every ``--sample-every`` steps the server's and this process's
 resident memory (``VmRSS``), threads and open files, the server's held bytes (``stats``)
-and the segment files of both processes in the shared-memory directory are recorded. At
-the end a table gives the first sample after ``--warmup`` steps (half the run by default:
-records of the past, kept up to their bounds, grow until then), the last, and the drift
-per 1000 steps (a least-squares line over the samples after warm-up). The run stops by
-itself after ``--steps`` steps or ``--minutes``, whichever comes first.
+and records of the past (its Prometheus endpoint), and the segment files of both
+processes in the shared-memory directory are recorded. At the end a table gives the
+first sample after ``--warmup`` steps (half the run by default: records of the past,
+kept up to their bounds, grow until then), the last, and the drift per 1000 steps (a
+least-squares line over the samples after warm-up). The run stops by itself after
+``--steps`` steps or ``--minutes``, whichever comes first.
 
 Run::
 
@@ -34,6 +35,7 @@ import dataclasses
 import os
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -59,6 +61,7 @@ class Sample:
     server_threads: int
     server_fds: int
     server_held: int
+    server_records: int
     shm_files: int
     client_rss: int
     client_threads: int
@@ -70,6 +73,7 @@ class Sample:
         "server_threads": 1,
         "server_fds": 1,
         "server_held": 2**20,
+        "server_records": 2**20,
         "shm_files": 1,
         "client_rss": 2**20,
         "client_threads": 1,
@@ -96,14 +100,33 @@ def _shm_files(shm_dir: str | None, pids: Sequence[int]) -> int:
     return sum(1 for n in os.listdir(shm_dir) if n.startswith(mine))
 
 
-def sample(step: int, server_pid: int, client: flightq.Client, shm_dir: str | None) -> Sample:
-    """The resources of the server process and this one now."""
+def _records(metrics: str | None) -> int:
+    """The server's ``flightq_records_bytes`` at its metrics endpoint (0 without one)."""
+    if metrics is None:
+        return 0
+    with urllib.request.urlopen(metrics, timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("flightq_records_bytes "):
+                return int(float(line.split()[1]))
+    raise RuntimeError(f"no flightq_records_bytes at {metrics}")
+
+
+def sample(
+    step: int,
+    server_pid: int,
+    client: flightq.Client,
+    shm_dir: str | None,
+    metrics: str | None = None,
+) -> Sample:
+    """The resources of the server process and this one now (the server's records of the
+    past from its Prometheus endpoint ``metrics``, where given)."""
     return Sample(
         step=step,
         server_rss=_rss(server_pid),
         server_threads=_count(f"/proc/{server_pid}/task"),
         server_fds=_count(f"/proc/{server_pid}/fd"),
         server_held=int(client.stats()["held"]),
+        server_records=_records(metrics),
         shm_files=_shm_files(shm_dir, (server_pid, os.getpid())),
         client_rss=_rss("self"),
         client_threads=_count("/proc/self/task"),
@@ -149,10 +172,12 @@ def run(
     shm: bool | str = False,
     deadline: float | None = None,
     progress: bool = False,
+    metrics: str | None = None,
 ) -> Iterator[Sample]:
     """Run ``steps`` RL steps against the server at ``location`` (process ``server_pid``),
     yielding a :class:`Sample` before the first and after every ``sample_every`` steps;
-    stops early at ``time.monotonic() >= deadline``.
+    stops early at ``time.monotonic() >= deadline``. ``metrics``: the server's Prometheus
+    endpoint, where its records of the past are read.
 
     Raises
     ------
@@ -169,7 +194,7 @@ def run(
         trainer = stack.enter_context(flightq.connect(location, [SCHEMA], shm=shm))
         shm_dir = gen.shm_dir
         gen.create_partition(PARTITION, SCHEMA, tasks=["prev_lp", "train"], group_size=group_size)
-        yield sample(0, server_pid, gen, shm_dir)
+        yield sample(0, server_pid, gen, shm_dir, metrics)
         for step in range(1, steps + 1):
             s = _Step(step, groups, group_size)
             gen.put(PARTITION, s.keys, s.columns, tags=s.tags)
@@ -192,12 +217,12 @@ def run(
             trainer.clear(PARTITION, b.keys)
             del b
             if step % sample_every == 0 or step == steps:
-                smp = sample(step, server_pid, gen, shm_dir)
+                smp = sample(step, server_pid, gen, shm_dir, metrics)
                 if progress:
                     print(_line(smp), file=sys.stderr, flush=True)
                 yield smp
             if deadline is not None and time.monotonic() >= deadline:
-                yield sample(step, server_pid, gen, shm_dir)
+                yield sample(step, server_pid, gen, shm_dir, metrics)
                 break
         left = gen.stats()["partitions"][PARTITION]
         assert left["rows"] == 0 and left["claims"] == 0, f"left over: {left}"
@@ -216,15 +241,18 @@ def drift(samples: Sequence[Sample], name: str) -> float:
 def _line(s: Sample) -> str:
     return (
         f"step {s.step}: server {s.server_rss / 2**20:.1f} MiB, {s.server_threads} threads, "
-        f"{s.server_fds} fds, held {s.server_held / 2**20:.2f} MiB, shm files {s.shm_files}; "
+        f"{s.server_fds} fds, held {s.server_held / 2**20:.2f} MiB, records "
+        f"{s.server_records / 2**20:.2f} MiB, shm files {s.shm_files}; "
         f"client {s.client_rss / 2**20:.1f} MiB, {s.client_threads} threads, {s.client_fds} fds"
     )
 
 
 @contextlib.contextmanager
 def server_process(budget: str) -> Iterator[procs.ServerProcess]:
-    """A ``flightq serve`` process on 127.0.0.1 with memory budget ``budget``."""
-    with procs.ServerProcess([*server_argv(), "--memory-budget", budget], "flightq") as srv:
+    """A ``flightq serve`` process on 127.0.0.1 with memory budget ``budget`` and its
+    Prometheus metrics on a free loopback port (``info["metrics"]``)."""
+    argv = [*server_argv(), "--memory-budget", budget, "--metrics-port", "0"]
+    with procs.ServerProcess(argv, "flightq") as srv:
         yield srv
 
 
@@ -258,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 shm=args.shm,
                 deadline=started + 60 * args.minutes,
                 progress=True,
+                metrics=srv.info.get("metrics"),
             )
         )
     warmup = args.steps // 2 if args.warmup is None else args.warmup

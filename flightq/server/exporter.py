@@ -96,6 +96,18 @@ def collector(server: Server) -> Any:
                 "Bytes the memory budget counts: stored rows and puts on their way in",
                 value=server.store.held(),
             )
+            yield GaugeMetricFamily(
+                "flightq_records_bytes",
+                "Bytes the memory budget counts for records of the past (journals, ended "
+                "leases, put ids), kept until the budget needs their room",
+                value=server.store.records(),
+            )
+            yield GaugeMetricFamily(
+                "flightq_counted_bytes",
+                "Bytes the memory budget counts: rows, puts on their way in, declared "
+                "partitions, live claims and records of the past",
+                value=server.store.counted(),
+            )
             if server.store.memory_budget is not None:
                 yield GaugeMetricFamily(
                     "flightq_memory_budget_bytes",

@@ -62,6 +62,9 @@ def test_a_scrape_shows_rows_bytes_calls_refusals_redeliveries_and_latency() -> 
     )
     assert m["flightq_idle_cuts_total"] == 0
     assert 0 < m["flightq_held_bytes"] <= m["flightq_memory_budget_bytes"] == 1 << 30
+    # The acks and the put left records of the past, counted with the rows.
+    assert m["flightq_records_bytes"] > 0
+    assert m["flightq_counted_bytes"] >= m["flightq_held_bytes"] + m["flightq_records_bytes"]
     assert m["flightq_puts_total"] == 1 and m["flightq_gets_total"] == 1
     assert m["flightq_claims_total"] == 2
     assert m['flightq_refusals_total{class="NotFoundError"}'] == 1
