@@ -209,13 +209,15 @@ def run(
                 worker.put(PARTITION, b.keys, {"prev_logprobs": s.logprobs(b.keys)})
             b = trainer.claim(PARTITION, "train", n, wait_for=["prev_logprobs"], timeout=wait)
             assert b.keys == s.keys, f"step {step}: the trainer got {b.keys}"
+            ids, lps, pixels = b["input_ids"], b["prev_logprobs"], b["pixel_values"]
+            want = s.logprobs(b.keys)
             for i, k in enumerate(b.keys):
-                assert torch.equal(b["input_ids"][i], s.ids[i]), f"{k}: input_ids differ"
-                assert torch.equal(b["prev_logprobs"][i], s.logprobs([k])[0]), k
-                assert torch.equal(b["pixel_values"][i][0], s.columns["pixel_values"][i][0]), k
+                assert torch.equal(ids[i], s.ids[i]), f"{k}: input_ids differ"
+                assert torch.equal(lps[i], want[i]), f"{k}: prev_logprobs differ"
+                assert torch.equal(pixels[i][0], s.columns["pixel_values"][i][0]), k
                 assert b.tags[i] == s.tags[i], f"{k}: tags differ"
             trainer.clear(PARTITION, b.keys)
-            del b
+            del b, ids, lps, pixels
             if step % sample_every == 0 or step == steps:
                 smp = sample(step, server_pid, gen, shm_dir, metrics)
                 if progress:
