@@ -699,7 +699,10 @@ class Client:
             )
             try:
                 shm_dir = self.shm_dir if shm else None
-                with stage(columns, self._pinned) as staged, _put_sink(shm_dir) as sink:
+                with (
+                    stage(columns, self._pinned, _joinable(schema)) as staged,
+                    _put_sink(shm_dir) as sink,
+                ):
                     batches = encode_chunks(
                         schema,
                         staged.columns,
@@ -1128,6 +1131,12 @@ def _rows_listed(r: Any) -> dict[str, dict[str, Any]]:
 class _NoSharedRoom(Exception):
     """A put gathered for a segment found no room in the segment directory (for its own
     segment, or the server's copy); nothing was stored."""
+
+
+def _joinable(schema: Schema) -> frozenset[str]:
+    """The fields whose CUDA rows a put may join on the device (:func:`flightq.cuda.stage`):
+    token and tensor fields, whose rows are never deduplicated."""
+    return frozenset(f.name for f in schema.fields if f.role in ("token", "tensor"))
 
 
 def _put_sink(shm_dir: str | None) -> contextlib.AbstractContextManager[Sink]:

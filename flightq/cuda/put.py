@@ -10,7 +10,7 @@ byte for byte.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,33 @@ def _flatten(tensors: list[Any]) -> Any:
     if flatten is not None:
         return flatten(tensors)
     return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _joined(rows: list[Any], torch: Any) -> tuple[Any, np.ndarray] | None:
+    """Rows that are all CUDA tensors of one device and dtype, each at least 1-D and alike
+    past dim 0, joined end to end on their device (one kernel), with their offsets along
+    dim 0; None for anything else (a ``None`` row, a CPU row, a scalar per row)."""
+    if len(rows) < 2:
+        return None
+    T = torch.Tensor
+    first = rows[0]
+    if not isinstance(first, T) or not first.is_cuda or first.dim() == 0:
+        return None
+    device, dtype, tail = first.device, first.dtype, first.shape[1:]
+    for x in rows:
+        if (
+            not isinstance(x, T)
+            or x.device != device
+            or x.dtype != dtype
+            or x.dim() == 0
+            or x.shape[1:] != tail
+        ):
+            return None
+    with torch.no_grad():
+        flat = torch.cat(rows)
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum([x.shape[0] for x in rows], out=offsets[1:])
+    return flat, offsets
 
 
 def has_cuda(columns: Mapping[str, Any]) -> bool:
@@ -128,7 +155,7 @@ class Staged:
         self.release()
 
 
-def stage(columns: Mapping[str, Any], pool: PinnedPool) -> Staged:
+def stage(columns: Mapping[str, Any], pool: PinnedPool, pack: Container[str] = ()) -> Staged:
     """Start the device-to-host copies of a put's CUDA tensors into one pinned buffer.
 
     Every distinct CUDA tensor is copied once (tensors sharing memory, such as a prompt
@@ -139,8 +166,11 @@ def stage(columns: Mapping[str, Any], pool: PinnedPool) -> Staged:
     the current stream. The host copies are numpy views where numpy has the dtype (the
     encoder's fast path; bf16 and fp8 stay torch views). A column whose rows lie end to end
     in one CUDA tensor (:class:`~flightq.rows.PackedRows`: a ``Packed`` or jagged column)
-    crosses as one tensor and stays packed. Columns without CUDA tensors pass through as
-    they are.
+    crosses as one tensor and stays packed. So does a column named in ``pack`` whose rows
+    are all CUDA tensors of one dtype, alike past dim 0 (a token column as a generator
+    holds it, a tensor per row): joined on the device in one kernel, it crosses in one copy
+    and reaches the encoder as one :class:`~flightq.rows.PackedRows`, checked a column at a
+    time. Columns without CUDA tensors pass through as they are.
 
     Parameters
     ----------
@@ -148,6 +178,10 @@ def stage(columns: Mapping[str, Any], pool: PinnedPool) -> Staged:
         A put's columns, in any structure :func:`flightq.batch.encode` accepts.
     pool:
         Where the pinned buffer comes from and goes back to.
+    pack:
+        Columns whose rows may be joined: fields none of whose rows is deduplicated by
+        memory (token and tensor fields; never media, where a prompt group's rows share
+        one image).
 
     Returns
     -------
@@ -191,7 +225,12 @@ def stage(columns: Mapping[str, Any], pool: PinnedPool) -> Staged:
                 lo, hi = int(v.offsets[0]), int(v.offsets[-1])
                 packed[name] = (slot(v.values[lo:hi], -1), v.offsets - lo)
         elif not isinstance(v, (str, bytes, Mapping, np.ndarray)) and isinstance(v, Iterable):
-            rows[name] = list(v)
+            rs = list(v)
+            joined = _joined(rs, torch) if name in pack else None
+            if joined is None:
+                rows[name] = rs
+            else:
+                packed[name] = (slot(joined[0], -1), joined[1])
     # Row by row; a cell is a slot for a tensor, [slots] for a segment list, None as is.
     cells: dict[str, list[Any]] = {name: [] for name in rows}
     n = max((len(r) for r in rows.values()), default=0)

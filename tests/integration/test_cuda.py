@@ -33,6 +33,7 @@ from flightq import workloads
 from flightq.batch import decode, encode, encode_chunks, join
 from flightq.cuda import DeviceBatch, PinnedPool, has_cuda, rebase, resolve_device, stage
 from flightq.cuda import get as fq_cuda  # the reading side: windows, threads, plans
+from flightq.rows import PackedRows
 from flightq.schema import Field, Schema
 
 # Every test here moves torch tensors: without torch the module skips as a whole.
@@ -323,8 +324,12 @@ def test_cuda_put_sends_the_bytes_a_cpu_put_sends():
     dev = _cuda_step(step)
     want = encode_chunks(s, cpu.columns, cpu.keys, cpu.tags, max_bytes=2**20)
     pool = PinnedPool()
-    with stage(dev.columns, pool) as st:
+    joinable = {f.name for f in s.fields if f.role in ("token", "tensor")}
+    with stage(dev.columns, pool, joinable) as st:
         assert st.on_range is not None
+        # A token column of a tensor per row crossed as one joined tensor; media did not.
+        assert type(st.columns["input_ids"]) is PackedRows
+        assert type(st.columns["pixel_values"]) is list
         got = encode_chunks(
             s, st.columns, dev.keys, dev.tags, max_bytes=2**20, on_range=st.on_range
         )
@@ -334,7 +339,7 @@ def test_cuda_put_sends_the_bytes_a_cpu_put_sends():
         # The shared image is one dictionary entry per group, as on the CPU.
         assert len(got[0].column("pixel_values").values.dictionary) == 1
     allocated = pool.allocated_bytes
-    with stage(dev.columns, pool) as st:
+    with stage(dev.columns, pool, joinable) as st:
         encode_chunks(s, st.columns, dev.keys, dev.tags, max_bytes=2**20, on_range=st.on_range)
     assert pool.allocated_bytes == allocated  # the pinned buffer was reused
 
@@ -498,8 +503,6 @@ def test_a_split_get_into_cuda_returns_the_rows_asked(client):
 @needs_cuda
 @pytest.mark.parametrize("form", ["jagged", "packed"])
 def test_a_packed_or_jagged_cuda_column_crosses_whole_and_puts_what_a_cpu_put_does(client, form):
-    from flightq.rows import PackedRows
-
     step = workloads.w3(groups=4, g=4)
     cpu = workloads.to_torch(step)
     s = flightq.SchemaRegistry.default().get(step.schema)
@@ -535,3 +538,56 @@ def test_a_packed_or_jagged_cuda_column_crosses_whole_and_puts_what_a_cpu_put_do
     for n in token:
         for x, r in zip(b[n], cpu.columns[n], strict=True):
             assert np.array_equal(x, r.numpy())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_rows_join_only_where_they_can_and_bad_rows_fail_as_on_the_cpu(client):
+    # Rows joined on the device must put what the rows would put one by one; where a column
+    # cannot be joined (a None row, a CPU row among CUDA ones, rows unlike past dim 0) it
+    # takes the per-row path, and a column of the wrong dtype fails as a CPU put does.
+    client.create_partition("p", TEXT)
+    keys = text_keys(1, 5)
+    cols = text_columns(keys)
+    ids = [torch.from_numpy(v).cuda() for v in cols["input_ids"]]
+    ids[1] = torch.arange(40, device="cuda", dtype=torch.int64)[::2][: len(ids[1])]  # strided
+    ids[2] = ids[2].expand(1, -1)[0]  # a view, joined all the same
+    mask = [torch.from_numpy(v) for v in cols["token_mask"]]
+    mask = [m.cuda() if i % 2 else m for i, m in enumerate(mask)]  # CPU and CUDA rows
+    # Part of a graph: joined without recording one.
+    adv = [torch.ones(len(r), device="cuda", requires_grad=True) * i for i, r in enumerate(ids)]
+    lp: list[Any] = [torch.full((len(r),), 0.5, device="cuda") for r in ids]
+    lp[3] = None
+    put = {**cols, "input_ids": ids, "token_mask": mask, "advantages": adv}
+    put["generation_logprobs"] = lp
+    with stage(
+        put, PinnedPool(), {"input_ids", "token_mask", "generation_logprobs", "advantages"}
+    ) as st:
+        assert type(st.columns["input_ids"]) is PackedRows
+        assert type(st.columns["advantages"]) is PackedRows
+        assert type(st.columns["token_mask"]) is list
+        assert type(st.columns["generation_logprobs"]) is list
+    client.put("p", keys, put)
+    b = client.get("p", keys, as_="numpy")
+    assert [r.tolist() for r in b["input_ids"]] == [r.cpu().tolist() for r in ids]
+    assert [r.tolist() for r in b["token_mask"]] == [v.tolist() for v in cols["token_mask"]]
+    assert [r.tolist() for r in b["advantages"]] == [[float(i)] * len(r) for i, r in enumerate(ids)]
+    got = b["generation_logprobs"]
+    assert got[3] is None and all(got[i].tolist() == [0.5] * len(ids[i]) for i in (0, 1, 2, 4))
+    # Every row int32 where the schema says int64: joined, then refused, naming the field
+    # and a row, with nothing stored, as the CPU put of the same rows is.
+    bad = [r.to(torch.int32) for r in ids]
+    other = text_keys(1, 5, prefix="q")
+    errors = []
+    for rows in (bad, [r.cpu() for r in bad]):
+        with pytest.raises(flightq.DTypeError) as e:
+            client.put("p", other, {**cols, "input_ids": rows})
+        errors.append(e.value)
+    assert errors[0].field == errors[1].field == "input_ids"
+    assert errors[0].key == errors[1].key
+    with pytest.raises(flightq.NotFoundError):
+        client.list_keys("p", other[:1])
+    # Rows alike in dtype but not past dim 0 do not join; the schema refuses them.
+    two_d = [r.reshape(-1, 1) if i == 0 else r for i, r in enumerate(ids)]
+    with stage({"input_ids": two_d}, PinnedPool(), {"input_ids"}) as st:
+        assert type(st.columns["input_ids"]) is list
