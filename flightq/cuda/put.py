@@ -39,9 +39,10 @@ def _flatten(tensors: list[Any]) -> Any:
 
 
 def _joined(rows: list[Any], torch: Any) -> tuple[Any, np.ndarray] | None:
-    """Rows that are all CUDA tensors of one device and dtype, each at least 1-D and alike
-    past dim 0, joined end to end on their device (one kernel), with their offsets along
-    dim 0; None for anything else (a ``None`` row, a CPU row, a scalar per row)."""
+    """Rows that are all small CUDA tensors of one device and dtype, each at least 1-D and
+    alike past dim 0, joined end to end on their device (one kernel), with their offsets
+    along dim 0; None for anything else (a ``None`` row, a CPU row, a scalar per row, a row
+    of ``_SMALL`` bytes or more, which crosses from its own memory with no device copy)."""
     if len(rows) < 2:
         return None
     T = torch.Tensor
@@ -56,6 +57,7 @@ def _joined(rows: list[Any], torch: Any) -> tuple[Any, np.ndarray] | None:
             or x.dtype != dtype
             or x.dim() == 0
             or x.shape[1:] != tail
+            or x.nbytes >= _SMALL
         ):
             return None
     with torch.no_grad():

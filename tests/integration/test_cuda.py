@@ -591,3 +591,7 @@ def test_cuda_rows_join_only_where_they_can_and_bad_rows_fail_as_on_the_cpu(clie
     two_d = [r.reshape(-1, 1) if i == 0 else r for i, r in enumerate(ids)]
     with stage({"input_ids": two_d}, PinnedPool(), {"input_ids"}) as st:
         assert type(st.columns["input_ids"]) is list
+    # A row of 1 MiB or more crosses from its own memory: no device copy of its column.
+    big = [torch.zeros(2**17, dtype=torch.int64, device="cuda"), *ids[1:]]
+    with stage({"input_ids": big}, PinnedPool(), {"input_ids"}) as st:
+        assert type(st.columns["input_ids"]) is list
