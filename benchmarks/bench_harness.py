@@ -302,12 +302,14 @@ def test_the_scaling_benchmark_reads_through_shared_memory(capsys: Any) -> None:
     import consumer_scaling as scaling
 
     argv = ["--consumers", "1,2", "--workload", "W3", "--gets", "1", "--reps", "1", "--shm"]
-    assert scaling.main([*argv, "--memcpy"]) == 0  # each consumer checks its first answer
+    assert scaling.main([*argv, "--memcpy", "--populate"]) == 0  # consumers check an answer
     out = capsys.readouterr().out
     assert "gets through shared memory" in out
     for title in (
         "flightq",
+        "flightq, gets filling page tables at the map",
         "memcpy from /dev/shm, mapped for each get",
+        "memcpy from /dev/shm, mapped for each get, pages on first touch",
         "memcpy from /dev/shm, mapped once",
     ):
         rows = out.split(f"\n{title}\n", 1)[1].splitlines()[1:3]

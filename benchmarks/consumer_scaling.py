@@ -25,9 +25,13 @@ to its device makes), so every byte is still read.
 ``--memcpy`` adds the same host's floor for that read, interleaved with flightq's rounds:
 each consumer process maps a file of the step's size in ``/dev/shm`` (written once by the
 parent) as flightq's reader maps a segment (private, page tables filled for reading) and
-copies it into a prefaulted buffer of its own, then unmaps it, per get; a second line
+copies it into a prefaulted buffer of its own, then unmaps it, per get; a second table
+does the same with the pages mapped on first touch, as a get maps a segment; a third
 copies from a mapping made once, the memory bandwidth alone. Where eight such processes
 stay under 6x one, no read that copies every byte on that host reaches it.
+
+``--populate`` (with ``--shm``) adds flightq consumers whose gets fill the page tables of
+the segments they map at once (:data:`flightq.shm.table.POPULATE_READS`), interleaved.
 
 Run::
 
@@ -97,10 +101,15 @@ def _consumer(
     gets: int,
     streams: int,
     shm: bool,
+    populate: bool,
     ready: Any,
     go: Any,
     out: Any,
 ) -> None:
+    if populate:
+        import flightq.shm.table
+
+        flightq.shm.table.POPULATE_READS = True
     with _connect(locations, schema, streams, shm) as c:
         b = c.get("p", keys, as_="numpy")  # one answer untimed, checked bit for bit
         for f, fp in want.items():
@@ -153,12 +162,14 @@ def measure(
     gets: int,
     streams: int = 1,
     shm: bool = False,
+    populate: bool = False,
 ) -> float:
     """Aggregate GB/s of ``consumers`` processes each getting the step ``gets`` times from
     the servers at ``locations``, each get over at most ``streams`` parallel DoGet streams
-    per server, or through shared memory (``shm``, one server)."""
+    per server, or through shared memory (``shm``, one server; ``populate``: each get
+    fills the page tables of what it maps at once, :data:`flightq.shm.table.POPULATE_READS`)."""
     schema, keys, want, nbytes = _reference(name)
-    args = (locations, schema, keys, want, gets, streams, shm)
+    args = (locations, schema, keys, want, gets, streams, shm, populate)
     return _timed(_consumer, args, consumers, nbytes * gets)
 
 
@@ -294,23 +305,26 @@ class SharedFile:
             os.unlink(self.path)
 
 
-def _map(fd: int, nbytes: int) -> mmap.mmap:
-    """``fd`` mapped as flightq's reader maps a segment: private, writable, page tables
-    filled for reading."""
+def _map(fd: int, nbytes: int, populate: bool = True) -> mmap.mmap:
+    """``fd`` mapped as flightq's reader maps a segment: private, writable; its page tables
+    filled for reading (``populate``) or on first touch, as a get maps (see
+    :mod:`flightq.shm.table`)."""
     mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    with contextlib.suppress(OSError, AttributeError):
-        mm.madvise(mmap.MADV_POPULATE_READ)  # type: ignore[attr-defined]
+    if populate:
+        with contextlib.suppress(OSError, AttributeError):
+            mm.madvise(mmap.MADV_POPULATE_READ)  # type: ignore[attr-defined]
     return mm
 
 
 def _memcpy_consumer(
-    path: str, nbytes: int, gets: int, remap: bool, ready: Any, go: Any, out: Any
+    path: str, nbytes: int, gets: int, mode: str, ready: Any, go: Any, out: Any
 ) -> None:
     sink = np.zeros(nbytes, np.uint8)  # touched: no page faults while timed
     fd = os.open(path, os.O_RDONLY)
     try:
-        kept = None if remap else _map(fd, nbytes)
-        src = np.frombuffer(kept if kept is not None else _map(fd, nbytes), np.uint8)
+        populate = mode != "lazy"
+        kept = _map(fd, nbytes) if mode == "once" else None
+        src = np.frombuffer(kept if kept is not None else _map(fd, nbytes, populate), np.uint8)
         np.copyto(sink, src)  # one copy untimed, checked
         assert int(sink.min()) == 1, "memcpy reference: bytes missing"
         del src
@@ -318,7 +332,7 @@ def _memcpy_consumer(
         go.wait()
         t0 = time.perf_counter()
         for _ in range(gets):
-            mm = kept if kept is not None else _map(fd, nbytes)
+            mm = kept if kept is not None else _map(fd, nbytes, populate)
             view = np.frombuffer(mm, np.uint8)
             np.copyto(sink, view)
             del view
@@ -329,11 +343,18 @@ def _memcpy_consumer(
         os.close(fd)
 
 
-def measure_memcpy(source: SharedFile, consumers: int, gets: int, remap: bool = True) -> float:
+#: How a memcpy consumer maps the file: for each copy, page tables filled at the map
+#: (``"populate"``) or on first touch (``"lazy"``, as a get maps); or once (``"once"``).
+MEMCPY_MODES = ("populate", "lazy", "once")
+
+
+def measure_memcpy(source: SharedFile, consumers: int, gets: int, mode: str = "populate") -> float:
     """Aggregate GB/s of ``consumers`` processes each copying ``source`` into a buffer of
-    their own ``gets`` times, mapping it for each copy (``remap``) or once, timed as
+    their own ``gets`` times, mapped as ``mode`` says (:data:`MEMCPY_MODES`), timed as
     :func:`measure` times flightq's consumers."""
-    args = (source.path, source.nbytes, gets, remap)
+    if mode not in MEMCPY_MODES:
+        raise ValueError(f"measure_memcpy: mode {mode!r} is not one of {MEMCPY_MODES}")
+    args = (source.path, source.nbytes, gets, mode)
     return _timed(_memcpy_consumer, args, consumers, source.nbytes * gets)
 
 
@@ -361,6 +382,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="also time the same host's copy of every byte from a mapped file (see above)",
     )
+    p.add_argument(
+        "--populate",
+        action="store_true",
+        help="with --shm, also flightq consumers whose gets fill the page tables at the map",
+    )
     args = p.parse_args(argv)
     counts = [int(x) for x in args.consumers.split(",")]
     if args.shm and args.shards != 1:
@@ -378,22 +404,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         sender = stack.enter_context(TcpSender(step.nbytes())) if args.raw_tcp else None
         source = stack.enter_context(SharedFile(step.nbytes())) if args.memcpy else None
         results: dict[int, list[float]] = {n: [] for n in counts}
+        populated: dict[int, list[float]] = {n: [] for n in counts}
         tcp: dict[int, list[float]] = {n: [] for n in counts}
-        remapped: dict[int, list[float]] = {n: [] for n in counts}
-        copied: dict[int, list[float]] = {n: [] for n in counts}
+        copies: dict[str, dict[int, list[float]]] = {
+            m: {n: [] for n in counts} for m in MEMCPY_MODES
+        }
         for rep in range(args.reps):  # interleave counts so load drifts hit all alike
             for n in counts:
                 results[n].append(
                     measure(locations, args.workload, n, args.gets, args.streams, args.shm)
                 )
                 line = f"round {rep + 1}, {n} consumer(s): flightq {results[n][-1]:.2f} GB/s"
+                if args.shm and args.populate:
+                    populated[n].append(
+                        measure(locations, args.workload, n, args.gets, args.streams, True, True)
+                    )
+                    line += f", populating {populated[n][-1]:.2f}"
                 if sender is not None:
                     tcp[n].append(measure_tcp(sender, n, args.gets))
                     line += f", raw TCP {tcp[n][-1]:.2f} GB/s"
                 if source is not None:
-                    remapped[n].append(measure_memcpy(source, n, args.gets))
-                    copied[n].append(measure_memcpy(source, n, args.gets, remap=False))
-                    line += f", map + copy {remapped[n][-1]:.2f}, copy {copied[n][-1]:.2f} GB/s"
+                    for m in MEMCPY_MODES:
+                        copies[m][n].append(measure_memcpy(source, n, args.gets, m))
+                        line += f", memcpy {m} {copies[m][n][-1]:.2f}"
                 print(line, file=sys.stderr, flush=True)  # progress: a long run shows life
         print(
             f"{args.workload}: {step.nbytes() / 2**20:.0f} MiB per get, {args.streams} stream(s) "
@@ -401,11 +434,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             + (", gets through shared memory" if args.shm else "")
         )
         _table("flightq", counts, results)
+        if args.shm and args.populate:
+            _table("flightq, gets filling page tables at the map", counts, populated)
         if sender is not None:
             _table("raw TCP, one sender process", counts, tcp)
         if source is not None:
-            _table("memcpy from /dev/shm, mapped for each get", counts, remapped)
-            _table("memcpy from /dev/shm, mapped once", counts, copied)
+            _table("memcpy from /dev/shm, mapped for each get", counts, copies["populate"])
+            _table(
+                "memcpy from /dev/shm, mapped for each get, pages on first touch",
+                counts,
+                copies["lazy"],
+            )
+            _table("memcpy from /dev/shm, mapped once", counts, copies["once"])
     return 0
 
 

@@ -188,6 +188,13 @@ def take(batches: list[pa.RecordBatch], dirpath: str, what: str) -> list[pa.Reco
         raise ProtocolError(f"{what}: the shared-memory answer is malformed: {e}") from e
 
 
+#: Whether a read fills the page tables of the segments it maps at once (one
+#: ``madvise(MADV_POPULATE_READ)`` per segment) instead of on first touch. Off: on the
+#: 2-core machine first touch reads faster (see the module's doc); ``benchmarks/
+#: consumer_scaling.py --populate`` measures both on a host of many readers.
+POPULATE_READS = False
+
+
 class _Views:
     """The table's bytes: each segment mapped once over the span its buffers use."""
 
@@ -201,7 +208,7 @@ class _Views:
         for i, (lo, hi) in spans.items():
             if not 0 <= i < len(segments):
                 raise ProtocolError(f"{what}: the answer names segment {i} of {len(segments)}")
-            data = map_data(segments[i], dirpath, what, lo, hi, populate=False)
+            data = map_data(segments[i], dirpath, what, lo, hi, populate=POPULATE_READS)
             self.maps[i] = (lo, pa.py_buffer(data))
         inline = body["inline"]
         buf = pa.allocate_buffer(len(inline))  # aligned for every buffer in it
