@@ -336,6 +336,7 @@ class Server(fl.FlightServerBase):
             thread.join(timeout=deadline)
             self._thread = None
         self.idle.stop()
+        self.store.let_go()
         with self._shm_lock:  # stop() again and the late finisher: each goes once
             pool, self._shm_pool = self._shm_pool, None
             hold, self._store_hold = self._store_hold, None

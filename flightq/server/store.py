@@ -358,6 +358,19 @@ class Store:
                 self._parts[p.name] = p
             self._wake()
 
+    def let_go(self) -> None:
+        """Remove every partition and its rows: the server stopped, and no call runs.
+
+        A stopped server's object may outlive its stop (some pyarrow releases keep a
+        Flight server's Python object referenced from C++ for good): its rows, and the
+        shared-memory segments they lie in, go here instead of with the object.
+        """
+        with self._changed:
+            parts, self._parts = self._parts, {}
+            for p in parts.values():
+                p.attach(None)
+            self._wake()
+
     def drop(self, name: str) -> None:
         """Remove a partition and its rows."""
         with self._changed:
