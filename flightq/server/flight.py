@@ -304,8 +304,10 @@ class Server(fl.FlightServerBase):
         New calls are refused; claims and puts waiting for rows or space fail at once
         with UnavailableError; requests being processed (a put streaming in, a read
         streaming out) finish, but the connection of a stream that waits on its client
-        for half the deadline (or ``idle_timeout``, if shorter) is cut. Returns whether
-        everything finished within the deadline.
+        for half the deadline (or ``idle_timeout``, if shorter) is cut. Once every call has
+        ended, the server lets go of its partitions, their rows and the shared-memory
+        segments they lie in (``store`` is empty from then on). Returns whether everything
+        finished within the deadline.
         """
         self.store.close()
         self.idle.hurry(deadline / 2)  # a stream its client stalled would hold shutdown
