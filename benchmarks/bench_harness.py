@@ -315,3 +315,19 @@ def test_the_scaling_benchmark_reads_through_shared_memory(capsys: Any) -> None:
         rows = out.split(f"\n{title}\n", 1)[1].splitlines()[1:3]
         assert [r.split()[0] for r in rows] == ["1", "2"] and rows[0].split()[-1] == "1.00"
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("flightq-bench-memcpy-")]
+
+
+def test_the_cuda_put_benchmark_times_every_part(capsys: Any) -> None:
+    # On the CPU (--device cpu) the parts run on CPU copies: the script itself is checked,
+    # its figures are not a measurement.
+    pytest.importorskip("torch", reason="torch is not installed")
+    import cuda_put
+
+    assert (
+        cuda_put.main(["--device", "cpu", "--workloads", "W3", "--rounds", "2", "--warmup", "0"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    for part in ("put cpu", "put cuda", "stage", "encode cpu", "encode cuda"):
+        assert f"  {part} " in out, part
+    assert "CUDA put's speed / CPU put's:" in out

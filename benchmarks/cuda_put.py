@@ -35,31 +35,6 @@ from typing import Any
 __all__ = ["main"]
 
 
-def _on_device(columns: dict[str, Any], device: str) -> dict[str, Any]:
-    """The columns with every tensor moved to ``device``; a shared tensor stays shared."""
-    import torch
-
-    memo: dict[int, Any] = {}
-
-    def mv(t: Any) -> Any:
-        if id(t) not in memo:
-            memo[id(t)] = (t, t.to(device))
-        return memo[id(t)][1]
-
-    out: dict[str, Any] = {}
-    for name, col in columns.items():
-        if isinstance(col, torch.Tensor):
-            out[name] = mv(col)
-        else:
-            out[name] = [
-                None if r is None else [mv(x) for x in r] if isinstance(r, list) else mv(r)
-                for r in col
-            ]
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-    return out
-
-
 def _spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
 
@@ -70,6 +45,7 @@ def measure(
     """Per round, milliseconds of each part (see the module's doc); ``device="cpu"``
     runs every part on CPU copies (a check of the script itself, not a measurement)."""
     import torch
+    from flightq_bench.flightq_system import step_on_device
 
     import flightq
     from flightq.batch import encode_chunks
@@ -79,7 +55,7 @@ def measure(
     step = to_torch(make(workload))
     schema = flightq.SchemaRegistry.default().get(step.schema)
     cpu = step.columns
-    dev = _on_device(cpu, device)
+    dev = step_on_device(step, device).columns
     joinable = {f.name for f in schema.fields if f.role in ("token", "tensor")}
     # The tree before rows were joined on the device has no ``pack``.
     extra = (joinable,) if "pack" in inspect.signature(stage).parameters else ()

@@ -38,6 +38,7 @@ __all__ = [
     "FlightqCudaConsumer",
     "PinnedH2DConsumer",
     "server_argv",
+    "step_on_device",
 ]
 
 #: The GPU the CUDA systems use.
@@ -316,8 +317,9 @@ class FlightqShmCopyConsumer(FlightqShmConsumer):
 # --------------------------------------------------------------------------- CUDA
 
 
-def _to_device(step: Step, device: str) -> Step:
-    """The step's torch tensors moved to ``device``; a group's shared image stays shared."""
+def step_on_device(step: Step, device: str) -> Step:
+    """The step's torch tensors moved to ``device`` (copies done); a group's shared image
+    stays shared."""
     import torch
 
     memo: dict[int, Any] = {}
@@ -335,7 +337,8 @@ def _to_device(step: Step, device: str) -> Step:
         cols[name] = [
             None if r is None else [mv(x) for x in r] if isinstance(r, list) else mv(r) for r in col
         ]
-    torch.cuda.synchronize(device)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
     return Step(step.name, step.schema, step.keys, cols, step.tags, step.group_size)
 
 
@@ -358,7 +361,7 @@ class FlightqCudaProducer(FlightqProducer):
 
     def prepare(self) -> None:
         if getattr(self, "_torch", None) is None:
-            self._torch = _to_device(to_torch(self.step), DEVICE)
+            self._torch = step_on_device(to_torch(self.step), DEVICE)
 
 
 class FlightqCudaConsumer(FlightqConsumer):
