@@ -28,6 +28,8 @@ from fixtures_dataplane import (
     text_columns,
     text_keys,
 )
+from flightq_bench import procs
+from flightq_bench.flightq_system import server_argv
 
 import flightq
 
@@ -157,8 +159,10 @@ def test_tensordicts_through_the_loader_carry_their_claim() -> None:
 def test_a_worker_started_by_fork_refuses_instead_of_hanging() -> None:
     from flightq.torch import ClaimDataset
 
-    with flightq.Server() as srv:
-        ds = ClaimDataset(srv.location, "r", "train", 2)
+    # The server runs in a process of its own: a fork of a process whose gRPC server
+    # threads are live may die in gRPC's fork handlers before the worker's check runs.
+    with procs.ServerProcess(server_argv(), "flightq") as srv:
+        ds = ClaimDataset(srv.info["listening"], "r", "train", 2)
         loader = ds.loader(num_workers=1, multiprocessing_context="fork")
         with pytest.raises(ValueError, match="multiprocessing_context='spawn'"):
             next(iter(loader))
