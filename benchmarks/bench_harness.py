@@ -331,3 +331,18 @@ def test_the_cuda_put_benchmark_times_every_part(capsys: Any) -> None:
     for part in ("put cpu", "put cuda", "stage", "encode cpu", "encode cuda"):
         assert f"  {part} " in out, part
     assert "CUDA put's speed / CPU put's:" in out
+
+
+def test_the_cuda_get_benchmark_times_the_parts_a_cpu_can_run(capsys: Any) -> None:
+    # On the CPU (--device cpu) the parts that need no device run (the host copy into
+    # ordinary memory): the script itself is checked, its figures are not a measurement.
+    pytest.importorskip("torch", reason="torch is not installed")
+    import cuda_get
+
+    argv = ["--device", "cpu", "--workloads", "W1-bf16", "--rounds", "2", "--warmup", "0"]
+    assert cuda_get.main(argv) == 0
+    out = capsys.readouterr().out
+    for part in ("get cpu", "read", "read+check", "check", "plan", "host copy"):
+        assert f"  {part} " in out, part
+    assert "MiB to the device" in out
+    assert "get cuda" not in out and "to device" not in out
