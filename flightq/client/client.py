@@ -857,8 +857,9 @@ class Client:
         """Rows by key, in the order asked, with any subset of fields.
 
         ``fields=None`` returns every column the rows have (``None`` where a row lacks one).
-        ``device="cuda:N"`` returns a :class:`flightq.cuda.DeviceBatch` of CUDA tensors,
-        copied from pinned buffers while later record batches arrive; ``sync=False``
+        ``device="cuda:N"`` returns a :class:`flightq.cuda.DeviceBatch` of CUDA tensors
+        (each record batch checked as it arrives, then the payloads copied through pinned
+        buffers once the streams ended); ``sync=False``
         returns once the copies are queued (the device's current stream waits for them;
         other streams wait on ``batch.event``). ``None`` or ``"cpu"``: CPU tensors.
         ``as_="tensordict"`` returns a ``tensordict.TensorDict`` instead (token fields as

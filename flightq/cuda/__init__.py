@@ -6,8 +6,9 @@ few MiB; each record batch is encoded once the copies of its rows are done (one
 synchronize per chunk), while later rows are still being copied. The wire format is the
 CPU path's, byte for byte.
 
-Gets and claims with ``device="cuda:N"``: the DoGet streams are read to their end as the CPU
-get reads them, then every payload is copied once into pinned memory (on a few threads)
+Gets and claims with ``device="cuda:N"``: the DoGet streams are read as the CPU get reads
+them, each record batch checked as it arrives; once they ended, every payload is copied
+once into pinned memory (on a few threads)
 and crosses to the device in one non-blocking copy per window of pinned memory on a side
 stream. The result is a :class:`DeviceBatch` whose columns yield CUDA tensors (bf16 and fp8
 included) viewing one device buffer per get.

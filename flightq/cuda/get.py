@@ -1,15 +1,17 @@
-"""Gets and claims into CUDA tensors: the streams read to their end, then one device
+"""Gets and claims into CUDA tensors: the streams read and checked, then one device
 buffer per get, filled through pinned windows.
 
-With ``device="cuda:N"`` the DoGet streams are read to their end as the CPU get reads
-them, then every payload is copied once into pinned memory (on a few threads) and
-crosses to the device in one non-blocking copy per window of pinned memory on a side
-stream. The result is a :class:`DeviceBatch` whose columns yield CUDA tensors (bf16 and
-fp8 included) viewing one device buffer per get.
+With ``device="cuda:N"`` the DoGet streams are read as the CPU get reads them, each
+record batch checked as it arrives (while gRPC receives the next); once every stream is
+in, every payload is copied once into pinned memory (on a few threads) and crosses to
+the device in one non-blocking copy per window of pinned memory on a side stream. The
+result is a :class:`DeviceBatch` whose columns yield CUDA tensors (bf16 and fp8
+included) viewing one device buffer per get.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +39,22 @@ _WINDOW = 64 * 2**20
 _COPY_THREADS = 4
 _THREAD_BYTES = 4 * 2**20
 _LARGE = 2**18
+
+_copiers_lock = threading.Lock()
+#: The process's copy threads and the process they were made in (a forked child makes
+#: its own: threads do not survive a fork).
+_copiers_of: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _copiers() -> ThreadPoolExecutor:
+    """The :data:`_COPY_THREADS` threads that copy large payloads into pinned memory,
+    made on first use and kept: starting them for every get cost about 0.3 ms."""
+    global _copiers_of
+    with _copiers_lock:
+        if _copiers_of is None or _copiers_of[0] != os.getpid():
+            ex = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="flightq-cuda-copy")
+            _copiers_of = (os.getpid(), ex)
+        return _copiers_of[1]
 
 
 class DeviceBatch(Batch):
@@ -237,11 +255,13 @@ def _copy(copies: list[_Copy], dst: np.ndarray, meanwhile: Callable[[], None]) -
             if not room:
                 groups.append([])
                 room = share
-    with ThreadPoolExecutor(k, thread_name_prefix="flightq-cuda-copy") as ex:
-        done = [ex.submit(run, g) for g in groups if g]
+    ex = _copiers()
+    done = [ex.submit(run, g) for g in groups if g]
+    try:
         run([c for c in copies if c[3] < _LARGE])
         meanwhile()
-        for f in done:
+    finally:
+        for f in done:  # the pinned buffer is in use until every copy into it ended
             f.result()
 
 
@@ -284,10 +304,11 @@ def _to_device(
         pool.give(buf, [event])
 
 
-def _validated(batches: list[pa.RecordBatch], copy: bool) -> list[DeviceBatch]:
-    """One stream's record batches, validated as host-side parts (nothing copied yet)."""
+def _validated(chunks: Iterable[pa.RecordBatch], copy: bool) -> list[DeviceBatch]:
+    """One stream's record batches as host-side parts (nothing copied yet), each checked
+    as it arrives, while gRPC receives the next, as the CPU get decodes them."""
     d = PartDecoder("torch", copy, prepare=False, part=DeviceBatch)
-    for rb in batches:
+    for rb in chunks:
         d.add(rb)
     return d.parts  # type: ignore[return-value]
 
@@ -302,10 +323,11 @@ def decode_to_device(
 ) -> DeviceBatch:
     """Decode a stream of record batches into CUDA tensors.
 
-    The stream is read to its end first, as the CPU get reads it (a thread copying while
-    the stream arrives slows the reader down: they share the GIL). Then every payload is
-    copied once into pinned memory, on several threads, and crosses to the device in one
-    non-blocking copy per :data:`_WINDOW` bytes on the pool's side stream.
+    Each record batch is checked as it arrives, as the CPU get decodes it; nothing is
+    copied until the stream ended (a thread copying while the stream arrives slows the
+    reader down: they share the GIL). Then every payload is copied once into pinned
+    memory, on several threads, and crosses to the device in one non-blocking copy per
+    :data:`_WINDOW` bytes on the pool's side stream.
 
     Parameters
     ----------
@@ -332,7 +354,7 @@ def decode_to_device(
     DecodeError, ShapeError, UndeclaredFieldError
         As :func:`flightq.batch.decode`.
     """
-    return _assemble(_validated(list(chunks), copy), device, pool, sync)
+    return _assemble(_validated(chunks, copy), device, pool, sync)
 
 
 def decode_streams_to_device(
@@ -346,18 +368,18 @@ def decode_streams_to_device(
 ) -> DeviceBatch:
     """:func:`decode_to_device` over several streams read in parallel, parts in order.
 
-    Each stream is read on its own thread, as the CPU get reads a split get; once all are
-    in, their parts are validated and copied to the device together (media entries are
-    shared within a stream). If a stream raises, ``stop`` is set (the other streams may end
-    early) and the error of the first failing stream, in stream order, is raised once
-    every thread finished.
+    Each stream is read and checked on its own thread, as the CPU get reads a split get;
+    once all are in, their parts are copied to the device together (media entries are
+    shared within a stream). If a stream raises (its transport or a check of its record
+    batches), ``stop`` is set (the other streams may end early) and the error of the first
+    failing stream, in stream order, is raised once every thread finished.
     """
-    results: list[list[pa.RecordBatch]] = [[] for _ in streams]
+    results: list[list[DeviceBatch]] = [[] for _ in streams]
     errors: list[BaseException | None] = [None] * len(streams)
 
     def work(i: int) -> None:
         try:
-            results[i] = list(streams[i])
+            results[i] = _validated(streams[i], copy)
         except BaseException as e:
             errors[i] = e
             if stop is not None:
@@ -376,8 +398,7 @@ def decode_streams_to_device(
     for e in errors:
         if e is not None:
             raise e
-    parts = [p for r in results for p in _validated(r, copy)]
-    return _assemble(parts, device, pool, sync)
+    return _assemble([p for r in results for p in r], device, pool, sync)
 
 
 def _assemble(parts: list[DeviceBatch], device: Any, pool: PinnedPool, sync: bool) -> DeviceBatch:
