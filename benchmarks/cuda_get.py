@@ -19,10 +19,14 @@ the answer of one read:
   (``cudaHostRegister`` of their pages, unregistered after the copies).
 
 Both gets end once every field's per-row tensors are built (``batch[field]``), as in
-``flightq bench``.
+``flightq bench``; ``get cpu, no rows`` and ``get cuda, no rows`` are the gets alone.
+``--copy-threads 4,8`` runs every workload once per count of pinned-copy threads (each
+given at least 16 MiB / count), in that order.
 
 Medians in milliseconds over ``--rounds`` (the first ``--warmup`` dropped), with the
-spread, and the CUDA get's speed as a ratio of the CPU get's, paired per round. It runs
+spread, and the CUDA get's speed as a ratio of the CPU get's, paired per round, and of
+the floor of a get that copies once the stream ended (the CPU get, the host copy and
+the copy to the device, summed per round). It runs
 with whichever ``flightq`` is first on ``sys.path``, so two trees compare on one host::
 
     python benchmarks/cuda_get.py --rounds 30
@@ -37,6 +41,7 @@ side's cost. Needs torch; without a CUDA device it says so and exits 2 unless
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import threading
@@ -108,10 +113,10 @@ def measure(
         state: dict[str, Any] = {}
 
         def read() -> None:
-            state["rbs"] = _threads([lambda i=i: stream(i, False) for i in range(n)])
+            state["rbs"] = _threads([functools.partial(stream, i, False) for i in range(n)])
 
         def read_check() -> None:
-            _threads([lambda i=i: stream(i, True) for i in range(n)])
+            _threads([functools.partial(stream, i, True) for i in range(n)])
 
         def check() -> None:
             state["parts"] = [p for r in state["rbs"] for p in cuda_get._validated(r, False)]
@@ -131,9 +136,10 @@ def measure(
             buf = state.pop("buf")
             if on_cuda:
                 side = pool.stream(dev)
+                total = max(state["plan"][1], 1)  # the pool's buffer may be larger
                 with torch.cuda.stream(side):
-                    d = torch.empty(buf.numel(), dtype=torch.uint8, device=dev)
-                    d.copy_(buf, non_blocking=True)
+                    d = torch.empty(total, dtype=torch.uint8, device=dev)
+                    d.copy_(buf[:total], non_blocking=True)
                 side.synchronize()
                 pool.give(buf, [])
 
@@ -187,6 +193,7 @@ def measure(
 
         parts: dict[str, Callable[[], Any]] = {
             "get cpu": lambda: with_rows(client.get(part, step.keys)),
+            "get cpu, no rows": lambda: client.get(part, step.keys),
             "read": read,
             "read+check": read_check,
             "check": check,
@@ -198,6 +205,7 @@ def measure(
             parts["pageable"] = pageable
             parts["registered"] = registered
             parts["get cuda"] = lambda: with_rows(client.get(part, step.keys, device=device))
+            parts["get cuda, no rows"] = lambda: client.get(part, step.keys, device=device)
         for r in range(rounds + warmup):
             for name, fn in list(parts.items()):
                 if on_cuda:
@@ -212,7 +220,7 @@ def measure(
                     del parts[name]
                     continue
                 dt = (time.perf_counter() - t0) * 1e3
-                if name.startswith("get") and r == 0:
+                if name.startswith("get") and r == 0 and not name.endswith("rows"):
                     assert len(got) == len(step.keys), (name, len(got))
                 if r >= warmup and (on_cuda or name != "to device"):
                     out.setdefault(name, []).append(dt)
@@ -230,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--device", default="cuda:0", help="cpu: the parts that need no device (checks the script)"
     )
+    p.add_argument("--copy-threads", default="", help="counts of pinned-copy threads to try")
     args = p.parse_args(argv)
     try:
         import torch
@@ -248,16 +257,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     where = torch.cuda.get_device_name(0) if on_cuda else "the CPU only"
     print(f"flightq from {flightq.__file__}; {where}")
     with procs.ServerProcess(server_argv(), "flightq") as srv:
-        for w in args.workloads.split(","):
+        from flightq.cuda import get as fq_get
+
+        counts = [int(x) for x in args.copy_threads.split(",") if x] or [fq_get._COPY_THREADS]
+        for w, k in ((w, k) for k in counts for w in args.workloads.split(",")):
+            fq_get._COPY_THREADS, fq_get._THREAD_BYTES = k, 16 * 2**20 // k
+            if hasattr(fq_get, "_copiers_of"):
+                fq_get._copiers_of = None  # made again with k threads
             t = measure(srv.info["listening"], w, args.rounds, args.warmup, args.device)
             n, nbytes = int(t.pop("streams")[0]), t.pop("device bytes")[0]
-            print(f"{w}: {n} streams, {nbytes / 2**20:.1f} MiB to the device; ms, median")
+            print(f"{w}: {n} streams, {nbytes / 2**20:.1f} MiB to the device, {k} copy threads")
+            print("  ms, median")
             print(f"  [min-max] of {args.rounds} rounds")
             for name, xs in t.items():
-                print(f"  {name:12s} {_spread(xs)}")
+                print(f"  {name:17s} {_spread(xs)}")
             if on_cuda:
                 ratio = [c / g for c, g in zip(t["get cpu"], t["get cuda"], strict=True)]
                 print(f"  CUDA get's speed / CPU get's: {_spread(ratio)}x")
+                if "host copy" in t and "to device" in t:
+                    # The floor of a get that copies after the stream: the CPU get, then
+                    # the distinct bytes once into pinned memory and once across.
+                    parts = zip(t["get cpu"], t["host copy"], t["to device"], strict=True)
+                    floor = [c + h + d for c, h, d in parts]
+                    at = [f / g for f, g in zip(floor, t["get cuda"], strict=True)]
+                    print(f"  CPU get + host copy + to device: {_spread(floor)} ms")
+                    print(f"  CUDA get's speed / that floor's: {_spread(at)}x")
     return 0
 
 
