@@ -21,7 +21,8 @@ the answer of one read:
 Both gets end once every field's per-row tensors are built (``batch[field]``), as in
 ``flightq bench``; ``get cpu, no rows`` and ``get cuda, no rows`` are the gets alone.
 ``--copy-threads 4,8`` runs every workload once per count of pinned-copy threads (each
-given at least 16 MiB / count), in that order.
+given at least 16 MiB / count), in that order; ``--min-stream-mib 4`` splits the gets
+over more streams than the client's default (:data:`flightq.client.streams.MIN_STREAM_BYTES`).
 
 Medians in milliseconds over ``--rounds`` (the first ``--warmup`` dropped), with the
 spread, and the CUDA get's speed as a ratio of the CPU get's, paired per round, and of
@@ -73,9 +74,15 @@ def _threads(fns: list[Callable[[], Any]]) -> list[Any]:
 
 
 def measure(
-    location: str, workload: str, rounds: int, warmup: int, device: str = "cuda:0"
+    location: str,
+    workload: str,
+    rounds: int,
+    warmup: int,
+    device: str = "cuda:0",
+    min_stream_bytes: int | None = None,
 ) -> dict[str, list[float]]:
-    """Per round, milliseconds of each part (see the module's doc)."""
+    """Per round, milliseconds of each part (see the module's doc); ``min_stream_bytes``
+    sets the client's fewest bytes per stream (None: its default)."""
     import torch
 
     import flightq
@@ -92,6 +99,8 @@ def measure(
         part = f"cuda-get-{workload}"
         client.create_partition(part, schema=step.schema, tasks=["train"])
         client.put(part, step.keys, step.columns, tags=step.tags)
+        if min_stream_bytes is not None:
+            client.min_stream_bytes = min_stream_bytes
         client.get(part, step.keys)  # the client learns the rows' size: the get splits
         reader = client._reader
         ticket = GetTicket(partition=part, keys=list(step.keys), fields=None)
@@ -239,6 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--device", default="cuda:0", help="cpu: the parts that need no device (checks the script)"
     )
     p.add_argument("--copy-threads", default="", help="counts of pinned-copy threads to try")
+    p.add_argument(
+        "--min-stream-mib", type=float, default=None, help="the client's fewest MiB per stream"
+    )
     args = p.parse_args(argv)
     try:
         import torch
@@ -259,12 +271,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     with procs.ServerProcess(server_argv(), "flightq") as srv:
         from flightq.cuda import get as fq_get
 
+        mib = args.min_stream_mib
+        min_stream = None if mib is None else int(mib * 2**20)
         counts = [int(x) for x in args.copy_threads.split(",") if x] or [fq_get._COPY_THREADS]
         for w, k in ((w, k) for k in counts for w in args.workloads.split(",")):
             fq_get._COPY_THREADS, fq_get._THREAD_BYTES = k, 16 * 2**20 // k
             if hasattr(fq_get, "_copiers_of"):
                 fq_get._copiers_of = None  # made again with k threads
-            t = measure(srv.info["listening"], w, args.rounds, args.warmup, args.device)
+            t = measure(srv.info["listening"], w, args.rounds, args.warmup, args.device, min_stream)
             n, nbytes = int(t.pop("streams")[0]), t.pop("device bytes")[0]
             print(f"{w}: {n} streams, {nbytes / 2**20:.1f} MiB to the device, {k} copy threads")
             print("  ms, median")
