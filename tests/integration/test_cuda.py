@@ -9,11 +9,14 @@ unimported by ``import flightq.client.client``.
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from fixtures_dataplane import (
     TEXT,
@@ -33,6 +36,7 @@ from flightq import workloads
 from flightq.batch import decode, encode, encode_chunks, join
 from flightq.cuda import DeviceBatch, PinnedPool, has_cuda, rebase, resolve_device, stage
 from flightq.cuda import get as fq_cuda  # the reading side: windows, threads, plans
+from flightq.errors import ShapeError
 from flightq.rows import PackedRows
 from flightq.schema import Field, Schema
 
@@ -275,6 +279,51 @@ def test_host_copies_split_over_threads_land_where_asked():
     for to, src, a, n in copies:
         want[to : to + n] = src[a : a + n]
     assert np.array_equal(dst, want)
+
+
+def test_a_device_gets_stream_is_checked_as_it_arrives_and_stops_at_a_bad_batch():
+    # The host half of a device get: a record batch whose shapes disagree with its payload
+    # fails as it arrives, before the next one is pulled from the stream (as on the CPU).
+    step = workloads.w1(groups=1, g=2)
+    s = flightq.SchemaRegistry.default().get(VLM)
+    good = encode_chunks(s, step.columns, step.keys, step.tags, max_bytes=2**20)[0]
+    i = good.schema.get_field_index("input_ids__shape")
+    wrong = pa.array([[n + 1 for n in r] for r in good.column(i).to_pylist()], good.column(i).type)
+    bad = good.set_column(i, good.schema.field(i), wrong)
+    pulled: list[int] = []
+
+    def stream():
+        for k, rb in enumerate([good, bad, good]):
+            pulled.append(k)
+            yield rb
+
+    dev, pool = torch.device("cuda:0"), PinnedPool()  # neither touches a device
+    with pytest.raises(ShapeError) as e:
+        fq_cuda.decode_to_device(stream(), dev, pool)
+    assert e.value.field == "input_ids" and e.value.key == step.keys[0]
+    assert pulled == [0, 1]
+    # Split over streams, each on its thread: the bad one stops, and asks the others to.
+    pulled.clear()
+    stop = threading.Event()
+    with pytest.raises(ShapeError):
+        fq_cuda.decode_streams_to_device([iter([good]), stream()], dev, pool, stop=stop)
+    assert pulled == [0, 1] and stop.is_set()
+
+
+def test_the_pinned_copy_threads_are_made_once_per_process(monkeypatch):
+    monkeypatch.setattr(fq_cuda, "_copiers_of", None)
+    first = fq_cuda._copiers()
+    assert fq_cuda._copiers() is first  # kept between gets
+    big = [(0, np.ones(8 * 2**20, np.uint8), 0, 8 * 2**20)]
+    dst = np.zeros(8 * 2**20, np.uint8)
+    fq_cuda._copy(big, dst, lambda: None)
+    assert int(dst.min()) == 1 and fq_cuda._copiers() is first
+    # Threads made in another process (as a forked child sees them) are made again.
+    monkeypatch.setattr(fq_cuda, "_copiers_of", (os.getpid() + 1, first))
+    child = fq_cuda._copiers()
+    assert child is not first and fq_cuda._copiers() is child
+    first.shutdown()
+    child.shutdown()
 
 
 # --------------------------------------------------------------------------- on a GPU
