@@ -7,9 +7,10 @@ client chooses for that size. Beside the two gets it times the parts of the CUDA
 the answer of one read:
 
 - ``read``: the streams read to their end, each on its own thread (no decode);
-- ``read+check``: the same, each record batch checked on its stream's thread as it
-  arrives, as the CPU get decodes (:class:`flightq.batch.PartDecoder`);
-- ``check``: the record batches checked after the read, on one thread;
+- ``read+check``: the same, each record batch checked (and its columns built) on its
+  stream's thread as it arrives, as the CUDA get does;
+- ``check``: the record batches checked (and their columns built) after the read, on one
+  thread;
 - ``plan``: where every column lands in the get's device buffer (``_plan``);
 - ``host copy``: the payloads copied into a pinned buffer (``_windows`` and ``_copy``);
 - ``to device``: that buffer's copy to the device, waited for;
@@ -86,7 +87,6 @@ def measure(
     import torch
 
     import flightq
-    from flightq.batch import PartDecoder
     from flightq.client.streams import split, split_count
     from flightq.cuda import get as cuda_get
     from flightq.protocol import GetTicket
@@ -111,13 +111,9 @@ def measure(
         dev = torch.device(device)
 
         def stream(i: int, check: bool) -> Any:
-            rbs = list(reader.transport.get(tickets[i], what, timeout=None, connection=i))
-            if not check:
-                return rbs
-            d = PartDecoder("torch", False, prepare=False, part=cuda_get.DeviceBatch)
-            for rb in rbs:
-                d.add(rb)
-            return d.parts
+            rbs = reader.transport.get(tickets[i], what, timeout=None, connection=i)
+            # With the checks: each record batch as it arrives, as the CUDA get does.
+            return cuda_get._validated(rbs, False) if check else list(rbs)
 
         state: dict[str, Any] = {}
 
