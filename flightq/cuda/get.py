@@ -306,16 +306,10 @@ def _to_device(
 
 def _validated(chunks: Iterable[pa.RecordBatch], copy: bool) -> list[DeviceBatch]:
     """One stream's record batches as host-side parts (nothing copied yet), each checked
-    and its columns built as it arrives, while gRPC receives the next, as the CPU get
-    decodes them. (The columns are what :func:`_plan` lays out; their per-row tensors are
-    built later, over the device buffer.)"""
+    as it arrives, while gRPC receives the next, as the CPU get decodes them."""
     d = PartDecoder("torch", copy, prepare=False, part=DeviceBatch)
     for rb in chunks:
         d.add(rb)
-        part = d.parts[-1]
-        for name in part.fields:
-            part.column(name)
-        _ = part.tags  # malformed tags fail the read, as on the CPU path
     return d.parts  # type: ignore[return-value]
 
 
