@@ -7,10 +7,9 @@ client chooses for that size. Beside the two gets it times the parts of the CUDA
 the answer of one read:
 
 - ``read``: the streams read to their end, each on its own thread (no decode);
-- ``read+check``: the same, each record batch checked (and its columns built) on its
-  stream's thread as it arrives, as the CUDA get does;
-- ``check``: the record batches checked (and their columns built) after the read, on one
-  thread;
+- ``read+check``: the same, each record batch checked on its stream's thread as it
+  arrives, by the CUDA get's own step;
+- ``check``: the record batches checked after the read, on one thread;
 - ``plan``: where every column lands in the get's device buffer (``_plan``);
 - ``host copy``: the payloads copied into a pinned buffer (``_windows`` and ``_copy``);
 - ``to device``: that buffer's copy to the device, waited for;
