@@ -147,7 +147,8 @@ def measure(
                 side.synchronize()
                 pool.give(buf, [])
 
-        def pageable() -> None:
+        def each_piece_across() -> None:
+            # Every piece copied to the device from where it lies on the host, waited for.
             regions, total = state["plan"]
             d = torch.empty(max(total, 1), dtype=torch.uint8, device=dev)
             for r in regions:
@@ -156,10 +157,13 @@ def measure(
                     d[to : to + nb].copy_(src[a : a + nb], non_blocking=True)
             torch.cuda.synchronize(dev)
 
+        def pageable() -> None:
+            each_piece_across()  # from the received (pageable) buffers
+
         def registered() -> None:
             # Page-lock the received buffers where they lie (cudaHostRegister, the spans
             # merged by page), copy each piece from them, unlock.
-            regions, total = state["plan"]
+            regions = state["plan"][0]
             page = 4096
             spans: list[list[int]] = []
             for r in regions:
@@ -181,12 +185,7 @@ def measure(
                     if int(err) != 0:
                         raise RuntimeError(f"cudaHostRegister of {b - a} bytes: {err}")
                     done.append(a)
-                d = torch.empty(max(total, 1), dtype=torch.uint8, device=dev)
-                for r in regions:
-                    src = torch.from_numpy(r.source())
-                    for a, nb, to in r.pieces:
-                        d[to : to + nb].copy_(src[a : a + nb], non_blocking=True)
-                torch.cuda.synchronize(dev)
+                each_piece_across()
             finally:
                 for a in done:
                     rt.cudaHostUnregister(a)
@@ -247,22 +246,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--min-stream-mib", type=float, default=None, help="the client's fewest MiB per stream"
     )
     args = p.parse_args(argv)
-    try:
-        import torch
-    except ImportError:
-        print("cuda_get: torch is not installed", file=sys.stderr)
+    from flightq_bench import procs
+    from flightq_bench.flightq_system import server_argv, usable_torch
+
+    torch = usable_torch("cuda_get", args.device)
+    if torch is None:
         return 2
     on_cuda = args.device.startswith("cuda")
-    if on_cuda and not torch.cuda.is_available():
-        print("cuda_get: no CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
-        return 2
-    from flightq_bench import procs
-    from flightq_bench.flightq_system import server_argv
-
-    import flightq
-
-    where = torch.cuda.get_device_name(0) if on_cuda else "the CPU only"
-    print(f"flightq from {flightq.__file__}; {where}")
     with procs.ServerProcess(server_argv(), "flightq") as srv:
         from flightq.cuda import get as fq_get
 

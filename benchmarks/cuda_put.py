@@ -121,22 +121,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--device", default="cuda:0", help="cpu: run the parts on CPU copies (checks the script)"
     )
     args = p.parse_args(argv)
-    try:
-        import torch
-    except ImportError:
-        print("cuda_put: torch is not installed", file=sys.stderr)
-        return 2
-    on_cuda = args.device.startswith("cuda")
-    if on_cuda and not torch.cuda.is_available():
-        print("cuda_put: no CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
-        return 2
     from flightq_bench import procs
-    from flightq_bench.flightq_system import server_argv
+    from flightq_bench.flightq_system import server_argv, usable_torch
 
-    import flightq
-
-    where = torch.cuda.get_device_name(0) if on_cuda else "the CPU only"
-    print(f"flightq from {flightq.__file__}; {where}")
+    torch = usable_torch("cuda_put", args.device)
+    if torch is None:
+        return 2
     with procs.ServerProcess(server_argv(), "flightq") as srv:
         for w in args.workloads.split(","):
             t = measure(srv.info["listening"], w, args.rounds, args.warmup, args.device)

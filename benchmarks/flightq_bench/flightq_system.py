@@ -39,6 +39,7 @@ __all__ = [
     "PinnedH2DConsumer",
     "server_argv",
     "step_on_device",
+    "usable_torch",
 ]
 
 #: The GPU the CUDA systems use.
@@ -315,6 +316,25 @@ class FlightqShmCopyConsumer(FlightqShmConsumer):
 
 
 # --------------------------------------------------------------------------- CUDA
+
+
+def usable_torch(script: str, device: str) -> Any:
+    """torch, where it is installed and ``device`` (``"cpu"`` or ``"cuda..."``) can be used,
+    once the flightq it runs with and the device are printed; else None, once ``script``
+    has said why on standard error."""
+    try:
+        import torch
+    except ImportError:
+        print(f"{script}: torch is not installed", file=sys.stderr)
+        return None
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"{script}: no CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
+        return None
+    import flightq
+
+    where = torch.cuda.get_device_name(0) if device.startswith("cuda") else "the CPU only"
+    print(f"flightq from {flightq.__file__}; {where}")
+    return torch
 
 
 def step_on_device(step: Step, device: str) -> Step:
