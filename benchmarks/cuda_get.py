@@ -138,17 +138,17 @@ def measure(
 
         def to_device() -> None:
             buf = state.pop("buf")
-            if on_cuda:
-                side = pool.stream(dev)
-                total = max(state["plan"][1], 1)  # the pool's buffer may be larger
-                with torch.cuda.stream(side):
-                    d = torch.empty(total, dtype=torch.uint8, device=dev)
-                    d.copy_(buf[:total], non_blocking=True)
-                side.synchronize()
-                pool.give(buf, [])
+            side = pool.stream(dev)
+            total = max(state["plan"][1], 1)  # the pool's buffer may be larger
+            with torch.cuda.stream(side):
+                d = torch.empty(total, dtype=torch.uint8, device=dev)
+                d.copy_(buf[:total], non_blocking=True)
+            side.synchronize()
+            pool.give(buf, [])
 
-        def each_piece_across() -> None:
-            # Every piece copied to the device from where it lies on the host, waited for.
+        def pageable() -> None:
+            # Every piece copied to the device from where it lies on the host (the received
+            # buffers), waited for.
             regions, total = state["plan"]
             d = torch.empty(max(total, 1), dtype=torch.uint8, device=dev)
             for r in regions:
@@ -156,9 +156,6 @@ def measure(
                 for a, nb, to in r.pieces:
                     d[to : to + nb].copy_(src[a : a + nb], non_blocking=True)
             torch.cuda.synchronize(dev)
-
-        def pageable() -> None:
-            each_piece_across()  # from the received (pageable) buffers
 
         def registered() -> None:
             # Page-lock the received buffers where they lie (cudaHostRegister, the spans
@@ -185,7 +182,7 @@ def measure(
                     if int(err) != 0:
                         raise RuntimeError(f"cudaHostRegister of {b - a} bytes: {err}")
                     done.append(a)
-                each_piece_across()
+                pageable()  # now from page-locked memory
             finally:
                 for a in done:
                     rt.cudaHostUnregister(a)
@@ -202,9 +199,9 @@ def measure(
             "check": check,
             "plan": plan,
             "host copy": host_copy,
-            "to device": to_device,
         }
         if on_cuda:
+            parts["to device"] = to_device
             parts["pageable"] = pageable
             parts["registered"] = registered
             parts["get cuda"] = lambda: with_rows(client.get(part, step.keys, device=device))
@@ -225,7 +222,7 @@ def measure(
                 dt = (time.perf_counter() - t0) * 1e3
                 if name.startswith("get") and r == 0 and not name.endswith("rows"):
                     assert len(got) == len(step.keys), (name, len(got))
-                if r >= warmup and (on_cuda or name != "to device"):
+                if r >= warmup:
                     out.setdefault(name, []).append(dt)
         out["streams"] = [float(n)]
         out["device bytes"] = [float(state["plan"][1])]
