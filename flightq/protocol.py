@@ -55,6 +55,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "MAX_BODY",
     "MAX_PUT_PARTS",
+    "MAX_GET_PARTS",
     "MAX_SECONDS",
     "MAX_CLAIM_ROWS",
     "CLAIM_METADATA",
@@ -127,6 +128,8 @@ MAX_BODY = 64 * 2**20
 MAX_FILLS = 2**16
 #: Most parallel DoPut streams one put may travel over.
 MAX_PUT_PARTS = 16
+#: Most parallel DoGet streams one get may be split over (``GetTicket.parts``).
+MAX_GET_PARTS = 16
 #: Largest finite seconds value a message may carry (one day); a claim may say ``inf``.
 MAX_SECONDS = 86400.0
 #: Shortest silence a consumer session may ask the server to end it after (seconds).
@@ -493,7 +496,13 @@ _FROZEN = {"frozen": True, "slots": True}
 
 @dataclasses.dataclass(**_FROZEN)
 class GetTicket(Message):
-    """Rows by key, in the order asked (a key may repeat), with ``fields`` (None: all)."""
+    """Rows by key, in the order asked (a key may repeat), with ``fields`` (None: all).
+
+    A get split over parallel streams sends every stream the same ticket but for its
+    ``part`` of ``parts``: the server cuts the rows of all ``keys`` into ``parts`` runs of
+    consecutive rows, alike for each stream, where rows stop sharing media (a prompt
+    group's image travels on one stream), and answers run ``part``
+    (:func:`flightq.server.assemble.part_rows`)."""
 
     WHAT: ClassVar[str] = "get ticket"
     partition: str = _field(_str())
@@ -502,6 +511,19 @@ class GetTicket(Message):
     #: Answer through shared memory (:mod:`flightq.shm`).
     shm: bool = _field(_bool, False, omit=False)
     op: str = _field(_const("get"), "get")
+    part: int | None = _field(_optional(_int(0, MAX_GET_PARTS - 1)), None, omit=None)
+    parts: int | None = _field(_optional(_int(2, MAX_GET_PARTS)), None, omit=None)
+
+    def check_parts(self) -> None:
+        """Raise :class:`ProtocolError` unless ``part`` and ``parts`` are both absent, or
+        ``0 <= part < parts``."""
+        if (self.part is None) != (self.parts is None) or (
+            self.part is not None and self.parts is not None and self.part >= self.parts
+        ):
+            raise ProtocolError(
+                f"get ticket: 'part' and 'parts' go together, with 0 <= part < parts <= "
+                f"{MAX_GET_PARTS}; got part {self.part}, parts {self.parts}"
+            )
 
 
 @dataclasses.dataclass(**_FROZEN)

@@ -127,6 +127,9 @@ class Reader:
         #: ``time.monotonic()`` until which gets travel as one stream: the server refused
         #: a parallel one's streams for want of call slots ("server busy").
         self.crowded_until = 0.0
+        #: False once the server refused a get in parts (a server older than
+        #: ``GetTicket.parts``): every get then travels as one stream.
+        self.parts_known = True
 
     def routed(self, ticket: Ticket) -> Ticket:
         """``ticket``, asking for an answer through shared memory where one applies: with

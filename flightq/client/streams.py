@@ -29,8 +29,15 @@ import pyarrow as pa
 
 from ..batch import Batch, PartDecoder
 from ..cuda import decode_streams_to_device, decode_to_device
-from ..errors import FlightqError, MissingFieldError, NotFoundError, ResourceExhaustedError
-from ..protocol import AbortPut, GetTicket, PutCommand
+from ..errors import (
+    FlightqError,
+    MissingFieldError,
+    NotFoundError,
+    ProtocolError,
+    ResourceExhaustedError,
+)
+from ..layout import KEY
+from ..protocol import MAX_GET_PARTS, AbortPut, GetTicket, PutCommand
 from .reads import Reader, received_on_device
 from .transport import Acked
 
@@ -177,6 +184,9 @@ def read_keys(
             parts = [part(0), *(f.result() for f in rest)]
     except (NotFoundError, MissingFieldError):
         return reader.one(ticket, what, timeout, as_, copy)
+    except ProtocolError as e:
+        _unsplit(reader, e)
+        return reader.one(ticket, what, timeout, as_, copy)
     except ResourceExhaustedError as e:
         if not _crowded(reader, e):
             raise
@@ -186,27 +196,42 @@ def read_keys(
         not b.record_batch.schema.equals(schema, check_metadata=True)
         for d in parts
         for b in d.parts
-    ):
+    ) or not _answers(ticket, (k for d in parts for b in d.parts for k in b.keys)):
         return reader.one(ticket, what, timeout, as_, copy)
     return reader.decoded(ticket.partition, parts, f"streams={n}")
+
+
+def _unsplit(reader: Reader, e: ProtocolError) -> None:
+    """Where ``e`` is a server refusing a ticket's ``part`` (one older than gets in
+    parts), the client's gets travel as one stream from now on. Either way the get runs
+    again as one stream, whose answer or complete error is the reference."""
+    if "'part'" in str(e) and "unknown key" in str(e):
+        reader.parts_known = False
 
 
 def split_count(reader: Reader, ticket: GetTicket) -> int:
     """How many streams a get travels over (1: one stream), from the partition's last
     answer: at least ``reader.min_stream_bytes`` estimated per stream."""
-    if reader.shm_dir is not None or crowded(reader):
+    if reader.shm_dir is not None or crowded(reader) or not reader.parts_known:
         return 1
     keys = ticket.keys
     guess = (reader.sizes.per_row(ticket.partition) or 0.0) * len(keys)
-    return max(1, min(reader.get_streams, len(keys), int(guess // reader.min_stream_bytes)))
+    most = min(reader.get_streams, MAX_GET_PARTS, len(keys))
+    return max(1, min(most, int(guess // reader.min_stream_bytes)))
 
 
 def split(ticket: GetTicket, n: int) -> list[GetTicket]:
-    """The tickets of a get split over ``n`` streams, keys in order (stream i travels on
-    the transport's connection i)."""
-    keys = ticket.keys
-    cuts = [len(keys) * i // n for i in range(n + 1)]
-    return [dataclasses.replace(ticket, keys=keys[a:b]) for a, b in itertools.pairwise(cuts)]
+    """The tickets of a get split over ``n`` streams (stream i travels on the transport's
+    connection i): each names every key and its part; the server cuts the rows into runs
+    of about equal bytes where they stop sharing media, so a prompt group's image travels
+    on one stream (:func:`flightq.server.assemble.part_rows`)."""
+    return [dataclasses.replace(ticket, part=i, parts=n) for i in range(n)]
+
+
+def _answers(ticket: GetTicket, keys: Iterator[str]) -> bool:
+    """Whether the parts' keys, in order, are the ticket's: the rows changed between two
+    streams' cuts otherwise (a write-back between them), and the get runs as one."""
+    return list(keys) == list(ticket.keys)
 
 
 def get_to_device(
@@ -262,13 +287,16 @@ def get_to_device(
             )
         except (NotFoundError, MissingFieldError, Resplit):
             pass
+        except ProtocolError as e:
+            _unsplit(reader, e)
         except ResourceExhaustedError as e:
             if not _crowded(reader, e):
                 raise
         else:
             every = [b for g in gots for b in g]
-            reader.sizes.learn(partition, rows, every)
-            return received_on_device(out, len(every), started)
+            if _answers(ticket, (k for b in every for k in b.column(KEY).to_pylist())):
+                reader.sizes.learn(partition, rows, every)
+                return received_on_device(out, len(every), started)
     chunks = transport.get(ticket, what, timeout=timeout, got=got)
     out = decode_to_device(chunks, device, reader.pinned, copy=copy, sync=sync)
     reader.sizes.learn(partition, rows, got)

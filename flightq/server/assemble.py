@@ -15,6 +15,8 @@ one put each still travel with their shared image once per answer batch.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import operator
 from collections.abc import Callable, Iterator
 
@@ -25,7 +27,7 @@ from ..layout import KEY, SHAPE_SUFFIX, TAGS, arrow_schema
 from .media import Copy, media_column, piece_column, row_copies
 from .partition import Partition, Piece, Row
 
-__all__ = ["assemble", "SMALL_RUN_BYTES", "COALESCED_BYTES"]
+__all__ = ["assemble", "part_rows", "SMALL_RUN_BYTES", "COALESCED_BYTES"]
 
 _HOME = operator.attrgetter("home")
 
@@ -140,6 +142,67 @@ def assemble(
         return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
     return schema, batches()
+
+
+def part_rows(rows: list[Row], media: list[str], part: int, parts: int) -> list[Row]:
+    """Run ``part`` of ``rows`` cut into ``parts`` runs of consecutive rows for a get split
+    over parallel streams (:class:`~flightq.protocol.GetTicket`).
+
+    Each cut goes where it costs least: the bytes by which the runs before it miss an
+    equal share (each media copy counted where it first appears), plus the bytes of the
+    copies the rows on both sides of it use (a prompt group's image would travel on two
+    streams), plus a quarter of a share unless a stored batch starts there (a run of
+    whole stored batches goes as stored, with no work per row). Every stream of one get
+    asks with the same keys, so each cuts alike. A run may be empty (a stream that
+    answers no rows) where no cut is worth its cost, as within one prompt group.
+    """
+    cuts = _part_cuts(rows, media, parts)
+    return rows[cuts[part] : cuts[part + 1]]
+
+
+def _part_cuts(rows: list[Row], media: list[str], parts: int) -> list[int]:
+    """Where :func:`part_rows` cuts: ``parts + 1`` row indices, from 0 to ``len(rows)``."""
+    n = len(rows)
+    shared = [0] * n  # bytes of the copies row j shares with row j - 1
+    if not media:
+        ahead = [0, *itertools.accumulate(r.nbytes for r in rows)]
+    else:
+        ahead = [0]  # bytes of the rows before row j, each copy once
+        seen: set[int] = set()
+        before: dict[int, Copy] = {}
+        for j, row in enumerate(rows):
+            mine = {id(c): c for c in row_copies(row, media)}
+            shared[j] = sum(c.nbytes for k, c in mine.items() if k in before)
+            new = sum(c.nbytes for k, c in mine.items() if k not in seen)
+            ahead.append(ahead[-1] + row.nbytes + new)
+            seen.update(mine)
+            before = mine
+    share = ahead[-1] / parts
+    off_stored = share / 4
+
+    def cost(j: int, target: float, last: int) -> float:
+        off = abs(ahead[j] - target)
+        if j in (last, n):  # no new cut: an empty run, or the rest in this one
+            return off
+        home = rows[j].home
+        return off + shared[j] + (0.0 if home is not None and home[1] == 0 else off_stored)
+
+    cuts = [0]
+    for k in range(1, parts):
+        target, last = share * k, cuts[-1]
+        # Outward from the row nearest the target; a cost is at least its distance.
+        mid = min(max(bisect.bisect_left(ahead, target, last, n + 1), last), n)
+        best, at = cost(mid, target, last), mid
+        for step in (-1, 1):
+            j = mid + step
+            while last <= j <= n and abs(ahead[j] - target) < best:
+                c = cost(j, target, last)
+                if c < best:
+                    best, at = c, j
+                j += step
+        cuts.append(at)
+    cuts.append(n)
+    return cuts
 
 
 def _media_batches(

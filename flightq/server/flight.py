@@ -62,7 +62,7 @@ from ..protocol import (
 from ..registry import SchemaRegistry
 from ..schema import diff_schemas
 from .actions import HANDLERS, ActionContext
-from .assemble import assemble
+from .assemble import assemble, part_rows
 from .budget import DictionaryUse, check_batch, underlying_bytes
 from .exchange import serve_requests
 from .idle import DEFAULT_IDLE_TIMEOUT, MIDDLEWARE_KEY, IdleWatch
@@ -570,7 +570,14 @@ class Server(fl.FlightServerBase):
         path of every read, per call (DoGet) or on the request stream (which counts the
         bytes it sends itself: ``count=False``)."""
         if isinstance(t, GetTicket):
+            t.check_parts()
             part, rows, names = self.store.rows_for_get(t.partition, t.keys, t.fields)
+            if t.parts is not None:
+                assert t.part is not None
+                media = [
+                    f.name for f in part.schema.fields if f.role == "media" and f.name in names
+                ]
+                rows = part_rows(rows, media, t.part, t.parts)
             schema, batches = self._assemble(t, part, rows, names, count)
             return (*self._shm_reply(t, schema, batches, context), None)
         if isinstance(t, ScanTicket):

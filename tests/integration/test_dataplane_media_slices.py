@@ -8,8 +8,13 @@ must carry a dictionary cut to the entries its rows use.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import msgpack
 import numpy as np
 import pyarrow.compute as pc
+import pyarrow.flight as fl
 import pytest
 from fixtures_dataplane import assert_rows_match, client_fixture, server_fixture  # noqa: F401
 
@@ -30,6 +35,19 @@ def _media_bytes(batch: flightq.Batch, field: str) -> int:
     parts = batch.parts
     dicts = [p.record_batch.column(field).values.dictionary for p in parts]
     return sum(pc.sum(pc.binary_length(d)).as_py() or 0 for d in dicts)
+
+
+@contextlib.contextmanager
+def _splitting(server, step: workloads.Step, streams: int) -> Iterator[flightq.Client]:
+    """A client splitting gets over up to ``streams`` streams, ``step`` stored in "s" and
+    its rows' size known (one row read), so its next get of many rows is split."""
+    with flightq.connect(
+        server.location, [step.schema], get_streams=streams, min_stream_bytes=1
+    ) as c:
+        c.create_partition("s", step.schema, tasks=["t"], group_size=step.group_size)
+        c.put("s", step.keys, step.columns, step.tags)
+        c.get("s", step.keys[:1])
+        yield c
 
 
 @pytest.fixture
@@ -67,15 +85,112 @@ def test_a_get_of_some_rows_carries_the_images_of_those_rows(client, vlm):
 @pytest.mark.torch
 def test_a_get_split_over_streams_sends_each_image_once(server):
     step = workloads.w1(0, groups=4, g=4)
-    with flightq.connect(server.location, [step.schema], get_streams=4, min_stream_bytes=1) as c:
-        c.create_partition("s", step.schema, tasks=["t"], group_size=step.group_size)
-        c.put("s", step.keys, step.columns, step.tags)
-        c.get("s", step.keys[:1])  # the rows' size known: the next get is split
+    with _splitting(server, step, streams=4) as c:
         batch = c.get("s", step.keys)  # a group per stream
         assert batch.received is not None and batch.received.route == "streams=4"
         assert len(batch.parts) == 4
         assert _media_entries(batch, "pixel_values") == [1, 1, 1, 1]
         assert_rows_match(batch, step)
+
+
+@pytest.mark.torch
+def test_a_get_split_over_streams_that_do_not_divide_its_groups_sends_each_image_once(server):
+    # 4 groups over 3 streams: cut by key count (rows 5 and 10), two groups' images
+    # would travel twice; the server cuts between groups instead.
+    step = workloads.w1(0, groups=4, g=4)
+    with _splitting(server, step, streams=3) as c:
+        batch = c.get("s", step.keys)
+        assert batch.received is not None and batch.received.route == "streams=3"
+        sizes = [len(p) for p in batch.parts]
+        assert len(sizes) == 3 and all(n > 0 and n % 4 == 0 for n in sizes)
+        assert _media_entries(batch, "pixel_values") == [n // 4 for n in sizes]
+        assert _media_bytes(batch, "pixel_values") == sum(
+            step.columns["pixel_values"][4 * g][0].nbytes for g in range(4)
+        )
+        assert_rows_match(batch, step)
+
+
+@pytest.mark.torch
+def test_a_split_get_of_one_group_sends_its_image_once(server):
+    step = workloads.w1(0, groups=1, g=8)
+    with _splitting(server, step, streams=4) as c:
+        batch = c.get("s", step.keys)
+        assert batch.received is not None and batch.received.route == "streams=4"
+        assert batch.keys == step.keys
+        # Every row shares the image: no cut is worth sending it twice; 3 streams answer
+        # no rows.
+        assert sum(_media_entries(batch, "pixel_values")) == 1
+        assert sorted(len(p) for p in batch.parts) == [0, 0, 0, 8]
+        assert_rows_match(batch, step)
+
+
+@pytest.mark.torch
+def test_a_split_get_whose_parts_miss_its_keys_runs_again_as_one_stream(server, monkeypatch):
+    # Rows written between two streams' requests make the server cut them differently;
+    # here every part answers every row, so the parts' keys are not the ones asked.
+    from flightq.server import flight as server_flight
+
+    monkeypatch.setattr(server_flight, "part_rows", lambda rows, media, part, parts: rows)
+    step = workloads.w1(0, groups=4, g=4)
+    with _splitting(server, step, streams=4) as c:
+        batch = c.get("s", step.keys)
+        assert batch.received is not None and batch.received.route == "socket"
+        assert batch.keys == step.keys
+        assert_rows_match(batch, step)
+
+
+@pytest.mark.torch
+def test_a_server_that_refuses_gets_in_parts_is_read_as_one_stream(server, monkeypatch):
+    # A server older than gets in parts refuses the ticket's keys as a parse would.
+    from flightq.protocol import GetTicket
+
+    def old(t: GetTicket) -> None:
+        if t.parts is not None:
+            raise flightq.ProtocolError(
+                "get ticket: unknown keys 'part', 'parts'; expected partition, keys, "
+                "fields, shm, op"
+            )
+
+    monkeypatch.setattr(GetTicket, "check_parts", old)
+    step = workloads.w1(0, groups=4, g=4)
+    with _splitting(server, step, streams=4) as c:
+        refused = []
+        for _ in range(2):  # the first finds out, the second does not ask in parts again
+            batch = c.get("s", step.keys)
+            assert batch.received is not None and batch.received.route == "socket"
+            assert_rows_match(batch, step)
+            refused.append(c.stats()["counters"]["refusals"].get("ProtocolError", 0))
+        assert 1 <= refused[0] == refused[1] <= 4
+
+
+def test_a_plain_flight_client_gets_each_part_of_a_split_get_once_in_order(server):
+    step = workloads.w1(0, groups=4, g=4)
+    with flightq.connect(server.location, [step.schema]) as c:
+        c.create_partition("s", step.schema, tasks=["t"], group_size=step.group_size)
+        c.put("s", step.keys, step.columns, step.tags)
+
+    def ticket(**extra: object) -> fl.Ticket:
+        return fl.Ticket(msgpack.packb({"op": "get", "partition": "s", "keys": step.keys, **extra}))
+
+    with fl.connect(server.location) as plain:
+        got = []
+        for part in range(3):
+            table = plain.do_get(ticket(part=part, parts=3)).read_all()
+            got.append(table.column("__key__").to_pylist())
+        assert [k for keys in got for k in keys] == step.keys
+        assert all(keys and len(keys) % 4 == 0 for keys in got)
+        for bad, named in [
+            ({"part": 0}, "'part' and 'parts' go together"),
+            ({"parts": 2}, "'part' and 'parts' go together"),
+            ({"part": 2, "parts": 2}, "part 2, parts 2"),
+            ({"part": 0, "parts": 1}, "'parts'"),
+            ({"part": 0, "parts": 17}, "'parts'"),
+            ({"part": -1, "parts": 2}, "'part'"),
+        ]:
+            with pytest.raises(fl.FlightServerError, match=named):
+                plain.do_get(ticket(**bad)).read_all()
+        # The server keeps serving.
+        assert plain.do_get(ticket()).read_all().num_rows == 16
 
 
 @pytest.mark.torch

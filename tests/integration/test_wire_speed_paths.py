@@ -224,8 +224,33 @@ def test_a_split_get_of_rows_with_different_fields_returns_their_union(split_get
     assert got.keys == keys
     lp = got["prev_logprobs"]
     assert [x is None for x in lp] == [False, False, True, True, True, True]
+    # The server picks the columns from every key, so the parts agree: still split.
+    assert got.received is not None and got.received.route == "streams=3"
     with pytest.raises(flightq.MissingFieldError, match=r"prev_logprobs"):
         c.get("t", keys, fields=["prev_logprobs"])
+
+
+def test_a_split_get_cuts_where_a_stored_batch_starts_if_one_is_near() -> None:
+    # Three puts of 7, 5 and 4 equal rows: over 2 streams the even cut is after row 8;
+    # row 7 starts a stored batch, one row away, so the first stream serves the first
+    # put's rows as stored and the second the other two puts'.
+    import msgpack
+    import pyarrow.flight as fl
+
+    keys = [f"k{i:02}" for i in range(16)]
+    with flightq.Server() as srv:
+        with flightq.connect(srv.location, [TEXT]) as c:
+            c.create_partition("t", TEXT, tasks=["train"])
+            for a, b in [(0, 7), (7, 12), (12, 16)]:
+                c.put("t", keys[a:b], {"input_ids": [np.arange(64) for _ in keys[a:b]]})
+        with fl.connect(srv.location) as plain:
+
+            def part(i: int) -> list[str]:
+                t = {"op": "get", "partition": "t", "keys": keys, "part": i, "parts": 2}
+                got = plain.do_get(fl.Ticket(msgpack.packb(t))).read_all()
+                return got.column("__key__").to_pylist()
+
+            assert [part(0), part(1)] == [keys[:7], keys[7:]]
 
 
 @pytest.mark.torch
@@ -314,6 +339,6 @@ def test_a_split_device_get_falls_back_to_one_stream(split_gets, fake_device) ->
     got = c.get("t", keys, as_="numpy", device="cuda")
     assert got.keys == keys
     assert [x is None for x in got["prev_logprobs"]] == [False, False, True, True, True, True]
-    assert len(fake_device) == 2 and fake_device[0] == -1  # parts differed: one stream again
+    assert fake_device == [3]  # the parts agree on the columns: split, no second read
     with pytest.raises(flightq.MissingFieldError, match=r"prev_logprobs"):
         c.get("t", keys, fields=["prev_logprobs"], device="cuda")
