@@ -302,9 +302,10 @@ def test_the_scaling_benchmark_reads_through_shared_memory(capsys: Any) -> None:
     import consumer_scaling as scaling
 
     argv = ["--consumers", "1,2", "--workload", "W3", "--gets", "1", "--reps", "1", "--shm"]
-    assert scaling.main([*argv, "--memcpy", "--populate"]) == 0  # consumers check an answer
+    assert scaling.main([*argv, "--memcpy", "--populate", "--beside", "2"]) == 0  # each checks
     out = capsys.readouterr().out
     assert "gets through shared memory" in out
+    assert out.count("TLB/GB") == 5  # a column of every table
     for title in (
         "flightq",
         "flightq, gets filling page tables at the map",

@@ -30,6 +30,11 @@ does the same with the pages mapped on first touch, as a get maps a segment; a t
 copies from a mapping made once, the memory bandwidth alone. Where eight such processes
 stay under 6x one, no read that copies every byte on that host reaches it.
 
+Each table also gives the host's TLB shootdown interrupts per GB moved while timed (from
+``/proc/interrupts``): unmapping what a process read sends one to every other CPU running
+a thread of it. ``--beside K`` starts K threads in each memcpy consumer that wake every
+half millisecond, as a flightq consumer's gRPC threads do.
+
 ``--populate`` (with ``--shm``) adds flightq consumers whose gets fill the page tables of
 the segments they map at once (:data:`flightq.shm.table.POPULATE_READS`), interleaved.
 
@@ -173,9 +178,29 @@ def measure(
     return _timed(_consumer, args, consumers, nbytes * gets)
 
 
+def tlb_shootdowns() -> int | None:
+    """TLB shootdown interrupts the host's CPUs have taken so far (the ``TLB:`` line of
+    ``/proc/interrupts``); None where the kernel does not count them."""
+    try:
+        with open("/proc/interrupts") as f:
+            for line in f:
+                head, _, rest = line.partition(":")
+                if head.strip() == "TLB":
+                    return sum(int(x) for x in rest.split() if x.isdigit())
+    except OSError:
+        pass
+    return None
+
+
+#: TLB shootdowns per GB moved in the timed part of the last :func:`_timed` run (None:
+#: not counted): a consumer's threads beside its copy each take one where it unmaps.
+last_shootdowns: list[float | None] = [None]
+
+
 def _timed(target: Any, args: tuple[Any, ...], consumers: int, nbytes: int) -> float:
     """GB/s of ``consumers`` processes running ``target(*args, ready, go, out)``, each
-    moving ``nbytes``: from the moment all are ready to the moment the last one is done."""
+    moving ``nbytes``: from the moment all are ready to the moment the last one is done
+    (its TLB shootdowns per GB in :data:`last_shootdowns`)."""
     ctx = mp.get_context("spawn")
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=target, args=(*args, ready, go, out)) for _ in range(consumers)]
@@ -184,11 +209,15 @@ def _timed(target: Any, args: tuple[Any, ...], consumers: int, nbytes: int) -> f
     try:
         for _ in procs:
             ready.get(timeout=300)
+        before = tlb_shootdowns()
         t0 = time.perf_counter()
         go.set()
         for _ in procs:
             out.get(timeout=600)
         wall = time.perf_counter() - t0
+        after = tlb_shootdowns()
+        moved = nbytes * consumers / 1e9
+        last_shootdowns[0] = None if before is None or after is None else (after - before) / moved
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -317,10 +346,13 @@ def _map(fd: int, nbytes: int, populate: bool = True) -> mmap.mmap:
 
 
 def _memcpy_consumer(
-    path: str, nbytes: int, gets: int, mode: str, ready: Any, go: Any, out: Any
+    path: str, nbytes: int, gets: int, mode: str, beside: int, ready: Any, go: Any, out: Any
 ) -> None:
     sink = np.zeros(nbytes, np.uint8)  # touched: no page faults while timed
     fd = os.open(path, os.O_RDONLY)
+    done = threading.Event()
+    for _ in range(beside):  # threads that wake often, as a client's gRPC threads do
+        threading.Thread(target=_wake_often, args=(done,), daemon=True).start()
     try:
         populate = mode != "lazy"
         kept = _map(fd, nbytes) if mode == "once" else None
@@ -340,7 +372,13 @@ def _memcpy_consumer(
                 mm.close()
         out.put(time.perf_counter() - t0)
     finally:
+        done.set()
         os.close(fd)
+
+
+def _wake_often(done: threading.Event) -> None:
+    while not done.wait(0.0005):
+        pass
 
 
 #: How a memcpy consumer maps the file: for each copy, page tables filled at the map
@@ -348,13 +386,16 @@ def _memcpy_consumer(
 MEMCPY_MODES = ("populate", "lazy", "once")
 
 
-def measure_memcpy(source: SharedFile, consumers: int, gets: int, mode: str = "populate") -> float:
+def measure_memcpy(
+    source: SharedFile, consumers: int, gets: int, mode: str = "populate", beside: int = 0
+) -> float:
     """Aggregate GB/s of ``consumers`` processes each copying ``source`` into a buffer of
     their own ``gets`` times, mapped as ``mode`` says (:data:`MEMCPY_MODES`), timed as
-    :func:`measure` times flightq's consumers."""
+    :func:`measure` times flightq's consumers; ``beside`` threads in each wake every half
+    millisecond meanwhile."""
     if mode not in MEMCPY_MODES:
         raise ValueError(f"measure_memcpy: mode {mode!r} is not one of {MEMCPY_MODES}")
-    args = (source.path, source.nbytes, gets, mode)
+    args = (source.path, source.nbytes, gets, mode, beside)
     return _timed(_memcpy_consumer, args, consumers, source.nbytes * gets)
 
 
@@ -383,6 +424,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also time the same host's copy of every byte from a mapped file (see above)",
     )
     p.add_argument(
+        "--beside",
+        type=int,
+        default=0,
+        help="with --memcpy, threads in each memcpy consumer that wake every 0.5 ms",
+    )
+    p.add_argument(
         "--populate",
         action="store_true",
         help="with --shm, also flightq consumers whose gets fill the page tables at the map",
@@ -409,54 +456,69 @@ def main(argv: Sequence[str] | None = None) -> int:
         copies: dict[str, dict[int, list[float]]] = {
             m: {n: [] for n in counts} for m in MEMCPY_MODES
         }
+        # Per table (by its dict's id) and consumer count: TLB shootdowns per GB.
+        ipis: dict[tuple[int, int], list[float]] = {}
+
+        def note(table: dict[int, list[float]], n: int, gbps: float) -> float:
+            table[n].append(gbps)
+            if last_shootdowns[0] is not None:
+                ipis.setdefault((id(table), n), []).append(last_shootdowns[0])
+            return gbps
+
         for rep in range(args.reps):  # interleave counts so load drifts hit all alike
             for n in counts:
-                results[n].append(
-                    measure(locations, args.workload, n, args.gets, args.streams, args.shm)
-                )
-                line = f"round {rep + 1}, {n} consumer(s): flightq {results[n][-1]:.2f} GB/s"
+                got = measure(locations, args.workload, n, args.gets, args.streams, args.shm)
+                line = f"round {rep + 1}, {n} consumer(s): flightq {note(results, n, got):.2f} GB/s"
                 if args.shm and args.populate:
-                    populated[n].append(
-                        measure(locations, args.workload, n, args.gets, args.streams, True, True)
-                    )
-                    line += f", populating {populated[n][-1]:.2f}"
+                    got = measure(locations, args.workload, n, args.gets, args.streams, True, True)
+                    line += f", populating {note(populated, n, got):.2f}"
                 if sender is not None:
-                    tcp[n].append(measure_tcp(sender, n, args.gets))
-                    line += f", raw TCP {tcp[n][-1]:.2f} GB/s"
+                    got = measure_tcp(sender, n, args.gets)
+                    line += f", raw TCP {note(tcp, n, got):.2f} GB/s"
                 if source is not None:
                     for m in MEMCPY_MODES:
-                        copies[m][n].append(measure_memcpy(source, n, args.gets, m))
-                        line += f", memcpy {m} {copies[m][n][-1]:.2f}"
+                        got = measure_memcpy(source, n, args.gets, m, args.beside)
+                        line += f", memcpy {m} {note(copies[m], n, got):.2f}"
                 print(line, file=sys.stderr, flush=True)  # progress: a long run shows life
         print(
             f"{args.workload}: {step.nbytes() / 2**20:.0f} MiB per get, {args.streams} stream(s) "
             f"per get and server, {args.shards} server(s), {os.cpu_count()} CPUs"
             + (", gets through shared memory" if args.shm else "")
         )
-        _table("flightq", counts, results)
+        _table("flightq", counts, results, ipis)
         if args.shm and args.populate:
-            _table("flightq, gets filling page tables at the map", counts, populated)
+            _table("flightq, gets filling page tables at the map", counts, populated, ipis)
         if sender is not None:
-            _table("raw TCP, one sender process", counts, tcp)
+            _table("raw TCP, one sender process", counts, tcp, ipis)
         if source is not None:
-            _table("memcpy from /dev/shm, mapped for each get", counts, copies["populate"])
+            _table("memcpy from /dev/shm, mapped for each get", counts, copies["populate"], ipis)
             _table(
                 "memcpy from /dev/shm, mapped for each get, pages on first touch",
                 counts,
                 copies["lazy"],
+                ipis,
             )
-            _table("memcpy from /dev/shm, mapped once", counts, copies["once"])
+            _table("memcpy from /dev/shm, mapped once", counts, copies["once"], ipis)
     return 0
 
 
-def _table(title: str, counts: list[int], results: dict[int, list[float]]) -> None:
+def _table(
+    title: str,
+    counts: list[int],
+    results: dict[int, list[float]],
+    ipis: dict[tuple[int, int], list[float]],
+) -> None:
+    """One table: per consumer count, GB/s (median, min-max), the host's TLB shootdowns
+    per GB moved (median; "-" where not counted) and the ratio to the first count."""
     base = statistics.median(results[counts[0]])
     print(title)
-    print(f"{'consumers':>9} {'GB/s median':>12} {'min-max':>15} {'x one':>7}")
+    print(f"{'consumers':>9} {'GB/s median':>12} {'min-max':>15} {'TLB/GB':>9} {'x one':>7}")
     for n in counts:
         med = statistics.median(results[n])
         lo, hi = min(results[n]), max(results[n])
-        print(f"{n:>9} {med:>12.2f} {lo:>7.2f}-{hi:<7.2f} {med / base:>7.2f}")
+        tlb = ipis.get((id(results), n))
+        shown = f"{statistics.median(tlb):>9.0f}" if tlb else f"{'-':>9}"
+        print(f"{n:>9} {med:>12.2f} {lo:>7.2f}-{hi:<7.2f} {shown} {med / base:>7.2f}")
 
 
 if __name__ == "__main__":
