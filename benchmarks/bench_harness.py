@@ -155,17 +155,18 @@ def test_cpu_seconds_follows_this_process_cpu_clock() -> None:
 
 
 def test_a_run_reports_cpu_per_gb_of_writer_reader_and_server(tmp_path: Path) -> None:
-    systems = "raw-tcp,flightq,flightq-groups,flightq-tensordict"
+    systems = "raw-tcp,flightq,flightq-groups,flightq-tensordict,flightq-packed"
     argv = ["--quick", "--workloads", "W3", "--systems", systems, "--reps", "2"]
     argv += ["--out", str(tmp_path)]
     assert main(argv) == 0
     doc = json.loads((tmp_path / "bench.json").read_text())
     res = doc["workloads"]["W3"]["results"]
     # A put per prompt group lands the same rows (checked bit for bit by the get).
-    # So does the same step read back as a TensorDict (keys, tags and every field).
-    for name in ("flightq-groups", "flightq-tensordict"):
+    # So does the same step read back as a TensorDict (keys, tags and every field), and
+    # put and read with packed token columns.
+    for name in ("flightq-groups", "flightq-tensordict", "flightq-packed"):
         assert res[name]["status"] == "measured" and res[name]["verified_cycles"] >= 2, name
-    for name in ("raw-tcp", "flightq", "flightq-groups", "flightq-tensordict"):
+    for name in ("raw-tcp", "flightq", "flightq-groups", "flightq-tensordict", "flightq-packed"):
         cpu = res[name]["cpu"]
         assert cpu["put"] > 0 and cpu["get"] > 0, (name, cpu)
     md = (tmp_path / "bench.md").read_text()

@@ -253,6 +253,77 @@ class FlightqTensordictConsumer(FlightqConsumer):
         check_rows(self.ref, keys, cols, tags, "flightq-tensordict")
 
 
+class FlightqPackedProducer(FlightqProducer):
+    """``put`` of the step with every token and tensor column packed,
+    ``flightq.Packed(flat, cu_seqlens)`` (packed untimed: what a packed-sequence trainer
+    or generator holds); media and scalars as :class:`FlightqProducer` puts them."""
+
+    suffix = "-packed"
+
+    def prepare(self) -> None:
+        super().prepare()
+        if getattr(self, "_packed", None) is None:
+            self._packed = {k: _packed(v) for k, v in self._torch.columns.items()}
+
+    def columns(self) -> Any:
+        return self._packed
+
+
+def _packed(rows: Any) -> Any:
+    """A column of per-row tensors as one ``flightq.Packed``; anything else as it is."""
+    import torch
+
+    import flightq
+
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, torch.Tensor) for r in rows):
+        return rows
+    lengths = torch.tensor([0, *(len(r) for r in rows)], dtype=torch.int64)
+    return flightq.Packed(torch.cat(rows), torch.cumsum(lengths, 0).to(torch.int32))
+
+
+class FlightqPackedConsumer(FlightqConsumer):
+    """``get`` by key, then each token and tensor column packed, ``(flat, cu_seqlens)``
+    (views of the received buffers, no tensor per row: what a packed-sequence trainer
+    takes), media and scalars as :class:`FlightqConsumer` takes them."""
+
+    suffix = "-packed"
+
+    def get(self) -> dict[str, Any]:
+        t0 = now_ns()
+        batch = self.client.get(self.partition, self.ref.keys)
+        returned = time.perf_counter()
+        roles = {f: batch.schema[f].role for f in batch.fields}
+        cols = {
+            f: batch.column(f).packed() if roles[f] in ("token", "tensor") else batch[f]
+            for f in batch.fields
+        }
+        end = time.perf_counter()
+        self._got = (batch, cols)
+        r = batch.received
+        assert r is not None
+        return timed(
+            t0,
+            decode_s=r.decode_s + end - returned,
+            decode_tail_s=end - r.arrived,
+            record_batches=r.record_batches,
+        )
+
+    def verify(self) -> None:
+        import flightq
+
+        batch, cols = self._got
+        rows = {
+            f: [
+                v.values[a:b]
+                for a, b in zip(v.offsets[:-1].tolist(), v.offsets[1:].tolist(), strict=True)
+            ]
+            if isinstance(v, flightq.Packed)
+            else v
+            for f, v in cols.items()
+        }
+        check_rows(self.ref, batch.keys, rows, batch.tags, "flightq-packed")
+
+
 class FlightqShmProducer(FlightqProducer):
     """``put`` through shared memory: the DoPut carries a segment reference."""
 

@@ -214,6 +214,18 @@ SYSTEMS: dict[str, System] = {
             "the bytes received, held and sent against the step's distinct bytes",
         ),
         System(
+            "flightq-packed",
+            "server",
+            _M + "flightq_system:FlightqPackedProducer",
+            _M + "flightq_system:FlightqPackedConsumer",
+            server="flightq",
+            requires=("flightq.client.client", "flightq.server.flight", "torch"),
+            note="the same with token and tensor columns put as flightq.Packed(flat, "
+            "cu_seqlens) and read packed (views, no tensor per row), as a packed-sequence "
+            "trainer holds them; media and scalars as flightq",
+            default=False,
+        ),
+        System(
             "flightq-tensordict",
             "server",
             _M + "flightq_system:FlightqTensordictProducer",
@@ -301,7 +313,7 @@ PEERS = (
 
 
 #: The flightq systems each compared with every peer of the run.
-COMPARED = ("flightq", "flightq-shm", "flightq-shm-numpy", "flightq-tensordict")
+COMPARED = ("flightq", "flightq-shm", "flightq-shm-numpy", "flightq-tensordict", "flightq-packed")
 
 
 def missing_module(system: System) -> str | None:
