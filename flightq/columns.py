@@ -96,6 +96,48 @@ class Column:
             self._rows = self.rows()
         return self._rows
 
+    def packed(self) -> Packed:
+        """Every row end to end, and the rows' int32 offsets: token and tensor fields
+        (:meth:`TensorColumn.packed`).
+
+        Raises
+        ------
+        ShapeError
+            Naming the field and its role, for a field of another role.
+        """
+        raise self._no_form("packed()", "token and tensor fields")
+
+    def jagged(self) -> Any:
+        """The rows as one jagged nested tensor: token and tensor fields
+        (:meth:`TensorColumn.jagged`).
+
+        Raises
+        ------
+        ShapeError
+            Naming the field and its role, for a field of another role.
+        """
+        raise self._no_form("jagged()", "token and tensor fields")
+
+    def cat(self) -> Packed:
+        """Every row's media segments along dim 0, and row offsets: media fields
+        (:meth:`MediaColumn.cat`).
+
+        Raises
+        ------
+        ShapeError
+            Naming the field and its role, for a field of another role.
+        """
+        raise self._no_form("cat()", "media fields")
+
+    def _no_form(self, form: str, takes: str) -> ShapeError:
+        f = self.field
+        return ShapeError(
+            f"field {f.name!r} is a {f.role} field: {form} takes {takes}",
+            field=f.name,
+            expected=takes,
+            actual=f.role,
+        )
+
 
 def _decoded_base(
     f: Field,
@@ -552,7 +594,7 @@ class ChunkedColumn(Column):
         vals, offs = [], [np.zeros(1, dtype=np.int64)]
         base = 0
         for p in self.parts:
-            v, o = p.cat()  # type: ignore[attr-defined]
+            v, o = p.cat()
             vals.append(v)
             offs.append(o[1:] + base)
             base += int(o[-1])
@@ -564,7 +606,7 @@ class ChunkedColumn(Column):
         """Token rows of every chunk end to end, and int32 offsets (see
         :meth:`TensorColumn.packed`): one copy to join the chunks (``.copied`` True), a
         view when the answer came in one chunk."""
-        parts = [p.packed() for p in self.parts]  # type: ignore[attr-defined]
+        parts = [p.packed() for p in self.parts]
         lengths = np.concatenate([np.diff(np.asarray(p.offsets, dtype=np.int64)) for p in parts])
         device = getattr(parts[0].values, "device", None) if self.as_ == "torch" else None
         offsets = _offsets_of(lengths, self.as_, device)

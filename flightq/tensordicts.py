@@ -108,9 +108,9 @@ def _entry(batch: Batch, name: str, td_mod: Any) -> Any:
         return td_mod.NonTensorStack(*[td_mod.NonTensorData(r) for r in rows])
     shape = f.shape or ()
     if f.role == "token" or (shape and shape[0] is None and None not in shape[1:]):
-        return col.jagged()  # type: ignore[attr-defined]
+        return col.jagged()
     if shape and None not in shape:
-        return col.packed().values.view(len(col), *shape)  # type: ignore[attr-defined]
+        return col.packed().values.view(len(col), *shape)
     rows = batch[name]
     if not shape:
         import torch

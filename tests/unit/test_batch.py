@@ -959,3 +959,24 @@ def test_many_rows_tags_are_refused_at_the_first_bad_row(bad: bytes, message: st
         with pytest.raises(DecodeError, match=f"tags of row 'r6' {message}") as e:
             _ = flightq.decode(rb, as_=as_).tags
         assert e.value.key == "r6"
+
+
+def test_a_column_asked_for_a_form_its_role_has_not_names_the_field_and_role() -> None:
+    step = workloads.w1(groups=1, g=2)
+    b = flightq.decode(
+        flightq.encode(shipped(VLM), step.columns, step.keys, step.tags), as_="numpy"
+    )
+    for name, form, takes in [
+        ("total_reward", "packed", "token and tensor fields"),
+        ("pixel_values", "packed", "token and tensor fields"),
+        ("pixel_values", "jagged", "token and tensor fields"),
+        ("input_ids", "cat", "media fields"),
+    ]:
+        with pytest.raises(
+            ShapeError, match=rf"field '{name}' is a \w+ field: {form}\(\) takes {takes}"
+        ) as e:
+            getattr(b.column(name), form)()
+        assert e.value.field == name
+    flat, offsets = b.column("input_ids").packed()  # the forms their roles have still work
+    assert offsets[-1] == len(flat)
+    assert len(b.column("pixel_values").cat().offsets) == 3
