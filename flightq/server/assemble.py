@@ -16,9 +16,12 @@ one put each still travel with their shared image once per answer batch.
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import operator
+import threading
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import pyarrow as pa
@@ -27,7 +30,10 @@ from ..layout import KEY, SHAPE_SUFFIX, TAGS, arrow_schema
 from .media import Copy, media_column, piece_column, row_copies
 from .partition import Partition, Piece, Row
 
-__all__ = ["assemble", "part_rows", "SMALL_RUN_BYTES", "COALESCED_BYTES"]
+if TYPE_CHECKING:
+    from ..protocol import GetTicket
+
+__all__ = ["assemble", "PartCuts", "KEPT_CUTS", "SMALL_RUN_BYTES", "COALESCED_BYTES"]
 
 _HOME = operator.attrgetter("home")
 
@@ -144,24 +150,63 @@ def assemble(
     return schema, batches()
 
 
-def part_rows(rows: list[Row], media: list[str], part: int, parts: int) -> list[Row]:
-    """Run ``part`` of ``rows`` cut into ``parts`` runs of consecutive rows for a get split
-    over parallel streams (:class:`~flightq.protocol.GetTicket`).
+class PartCuts:
+    """Where the server cuts the rows of a get in parts (:class:`~flightq.protocol.GetTicket`)
+    into ``parts`` runs of consecutive rows, one per stream, and the cuts of the last
+    :data:`KEPT_CUTS` such gets, so that a get's other streams take its first stream's
+    cuts instead of working them out again (a walk over every row and its media).
 
     Each cut goes where it costs least: the bytes by which the runs before it miss an
     equal share (each media copy counted where it first appears), plus the bytes of the
     copies the rows on both sides of it use (a prompt group's image would travel on two
     streams), plus a quarter of a share unless a stored batch starts there (a run of
-    whole stored batches goes as stored, with no work per row). Every stream of one get
-    asks with the same keys, so each cuts alike. A run may be empty (a stream that
-    answers no rows) where no cut is worth its cost, as within one prompt group.
+    whole stored batches goes as stored, with no work per row). A run may be empty (a
+    stream that answers no rows) where no cut is worth its cost, as within one prompt
+    group. Cuts are kept by the partition, the fields, the number of parts, the keys and
+    the rows' bytes: streams that take the same cuts answer disjoint runs that cover the
+    rows whatever was written between them, and a write that changes the rows' bytes
+    makes the next get work its cuts out afresh. Only those numbers are kept, never a row.
     """
-    cuts = _part_cuts(rows, media, parts)
-    return rows[cuts[part] : cuts[part + 1]]
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: collections.OrderedDict[tuple[Any, ...], list[int]] = collections.OrderedDict()
+        #: Cuts worked out (not taken from an earlier stream): for tests and metrics.
+        self.worked = 0
+
+    def rows(self, ticket: GetTicket, rows: list[Row], media: list[str]) -> list[Row]:
+        """Run ``ticket.part`` of ``rows`` (every row of ``ticket.keys``, in order)."""
+        assert ticket.part is not None and ticket.parts is not None
+        cuts = self.cuts(ticket, rows, media)
+        return rows[cuts[ticket.part] : cuts[ticket.part + 1]]
+
+    def cuts(self, ticket: GetTicket, rows: list[Row], media: list[str]) -> list[int]:
+        """``ticket.parts + 1`` row indices, from 0 to ``len(rows)``."""
+        assert ticket.parts is not None
+        fields = None if ticket.fields is None else tuple(ticket.fields)
+        nbytes = sum(map(_NBYTES, rows))
+        key = (ticket.partition, fields, ticket.parts, len(rows), hash(tuple(ticket.keys)), nbytes)
+        with self._lock:
+            hit = self._kept.get(key)
+            if hit is not None:
+                self._kept.move_to_end(key)
+                return hit
+        cuts = _part_cuts(rows, media, ticket.parts)
+        with self._lock:
+            self.worked += 1
+            self._kept[key] = cuts
+            while len(self._kept) > KEPT_CUTS:
+                self._kept.popitem(last=False)
+        return cuts
+
+
+#: Gets in parts whose cuts a server keeps for their later streams.
+KEPT_CUTS = 64
+_NBYTES = operator.attrgetter("nbytes")
 
 
 def _part_cuts(rows: list[Row], media: list[str], parts: int) -> list[int]:
-    """Where :func:`part_rows` cuts: ``parts + 1`` row indices, from 0 to ``len(rows)``."""
+    """Where :class:`PartCuts` cuts: ``parts + 1`` row indices, from 0 to ``len(rows)``."""
     n = len(rows)
     shared = [0] * n  # bytes of the copies row j shares with row j - 1
     if not media:

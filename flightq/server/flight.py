@@ -62,7 +62,7 @@ from ..protocol import (
 from ..registry import SchemaRegistry
 from ..schema import diff_schemas
 from .actions import HANDLERS, ActionContext
-from .assemble import assemble, part_rows
+from .assemble import PartCuts, assemble
 from .budget import DictionaryUse, check_batch, underlying_bytes
 from .exchange import serve_requests
 from .idle import DEFAULT_IDLE_TIMEOUT, MIDDLEWARE_KEY, IdleWatch
@@ -210,6 +210,8 @@ class Server(fl.FlightServerBase):
             )
         #: Largest control message a client may send, and what it may decode to.
         self.max_request_bytes = max_request_bytes
+        #: Where gets in parts are cut, kept for a get's later streams.
+        self.part_cuts = PartCuts()
         self.counters = counters = Counters()
         self.limits = CallLimits(max_calls, max_sessions, on_refused=counters.refused)
         # The middleware lives in gRPC, out of the garbage collector's sight: nothing it
@@ -573,11 +575,10 @@ class Server(fl.FlightServerBase):
             t.check_parts()
             part, rows, names = self.store.rows_for_get(t.partition, t.keys, t.fields)
             if t.parts is not None:
-                assert t.part is not None
                 media = [
                     f.name for f in part.schema.fields if f.role == "media" and f.name in names
                 ]
-                rows = part_rows(rows, media, t.part, t.parts)
+                rows = self.part_cuts.rows(t, rows, media)
             schema, batches = self._assemble(t, part, rows, names, count)
             return (*self._shm_reply(t, schema, batches, context), None)
         if isinstance(t, ScanTicket):

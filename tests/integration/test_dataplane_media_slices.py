@@ -148,9 +148,9 @@ def test_a_split_get_of_one_group_sends_its_image_once(server):
 def test_a_split_get_whose_parts_miss_its_keys_runs_again_as_one_stream(server, monkeypatch):
     # Rows written between two streams' requests make the server cut them differently;
     # here every part answers every row, so the parts' keys are not the ones asked.
-    from flightq.server import flight as server_flight
+    from flightq.server.assemble import PartCuts
 
-    monkeypatch.setattr(server_flight, "part_rows", lambda rows, media, part, parts: rows)
+    monkeypatch.setattr(PartCuts, "rows", lambda self, ticket, rows, media: rows)
     step = workloads.w1(0, groups=4, g=4)
     with _splitting(server, step, streams=4) as c:
         batch = c.get("s", step.keys)
@@ -211,6 +211,35 @@ def test_a_plain_flight_client_gets_each_part_of_a_split_get_once_in_order(serve
                 plain.do_get(ticket(**bad)).read_all()
         # The server keeps serving.
         assert plain.do_get(ticket()).read_all().num_rows == 16
+
+
+def test_a_gets_later_streams_take_its_first_streams_cuts_until_its_rows_change(server):
+    step = workloads.w1(0, groups=4, g=4)
+    with flightq.connect(server.location, [step.schema]) as c:
+        c.create_partition("s", step.schema, tasks=["t"], group_size=step.group_size)
+        c.put("s", step.keys, step.columns, step.tags)
+        worked = server.part_cuts.worked
+
+        def parts() -> list[list[str]]:
+            with fl.connect(server.location) as plain:
+                out = []
+                for part in range(4):
+                    t = {"op": "get", "partition": "s", "keys": step.keys, "part": part, "parts": 4}
+                    got = plain.do_get(fl.Ticket(msgpack.packb(t))).read_all()
+                    out.append(got.column("__key__").to_pylist())
+                return out
+
+        assert parts() == [step.keys[4 * g : 4 * g + 4] for g in range(4)]
+        assert server.part_cuts.worked == worked + 1  # once for the four streams
+        assert parts() == [step.keys[4 * g : 4 * g + 4] for g in range(4)]
+        assert server.part_cuts.worked == worked + 1  # the same rows: the same cuts
+        # A write-back to the first group's rows changes their bytes: cut afresh.
+        ids = step.columns["input_ids"][:4]
+        grow = {"prev_logprobs": [np.zeros(len(x), np.float32) for x in ids]}
+        c.put("s", step.keys[:4], grow)
+        again = parts()
+        assert server.part_cuts.worked == worked + 2
+        assert [k for keys in again for k in keys] == step.keys
 
 
 @pytest.mark.torch
