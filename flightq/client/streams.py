@@ -1,10 +1,12 @@
 """Parallel streams: a large get or put over several connections at once.
 
-A get of many rows is split by key into up to ``get_streams`` DoGet streams, a large put
-into up to ``put_streams`` DoPut streams (consecutive ranges of its record batches), each on
-its own connection: receiving, reassembling and checking the messages then run on several
-cores. Parts of a get come back in key order; parts of a put are stored together or not at
-all (:mod:`flightq.server.staging`). Streams are sized by the bytes that travel (a prompt group's
+A get of many rows is split into up to ``get_streams`` DoGet streams, a large put into up
+to ``put_streams`` DoPut streams (consecutive ranges of its record batches), each on its
+own connection: receiving, reassembling and checking the messages then run on several
+cores. Every stream of a get names all its keys and its part; the server cuts the rows
+into runs of about equal bytes between prompt groups (:class:`~flightq.server.assemble.PartCuts`),
+and the parts come back in key order; parts of a put are stored together or not at all
+(:mod:`flightq.server.staging`). Streams are sized by the bytes that travel (a prompt group's
 shared image counts once), never below :data:`MIN_STREAM_BYTES` each.
 
 The functions take what they use explicitly: the client's :class:`~.reads.Reader` (its
