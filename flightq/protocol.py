@@ -502,7 +502,7 @@ class GetTicket(Message):
     ``part`` of ``parts``: the server cuts the rows of all ``keys`` into ``parts`` runs of
     consecutive rows, alike for each stream, where rows stop sharing media (a prompt
     group's image travels on one stream), and answers run ``part``
-    (:func:`flightq.server.assemble.part_rows`)."""
+    (:class:`flightq.server.assemble.PartCuts`)."""
 
     WHAT: ClassVar[str] = "get ticket"
     partition: str = _field(_str())

@@ -226,7 +226,7 @@ def split(ticket: GetTicket, n: int) -> list[GetTicket]:
     """The tickets of a get split over ``n`` streams (stream i travels on the transport's
     connection i): each names every key and its part; the server cuts the rows into runs
     of about equal bytes where they stop sharing media, so a prompt group's image travels
-    on one stream (:func:`flightq.server.assemble.part_rows`)."""
+    on one stream (:class:`flightq.server.assemble.PartCuts`)."""
     return [dataclasses.replace(ticket, part=i, parts=n) for i in range(n)]
 
 
