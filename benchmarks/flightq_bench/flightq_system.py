@@ -168,7 +168,7 @@ class FlightqConsumer(Consumer):
         t0 = now_ns()
         batch = self.client.get(self.partition, self.ref.keys, as_=self.as_)
         returned = time.perf_counter()
-        cols = {f: batch[f] for f in batch.fields}
+        cols = self.taken(batch)
         end = time.perf_counter()
         self._got = (batch, cols)
         r = batch.received
@@ -181,6 +181,10 @@ class FlightqConsumer(Consumer):
             decode_tail_s=end - r.arrived,
             record_batches=r.record_batches,
         )
+
+    def taken(self, batch: Any) -> dict[str, Any]:
+        """What the reader takes from the answer: every field's per-row tensors."""
+        return {f: batch[f] for f in batch.fields}
 
     def verify(self) -> None:
         batch, cols = self._got
@@ -288,25 +292,12 @@ class FlightqPackedConsumer(FlightqConsumer):
 
     suffix = "-packed"
 
-    def get(self) -> dict[str, Any]:
-        t0 = now_ns()
-        batch = self.client.get(self.partition, self.ref.keys)
-        returned = time.perf_counter()
+    def taken(self, batch: Any) -> dict[str, Any]:
         roles = {f: batch.schema[f].role for f in batch.fields}
-        cols = {
+        return {
             f: batch.column(f).packed() if roles[f] in ("token", "tensor") else batch[f]
             for f in batch.fields
         }
-        end = time.perf_counter()
-        self._got = (batch, cols)
-        r = batch.received
-        assert r is not None
-        return timed(
-            t0,
-            decode_s=r.decode_s + end - returned,
-            decode_tail_s=end - r.arrived,
-            record_batches=r.record_batches,
-        )
 
     def verify(self) -> None:
         import flightq
