@@ -52,11 +52,33 @@ UNKNOWN_STREAM_ROWS = 16
 
 
 class RowSizes:
-    """Per partition, the payload bytes per row of its last answer. Thread-safe."""
+    """Per partition, the payload bytes per row of its last answer, and the fewest rows
+    the server has kept in one part of a split get. Thread-safe."""
 
     def __init__(self) -> None:
         self._per_row: dict[str, float] = {}
+        self._together: dict[str, int] = {}
         self._lock = threading.Lock()
+
+    def learn_parts(self, partition: str, parts: list[int]) -> None:
+        """Remember, from the rows of each part of a split get, how many rows the server
+        keeps together: where some parts came back empty (the server would not cut a
+        prompt group in two), the rows asked over the parts that had rows; where none did,
+        the fewest rows of a part, if fewer than known."""
+        rows, filled = sum(parts), sum(1 for n in parts if n)
+        if not filled:
+            return
+        with self._lock:
+            known = self._together.get(partition, 1)
+            if filled < len(parts):
+                self._together[partition] = max(known, -(-rows // filled))
+            else:
+                self._together[partition] = max(1, min(known, min(parts)))
+
+    def together(self, partition: str) -> int:
+        """Fewest rows a stream of a split get should carry (1 before any split get)."""
+        with self._lock:
+            return self._together.get(partition, 1)
 
     def learn(self, partition: str, rows: int, batches: Iterable[pa.RecordBatch]) -> None:
         """Remember the bytes per row an answer of ``rows`` rows carried."""

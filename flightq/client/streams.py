@@ -200,6 +200,7 @@ def read_keys(
         for b in d.parts
     ) or not _answers(ticket, (k for d in parts for b in d.parts for k in b.keys)):
         return reader.one(ticket, what, timeout, as_, copy)
+    reader.sizes.learn_parts(ticket.partition, [sum(len(b) for b in d.parts) for d in parts])
     return reader.decoded(ticket.partition, parts, f"streams={n}")
 
 
@@ -218,7 +219,9 @@ def split_count(reader: Reader, ticket: GetTicket) -> int:
         return 1
     keys = ticket.keys
     guess = (reader.sizes.per_row(ticket.partition) or 0.0) * len(keys)
-    most = min(reader.get_streams, MAX_GET_PARTS, len(keys))
+    most = min(
+        reader.get_streams, MAX_GET_PARTS, len(keys) // reader.sizes.together(ticket.partition)
+    )
     return max(1, min(most, int(guess // reader.min_stream_bytes)))
 
 
@@ -298,6 +301,7 @@ def get_to_device(
             every = [b for g in gots for b in g]
             if _answers(ticket, (k for b in every for k in b.column(KEY).to_pylist())):
                 reader.sizes.learn(partition, rows, every)
+                reader.sizes.learn_parts(partition, [sum(b.num_rows for b in g) for g in gots])
                 return received_on_device(out, len(every), started)
     chunks = transport.get(ticket, what, timeout=timeout, got=got)
     out = decode_to_device(chunks, device, reader.pinned, copy=copy, sync=sync)

@@ -122,18 +122,26 @@ def test_a_split_get_of_one_group_sends_its_image_once(server):
         assert sum(_media_entries(batch, "pixel_values")) == 1
         assert sorted(len(p) for p in batch.parts) == [0, 0, 0, 8]
         assert_rows_match(batch, step)
+        # The client learned that the server keeps these 8 rows together: one stream.
+        again = c.get("s", step.keys)
+        assert again.received is not None and again.received.route == "socket"
+        assert_rows_match(again, step)
         # Whole columns over the parts that answered no rows: as from one stream.
         two = workloads.w1(1, groups=2, g=8)
-        c.create_partition("two", two.schema, tasks=["t"], group_size=two.group_size)
-        c.put("two", two.keys, two.columns, two.tags)
-        c.get("two", two.keys[:1])
         for as_ in ("numpy", "torch"):
-            split = c.get("two", two.keys, as_=as_)
+            c.create_partition(as_, two.schema, tasks=["t"], group_size=two.group_size)
+            c.put(as_, two.keys, two.columns, two.tags)
+            c.get(as_, two.keys[:1])
+            split = c.get(as_, two.keys, as_=as_)
             assert split.received is not None and split.received.route == "streams=4"
             assert 0 in [len(p) for p in split.parts]
             c.get_streams = 1
-            whole = c.get("two", two.keys, as_=as_)
+            whole = c.get(as_, two.keys, as_=as_)
             c.get_streams = 4
+            # 16 rows kept 8 together: 2 streams from now on, both with rows.
+            halves = c.get(as_, two.keys, as_=as_)
+            assert halves.received is not None and halves.received.route == "streams=2"
+            assert [len(p) for p in halves.parts] == [8, 8]
             for name in ("pixel_values", "image_grid_thw"):
                 (a, ao), (b, bo) = split.column(name).cat(), whole.column(name).cat()
                 assert a.shape == b.shape and (a == b).all() and (ao == bo).all()
