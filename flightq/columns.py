@@ -591,17 +591,14 @@ class ChunkedColumn(Column):
     def cat(self) -> Packed:
         """Media segments of every chunk along dim 0, and row offsets (one copy: the
         chunks lie in separate buffers; ``.copied`` is True)."""
-        vals: list[Any] = []
+        cats = [p.cat() for p in self.parts]
+        # A part of no segments has no trailing dims to join on: left out.
+        vals = [v for v, o in cats if int(o[-1])] or [cats[0].values]
         offs = [np.zeros(1, dtype=np.int64)]
         base = 0
-        for p in self.parts:
-            v, o = p.cat()
-            if int(o[-1]) or not vals:  # a part of no segments has no trailing dims
-                vals.append(v)
+        for _, o in cats:
             offs.append(o[1:] + base)
             base += int(o[-1])
-        if len(vals) > 1 and not int(vals[0].shape[0]):
-            vals.pop(0)
         row_offsets = np.concatenate(offs)
         top = int(np.diff(row_offsets).max()) if len(row_offsets) > 1 else 0
         return Packed(self._join(vals), row_offsets, top, True)

@@ -38,7 +38,7 @@ from ..errors import (
     ProtocolError,
     ResourceExhaustedError,
 )
-from ..layout import KEY
+from ..layout import KEY, pylist
 from ..protocol import MAX_GET_PARTS, AbortPut, GetTicket, PutCommand
 from .reads import Reader, received_on_device
 from .transport import Acked
@@ -299,7 +299,7 @@ def get_to_device(
                 raise
         else:
             every = [b for g in gots for b in g]
-            if _answers(ticket, (k for b in every for k in b.column(KEY).to_pylist())):
+            if _answers(ticket, (k for b in every for k in pylist(b.column(KEY)))):
                 reader.sizes.learn(partition, rows, every)
                 reader.sizes.learn_parts(partition, [sum(b.num_rows for b in g) for g in gots])
                 return received_on_device(out, len(every), started)

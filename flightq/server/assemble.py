@@ -174,13 +174,14 @@ class PartCuts:
         #: Cuts worked out (not taken from an earlier stream): for tests and metrics.
         self.worked = 0
 
-    def rows(self, ticket: GetTicket, rows: list[Row], media: list[str]) -> list[Row]:
-        """Run ``ticket.part`` of ``rows`` (every row of ``ticket.keys``, in order)."""
+    def rows(self, ticket: GetTicket, p: Partition, rows: list[Row], names: list[str]) -> list[Row]:
+        """Run ``ticket.part`` of ``rows`` (every row of ``ticket.keys``, in order, of
+        partition ``p``, answered with the fields ``names``)."""
         assert ticket.part is not None and ticket.parts is not None
-        cuts = self.cuts(ticket, rows, media)
+        cuts = self.cuts(ticket, p, rows, names)
         return rows[cuts[ticket.part] : cuts[ticket.part + 1]]
 
-    def cuts(self, ticket: GetTicket, rows: list[Row], media: list[str]) -> list[int]:
+    def cuts(self, ticket: GetTicket, p: Partition, rows: list[Row], names: list[str]) -> list[int]:
         """``ticket.parts + 1`` row indices, from 0 to ``len(rows)``."""
         assert ticket.parts is not None
         fields = None if ticket.fields is None else tuple(ticket.fields)
@@ -191,6 +192,7 @@ class PartCuts:
             if hit is not None:
                 self._kept.move_to_end(key)
                 return hit
+        media = [f.name for f in p.schema.fields if f.role == "media" and f.name in names]
         cuts = _part_cuts(rows, media, ticket.parts)
         with self._lock:
             self.worked += 1

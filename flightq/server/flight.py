@@ -575,10 +575,7 @@ class Server(fl.FlightServerBase):
             t.check_parts()
             part, rows, names = self.store.rows_for_get(t.partition, t.keys, t.fields)
             if t.parts is not None:
-                media = [
-                    f.name for f in part.schema.fields if f.role == "media" and f.name in names
-                ]
-                rows = self.part_cuts.rows(t, rows, media)
+                rows = self.part_cuts.rows(t, part, rows, names)
             schema, batches = self._assemble(t, part, rows, names, count)
             return (*self._shm_reply(t, schema, batches, context), None)
         if isinstance(t, ScanTicket):

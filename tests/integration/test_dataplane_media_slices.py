@@ -158,7 +158,7 @@ def test_a_split_get_whose_parts_miss_its_keys_runs_again_as_one_stream(server, 
     # here every part answers every row, so the parts' keys are not the ones asked.
     from flightq.server.assemble import PartCuts
 
-    monkeypatch.setattr(PartCuts, "rows", lambda self, ticket, rows, media: rows)
+    monkeypatch.setattr(PartCuts, "rows", lambda self, ticket, p, rows, names: rows)
     step = workloads.w1(0, groups=4, g=4)
     with _splitting(server, step, streams=4) as c:
         batch = c.get("s", step.keys)
