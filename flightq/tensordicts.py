@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import DecodeError, MissingFieldError
@@ -65,9 +66,9 @@ def require_tensordict() -> Any:
 def to_tensordict(batch: Batch, meta: bool = True) -> Any:
     """``batch`` as a TensorDict of batch size ``[len(batch)]`` (see the module docstring).
 
-    ``meta=False`` leaves out the ``__key__`` and ``__tags__`` entries: tensordict builds
-    an object per row for each (about 1.3 and 3.5 µs a row), which a reader that knows its
-    keys need not pay.
+    ``meta=False`` leaves out the ``__key__`` and ``__tags__`` entries: tensordict holds
+    an object per row for each (about 1.5 µs a row each, see :func:`_stack`), which a
+    reader that knows its keys need not pay.
 
     Raises
     ------
@@ -84,8 +85,8 @@ def to_tensordict(batch: Batch, meta: bool = True) -> Any:
     for name in batch.fields:
         out[name] = _entry(batch, name, td_mod)
     if meta:
-        out[KEY] = td_mod.NonTensorStack.from_list(list(batch.keys))  # str: its fast path
-        out[TAGS] = td_mod.NonTensorStack(*[td_mod.NonTensorData(t) for t in batch.tags])
+        out[KEY] = _stack(td_mod, batch.keys)
+        out[TAGS] = _stack(td_mod, batch.tags)
     return td_mod.TensorDict(out, batch_size=[n])
 
 
@@ -104,8 +105,7 @@ def _entry(batch: Batch, name: str, td_mod: Any) -> Any:
     if f.role == "scalar":
         return col.tensor()  # type: ignore[attr-defined]
     if f.role == "media":
-        rows = batch[name]
-        return td_mod.NonTensorStack(*[td_mod.NonTensorData(r) for r in rows])
+        return _stack(td_mod, batch[name])
     shape = f.shape or ()
     if f.role == "token" or (shape and shape[0] is None and None not in shape[1:]):
         return col.jagged()
@@ -116,7 +116,50 @@ def _entry(batch: Batch, name: str, td_mod: Any) -> Any:
         import torch
 
         return torch.stack(rows) if rows else torch.empty(0, dtype=f.dt.torch())
-    return td_mod.NonTensorStack(*[td_mod.NonTensorData(r) for r in rows])
+    return _stack(td_mod, rows)
+
+
+def _stack(td_mod: Any, values: Sequence[Any]) -> Any:
+    """``NonTensorStack(*[NonTensorData(v) for v in values])``, one member per row.
+
+    ``NonTensorData(v)`` runs tensorclass's general constructor (about 4 µs for a row's
+    tags dict); tensordict builds the same member directly for values it stores as they
+    are (``NonTensorStack.from_list`` of strings and numbers, about 1.5 µs), and flightq
+    builds every member so where this tensordict has that builder and it passed
+    :func:`_flat_member`'s check. Elsewhere the general constructor.
+    """
+    flat = _flat_member(td_mod)
+    if flat is None:
+        return td_mod.NonTensorStack(*[td_mod.NonTensorData(v) for v in values])
+    return td_mod.NonTensorStack(*[flat(v, None) for v in values])
+
+
+@functools.cache
+def _flat_member(td_mod: Any) -> Callable[[Any, Any], Any] | None:
+    """tensordict's direct builder of a stack member (``tensorclass._flat_ntd(value,
+    device)``), where it gives what ``NonTensorData(value)`` gives for a row's tags and
+    media segments: same type, same value, no batch size, and a stack of them that lists
+    and indexes as the general one does. None where it is absent or differs (another
+    tensordict version): :func:`_stack` then takes the general constructor."""
+    build = getattr(importlib.import_module(td_mod.__name__ + ".tensorclass"), "_flat_ntd", None)
+    if build is None:
+        return None
+    import torch
+
+    probes = [{"uid": "p0", "n": 1}, [torch.zeros(2)], "k0"]
+    try:
+        made = [build(v, None) for v in probes]
+        general = [td_mod.NonTensorData(v) for v in probes]
+        same = all(
+            type(m) is type(g) and m.batch_size == g.batch_size and m.data is g.data
+            for m, g in zip(made, general, strict=True)
+        )
+        stack = td_mod.NonTensorStack(*made)
+        same = same and stack.tolist() == [probes[0], probes[1], probes[2]]
+        same = same and stack[1].data is probes[1] and stack.batch_size == (3,)
+    except Exception:
+        return None
+    return build if same else None
 
 
 #: The attribute of a claim's TensorDict holding its :class:`flightq.Claim`.

@@ -112,6 +112,35 @@ def test_media_come_back_as_segment_lists_and_a_text_row_as_no_media(client, tor
     assert rows[0][0].data_ptr() == rows[1][0].data_ptr()  # the shared image, once
 
 
+def test_keys_tags_and_media_rows_index_as_tensordicts_own_stacks(
+    client, torch, td, monkeypatch
+) -> None:
+    # The per-row entries are built with tensordict's direct builder of a stack member;
+    # they must list, index and slice as the general NonTensorData constructor's do.
+    from flightq import tensordicts
+
+    assert tensordicts._flat_member(td) is not None, "the fast path is not taken here"
+    client.create_partition("r", VLM, tasks=["train"])
+    img = torch.rand(6, 1176)
+    tags = [{"uid": "u0", "n": 1}, {"uid": "u1", "nested": {"a": [1, 2]}}, {}, {"x": 0.5}]
+    pixels = [[img], [img], [], [img[:2]]]
+    client.put("r", KEYS, {"input_ids": _ids(torch), "pixel_values": pixels}, tags=tags)
+    fast = client.get("r", KEYS, as_="tensordict")
+    monkeypatch.setattr(tensordicts, "_flat_member", lambda td_mod: None)
+    general = client.get("r", KEYS, as_="tensordict")
+    for name in ("__key__", "__tags__", "pixel_values"):
+        a, b = fast.get(name), general.get(name)
+        assert type(a) is type(b) and a.batch_size == b.batch_size == (G,)
+        assert [type(m) for m in a.tensordicts] == [type(m) for m in b.tensordicts]
+    assert fast["__key__"] == general["__key__"] == KEYS
+    assert fast["__tags__"] == general["__tags__"] == tags
+    assert fast[1]["__tags__"] == tags[1] and fast[1:3]["__tags__"] == tags[1:3]
+    assert fast[3]["__key__"] == KEYS[3]
+    rows = fast.get("pixel_values").tolist()
+    assert [len(r) for r in rows] == [1, 1, 0, 1] and torch.equal(rows[3][0], img[:2])
+    assert torch.equal(fast[0]["pixel_values"][0], img)
+
+
 def test_a_claim_answers_a_tensordict_and_it_writes_back(client, torch, td) -> None:
     client.create_partition("r", VLM, tasks=["lp", "train"], group_size=G)
     client.put("r", KEYS, _vlm_td(torch, td))
