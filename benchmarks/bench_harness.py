@@ -286,6 +286,24 @@ def test_the_stream_counts_benchmark_gets_and_puts_at_each_count() -> None:
     assert all(len(gets) == 1 and len(puts) == 1 for gets, puts in got.values())
 
 
+def test_the_read_forms_benchmark_checks_every_form_it_times(capsys: Any) -> None:
+    pytest.importorskip("tensordict", reason="the tensordict forms need tensordict")
+    forms = _script("read_forms")
+    # W1: media rows, token fields and tags; each client checks its first answer.
+    got = forms.measure("W1", ["packed", "tensordict", "numpy"], rounds=1, gets=1)
+    assert sorted(f for _, f in got) == ["numpy", "packed", "tensordict"]
+    assert all(len(xs) == 1 and xs[0] > 0 for xs in got.values())
+    assert (
+        forms.main(
+            ["--workload", "W4", "--forms", "tensordict-nometa", "--rounds", "1", "--gets", "1"]
+        )
+        == 0
+    )
+    assert "tensordict-nometa" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="form must be one of"):
+        forms.measure("W4", ["jagged"], rounds=1, gets=1)
+
+
 def test_the_scaling_benchmark_times_flightq_beside_its_raw_tcp_reference(capsys: Any) -> None:
     import consumer_scaling as scaling  # by name: its consumer processes import it so
 
