@@ -102,7 +102,7 @@ def test_bare_flight_references_move_distinct_bytes_and_flightq_records_and_chec
     step = workloads.w1(0, groups=2)
     once = flat_buffers(step, distinct=True)
     assert sum(len(b) for b in once) == step.nbytes(distinct_media=True) < step.nbytes()
-    refs = ["bare-flight-once", "bare-flight-records", "bare-flight-exchange"]
+    refs = ["bare-flight-once", "bare-flight-records", "bare-flight-rows", "bare-flight-exchange"]
     argv = ["--quick", "--workloads", "W1", "--systems", ",".join(["raw-tcp", *refs, "flightq"])]
     argv += ["--reps", "1", "--out", str(tmp_path)]
     assert main(argv) == 0

@@ -119,6 +119,18 @@ SYSTEMS: dict[str, System] = {
             "alone",
         ),
         System(
+            "bare-flight-rows",
+            "server",
+            _M + "rowsflight:RowsProducer",
+            _M + "rowsflight:RowsConsumer",
+            server="flight",
+            requires=("torch",),
+            note="a tensor per row over bare Flight, no checks: the put gathers each field's "
+            "rows, shapes and tags inside the timer, the get builds every row's tensor; "
+            "a shared image travels with every row using it",
+            default=False,
+        ),
+        System(
             "bare-flight-exchange",
             "server",
             _M + "arrowflight:FlightExchangeProducer",
@@ -305,6 +317,7 @@ PEERS = (
     "bare-flight",
     "bare-flight-once",
     "bare-flight-records",
+    "bare-flight-rows",
     "bare-flight-exchange",
     "transferqueue",
     "ray",
