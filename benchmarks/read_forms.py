@@ -15,7 +15,11 @@ forms and trees alternate over ``--rounds`` so that load drifts hit all alike. F
 Every client checks its first answer against the step (keys, every field bit for bit).
 ``--trees`` names checkouts (``git archive REV | tar -x -C DIR``) whose ``flightq`` the
 clients import instead of this one's (the server is always this tree's): an A/B of a
-change in the client's read path. Prints median ms [p10-p90] per form and tree.
+change in the client's read path. Prints median ms [p10-p90] and the slowest get per form
+and tree, and each full garbage collection (Python's generation 2) that ran while the
+gets did: the objects a get makes set them off, and each walks every object of the
+process. ``--freeze``: each client calls ``gc.freeze()`` first, as a trainer may once its
+model is loaded, so that collections skip what existed before.
 
 Run::
 
@@ -25,6 +29,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -88,8 +93,9 @@ def _as_rows(got: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _client(location: str, workload: str, form: str, gets: int) -> None:
-    """A client process: check the first answer, print the seconds of the others."""
+def _client(location: str, workload: str, form: str, gets: int, freeze: bool = False) -> None:
+    """A client process: check the first answer, print the seconds of the others and of
+    each full garbage collection that ran during them (``freeze``: ``gc.freeze()`` first)."""
     from flightq_bench.payload import check_rows
 
     import flightq
@@ -102,19 +108,40 @@ def _client(location: str, workload: str, form: str, gets: int) -> None:
     tags = tags.tolist() if hasattr(tags, "tolist") else tags
     keys = list(keys.tolist() if hasattr(keys, "tolist") else ref.keys if keys is None else keys)
     check_rows(ref, keys, _as_rows(got), tags, form)
+    if freeze:
+        gc.freeze()  # what a trainer may do once its model is loaded (README)
+    full: list[float] = []  # seconds of each full collection that ran inside a get
+
+    def watch(phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] == 2:
+            full.append(time.perf_counter() if phase == "start" else -time.perf_counter())
+
     out = []
-    for _ in range(gets):
+    gc.callbacks.append(watch)
+    for i in range(gets):
         t0 = time.perf_counter()
         got = read(c, "p", ref.keys, form)
         out.append(time.perf_counter() - t0)
+        if i < _WARM:
+            full.clear()
+    gc.callbacks.remove(watch)
     c.close()
-    print(json.dumps(out[_WARM:]), flush=True)
+    pauses = [a + b for a, b in zip(full[::2], full[1::2], strict=False)]
+    print(json.dumps({"gets": out[_WARM:], "full_gc": [-p for p in pauses]}), flush=True)
 
 
 def measure(
-    workload: str, forms: Sequence[str], rounds: int, gets: int, trees: Sequence[str] = ("",)
+    workload: str,
+    forms: Sequence[str],
+    rounds: int,
+    gets: int,
+    trees: Sequence[str] = ("",),
+    freeze: bool = False,
+    pauses: dict[tuple[str, str], list[float]] | None = None,
 ) -> dict[tuple[str, str], list[float]]:
-    """Per (tree, form), the seconds of every timed get (``""``: this tree)."""
+    """Per (tree, form), the seconds of every timed get (``""``: this tree); ``pauses``
+    gains the seconds of each full garbage collection during them; ``freeze``: each
+    client calls ``gc.freeze()`` before its gets."""
     from flightq_bench import procs
     from flightq_bench.flightq_system import server_argv
 
@@ -140,7 +167,7 @@ def measure(
                     for form in forms:
                         argv = [sys.executable, __file__, "--client", location, workload, form]
                         done = subprocess.run(
-                            [*argv, str(gets + _WARM)],
+                            [*argv, str(gets + _WARM), "freeze" if freeze else "-"],
                             env=env,
                             capture_output=True,
                             text=True,
@@ -151,14 +178,17 @@ def measure(
                             raise RuntimeError(
                                 f"{form} client ({tree or 'this tree'}): {done.stderr}"
                             )
-                        out[(tree, form)] += json.loads(done.stdout.strip().splitlines()[-1])
+                        res = json.loads(done.stdout.strip().splitlines()[-1])
+                        out[(tree, form)] += res["gets"]
+                        if pauses is not None:
+                            pauses.setdefault((tree, form), []).extend(res["full_gc"])
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--client"]:
-        _client(argv[1], argv[2], argv[3], int(argv[4]))
+        _client(argv[1], argv[2], argv[3], int(argv[4]), argv[5:6] == ["freeze"])
         return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="W3")
@@ -166,15 +196,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--gets", type=int, default=50, help="timed gets per client process")
     p.add_argument("--trees", default="", help="checkouts whose flightq the clients import")
+    p.add_argument("--freeze", action="store_true", help="gc.freeze() in each client first")
     a = p.parse_args(argv)
     trees = [t for t in a.trees.split(",") if t] or [""]
-    got = measure(a.workload, a.forms.split(","), a.rounds, a.gets, trees)
-    print(f"{a.workload}: median ms [p10-p90] of {a.rounds} x {a.gets} gets per form and tree")
+    pauses: dict[tuple[str, str], list[float]] = {}
+    got = measure(a.workload, a.forms.split(","), a.rounds, a.gets, trees, a.freeze, pauses)
+    print(
+        f"{a.workload}: median ms [p10-p90] and slowest of {a.rounds} x {a.gets} gets per "
+        "form and tree; full garbage collections during them (count, ms each)"
+    )
     for (tree, form), xs in got.items():
         xs = sorted(x * 1e3 for x in xs)
         p10, p90 = xs[len(xs) // 10], xs[(9 * len(xs)) // 10]
         med = statistics.median(xs)
-        print(f"{tree or 'this tree':<24} {form:<18} {med:7.2f} [{p10:.2f}-{p90:.2f}]")
+        full = " ".join(f"{x * 1e3:.1f}" for x in pauses.get((tree, form), []))
+        print(
+            f"{tree or 'this tree':<24} {form:<18} {med:7.2f} [{p10:.2f}-{p90:.2f}] "
+            f"max {xs[-1]:.2f}; full gc {len(pauses.get((tree, form), []))}: {full}"
+        )
     return 0
 
 
