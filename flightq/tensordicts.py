@@ -137,16 +137,16 @@ def _stack(td_mod: Any, values: Sequence[Any]) -> Any:
 @functools.cache
 def _flat_member(td_mod: Any) -> Callable[[Any, Any], Any] | None:
     """tensordict's direct builder of a stack member (``tensorclass._flat_ntd(value,
-    device)``), where it gives what ``NonTensorData(value)`` gives for a row's tags and
-    media segments: same type, same value, no batch size, and a stack of them that lists
-    and indexes as the general one does. None where it is absent or differs (another
-    tensordict version): :func:`_stack` then takes the general constructor."""
+    device)``), where it gives what ``NonTensorData(value)`` gives for a row's tags, media
+    segments, key and tensor: same type, same value, no batch size, and a stack of them
+    that lists and indexes as the general one does. None where it is absent or differs
+    (another tensordict version): :func:`_stack` then takes the general constructor."""
     build = getattr(importlib.import_module(td_mod.__name__ + ".tensorclass"), "_flat_ntd", None)
     if build is None:
         return None
     import torch
 
-    probes = [{"uid": "p0", "n": 1}, [torch.zeros(2)], "k0"]
+    probes = [{"uid": "p0", "n": 1}, [torch.zeros(2)], "k0", torch.zeros(2, 3)]
     try:
         made = [build(v, None) for v in probes]
         general = [td_mod.NonTensorData(v) for v in probes]
@@ -155,8 +155,13 @@ def _flat_member(td_mod: Any) -> Callable[[Any, Any], Any] | None:
             for m, g in zip(made, general, strict=True)
         )
         stack = td_mod.NonTensorStack(*made)
-        same = same and stack.tolist() == [probes[0], probes[1], probes[2]]
-        same = same and stack[1].data is probes[1] and stack.batch_size == (3,)
+        listed = stack.tolist()
+        same = (
+            same
+            and len(listed) == len(probes)
+            and all(a is b for a, b in zip(listed, probes, strict=True))
+        )
+        same = same and stack[1].data is probes[1] and stack.batch_size == (len(probes),)
     except Exception:
         return None
     return build if same else None
