@@ -35,13 +35,17 @@ from ..chunks import encode_chunks
 from ..cuda import PinnedPool, resolve_device, stage
 from ..digest import DigestCache, KnownMedia, MediaRefs
 from ..errors import (
+    DTypeError,
     FlightqError,
     LeaseExpiredError,
     MediaUnknownError,
+    MissingFieldError,
     NotFoundError,
     ProtocolError,
     ResourceExhaustedError,
     SchemaMismatchError,
+    ShapeError,
+    UndeclaredFieldError,
     UnknownSchemaError,
 )
 from ..frames import STREAM_ACK_ROWS
@@ -79,6 +83,7 @@ from ..sink import DeferredFills, Sink
 from ..tensordicts import tensordict_reads
 from .interface import PutReceipt
 from .reads import Reader
+from .recent import Recent
 from .requests import Requests
 from .session import DEFAULT_SESSION_TIMEOUT, Session
 from .streams import (
@@ -264,6 +269,17 @@ def connect(
     return client
 
 
+#: What a put refused for its columns or schema raises: where the partition's schema the
+#: client keeps is stale (the partition declared again with another), the put goes again
+#: with the schema described afresh.
+_SCHEMA_FAULTS = (
+    SchemaMismatchError,
+    UndeclaredFieldError,
+    DTypeError,
+    ShapeError,
+    MissingFieldError,
+)
+
 #: ``Client._act``'s rows for a reply that may name every row of a partition.
 _EVERY = 1 << 62
 
@@ -311,13 +327,14 @@ class Client:
             self.shm_dir = directory(shm)
         self.location = location
         self.max_batch_bytes = max_batch_bytes
-        self._schemas: dict[str, Schema] = {}
+        # Per partition (the partitions used last: a run may name one per step).
+        self._schemas: Recent[str, Schema] = Recent()
         self._lock = threading.Lock()
         #: Pinned host buffers and copy streams for CUDA tensors (empty until first used).
         self._pinned = PinnedPool()
         #: Hints and digests of media tensors put, and per partition the media sent to it.
         self._digests = DigestCache()
-        self._media: dict[str, KnownMedia] = {}
+        self._media: Recent[str, KnownMedia] = Recent()
         self._transport = Transport(location, timeout=timeout, token=token, **flight_kwargs)
         #: Small puts, gets and claims travel on one held stream (opened on first use).
         self._requests = Requests(self._transport)
@@ -647,6 +664,46 @@ class Client:
         sent from that tensor's memory: leave it unchanged until ``put`` returns.
         """
         schema = self._partition_schema(partition)
+        try:
+            return self._put_as(partition, schema, keys, columns, tags, overwrite, timeout, put_id)
+        except _SCHEMA_FAULTS:
+            # The schema this client keeps for the partition may be stale: another client
+            # dropped the partition and declared it again with another schema. Described
+            # afresh; where it changed, the put (which stored nothing) goes once more.
+            fresh = self._schema_changed(partition, schema)
+            if fresh is None:
+                raise
+        return self._put_as(partition, fresh, keys, columns, tags, overwrite, timeout, put_id)
+
+    def _schema_changed(self, partition: str, kept: Schema) -> Schema | None:
+        """The partition's schema as the server declares it now, where it differs from
+        ``kept`` (the media sent to it are forgotten then); None where it does not.
+
+        Raises
+        ------
+        NotFoundError
+            If the partition no longer exists.
+        """
+        with self._lock:
+            self._schemas.pop(partition)
+        fresh = self._partition_schema(partition)
+        if fresh.fingerprint == kept.fingerprint:
+            return None
+        self._forget_media(partition)
+        return fresh
+
+    def _put_as(
+        self,
+        partition: str,
+        schema: Schema,
+        keys: Sequence[str],
+        columns: Mapping[str, Any],
+        tags: Sequence[Mapping[str, Any] | None] | None,
+        overwrite: bool,
+        timeout: float | None,
+        put_id: str | None,
+    ) -> PutReceipt:
+        """:meth:`put` of ``columns`` encoded for ``schema``."""
         columns = columns_of(columns, schema, keys)  # a TensorDict, nested tensors: per row
         # Through shared memory, payloads are copied once: from the tensors into the segment.
         # Over the socket, every check runs before anything is sent; then each batch's copy

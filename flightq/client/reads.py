@@ -28,6 +28,7 @@ from ..cuda import PinnedPool, decode_to_device
 from ..errors import ProtocolError
 from ..frames import STREAM_MAX_BYTES
 from ..protocol import CLAIM_METADATA, ClaimGrant, ClaimTicket, GetTicket, ScanTicket, Ticket
+from .recent import Recent
 from .requests import Requests
 from .transport import Transport
 
@@ -56,8 +57,9 @@ class RowSizes:
     the server has kept in one part of a split get. Thread-safe."""
 
     def __init__(self) -> None:
-        self._per_row: dict[str, float] = {}
-        self._together: dict[str, int] = {}
+        # The partitions used last (a run may name a partition per step).
+        self._per_row: Recent[str, float] = Recent()
+        self._together: Recent[str, int] = Recent()
         self._lock = threading.Lock()
 
     def learn_parts(self, partition: str, parts: list[int]) -> None:

@@ -1,0 +1,133 @@
+"""A client's per-partition memory over a long run: partitions declared again under another
+schema, and a partition per step, against a real server on loopback.
+
+A client keeps each partition's schema (to encode puts), the media it sent there and the
+size of its last answer. Another client may drop a partition and declare it again with
+another schema: the first client's next put is described afresh and goes through. A run
+that names a partition per step leaves each client remembering only the partitions it
+used last (:data:`flightq.client.recent.RECENT_PARTITIONS`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fixtures_dataplane import TEXT, TIMEOUT, VLM, server_fixture, text_columns, text_keys
+
+import flightq
+from flightq.client import recent
+
+__all__ = ["server_fixture"]
+
+pytestmark = pytest.mark.timeout(120)
+
+V1 = flightq.Schema("scored", 1, [flightq.Field("score", "float32", "scalar", ())])
+V2 = flightq.Schema(
+    "scored",
+    2,
+    [
+        flightq.Field("score", "float32", "scalar", ()),
+        flightq.Field("bonus", "float32", "scalar", (), required=False),
+    ],
+)
+
+
+def _scores(n: int) -> dict[str, np.ndarray]:
+    return {"score": np.arange(n, dtype=np.float32)}
+
+
+def test_a_put_follows_a_partition_declared_again_with_other_fields(server) -> None:
+    keys = text_keys(1, 4)
+    with (
+        flightq.connect(server.location, [TEXT, VLM], timeout=TIMEOUT) as a,
+        flightq.connect(server.location, [TEXT, VLM], timeout=TIMEOUT) as b,
+    ):
+        a.create_partition("p", TEXT, tasks=["t"])
+        a.put("p", keys, text_columns(keys))
+        b.drop("p")
+        b.create_partition("p", VLM, tasks=["t"])
+        img = np.ones((4, 1176), dtype=np.float32)
+        cols = {**text_columns(keys, seed=1), "pixel_values": [[img], [img], [], []]}
+        # a still keeps rollout_text for "p", which declares no pixel_values: its encode
+        # refuses the column, the schema is described afresh, and the put goes through.
+        assert a.put("p", keys, cols) == 4
+        got = a.get("p", keys, fields=["pixel_values"], as_="numpy")
+        assert np.array_equal(got["pixel_values"][0][0], img) and got["pixel_values"][2] == []
+        assert got.schema.ref == VLM
+
+
+def test_a_put_follows_a_partition_declared_again_with_a_new_version(server) -> None:
+    keys = [f"k{i}" for i in range(3)]
+    with (
+        flightq.connect(server.location, timeout=TIMEOUT) as a,
+        flightq.connect(server.location, timeout=TIMEOUT) as b,
+    ):
+        a.register_schema(V1)
+        b.register_schema(V2)
+        a.create_partition("s", V1, tasks=["t"])
+        a.put("s", keys, _scores(3))
+        b.drop("s")
+        b.create_partition("s", V2, tasks=["t"])
+        # The columns encode under a's kept V1 too: the server refuses the batch's schema
+        # (SchemaMismatchError), and the put goes again under V2.
+        assert a.put("s", keys, _scores(3)) == 3
+        assert a.get("s", keys).schema.ref == "scored@2"
+
+
+def test_a_put_refused_for_its_own_columns_is_refused_once(server) -> None:
+    keys = [f"k{i}" for i in range(3)]
+    with flightq.connect(server.location, timeout=TIMEOUT) as a:
+        a.register_schema(V1)
+        a.create_partition("s", V1, tasks=["t"])
+        before = a.stats()["counters"]["actions"]
+        with pytest.raises(flightq.UndeclaredFieldError, match="'bonus'"):
+            a.put("s", keys, {**_scores(3), "bonus": np.zeros(3, np.float32)})
+        with pytest.raises(flightq.DTypeError, match="score"):
+            a.put("s", keys, {"score": np.zeros(3, np.float64)})
+        stats = a.stats()
+        # One describe each (the schema kept is the server's), then the error: no loop.
+        assert stats["counters"]["actions"] - before == 3
+        assert stats["partitions"]["s"]["rows"] == 0 and stats["counters"]["puts"] == 0
+
+
+def test_a_put_to_a_partition_dropped_under_it_names_the_partition(server) -> None:
+    keys = [f"k{i}" for i in range(3)]
+    with (
+        flightq.connect(server.location, timeout=TIMEOUT) as a,
+        flightq.connect(server.location, timeout=TIMEOUT) as b,
+    ):
+        a.register_schema(V1)
+        a.register_schema(V2)
+        a.create_partition("s", V1, tasks=["t"])
+        b.drop("s")
+        with pytest.raises(flightq.NotFoundError, match="'s'"):
+            a.put("s", keys, {**_scores(3), "bonus": np.zeros(3, np.float32)})
+
+
+def test_a_partition_per_step_leaves_a_client_remembering_the_last_ones(
+    server, monkeypatch
+) -> None:
+    monkeypatch.setattr(recent, "RECENT_PARTITIONS", 4)
+    img = np.ones((4, 1176), dtype=np.float32)
+    keys = text_keys(1, 2)
+    with (
+        flightq.connect(server.location, [VLM], timeout=TIMEOUT) as gen,
+        flightq.connect(server.location, [VLM], timeout=TIMEOUT) as trainer,
+    ):
+        for step in range(10):
+            name = f"step{step}"
+            trainer.create_partition(name, VLM, tasks=["t"])
+            gen.put(name, keys, {**text_columns(keys), "pixel_values": [[img], [img]]})
+            assert len(trainer.get(name, keys)) == 2
+            if step > 1:  # the trainer drops what it has read (it keeps step0)
+                trainer.drop(f"step{step - 1}")
+        for c in (gen, trainer):
+            assert len(c._schemas) <= 4 and len(c._media) <= 4
+            assert len(c._reader.sizes._per_row) <= 4
+        assert "step9" in gen._schemas and "step0" not in gen._schemas
+        # A partition forgotten (step0, kept by the trainer) is described again on its
+        # next put; its image goes whole again.
+        again = {**text_columns(keys), "pixel_values": [[img], []]}
+        assert gen.put("step0", keys, again, overwrite=True) == 2
+        assert "step0" in gen._schemas
+        assert trainer.get("step0", keys, as_="numpy")["pixel_values"][1] == []
