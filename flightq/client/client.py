@@ -272,7 +272,7 @@ def connect(
 #: What a put refused for its columns or schema raises: where the partition's schema the
 #: client keeps is stale (the partition declared again with another), the put goes again
 #: with the schema described afresh.
-_SCHEMA_FAULTS = (
+SCHEMA_FAULTS = (
     SchemaMismatchError,
     UndeclaredFieldError,
     DTypeError,
@@ -666,7 +666,7 @@ class Client:
         schema = self._partition_schema(partition)
         try:
             return self._put_as(partition, schema, keys, columns, tags, overwrite, timeout, put_id)
-        except _SCHEMA_FAULTS:
+        except SCHEMA_FAULTS:
             # The schema this client keeps for the partition may be stale: another client
             # dropped the partition and declared it again with another schema. Described
             # afresh; where it changed, the put (which stored nothing) goes once more.

@@ -34,7 +34,12 @@ import pyarrow as pa
 
 from ..batch import Batch, Claim, Received, check_as, decode
 from ..chunks import encode_chunks
-from ..client.client import DEFAULT_MAX_BATCH_BYTES, DEFAULT_TIMEOUT, resolve_schemas
+from ..client.client import (
+    DEFAULT_MAX_BATCH_BYTES,
+    DEFAULT_TIMEOUT,
+    SCHEMA_FAULTS,
+    resolve_schemas,
+)
 from ..client.interface import PutReceipt
 from ..client.reads import claim_grant
 from ..cuda import decode_to_device, resolve_device
@@ -44,6 +49,7 @@ from ..errors import (
     LeaseExpiredError,
     NotFoundError,
     ProtocolError,
+    SchemaMismatchError,
     UnavailableError,
 )
 from ..msgcheck import key_chunks
@@ -172,11 +178,36 @@ class ShardedClient(Fanout):
         """
         schema, g = self._decl(partition)
         ks = list(keys)
+        tg = None if tags is None else list(tags)
+        try:
+            parts = self._encode(partition, schema, g, ks, columns, tg)
+        except SCHEMA_FAULTS:
+            # Refused by the local encode, before anything was sent: where the kept
+            # declaration is stale (the partition declared again), once more with it fresh.
+            fresh = self._decl_changed(partition, schema)
+            if fresh is None:
+                raise
+            parts = self._encode(partition, *fresh, ks, columns, tg)
+        try:
+            return self._put_parts(partition, parts, overwrite, timeout, put_id)
+        except SchemaMismatchError:
+            self._decls.pop(partition)  # the next put describes the partition afresh
+            raise
+
+    def _encode(
+        self,
+        partition: str,
+        schema: Schema,
+        g: int | None,
+        ks: list[str],
+        columns: Mapping[str, Any],
+        tg: list[Mapping[str, Any] | None] | None,
+    ) -> dict[int, list[pa.RecordBatch]]:
+        """Each shard's record batches of a put encoded for ``schema``."""
         columns = columns_of(columns, schema, ks)  # a TensorDict, nested tensors: per row
         self.router.check_groups(ks, g, f"put to {partition!r}")
-        tg = None if tags is None else list(tags)
         # Each shard's rows are encoded on their own, so a part carries only its own media.
-        parts = {
+        return {
             s: [
                 b
                 for lo, hi in spans(pos)
@@ -190,7 +221,6 @@ class ShardedClient(Fanout):
             ]
             for s, pos in self.router.split(ks).items()
         }
-        return self._put_parts(partition, parts, overwrite, timeout, put_id)
 
     def put_batch(
         self,

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ..client.client import DEFAULT_MAX_BATCH_BYTES, DEFAULT_TIMEOUT, Client, resolve_schemas
+from ..client.recent import Recent
 from ..client.transport import Transport
 from ..cuda import PinnedPool
 from ..errors import FlightqError, UnavailableError
@@ -71,7 +72,8 @@ class Fanout:
         #: Pinned host buffers and copy streams of reads into CUDA tensors.
         self.pinned = PinnedPool()
         self._pool = ThreadPoolExecutor(max(4, 2 * len(self._clients)), "flightq-shard")
-        self._decls: dict[str, tuple[Schema, int | None]] = {}
+        # Per partition, for the partitions used last (a run may name one per step).
+        self._decls: Recent[str, tuple[Schema, int | None]] = Recent()
         self._turn = itertools.count()
 
     # ------------------------------------------------------------------ plumbing
@@ -138,8 +140,17 @@ class Fanout:
         d = self._decls.get(partition)
         if d is None:
             info = self.describe(partition)
-            d = self._decls[partition] = (Schema.from_json(info["schema"]), info["group_size"])
+            d = (Schema.from_json(info["schema"]), info["group_size"])
+            self._decls[partition] = d
         return d
+
+    def _decl_changed(self, partition: str, kept: Schema) -> tuple[Schema, int | None] | None:
+        """The partition's declaration as the shards give it now, where its schema
+        differs from ``kept`` (another client dropped it and declared it again); None
+        where it does not."""
+        self._decls.pop(partition)
+        fresh = self._decl(partition)
+        return None if fresh[0].fingerprint == kept.fingerprint else fresh
 
     # ------------------------------------------------------------------ control
 

@@ -131,3 +131,33 @@ def test_a_partition_per_step_leaves_a_client_remembering_the_last_ones(
         assert gen.put("step0", keys, again, overwrite=True) == 2
         assert "step0" in gen._schemas
         assert trainer.get("step0", keys, as_="numpy")["pixel_values"][1] == []
+
+
+def test_a_sharded_put_follows_a_partition_declared_again() -> None:
+    from fixtures_shard import inproc_shards
+
+    keys = [f"g{i}_0" for i in range(6)]  # routed over both shards
+    with inproc_shards(2) as servers:
+        locs = [s.location for s in servers]
+        with (
+            flightq.connect_sharded(locs, timeout=TIMEOUT) as a,
+            flightq.connect_sharded(locs, timeout=TIMEOUT) as b,
+        ):
+            a.register_schema(V1)
+            a.register_schema(V2)
+            a.create_partition("s", V1, tasks=["t"])
+            a.put("s", keys, _scores(6))
+            b.drop("s")
+            b.create_partition("s", V2, tasks=["t"])
+            # Other fields: a's own encode refuses them under V1 before anything is
+            # sent; described afresh, the put goes through under V2.
+            cols = {**_scores(6), "bonus": np.ones(6, np.float32)}
+            assert a.put("s", keys, cols) == 6
+            b.drop("s")
+            b.create_partition("s", V1, tasks=["t"])
+            # Columns that encode under the V2 a keeps: every shard refuses the batch's
+            # schema; a forgets the declaration, and its next put goes under V1.
+            with pytest.raises(flightq.SchemaMismatchError):
+                a.put("s", keys, _scores(6))
+            assert a.put("s", keys, _scores(6)) == 6
+            assert a.get("s", keys).schema.ref == "scored@1"
