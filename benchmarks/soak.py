@@ -173,11 +173,15 @@ def run(
     deadline: float | None = None,
     progress: bool = False,
     metrics: str | None = None,
+    partition_per_step: bool = False,
 ) -> Iterator[Sample]:
     """Run ``steps`` RL steps against the server at ``location`` (process ``server_pid``),
     yielding a :class:`Sample` before the first and after every ``sample_every`` steps;
     stops early at ``time.monotonic() >= deadline``. ``metrics``: the server's Prometheus
-    endpoint, where its records of the past are read.
+    endpoint, where its records of the past are read. ``partition_per_step``: each step
+    in a partition of its own (``soak-<step>``), declared by the trainer before the
+    generator puts and dropped by it once the rows are read, as a run that names its
+    partitions by step does.
 
     Raises
     ------
@@ -193,21 +197,27 @@ def run(
         worker = stack.enter_context(flightq.connect(location, [SCHEMA], shm=shm))
         trainer = stack.enter_context(flightq.connect(location, [SCHEMA], shm=shm))
         shm_dir = gen.shm_dir
-        gen.create_partition(PARTITION, SCHEMA, tasks=["prev_lp", "train"], group_size=group_size)
+        tasks = ["prev_lp", "train"]
+        part = PARTITION
+        if not partition_per_step:
+            gen.create_partition(part, SCHEMA, tasks=tasks, group_size=group_size)
         yield sample(0, server_pid, gen, shm_dir, metrics)
         for step in range(1, steps + 1):
             s = _Step(step, groups, group_size)
-            gen.put(PARTITION, s.keys, s.columns, tags=s.tags)
+            if partition_per_step:
+                part = f"{PARTITION}-{step}"
+                trainer.create_partition(part, SCHEMA, tasks=tasks, group_size=group_size)
+            gen.put(part, s.keys, s.columns, tags=s.tags)
             if crash_every and step % crash_every == 0:
                 # A worker that claims the rows and dies before its ack: its client goes
                 # away, the session ends, and the rows come back for the next worker.
                 with flightq.connect(location, [SCHEMA], shm=shm) as doomed:
-                    taken = doomed.claim(PARTITION, "prev_lp", n, fields=["input_ids"])
+                    taken = doomed.claim(part, "prev_lp", n, fields=["input_ids"])
                     assert len(taken) == n, f"step {step}: the doomed worker got {len(taken)}"
-            with worker.claim(PARTITION, "prev_lp", n, fields=["input_ids"], timeout=wait) as b:
+            with worker.claim(part, "prev_lp", n, fields=["input_ids"], timeout=wait) as b:
                 assert sorted(b.keys) == sorted(s.keys), f"step {step}: worker got {b.keys}"
-                worker.put(PARTITION, b.keys, {"prev_logprobs": s.logprobs(b.keys)})
-            b = trainer.claim(PARTITION, "train", n, wait_for=["prev_logprobs"], timeout=wait)
+                worker.put(part, b.keys, {"prev_logprobs": s.logprobs(b.keys)})
+            b = trainer.claim(part, "train", n, wait_for=["prev_logprobs"], timeout=wait)
             assert b.keys == s.keys, f"step {step}: the trainer got {b.keys}"
             ids, lps, pixels = b["input_ids"], b["prev_logprobs"], b["pixel_values"]
             want = s.logprobs(b.keys)
@@ -216,8 +226,12 @@ def run(
                 assert torch.equal(lps[i], want[i]), f"{k}: prev_logprobs differ"
                 assert torch.equal(pixels[i][0], s.columns["pixel_values"][i][0]), k
                 assert b.tags[i] == s.tags[i], f"{k}: tags differ"
-            trainer.clear(PARTITION, b.keys)
+            trainer.clear(part, b.keys)
             del b, ids, lps, pixels
+            if partition_per_step:
+                left = trainer.stats()["partitions"][part]
+                assert left["rows"] == 0 and left["claims"] == 0, f"step {step} left {left}"
+                trainer.drop(part)
             if step % sample_every == 0 or step == steps:
                 smp = sample(step, server_pid, gen, shm_dir, metrics)
                 if progress:
@@ -226,9 +240,11 @@ def run(
             if deadline is not None and time.monotonic() >= deadline:
                 yield sample(step, server_pid, gen, shm_dir, metrics)
                 break
-        left = gen.stats()["partitions"][PARTITION]
-        assert left["rows"] == 0 and left["claims"] == 0, f"left over: {left}"
-        gen.drop(PARTITION)
+        if not partition_per_step:
+            left = gen.stats()["partitions"][part]
+            assert left["rows"] == 0 and left["claims"] == 0, f"left over: {left}"
+            gen.drop(part)
+        assert not gen.stats()["partitions"], "partitions left over"
 
 
 def drift(samples: Sequence[Sample], name: str) -> float:
@@ -272,6 +288,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sample-every", type=int, default=50)
     p.add_argument("--memory-budget", default=str(256 * 2**20), help="bytes")
     p.add_argument("--shm", action="store_true", help="clients move bytes through /dev/shm")
+    p.add_argument(
+        "--partition-per-step",
+        action="store_true",
+        help="each step in a partition of its own, declared and dropped by the trainer",
+    )
     args = p.parse_args(argv)
     started = time.monotonic()
     with server_process(args.memory_budget) as srv:
@@ -289,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 deadline=started + 60 * args.minutes,
                 progress=True,
                 metrics=srv.info.get("metrics"),
+                partition_per_step=args.partition_per_step,
             )
         )
     warmup = args.steps // 2 if args.warmup is None else args.warmup
@@ -298,7 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"{samples[-1].step} steps of {args.groups} x {args.group_size} rows in {took:.0f} s "
         f"({route}, budget {int(args.memory_budget) / 2**20:.0f} MiB, "
-        f"a worker gone every {args.crash_every} steps), {os.cpu_count()} CPUs"
+        f"a worker gone every {args.crash_every} steps"
+        f"{', a partition per step' if args.partition_per_step else ''}), {os.cpu_count()} CPUs"
     )
     print(f"{'':16} {'start':>10} {'warm':>10} {'last':>10} {'per 1000 steps':>15}")
     for name, unit in Sample.COLUMNS.items():

@@ -23,8 +23,15 @@ STEPS = 120
 EVERY = 20
 
 
-@pytest.mark.parametrize("shm", [False, True], ids=["socket", "shm"])
-def test_steps_with_lost_workers_leave_threads_files_and_segments_where_they_were(shm):
+@pytest.mark.parametrize(
+    ("shm", "per_step"),
+    [(False, False), (True, False), (False, True)],
+    ids=["socket", "shm", "socket-partition-per-step"],
+)
+def test_steps_with_lost_workers_leave_threads_files_and_segments_where_they_were(
+    shm, per_step
+):
+    # per_step: each step in a partition of its own, declared and dropped by the trainer.
     with soak.server_process(str(64 * 2**20)) as srv:
         assert srv.proc is not None
         samples = list(
@@ -36,6 +43,7 @@ def test_steps_with_lost_workers_leave_threads_files_and_segments_where_they_wer
                 sample_every=EVERY,
                 shm=shm,
                 metrics=srv.info["metrics"],
+                partition_per_step=per_step,
             )
         )
     assert [s.step for s in samples] == list(range(0, STEPS + 1, EVERY))
@@ -55,6 +63,9 @@ def test_steps_with_lost_workers_leave_threads_files_and_segments_where_they_wer
         # (journals, ended leases, put ids) are kept within their own bounds and the
         # budget's, never more than the budget.
         assert s.server_held == 0, s
-        assert 0 < s.server_records <= 64 * 2**20, s
+        if per_step:  # a dropped partition's records go with it
+            assert s.server_records <= warm.server_records, (s, warm)
+        else:
+            assert 0 < s.server_records <= 64 * 2**20, s
     if not shm:
         assert all(s.shm_files == 0 for s in samples)
