@@ -28,9 +28,7 @@ EVERY = 20
     [(False, False), (True, False), (False, True)],
     ids=["socket", "shm", "socket-partition-per-step"],
 )
-def test_steps_with_lost_workers_leave_threads_files_and_segments_where_they_were(
-    shm, per_step
-):
+def test_steps_with_lost_workers_leave_threads_files_and_segments_where_they_were(shm, per_step):
     # per_step: each step in a partition of its own, declared and dropped by the trainer.
     with soak.server_process(str(64 * 2**20)) as srv:
         assert srv.proc is not None
