@@ -52,6 +52,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..client.recent import Recent
 from ..errors import EncodeError, MissingFieldError, NotFoundError, ProtocolError, ShapeError
 from ..registry import SchemaRegistry
 from ..rows import is_tensordict
@@ -206,8 +207,8 @@ class TransferQueue:
             if self.server is not None:
                 self.server.stop()
             raise
-        self._declared: set[str] = set()
-        self._lock = threading.Lock()
+        # The partitions this process declared, of those it used last.
+        self._declared: Recent[str, bool] = Recent()
 
     # ------------------------------------------------------------------ partitions
 
@@ -235,8 +236,7 @@ class TransferQueue:
             group_size=d.get("group_size"),
             registry=self.registry,
         )
-        with self._lock:
-            self._declared.add(partition_id)
+        self._declared[partition_id] = True
 
     # ------------------------------------------------------------------ puts
 
@@ -310,7 +310,14 @@ class TransferQueue:
             )
         self._ensure(partition_id)
         cols = {} if fields is None else fields
-        self.client.put(partition_id, keys, cols, tags, overwrite=self.overwrite)
+        try:
+            self.client.put(partition_id, keys, cols, tags, overwrite=self.overwrite)
+        except NotFoundError:
+            # Dropped since this process declared it (another process, or the command
+            # line): the first put declares it again, as TransferQueue creates one.
+            self._declared.pop(partition_id)
+            self._ensure(partition_id)
+            self.client.put(partition_id, keys, cols, tags, overwrite=self.overwrite)
         return self._meta(partition_id, keys)
 
     def _meta(self, partition_id: str, keys: list[str]) -> KVBatchMeta:

@@ -200,6 +200,18 @@ def test_kv_clear_removes_only_the_keys_named(api: Any, torch: Any, TensorDict: 
         api.kv_clear(keys="x0", partition_id="p")
 
 
+def test_a_put_to_a_partition_dropped_elsewhere_declares_it_again(
+    api: Any, tq: Any, torch: Any, TensorDict: Any
+) -> None:
+    fields = TensorDict({"input_ids": torch.zeros(2, 3, dtype=torch.int64)}, batch_size=2)
+    api.kv_batch_put(keys=["a", "b"], partition_id="step_1", fields=fields)
+    # Another process (or `flightq` on the command line) drops the partition.
+    with flightq.connect(tq._tq().location) as other:
+        other.drop("step_1")
+    api.kv_batch_put(keys=["c", "d"], partition_id="step_1", fields=fields)
+    assert list(api.kv_list(partition_id="step_1")["step_1"]) == ["c", "d"]
+
+
 def test_an_unknown_key_is_not_found(api: Any, torch: Any) -> None:
     api.kv_put(key="k", partition_id="p", fields={"input_ids": torch.tensor([1])})
     with pytest.raises(flightq.NotFoundError, match="nonexistent"):
