@@ -37,6 +37,7 @@ import json
 import signal
 import sys
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -180,15 +181,19 @@ class FlightProducer(Producer):
     def put(self) -> dict[str, Any]:
         assert self._table is not None
         t0 = now_ns()
+        self.send(self._table.schema, self._table.to_batches())
+        return timed(t0)
+
+    def send(self, schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> None:
+        """One DoPut of ``batches``; returns once the server acknowledged it."""
         desc = fl.FlightDescriptor.for_path(self.path)
-        writer, reader = self.client.do_put(desc, self._table.schema)
-        for batch in self._table.to_batches():
+        writer, reader = self.client.do_put(desc, schema)
+        for batch in batches:
             writer.write_batch(batch)
         writer.done_writing()
         if reader.read() is None:
             raise RuntimeError("bare Flight server sent no acknowledgement")
         writer.close()
-        return timed(t0)
 
     def clear(self) -> None:
         list(self.client.do_action(fl.Action("clear", self.path)))

@@ -185,14 +185,7 @@ class RowsProducer(FlightProducer):
     def put(self) -> dict[str, Any]:
         t0 = now_ns()
         batches = [_encode(self._torch, r) for r in self._runs]
-        desc = fl.FlightDescriptor.for_path(self.path)
-        writer, reader = self.client.do_put(desc, batches[0].schema)
-        for b in batches:
-            writer.write_batch(b)
-        writer.done_writing()
-        if reader.read() is None:
-            raise RuntimeError("bare Flight server sent no acknowledgement")
-        writer.close()
+        self.send(batches[0].schema, batches)
         return timed(t0)
 
 

@@ -10,6 +10,9 @@ used last (:data:`flightq.client.recent.RECENT_PARTITIONS`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 from fixtures_dataplane import TEXT, TIMEOUT, VLM, server_fixture, text_columns, text_keys
@@ -56,16 +59,23 @@ def test_a_put_follows_a_partition_declared_again_with_other_fields(server) -> N
         assert got.schema.ref == VLM
 
 
-def test_a_put_follows_a_partition_declared_again_with_a_new_version(server) -> None:
-    keys = [f"k{i}" for i in range(3)]
+@contextlib.contextmanager
+def _two_clients(server) -> Iterator[tuple[flightq.Client, flightq.Client]]:
+    """Clients ``a`` and ``b`` (both schemas registered), ``a`` having put to "s" (V1)."""
     with (
         flightq.connect(server.location, timeout=TIMEOUT) as a,
         flightq.connect(server.location, timeout=TIMEOUT) as b,
     ):
         a.register_schema(V1)
-        b.register_schema(V2)
+        a.register_schema(V2)
         a.create_partition("s", V1, tasks=["t"])
-        a.put("s", keys, _scores(3))
+        a.put("s", [f"k{i}" for i in range(3)], _scores(3))
+        yield a, b
+
+
+def test_a_put_follows_a_partition_declared_again_with_a_new_version(server) -> None:
+    keys = [f"k{i}" for i in range(3)]
+    with _two_clients(server) as (a, b):
         b.drop("s")
         b.create_partition("s", V2, tasks=["t"])
         # The columns encode under a's kept V1 too: the server refuses the batch's schema
@@ -92,13 +102,7 @@ def test_a_put_refused_for_its_own_columns_is_refused_once(server) -> None:
 
 def test_a_put_to_a_partition_dropped_under_it_names_the_partition(server) -> None:
     keys = [f"k{i}" for i in range(3)]
-    with (
-        flightq.connect(server.location, timeout=TIMEOUT) as a,
-        flightq.connect(server.location, timeout=TIMEOUT) as b,
-    ):
-        a.register_schema(V1)
-        a.register_schema(V2)
-        a.create_partition("s", V1, tasks=["t"])
+    with _two_clients(server) as (a, b):
         b.drop("s")
         with pytest.raises(flightq.NotFoundError, match="'s'"):
             a.put("s", keys, {**_scores(3), "bonus": np.zeros(3, np.float32)})
