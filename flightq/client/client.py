@@ -652,7 +652,12 @@ class Client:
         Raises
         ------
         UndeclaredFieldError, DTypeError, ShapeError, MissingFieldError, ConflictError
-            From the local encode or from the server; nothing is stored.
+            From the local encode or from the server; nothing is stored. Refused for its
+            columns or schema, the put first describes the partition again: where another
+            client dropped it and declared it with another schema since this client
+            learned it, the put goes once more under the new one.
+        NotFoundError
+            If the partition does not exist (or was dropped since).
 
         Tensors may be on a CUDA device: they are copied into pinned host memory on a side
         stream, each record batch encoded as soon as its rows have arrived (see
@@ -666,11 +671,16 @@ class Client:
         schema = self._partition_schema(partition)
         try:
             return self._put_as(partition, schema, keys, columns, tags, overwrite, timeout, put_id)
-        except SCHEMA_FAULTS:
+        except SCHEMA_FAULTS as refused:
             # The schema this client keeps for the partition may be stale: another client
             # dropped the partition and declared it again with another schema. Described
             # afresh; where it changed, the put (which stored nothing) goes once more.
-            fresh = self._schema_changed(partition, schema)
+            try:
+                fresh = self._schema_changed(partition, schema)
+            except NotFoundError:
+                raise  # the partition is gone: that, not the columns, is the error
+            except FlightqError as e:
+                raise refused from e  # the describe failed: the put's own error stands
             if fresh is None:
                 raise
         return self._put_as(partition, fresh, keys, columns, tags, overwrite, timeout, put_id)

@@ -226,7 +226,7 @@ class TransferQueue:
         return {"schema": spec} if isinstance(spec, str) else dict(spec)
 
     def _ensure(self, partition_id: str) -> None:
-        if partition_id in self._declared:
+        if self._declared.get(partition_id):  # a use: a busy partition stays known
             return
         d = self._declaration(partition_id)
         self.client.create_partition(
@@ -312,7 +312,9 @@ class TransferQueue:
         cols = {} if fields is None else fields
         try:
             self.client.put(partition_id, keys, cols, tags, overwrite=self.overwrite)
-        except NotFoundError:
+        except NotFoundError as e:
+            if type(e) is not NotFoundError or e.partition != partition_id:
+                raise  # not the partition itself (media the server no longer holds)
             # Dropped since this process declared it (another process, or the command
             # line): the first put declares it again, as TransferQueue creates one.
             self._declared.pop(partition_id)

@@ -174,17 +174,27 @@ class ShardedClient(Fanout):
             If ``group_size`` consecutive rows of a grouped partition do not share a
             routing key (a group would be split over shards).
         UnavailableError, and every error of :meth:`flightq.Client.put`
-            Naming the shard that failed and what was rolled back.
+            Naming the shard that failed and what was rolled back. Refused by its own
+            encode (nothing sent), the put describes the partition again and, where
+            another client declared it anew since (another schema or group size), goes
+            once more under that; refused by the shards for its schema
+            (``SchemaMismatchError``), it forgets the declaration it kept, so that the
+            next put goes under the new one.
         """
         schema, g = self._decl(partition)
         ks = list(keys)
         tg = None if tags is None else list(tags)
         try:
             parts = self._encode(partition, schema, g, ks, columns, tg)
-        except SCHEMA_FAULTS:
+        except SCHEMA_FAULTS as refused:
             # Refused by the local encode, before anything was sent: where the kept
             # declaration is stale (the partition declared again), once more with it fresh.
-            fresh = self._decl_changed(partition, schema)
+            try:
+                fresh = self._decl_changed(partition, (schema, g))
+            except NotFoundError:
+                raise  # the partition is gone: that, not the columns, is the error
+            except FlightqError as e:
+                raise refused from e  # the describe failed: the put's own error stands
             if fresh is None:
                 raise
             parts = self._encode(partition, *fresh, ks, columns, tg)

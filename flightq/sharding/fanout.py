@@ -144,13 +144,16 @@ class Fanout:
             self._decls[partition] = d
         return d
 
-    def _decl_changed(self, partition: str, kept: Schema) -> tuple[Schema, int | None] | None:
-        """The partition's declaration as the shards give it now, where its schema
-        differs from ``kept`` (another client dropped it and declared it again); None
-        where it does not."""
+    def _decl_changed(
+        self, partition: str, kept: tuple[Schema, int | None]
+    ) -> tuple[Schema, int | None] | None:
+        """The partition's declaration as the shards give it now, where its schema or
+        group size differs from ``kept`` (another client dropped it and declared it
+        again); None where neither does."""
         self._decls.pop(partition)
         fresh = self._decl(partition)
-        return None if fresh[0].fingerprint == kept.fingerprint else fresh
+        same = fresh[0].fingerprint == kept[0].fingerprint and fresh[1] == kept[1]
+        return None if same else fresh
 
     # ------------------------------------------------------------------ control
 

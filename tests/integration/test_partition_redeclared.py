@@ -84,8 +84,16 @@ def test_a_put_follows_a_partition_declared_again_with_a_new_version(server) -> 
         assert a.get("s", keys).schema.ref == "scored@2"
 
 
-def test_a_put_refused_for_its_own_columns_is_refused_once(server) -> None:
+def test_a_put_refused_for_its_own_columns_is_refused_once(server, monkeypatch) -> None:
     keys = [f"k{i}" for i in range(3)]
+    tries: list[str] = []
+    put_as = flightq.Client._put_as
+
+    def counted(self, partition, schema, *args, **kwargs):
+        tries.append(schema.ref)
+        return put_as(self, partition, schema, *args, **kwargs)
+
+    monkeypatch.setattr(flightq.Client, "_put_as", counted)
     with flightq.connect(server.location, timeout=TIMEOUT) as a:
         a.register_schema(V1)
         a.create_partition("s", V1, tasks=["t"])
@@ -95,9 +103,28 @@ def test_a_put_refused_for_its_own_columns_is_refused_once(server) -> None:
         with pytest.raises(flightq.DTypeError, match="score"):
             a.put("s", keys, {"score": np.zeros(3, np.float64)})
         stats = a.stats()
-        # One describe each (the schema kept is the server's), then the error: no loop.
+        # One describe each (the schema kept is the server's), then the error: the put
+        # is not made again under the same schema.
+        assert tries == ["scored@1", "scored@1"]
         assert stats["counters"]["actions"] - before == 3
         assert stats["partitions"]["s"]["rows"] == 0 and stats["counters"]["puts"] == 0
+
+
+def test_a_put_refused_for_its_columns_keeps_its_error_when_the_server_is_gone() -> None:
+    keys = [f"k{i}" for i in range(3)]
+    srv = flightq.Server().start()
+    try:
+        with flightq.connect(srv.location, timeout=2.0) as a:
+            a.register_schema(V1)
+            a.create_partition("s", V1, tasks=["t"])
+            srv.stop()
+            # The describe that would check the kept schema fails: the put's own error
+            # stands, the failed describe its cause.
+            with pytest.raises(flightq.UndeclaredFieldError, match="'bonus'") as got:
+                a.put("s", keys, {**_scores(3), "bonus": np.zeros(3, np.float32)})
+            assert isinstance(got.value.__cause__, flightq.FlightqError)
+    finally:
+        srv.stop()
 
 
 def test_a_put_to_a_partition_dropped_under_it_names_the_partition(server) -> None:

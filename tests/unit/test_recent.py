@@ -37,9 +37,18 @@ def test_writers_on_many_threads_never_pass_the_limit() -> None:
             r.get((t, i - 1))
             sizes.append(len(r))
 
-    threads = [threading.Thread(target=write, args=(t,)) for t in range(4)]
+    failed: list[BaseException] = []
+
+    def run(t: int) -> None:
+        try:
+            write(t)
+        except BaseException as e:  # a race surfaces here, not as a thread's traceback
+            failed.append(e)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
+    assert not failed, failed
     assert max(sizes) <= 50 and len(r) == 50
