@@ -193,6 +193,15 @@ def test_a_sigkilled_plain_consumer_without_a_session_gets_its_rows_back_after_t
 
 
 @pytest.mark.skipif(HAS_TORCH, reason="torch is installed: see the notorch run")
+def test_a_torch_get_without_torch_is_refused_at_the_call(client):
+    keys = _declare(client, "p", 4)
+    for kw in ({"as_": "torch"}, {}):  # {}: torch is the default
+        with pytest.raises(flightq.DecodeError, match="decoding to torch needs torch"):
+            client.get("p", keys, **kw)
+    assert client.get("p", keys, as_="numpy").keys == keys
+
+
+@pytest.mark.skipif(HAS_TORCH, reason="torch is installed: see the notorch run")
 def test_a_torch_claim_without_torch_is_refused_before_claiming_and_loses_no_row(client):
     keys = _declare(client, "p", 4)
     for kw in ({"as_": "torch"}, {}, {"as_": "tensordict"}):  # {}: torch is the default

@@ -81,7 +81,7 @@ def test_a_put_follows_a_partition_declared_again_with_a_new_version(server) -> 
         # The columns encode under a's kept V1 too: the server refuses the batch's schema
         # (SchemaMismatchError), and the put goes again under V2.
         assert a.put("s", keys, _scores(3)) == 3
-        assert a.get("s", keys).schema.ref == "scored@2"
+        assert a.get("s", keys, as_="numpy").schema.ref == "scored@2"
 
 
 def test_a_put_refused_for_its_own_columns_is_refused_once(server, monkeypatch) -> None:
@@ -149,7 +149,7 @@ def test_a_partition_per_step_leaves_a_client_remembering_the_last_ones(
             name = f"step{step}"
             trainer.create_partition(name, VLM, tasks=["t"])
             gen.put(name, keys, {**text_columns(keys), "pixel_values": [[img], [img]]})
-            assert len(trainer.get(name, keys)) == 2
+            assert len(trainer.get(name, keys, as_="numpy")) == 2
             if step > 1:  # the trainer drops what it has read (it keeps step0)
                 trainer.drop(f"step{step - 1}")
         for c in (gen, trainer):
@@ -191,4 +191,4 @@ def test_a_sharded_put_follows_a_partition_declared_again() -> None:
             with pytest.raises(flightq.SchemaMismatchError):
                 a.put("s", keys, _scores(6))
             assert a.put("s", keys, _scores(6)) == 6
-            assert a.get("s", keys).schema.ref == "scored@1"
+            assert a.get("s", keys, as_="numpy").schema.ref == "scored@1"
