@@ -451,9 +451,13 @@ class Batch:
         ------
         MissingFieldError
             If the batch does not carry the field.
+        DecodeError
+            If the batch was read ``as_='torch'`` (a get's default) and torch is not
+            installed: its keys and tags read, its columns need ``as_='numpy'``.
         """
         col = self._columns.get(name)
         if col is None:
+            check_as(self._as)  # typed, before any column imports torch
             if name not in self.fields:
                 raise MissingFieldError(
                     f"field {name!r} is not in this batch of {self.schema.ref}; present: "

@@ -941,8 +941,6 @@ class Client:
             Naming a requested field and the rows that lack it.
         DeviceError
             If ``device`` cannot be used here (no CUDA, no such device, ``as_='numpy'``).
-        DecodeError
-            ``as_='torch'`` (the default) without torch: pass ``as_='numpy'``.
         """
         f = None if fields is None else list(fields)
         t = GetTicket(partition=partition, keys=list(keys), fields=f)
@@ -950,7 +948,6 @@ class Client:
         what = f"get from {partition!r}"
         if dev is not None:
             return get_to_device(self._reader, dev, t, what, timeout, copy=copy, sync=sync)
-        check_as(as_)  # before the call, not at the first column read
         return read_keys(self._reader, t, what, timeout, as_, copy)
 
     @tensordict_reads

@@ -193,12 +193,14 @@ def test_a_sigkilled_plain_consumer_without_a_session_gets_its_rows_back_after_t
 
 
 @pytest.mark.skipif(HAS_TORCH, reason="torch is installed: see the notorch run")
-def test_a_torch_get_without_torch_is_refused_at_the_call(client):
+def test_a_torch_get_without_torch_reads_keys_and_tags_and_refuses_columns_typed(client):
     keys = _declare(client, "p", 4)
-    for kw in ({"as_": "torch"}, {}):  # {}: torch is the default
+    got = client.get("p", keys)  # as_="torch", the default: nothing is taken by a get
+    assert got.keys == keys and len(got.tags) == 4
+    for read in (lambda: got["input_ids"], lambda: got.column("input_ids"), got.to_dict):
         with pytest.raises(flightq.DecodeError, match="decoding to torch needs torch"):
-            client.get("p", keys, **kw)
-    assert client.get("p", keys, as_="numpy").keys == keys
+            read()
+    assert client.get("p", keys, as_="numpy")["input_ids"][0].dtype.kind == "i"
 
 
 @pytest.mark.skipif(HAS_TORCH, reason="torch is installed: see the notorch run")
