@@ -25,8 +25,8 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
 
@@ -279,6 +279,26 @@ SCHEMA_FAULTS = (
     ShapeError,
     MissingFieldError,
 )
+
+_D = TypeVar("_D")
+
+
+def redeclared(refused: FlightqError, describe: Callable[[], _D | None]) -> _D:
+    """The partition's declaration as ``describe`` gives it afresh, for a put ``refused``
+    for its columns or schema (one of :data:`SCHEMA_FAULTS`), where it changed since the
+    client learned it; otherwise ``refused`` again: where ``describe`` finds it unchanged
+    (None), or fails (its error the cause), but for a partition gone (``NotFoundError``,
+    raised as the error that stands)."""
+    try:
+        fresh = describe()
+    except NotFoundError:
+        raise  # the partition is gone: that, not the columns, is the error
+    except FlightqError as e:
+        raise refused from e  # the describe failed: the put's own error stands
+    if fresh is None:
+        raise refused
+    return fresh
+
 
 #: ``Client._act``'s rows for a reply that may name every row of a partition.
 _EVERY = 1 << 62
@@ -675,14 +695,7 @@ class Client:
             # The schema this client keeps for the partition may be stale: another client
             # dropped the partition and declared it again with another schema. Described
             # afresh; where it changed, the put (which stored nothing) goes once more.
-            try:
-                fresh = self._schema_changed(partition, schema)
-            except NotFoundError:
-                raise  # the partition is gone: that, not the columns, is the error
-            except FlightqError as e:
-                raise refused from e  # the describe failed: the put's own error stands
-            if fresh is None:
-                raise
+            fresh = redeclared(refused, lambda: self._schema_changed(partition, schema))
         return self._put_as(partition, fresh, keys, columns, tags, overwrite, timeout, put_id)
 
     def _schema_changed(self, partition: str, kept: Schema) -> Schema | None:
@@ -694,8 +707,7 @@ class Client:
         NotFoundError
             If the partition no longer exists.
         """
-        with self._lock:
-            self._schemas.pop(partition)
+        self._schemas.pop(partition)
         fresh = self._partition_schema(partition)
         if fresh.fingerprint == kept.fingerprint:
             return None

@@ -38,6 +38,7 @@ from ..client.client import (
     DEFAULT_MAX_BATCH_BYTES,
     DEFAULT_TIMEOUT,
     SCHEMA_FAULTS,
+    redeclared,
     resolve_schemas,
 )
 from ..client.interface import PutReceipt
@@ -189,14 +190,7 @@ class ShardedClient(Fanout):
         except SCHEMA_FAULTS as refused:
             # Refused by the local encode, before anything was sent: where the kept
             # declaration is stale (the partition declared again), once more with it fresh.
-            try:
-                fresh = self._decl_changed(partition, (schema, g))
-            except NotFoundError:
-                raise  # the partition is gone: that, not the columns, is the error
-            except FlightqError as e:
-                raise refused from e  # the describe failed: the put's own error stands
-            if fresh is None:
-                raise
+            fresh = redeclared(refused, lambda: self._decl_changed(partition, (schema, g)))
             parts = self._encode(partition, *fresh, ks, columns, tg)
         try:
             return self._put_parts(partition, parts, overwrite, timeout, put_id)
