@@ -27,7 +27,7 @@ import msgpack
 import pyarrow as pa
 
 from ..layout import KEY, SHAPE_SUFFIX, TAGS, arrow_schema
-from .media import Copy, media_column, piece_column, row_copies
+from .media import Copy, WholeAnswer, media_column, piece_answer, row_copies
 from .partition import Partition, Piece, Row
 
 if TYPE_CHECKING:
@@ -44,7 +44,12 @@ COALESCED_BYTES = 4 << 20
 
 
 def assemble(
-    p: Partition, rows: list[Row], fields: list[str], max_bytes: int, coalesce: bool = False
+    p: Partition,
+    rows: list[Row],
+    fields: list[str],
+    max_bytes: int,
+    coalesce: bool = False,
+    held: list[WholeAnswer] | None = None,
 ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     """The Arrow schema and record batches that serve ``rows`` with ``fields``.
 
@@ -55,7 +60,9 @@ def assemble(
     With ``coalesce``, consecutive slices of less than :data:`SMALL_RUN_BYTES` each (rows
     of many small puts, such as one prompt group of text each) are copied into one batch
     of up to :data:`COALESCED_BYTES` (never past ``max_bytes``): each record batch costs
-    both ends a fixed amount of work, more than copying a small one does.
+    both ends a fixed amount of work, more than copying a small one does. Where the
+    answer is stored batches whole, each one's :class:`~.media.WholeAnswer` is appended to
+    ``held`` (once the batches are made).
     """
     schema = arrow_schema(p.schema, fields)
     cols = [n for n in schema.names if n not in (KEY, TAGS)]
@@ -64,7 +71,7 @@ def assemble(
     roles = {f.name: f.role for f in p.schema.fields}
     media = [c for c in cols if roles.get(c) == "media"]
     if media:
-        return schema, _media_batches(rows, fields, schema, cols, media, max_bytes)
+        return schema, _media_batches(rows, fields, schema, cols, media, max_bytes, held)
 
     def runs() -> Iterator[tuple[int, int]]:
         # A run ends before the row that would take it past max_bytes: that is the row
@@ -259,6 +266,7 @@ def _media_batches(
     cols: list[str],
     media: list[str],
     max_bytes: int,
+    held: list[WholeAnswer] | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Record batches of rows with media: cut before the row that would take a batch
     past ``max_bytes`` (each distinct copy counted once; a row larger goes alone), each
@@ -266,7 +274,7 @@ def _media_batches(
     if not rows:
         yield pa.RecordBatch.from_pylist([], schema=schema)
         return
-    stored = _stored_batches(rows, schema, media, max_bytes)
+    stored = _stored_batches(rows, schema, media, max_bytes, held)
     if stored is not None:
         yield from stored
         return
@@ -274,7 +282,11 @@ def _media_batches(
 
 
 def _stored_batches(
-    rows: list[Row], schema: pa.Schema, media: list[str], max_bytes: int
+    rows: list[Row],
+    schema: pa.Schema,
+    media: list[str],
+    max_bytes: int,
+    held: list[WholeAnswer] | None = None,
 ) -> list[pa.RecordBatch] | None:
     """The answer as the stored batches themselves, where ``rows`` are every row of one
     or more stored batches, each in its order and unchanged (:attr:`Row.home`; the usual
@@ -283,8 +295,8 @@ def _stored_batches(
     media (or is one row), none shares a copy with another (a prompt group's image
     streamed in one put per row travels once per answer batch), and none but the last is
     under :data:`SMALL_RUN_BYTES`. Each media dictionary carries its batch's distinct
-    copies' payloads (:func:`~.media.piece_column`): no work per row. None otherwise."""
-    out: list[pa.RecordBatch] = []
+    copies' payloads (:func:`~.media.piece_answer`): no work per row. None otherwise."""
+    out: list[WholeAnswer] = []
     seen: set[int] = set()
     at = size = 0
     while at < len(rows):
@@ -300,22 +312,19 @@ def _stored_batches(
             h = row.home
             if h is None or h[0] is not pc or h[1] != k:
                 return None
-        batch = pc.batch
         size = sum(r.nbytes for r in run)
-        for name in media:
-            col, copies = piece_column(pc, name)
-            ids = set(map(id, copies))
-            if not seen.isdisjoint(ids):
-                return None
-            seen |= ids
-            size += sum(c.nbytes for c in copies)
-            i = schema.get_field_index(name)
-            batch = batch.set_column(i, schema.field(i), col)
+        whole = piece_answer(pc, schema, media, size)
+        if not seen.isdisjoint(whole.copies):
+            return None
+        seen |= whole.copies
+        size += whole.nbytes
         if size > max_bytes and n > 1:  # a row larger than that goes alone
             return None
-        out.append(batch)
+        out.append(whole)
         at += n
-    return out
+    if held is not None:
+        held.extend(out)
+    return [w.batch for w in out]
 
 
 def _cut_media_rows(

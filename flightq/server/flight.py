@@ -67,7 +67,7 @@ from .budget import DictionaryUse, check_batch, underlying_bytes
 from .exchange import serve_requests
 from .idle import DEFAULT_IDLE_TIMEOUT, MIDDLEWARE_KEY, IdleWatch
 from .limits import DEFAULT_MAX_CALLS, DEFAULT_MAX_SESSIONS, LIMITS_KEY, CallLimits
-from .media import media_piece
+from .media import WholeAnswer, media_piece
 from .metrics import Counters, call_kind
 from .partition import Block, Partition, Row
 from .putplan import Stored
@@ -576,12 +576,14 @@ class Server(fl.FlightServerBase):
             part, rows, names = self.store.rows_for_get(t.partition, t.keys, t.fields)
             if t.parts is not None:
                 rows = self.part_cuts.rows(t, part, rows, names)
-            schema, batches = self._assemble(t, part, rows, names, count)
-            return (*self._shm_reply(t, schema, batches, context), None)
+            wholes: list[WholeAnswer] = []
+            schema, batches = self._assemble(t, part, rows, names, count, wholes)
+            return (*self._shm_reply(t, schema, batches, context, wholes), None)
         if isinstance(t, ScanTicket):
             part, rows, names = self.store.scan(t.partition)
-            schema, batches = self._assemble(t, part, rows, names, count)
-            return (*self._shm_reply(t, schema, batches, context), None)
+            wholes = []
+            schema, batches = self._assemble(t, part, rows, names, count, wholes)
+            return (*self._shm_reply(t, schema, batches, context, wholes), None)
         assert isinstance(t, ClaimTicket)
         return self._claim_answer(t, context, count)
 
@@ -603,8 +605,9 @@ class Server(fl.FlightServerBase):
             park=lambda: self.limits.park(context),
         )
         try:
-            schema, batches = self._assemble(t, part, rows, names, count)
-            schema, batches = self._shm_reply(t, schema, batches, context)
+            wholes: list[WholeAnswer] = []
+            schema, batches = self._assemble(t, part, rows, names, count, wholes)
+            schema, batches = self._shm_reply(t, schema, batches, context, wholes)
             st = part.progress.tasks[task]
             grant = ClaimGrant(
                 claim=lease.id,
@@ -622,11 +625,17 @@ class Server(fl.FlightServerBase):
         return schema, batches, lambda sent=True: self.store.unclaim(name, lease, sent)
 
     def _assemble(
-        self, t: Ticket, part: Partition, rows: list[Row], names: list[str], count: bool = True
+        self,
+        t: Ticket,
+        part: Partition,
+        rows: list[Row],
+        names: list[str],
+        count: bool = True,
+        wholes: list[WholeAnswer] | None = None,
     ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
         """A read's answer: batches bounded for the socket (small slices copied together),
         large and as stored over shm, where the consumer maps them; ``count``: their bytes
-        count as sent as they go."""
+        count as sent as they go; ``wholes``: see :func:`~.assemble.assemble`."""
         self.counters.add({"get": "gets", "claim": "claims"}.get(t.op, "scans"))
         self.counters.add("rows_sent", len(rows))
         log.debug("%s of %d rows from %r", t.op, len(rows), t.partition)
@@ -635,7 +644,8 @@ class Server(fl.FlightServerBase):
         else:
             from ..shm import BATCH_BYTES
 
-            schema, batches = assemble(part, rows, names, max(self.max_batch_bytes, BATCH_BYTES))
+            limit = max(self.max_batch_bytes, BATCH_BYTES)
+            schema, batches = assemble(part, rows, names, limit, held=wholes)
         return schema, self._sent(batches) if count else batches
 
     def _sent(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -792,6 +802,7 @@ class Server(fl.FlightServerBase):
             for p in pieces:
                 p.batch = _own_copy(p.batch)
                 p.block = None
+                p.answer_whole = None  # an answer kept meanwhile would hold the segment
         else:
             # The first piece of the segment's block: the one that reserves it.
             pc = next((p for p in pieces if p.block is not None), None)
@@ -843,8 +854,10 @@ class Server(fl.FlightServerBase):
         schema: pa.Schema,
         batches: Iterator[pa.RecordBatch],
         context: fl.ServerCallContext | None,
+        wholes: list[WholeAnswer] | None = None,
     ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
-        """A read's answer: the batches, or (ticket ``shm``) the segment holding them."""
+        """A read's answer: the batches, or (ticket ``shm``) the segment holding them;
+        ``wholes``: the stored batches answered whole, once the batches are made."""
         if not t.shm:
             return schema, batches
         from .. import shm
@@ -865,7 +878,7 @@ class Server(fl.FlightServerBase):
                 )
         whole = list(batches)
         wrote: list[dict[str, Any]] = []
-        got = shmtable.answer(pool, schema, whole, what, self._answer_room, wrote)
+        got = shmtable.answer(pool, schema, whole, what, self._answer_room, wrote, wholes)
         if got is None:  # no room for it to wait for its reader: over the socket
             self.counters.add("shm_answers_declined")
             return schema, iter(whole)

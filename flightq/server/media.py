@@ -23,7 +23,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -58,6 +58,9 @@ __all__ = [
     "waiting_homes",
     "media_column",
     "same_media",
+    "piece_answer",
+    "WholeAnswer",
+    "KEEP_ANSWER_BYTES",
     "grouped_by_media",
 ]
 
@@ -379,10 +382,17 @@ def _entries_of(copies: list[Copy]) -> pa.Array:
     consecutive entries of one home, else a copy of their bytes."""
     if not copies:
         return _empty_entries(0)
-    home, first = copies[0].home, copies[0].index
-    if all(c.home is home and c.index == first + k for k, c in enumerate(copies)):
-        return home.entries.slice(first, len(copies))
+    if _consecutive(copies):
+        return copies[0].home.entries.slice(copies[0].index, len(copies))
     return pa.concat_arrays([c.entry for c in copies])
+
+
+def _consecutive(copies: list[Copy]) -> bool:
+    """Whether the copies are consecutive entries of one home (one zero-copy slice)."""
+    if not copies:
+        return True
+    home, first = copies[0].home, copies[0].index
+    return all(c.home is home and c.index == first + k for k, c in enumerate(copies))
 
 
 def _with_entries(col: pa.Array, found: list[Copy | None] | None) -> pa.Array:
@@ -531,25 +541,106 @@ def media_column(cells: list[tuple[Piece, int, int] | None], name: str) -> tuple
     return out, sum(c.nbytes for c in order)
 
 
-def piece_column(pc: Piece, name: str) -> tuple[pa.Array, list[Copy]]:
+def piece_column(pc: Piece, name: str) -> tuple[pa.Array, list[Copy], bool]:
     """Media column ``name`` of every row of ``pc``, for an answer: the stored column with
-    each distinct copy's payload once in its dictionary, and those copies. Entries that
-    name one copy (equal payloads of one put, such as a size tensor many images share)
-    become one; where none do, the stored indices go as they are."""
+    each distinct copy's payload once in its dictionary, those copies, and whether the
+    dictionary is a view of their homes (no payload copied). Entries that name one copy
+    (equal payloads of one put, such as a size tensor many images share) become one;
+    where none do, the stored indices go as they are."""
     col = pc.batch.column(name)
     copies = pc.media.get(name)
     if not copies:
-        return col, []  # no row has a segment: nothing to fill in
+        return col, [], True  # no row has a segment: nothing to fill in
     made = pc.answer_entries.get(name)
     if made is None:
         made = pc.answer_entries[name] = _answer_entries(copies, pc.media_index[name])
     distinct, remap = made
+    entries, at = _dictionary_of(distinct)
+    if at is not None:
+        remap = at if remap is None else at[remap]
     indices = col.values.indices
     if remap is not None:
         indices = pa.array(remap[indices.to_numpy(zero_copy_only=False)], type=indices.type)
-    out = pa.DictionaryArray.from_arrays(indices, _entries_of(distinct))
+    out = pa.DictionaryArray.from_arrays(indices, entries)
     mask = col.is_null() if col.null_count else None
-    return pa.LargeListArray.from_arrays(col.offsets, out, mask=mask), distinct
+    col = pa.LargeListArray.from_arrays(col.offsets, out, mask=mask)
+    return col, distinct, at is not None or _consecutive(distinct)
+
+
+#: Payload bytes of entries no answer row uses that a dictionary sent as a view of its
+#: home may carry between the ones it uses (an answer's small size tensors: see
+#: :func:`_dictionary_of`).
+SPARE_ENTRY_BYTES = 64 << 10
+
+
+def _dictionary_of(copies: list[Copy]) -> tuple[pa.Array, np.ndarray | None]:
+    """One large_binary dictionary holding each copy's payload, and where each copy's
+    entry is in it (None: in order). A zero-copy slice of their home where they are
+    consecutive entries of it, or where they are entries of one home with at most
+    :data:`SPARE_ENTRY_BYTES` of others between them (a piece's distinct size tensors:
+    equal ones share a copy, so the ones left are scattered); a copy of their bytes
+    otherwise."""
+    if len(copies) > 1 and not _consecutive(copies):
+        home = copies[0].home
+        if all(c.home is home for c in copies):
+            at = np.fromiter((c.index for c in copies), dtype=np.int64, count=len(copies))
+            lo, hi = int(at.min()), int(at.max()) + 1
+            span = home.entries.slice(lo, hi - lo)
+            offsets = binary_offsets(span)
+            spare = int(offsets[-1] - offsets[0]) - sum(c.nbytes for c in copies)
+            if spare <= SPARE_ENTRY_BYTES:
+                return span, (at - lo).astype(np.int32)
+    return _entries_of(copies), None
+
+
+#: Fewest bytes (rows and media) of a stored batch answered whole whose answer form is
+#: kept on its piece: what the form holds beside the piece's own memory (Python objects,
+#: a few kB for a schema of tens of fields) stays a small share of what the piece counts.
+KEEP_ANSWER_BYTES = 1 << 20
+
+
+@dataclass(eq=False)
+class WholeAnswer:
+    """A stored batch as an answer sends it whole: the batch with each media column's
+    distinct copies in its dictionary (:func:`piece_column`), those copies' identities
+    and bytes; where it is kept on its piece (``kept``), also what
+    :mod:`flightq.shm.table` found describing it (``described``)."""
+
+    source: pa.RecordBatch
+    media: tuple[str, ...]
+    batch: pa.RecordBatch
+    copies: frozenset[int]
+    nbytes: int
+    kept: bool = False
+    described: Any = None
+
+
+def piece_answer(pc: Piece, schema: pa.Schema, media: list[str], rows_nbytes: int) -> WholeAnswer:
+    """Every row of ``pc`` (``rows_nbytes`` bytes without media) with the columns of
+    ``schema`` (the piece's own), its media columns filled in as :func:`piece_column`
+    makes them. Kept on the piece for the next answer (a step is read by several
+    workers) where no payload was copied for it and it holds at least
+    :data:`KEEP_ANSWER_BYTES`: the batch then holds only memory the piece's copies hold
+    anyway, and dies with the piece."""
+    made = pc.answer_whole
+    if made is not None and made.source is pc.batch and made.media == tuple(media):
+        return made
+    source = batch = pc.batch
+    ids: set[int] = set()
+    nbytes = 0
+    viewed = True
+    for name in media:
+        col, distinct, view = piece_column(pc, name)
+        ids.update(map(id, distinct))
+        nbytes += sum(c.nbytes for c in distinct)
+        viewed = viewed and view
+        i = schema.get_field_index(name)
+        batch = batch.set_column(i, schema.field(i), col)
+    kept = viewed and rows_nbytes + nbytes >= KEEP_ANSWER_BYTES
+    made = WholeAnswer(source, tuple(media), batch, frozenset(ids), nbytes, kept)
+    if kept:
+        pc.answer_whole = made
+    return made
 
 
 def _answer_entries(copies: list[Copy], index: np.ndarray) -> tuple[list[Copy], np.ndarray | None]:

@@ -137,6 +137,9 @@ class Piece:
     answer_entries: dict[str, tuple[list[Copy], np.ndarray | None]] = field(
         default_factory=dict, repr=False
     )
+    #: The piece as an answer sends it whole (:func:`~.media.piece_answer`), kept where
+    #: making it copied no payload; made on first use, for the batch it was made from.
+    answer_whole: Any = field(default=None, repr=False)
 
     @property
     def cost(self) -> int:

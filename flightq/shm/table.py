@@ -26,7 +26,7 @@ whose put bytes did not come through shared memory and exceed :data:`INLINE_BYTE
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -54,8 +54,12 @@ class _Unsupported(Exception):
 class _Describer:
     """Names each buffer of an answer by segment and offset, collecting the others."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = False) -> None:
         self.segments: list[dict[str, Any]] = []
+        #: With ``keep``: the mapped segments' own references (a kept description checks
+        #: each is still there at every answer), and every segment counted live.
+        self.refs: list[dict[str, Any]] = []
+        self._keep = keep
         self._index: dict[tuple[str, int], int | None] = {}
         self.extra: list[tuple[int, pa.Buffer]] = []
         self.extra_refs: list[list[int]] = []
@@ -70,10 +74,11 @@ class _Describer:
             key = (ref["path"], ref["gen"])
             if key not in self._index:
                 # A file its owner unlinked (it exited) cannot be opened: copy its bytes.
-                live = still_there(ref)
+                live = self._keep or still_there(ref)
                 self._index[key] = len(self.segments) if live else None
                 if live:
                     self.segments.append({k: ref[k] for k in ("path", "gen", "nbytes")})
+                    self.refs.append(ref)
             i = self._index[key]
             if i is not None:
                 return [i, offset, buf.size]
@@ -83,6 +88,36 @@ class _Describer:
         out = [-1, at, buf.size]
         self.extra_refs.append(out)
         return out
+
+    def whole(self, w: Any) -> dict[str, Any]:
+        """A stored batch answered whole (:class:`flightq.server.media.WholeAnswer`): its
+        table entry from what describing it the first time found (kept on ``w``), its
+        buffers' segments and inline bytes numbered for this answer. Raises
+        :class:`_Stale` where one of its segments is gone (describe it afresh)."""
+        t = w.described
+        if t is None:
+            t = w.described = _Template(w.batch)
+        at: list[int] = []
+        for ref in t.segments:
+            key = (ref["path"], ref["gen"])
+            if key not in self._index:
+                live = still_there(ref)
+                self._index[key] = len(self.segments) if live else None
+                if live:
+                    self.segments.append({k: ref[k] for k in ("path", "gen", "nbytes")})
+            i = self._index[key]
+            if i is None:
+                raise _Stale
+            at.append(i)
+        base = self.extra_bytes
+        self.extra.extend((base + off, buf) for off, buf in t.extra)
+        self.extra_bytes = base + t.extra_bytes
+        refs = self.extra_refs
+        return {"n": t.rows, "c": [_numbered(c, at, base, refs) for c in t.columns]}
+
+    def batch(self, b: pa.RecordBatch) -> dict[str, Any]:
+        """A batch's table entry, buffer by buffer."""
+        return {"n": b.num_rows, "c": [self.array(c) for c in b.columns]}
 
     def array(self, a: pa.Array) -> dict[str, Any]:
         t = a.type
@@ -104,6 +139,52 @@ class _Describer:
         }
 
 
+class _Stale(Exception):
+    """A kept description names a segment no longer there: describe the batch afresh."""
+
+
+class _Template:
+    """A batch's table entry as describing it found it, each segment numbered by its
+    place in :attr:`segments` and each inline buffer by its offset in :attr:`extra`."""
+
+    def __init__(self, batch: pa.RecordBatch) -> None:
+        d = _Describer(keep=True)
+        self.rows = batch.num_rows
+        self.columns = d.batch(batch)["c"]
+        self.segments = d.refs
+        self.extra = d.extra
+        self.extra_bytes = d.extra_bytes
+
+
+def _numbered(
+    desc: dict[str, Any], at: list[int], base: int, extra_refs: list[list[int]]
+) -> dict[str, Any]:
+    """A kept array description with its segments at ``at`` and inline bytes from
+    ``base``: new lists throughout (an answer may renumber the inline ones later)."""
+    if "i" in desc:
+        return {
+            "i": _numbered(desc["i"], at, base, extra_refs),
+            "d": _numbered(desc["d"], at, base, extra_refs),
+        }
+    bufs: list[list[int] | None] = []
+    for ref in desc["b"]:
+        if ref is None:
+            bufs.append(None)
+        elif ref[0] >= 0:
+            bufs.append([at[ref[0]], ref[1], ref[2]])
+        else:
+            out = [-1, base + ref[1], ref[2]]
+            extra_refs.append(out)
+            bufs.append(out)
+    return {
+        "n": desc["n"],
+        "o": desc["o"],
+        "z": desc["z"],
+        "b": bufs,
+        "c": [_numbered(c, at, base, extra_refs) for c in desc["c"]],
+    }
+
+
 def answer(
     pool: SegmentPool,
     schema: pa.Schema,
@@ -111,6 +192,7 @@ def answer(
     what: str,
     room: Callable[[], AbstractContextManager[Callable[[int], bool]]] | None = None,
     wrote: list[dict[str, Any]] | None = None,
+    wholes: Sequence[Any] | None = None,
 ) -> tuple[pa.Schema, list[pa.RecordBatch]] | None:
     """A read's answer over shared memory: the one-row stream that names its bytes.
 
@@ -119,13 +201,14 @@ def answer(
     reader (asked for the least file first, then for what a larger one reused adds).
     None when it may not, or when the directory has no room for the segment (the caller
     answers over the socket). The reference of a segment written is appended to
-    ``wrote``.
+    ``wrote``. ``wholes``: where the batches are stored batches answered whole, their
+    :class:`~flightq.server.media.WholeAnswer` (each keeps its description for the next
+    answer).
     """
     batches = list(batches)
-    d = _Describer()
     with contextlib.nullcontext(None) if room is None else room() as admit:
         try:
-            table = [{"n": b.num_rows, "c": [d.array(c) for c in b.columns]} for b in batches]
+            d, table = _described(batches, wholes)
         except _Unsupported:
             try:
                 ref = pool.write(schema, batches, what, admit=admit)
@@ -159,6 +242,24 @@ def answer(
             "batches": table,
         }
     )
+
+
+def _described(
+    batches: list[pa.RecordBatch], wholes: Sequence[Any] | None
+) -> tuple[_Describer, list[dict[str, Any]]]:
+    """The answer's table entries, and what named their buffers: stored batches answered
+    whole (``wholes``, one per batch) from their kept descriptions, other batches buffer
+    by buffer."""
+    if (
+        wholes is not None
+        and len(wholes) == len(batches)
+        and all(w.batch is b for w, b in zip(wholes, batches, strict=True))
+    ):
+        d = _Describer()
+        with contextlib.suppress(_Stale):  # a segment went: located afresh below
+            return d, [d.whole(w) if w.kept else d.batch(w.batch) for w in wholes]
+    d = _Describer()
+    return d, [d.batch(b) for b in batches]
 
 
 def _reply(body: dict[str, Any]) -> tuple[pa.Schema, list[pa.RecordBatch]]:

@@ -246,11 +246,52 @@ def test_a_read_maps_the_servers_copy_of_the_put_and_copies_nothing_more(server,
     assert put_seg not in client.shm_pool.paths()
     batch = client.get("m", step.keys, as_="numpy")
     assert assert_rows_match(batch, step) > 0
-    for field in ("pixel_values", "input_ids"):
+    # Size tensors too: equal ones share one stored copy, so the distinct ones are
+    # scattered among the put's entries; the answer names them where the put left them.
+    for field in ("pixel_values", "input_ids", "imgs_sizes", "num_frames"):
         row = next(r for r in batch[field] if r is not None and len(r))
         view = row[0] if isinstance(row, list) else row
-        assert _mapped_files(view.__array_interface__["data"][0]) == [put_seg]
+        assert _mapped_files(view.__array_interface__["data"][0]) == [put_seg], field
     assert server.shm_pool.paths() == []  # no answer needed a segment of its own
+
+
+def _pieces(server: flightq.Server, partition: str) -> list:
+    rows = server.store.partition(partition).rows.values()
+    return list({id(r.home[0]): r.home[0] for r in rows if r.home is not None}.values())
+
+
+def test_a_stored_batch_read_again_is_answered_from_its_kept_description(server, client):
+    # A step is read by several workers: the answer form of each stored batch read whole
+    # (media dictionaries, buffer table) is worked out once, kept on the piece, and
+    # numbered afresh for each answer; a segment that went since is located afresh.
+    step = workloads.w2(groups=2)
+    client.create_partition("k", step.schema, group_size=step.group_size)
+    client.put("k", step.keys, step.columns, tags=step.tags)
+    first = client.get("k", step.keys, as_="numpy")
+    assert assert_rows_match(first, step) > 0
+    pieces = _pieces(server, "k")
+    assert pieces and all(pc.answer_whole is not None for pc in pieces)
+    described = [pc.answer_whole.described for pc in pieces]
+    assert all(d is not None for d in described)
+    (put_seg,) = _stores()
+    for _ in range(2):
+        again = client.get("k", step.keys, as_="numpy")
+        assert assert_rows_match(again, step) > 0
+        row = next(r for r in again["pixel_values"] if r)
+        assert _mapped_files(row[0].__array_interface__["data"][0]) == [put_seg]
+    assert [pc.answer_whole.described for pc in pieces] == described  # the same, kept
+    # A subset of the rows is no stored batch whole: described buffer by buffer.
+    half = client.get("k", step.keys[::2], as_="numpy")
+    assert half.keys == step.keys[::2]
+    # The file goes (a process that may write in the directory unlinked it): the kept
+    # description names a segment no reader can open, so the answer copies the bytes.
+    written = len(server.shm_pool.paths())
+    os.unlink(put_seg)
+    gone = client.get("k", step.keys, as_="numpy")
+    assert assert_rows_match(gone, step) > 0
+    row = next(r for r in gone["pixel_values"] if r)
+    assert put_seg not in _mapped_files(row[0].__array_interface__["data"][0])
+    assert len(server.shm_pool.paths()) == written + 1  # the answer's own segment
 
 
 def test_rows_written_over_the_socket_read_back_over_shm(server, client):

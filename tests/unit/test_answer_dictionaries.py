@@ -1,0 +1,68 @@
+"""The media dictionary of a stored batch answered whole (``flightq.server.media``): a
+view of the memory the put left where its copies allow one, a copy of their bytes only
+otherwise; and no more unused bytes between them than the limit says."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from flightq.server import media
+from flightq.server.media import SPARE_ENTRY_BYTES, Copy, Home
+
+
+def _home(sizes: list[int]) -> Home:
+    entries = pa.array([bytes([i % 251]) * n for i, n in enumerate(sizes)], pa.large_binary())
+    return Home(entries, entries.get_total_buffer_size())
+
+
+def _copies(home: Home, at: list[int]) -> list[Copy]:
+    sizes = np.diff(np.frombuffer(home.entries.buffers()[1], dtype=np.int64))
+    return [Copy(("f", b"", ()), home, i, int(sizes[i])) for i in at]
+
+
+def _data_address(a: pa.Array) -> int:
+    return a.buffers()[2].address
+
+
+def _payloads(entries: pa.Array, at: np.ndarray | None, n: int) -> list[bytes]:
+    where = range(n) if at is None else at.tolist()
+    return [entries[int(i)].as_py() for i in where]
+
+
+def test_consecutive_copies_are_a_slice_of_their_home() -> None:
+    home = _home([8] * 10)
+    copies = _copies(home, [3, 4, 5])
+    entries, at = media._dictionary_of(copies)
+    assert at is None and len(entries) == 3
+    assert _data_address(entries) == _data_address(home.entries)
+    assert _payloads(entries, at, 3) == [home.entries[i].as_py() for i in (3, 4, 5)]
+
+
+def test_scattered_small_copies_are_a_slice_with_their_places() -> None:
+    # Equal size tensors share one copy: the distinct ones lie scattered in the put's
+    # dictionary, with a few small unused entries between them.
+    home = _home([8] * 100)
+    want = [0, 7, 40, 99]
+    copies = _copies(home, want)
+    entries, at = media._dictionary_of(copies)
+    assert at is not None and at.dtype == np.int32
+    assert _data_address(entries) == _data_address(home.entries)  # nothing copied
+    assert _payloads(entries, at, 4) == [home.entries[i].as_py() for i in want]
+
+
+def test_copies_with_more_unused_bytes_between_them_are_copied() -> None:
+    home = _home([8, SPARE_ENTRY_BYTES + 1, 8])
+    copies = _copies(home, [0, 2])
+    entries, at = media._dictionary_of(copies)
+    assert at is None and len(entries) == 2
+    assert _data_address(entries) != _data_address(home.entries)
+    assert entries.to_pylist() == [home.entries[0].as_py(), home.entries[2].as_py()]
+
+
+def test_copies_of_two_homes_are_copied() -> None:
+    a, b = _home([8, 8]), _home([8, 8])
+    copies = [*_copies(a, [1]), *_copies(b, [0])]
+    entries, at = media._dictionary_of(copies)
+    assert at is None
+    assert entries.to_pylist() == [a.entries[1].as_py(), b.entries[0].as_py()]
