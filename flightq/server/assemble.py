@@ -27,7 +27,7 @@ import msgpack
 import pyarrow as pa
 
 from ..layout import KEY, SHAPE_SUFFIX, TAGS, arrow_schema
-from .media import Copy, WholeAnswer, media_column, piece_answer, row_copies
+from .media import Copy, Home, WholeAnswer, media_column, piece_answer, row_copies
 from .partition import Partition, Piece, Row
 
 if TYPE_CHECKING:
@@ -342,30 +342,62 @@ def _cut_media_rows(
     rows would not all fit it: the put cut its batches so that each fits and keeps its
     prompt groups whole, and each answer batch's images are then one slice of one stored
     dictionary, not a copy. Likewise before a row that brings an image, if the rows that
-    share it would not fit: a group's image travels once."""
+    share it would not fit: a group's image travels once.
+
+    It is also cut before a row whose new images lie in another put's dictionary than
+    the batch's images of that field (a prompt group a put cut in two, rows of another
+    step) where joining them would copy at least :data:`SMALL_RUN_BYTES` of payloads
+    (small ones, such as size tensors equal to another put's, are copied together):
+    one dictionary cannot be a view of two, and a record batch more costs less than
+    such a copy (through shared memory, a copy and a segment of the server's own)."""
     mines = [{id(c): c for c in row_copies(row, media)} for row in rows]
     pieces = [_media_piece(row, media) for row in rows]
     start = acc = 0
     seen: set[int] = set()
     keys: set[str] = set()
+    homes: dict[str, Home] = {}  # per media field, the dictionary its payloads are in
+    payloads: dict[str, int] = {}  # per media field, the bytes of its payloads
     last: Piece | None = None  # the stored batch of the last media cell so far
     for i, row in enumerate(rows):
         mine = mines[i]
         piece = pieces[i]
         if i > start and _cut_ahead(rows, mines, pieces, i, last, seen, max_bytes - acc):
             yield _joined_rows(rows[start:i], fields, schema, cols, media)
-            start, acc, seen, keys = i, 0, set(), set()
+            start, acc, seen, keys, homes, payloads = i, 0, set(), set(), {}, {}
         if piece is not None:
             last = piece
-        size = row.nbytes + sum(c.nbytes for k, c in mine.items() if k not in seen)
-        if i > start and (acc + size > max_bytes or row.key in keys):
+        new = [c for k, c in mine.items() if k not in seen]
+        brings = sum(c.nbytes for c in new)
+        if i > start and (
+            acc + row.nbytes + brings > max_bytes
+            or row.key in keys
+            or _copied_if_joined(new, homes, payloads) >= SMALL_RUN_BYTES
+        ):
             yield _joined_rows(rows[start:i], fields, schema, cols, media)
-            start, acc, seen, keys = i, 0, set(), set()
-            size = row.nbytes + sum(c.nbytes for c in mine.values())
-        acc += size
+            start, acc, seen, keys, homes, payloads = i, 0, set(), set(), {}, {}
+            new = list(mine.values())
+            brings = sum(c.nbytes for c in new)
+        for c in new:
+            homes.setdefault(c.key[0], c.home)
+            payloads[c.key[0]] = payloads.get(c.key[0], 0) + c.nbytes
+        acc += row.nbytes + brings
         seen.update(mine)
         keys.add(row.key)
     yield _joined_rows(rows[start:], fields, schema, cols, media)
+
+
+def _copied_if_joined(copies: list[Copy], homes: dict[str, Home], held: dict[str, int]) -> int:
+    """The payload bytes that joining ``copies`` to a batch would copy: every payload of
+    each media field where one of them lies in another dictionary than the batch's
+    (``homes``; ``held``: the bytes of the batch's payloads, per field)."""
+    adds: dict[str, int] = {}
+    moved: set[str] = set()
+    for c in copies:
+        f = c.key[0]
+        adds[f] = adds.get(f, 0) + c.nbytes
+        if homes.get(f, c.home) is not c.home:
+            moved.add(f)
+    return sum(held.get(f, 0) + adds[f] for f in moved)
 
 
 def _media_piece(row: Row, media: list[str]) -> Piece | None:

@@ -535,7 +535,10 @@ def media_column(cells: list[tuple[Piece, int, int] | None], name: str) -> tuple
         else:
             nulls.extend([False] * n)
     idx_all = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-    segs = pa.DictionaryArray.from_arrays(pa.array(idx_all, type=pa.int32()), _entries_of(order))
+    entries, places = _dictionary_of(order)
+    if places is not None:
+        idx_all = places[idx_all]
+    segs = pa.DictionaryArray.from_arrays(pa.array(idx_all, type=pa.int32()), entries)
     mask = pa.array(nulls, type=pa.bool_()) if any(nulls) else None
     out = pa.LargeListArray.from_arrays(pa.array(offsets, type=pa.int64()), segs, mask=mask)
     return out, sum(c.nbytes for c in order)

@@ -294,6 +294,28 @@ def test_a_stored_batch_read_again_is_answered_from_its_kept_description(server,
     assert len(server.shm_pool.paths()) == written + 1  # the answer's own segment
 
 
+def test_a_claim_of_rows_two_puts_wrote_copies_no_image(server, client):
+    # A generator put a prompt group's rows in two puts, as they finished (or one put's
+    # record batches split the group): the claim's answer is cut where the images move
+    # to the second put's dictionary, each part's images named where their put left
+    # them; joining them would copy every image into a segment of the server's own.
+    step = workloads.w2(groups=1)
+    client.create_partition("two", step.schema, tasks=["train"])  # rows come as they end
+    for lo, hi in ((0, 5), (5, step.rows)):
+        cols = {name: col[lo:hi] for name, col in step.columns.items()}
+        client.put("two", step.keys[lo:hi], cols, tags=step.tags[lo:hi])
+    stored = _stores()
+    got = client.claim("two", "train", step.rows, timeout=TIMEOUT, as_="numpy")
+    assert got.keys == step.keys and len(got.parts) == 2
+    assert assert_rows_match(got, step) > 0
+    for row in got["pixel_values"]:
+        for image in row or ():
+            (where,) = _mapped_files(image.__array_interface__["data"][0])
+            assert where in stored
+    assert server.shm_pool.paths() == []  # no answer needed a segment of its own
+    client.ack(got)
+
+
 def test_rows_written_over_the_socket_read_back_over_shm(server, client):
     # Small answers travel inline in the table; large ones through one server segment.
     step = workloads.w1(groups=1)
