@@ -366,3 +366,16 @@ def test_the_cuda_get_benchmark_times_the_parts_a_cpu_can_run(capsys: Any) -> No
         assert f"  {part} " in out, part
     assert "MiB to the device" in out
     assert "get cuda" not in out and "to device" not in out
+
+
+def test_the_server_trees_benchmark_checks_and_times_each_servers_reads(capsys: Any) -> None:
+    trees = _script("server_trees")
+    # Two servers of this tree: W4's prompt groups, claimed through shared memory, and a
+    # get over the socket; each client's first reads are checked against the step.
+    got = trees.measure([".", "."], "W4", mode="claim", shm=True, rounds=2, gets=1)
+    assert [t for t, _ in got] == [".", "."]
+    assert all(len(rounds) == 2 and rounds[0][0] > 0 for _, rounds in got)
+    assert trees.main(["--trees", ".,.", "--workload", "W4", "--rounds", "1", "--gets", "1"]) == 0
+    assert "W4 get as numpy over socket" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="mode must be"):
+        trees.measure(["."], "W4", mode="scan")
