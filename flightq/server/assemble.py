@@ -312,12 +312,11 @@ def _stored_batches(
             h = row.home
             if h is None or h[0] is not pc or h[1] != k:
                 return None
-        size = sum(r.nbytes for r in run)
-        whole = piece_answer(pc, schema, media, size)
+        whole = piece_answer(pc, schema, media)
         if not seen.isdisjoint(whole.copies):
             return None
         seen |= whole.copies
-        size += whole.nbytes
+        size = sum(r.nbytes for r in run) + whole.nbytes
         if size > max_bytes and n > 1:  # a row larger than that goes alone
             return None
         out.append(whole)

@@ -802,7 +802,6 @@ class Server(fl.FlightServerBase):
             for p in pieces:
                 p.batch = _own_copy(p.batch)
                 p.block = None
-                p.answer_whole = None  # an answer kept meanwhile would hold the segment
         else:
             # The first piece of the segment's block: the one that reserves it.
             pc = next((p for p in pieces if p.block is not None), None)

@@ -572,15 +572,17 @@ def piece_column(pc: Piece, name: str) -> tuple[pa.Array, list[Copy], bool]:
 
 #: Payload bytes of entries no answer row uses that a dictionary sent as a view of its
 #: home may carry between the ones it uses (an answer's small size tensors: see
-#: :func:`_dictionary_of`).
+#: :func:`_dictionary_of`): at most this, and at most the bytes it uses or
+#: :data:`_SPARE_FLOOR`, whichever is more (over the socket they are sent).
 SPARE_ENTRY_BYTES = 64 << 10
+_SPARE_FLOOR = 4 << 10
 
 
 def _dictionary_of(copies: list[Copy]) -> tuple[pa.Array, np.ndarray | None]:
     """One large_binary dictionary holding each copy's payload, and where each copy's
     entry is in it (None: in order). A zero-copy slice of their home where they are
-    consecutive entries of it, or where they are entries of one home with at most
-    :data:`SPARE_ENTRY_BYTES` of others between them (a piece's distinct size tensors:
+    consecutive entries of it, or where they are entries of one home with few bytes of
+    others between them (:data:`SPARE_ENTRY_BYTES`; a piece's distinct size tensors:
     equal ones share a copy, so the ones left are scattered); a copy of their bytes
     otherwise."""
     if len(copies) > 1 and not _consecutive(copies):
@@ -590,15 +592,17 @@ def _dictionary_of(copies: list[Copy]) -> tuple[pa.Array, np.ndarray | None]:
             lo, hi = int(at.min()), int(at.max()) + 1
             span = home.entries.slice(lo, hi - lo)
             offsets = binary_offsets(span)
-            spare = int(offsets[-1] - offsets[0]) - sum(c.nbytes for c in copies)
-            if spare <= SPARE_ENTRY_BYTES:
+            used = sum(c.nbytes for c in copies)
+            spare = int(offsets[-1] - offsets[0]) - used
+            if spare <= min(SPARE_ENTRY_BYTES, max(used, _SPARE_FLOOR)):
                 return span, (at - lo).astype(np.int32)
     return _entries_of(copies), None
 
 
-#: Fewest bytes (rows and media) of a stored batch answered whole whose answer form is
-#: kept on its piece: what the form holds beside the piece's own memory (Python objects,
-#: a few kB for a schema of tens of fields) stays a small share of what the piece counts.
+#: Fewest bytes a piece counts itself (its rows and the payloads it brought) for the
+#: answer form of its batch read whole to be kept on it: what the form holds beside the
+#: piece's own memory (Python objects, 9-20 kB for a schema of tens of fields) stays a
+#: small share of what the budget counts for the piece.
 KEEP_ANSWER_BYTES = 1 << 20
 
 
@@ -618,13 +622,14 @@ class WholeAnswer:
     described: Any = None
 
 
-def piece_answer(pc: Piece, schema: pa.Schema, media: list[str], rows_nbytes: int) -> WholeAnswer:
-    """Every row of ``pc`` (``rows_nbytes`` bytes without media) with the columns of
-    ``schema`` (the piece's own), its media columns filled in as :func:`piece_column`
-    makes them. Kept on the piece for the next answer (a step is read by several
-    workers) where no payload was copied for it and it holds at least
-    :data:`KEEP_ANSWER_BYTES`: the batch then holds only memory the piece's copies hold
-    anyway, and dies with the piece."""
+def piece_answer(pc: Piece, schema: pa.Schema, media: list[str]) -> WholeAnswer:
+    """Every row of ``pc`` with the columns of ``schema`` (the piece's own), its media
+    columns filled in as :func:`piece_column` makes them. Kept on the piece for the next
+    answer (a step is read by several workers) where no payload was copied for it and
+    the piece counts at least :data:`KEEP_ANSWER_BYTES` itself (its rows and the payloads
+    it brought, not copies another put brought: a row streamed with a reference to its
+    group's image counts a few kB): the batch then holds only memory the piece's copies
+    hold anyway, and what the kept form adds stays a small share of what it counts."""
     made = pc.answer_whole
     if made is not None and made.source is pc.batch and made.media == tuple(media):
         return made
@@ -639,7 +644,7 @@ def piece_answer(pc: Piece, schema: pa.Schema, media: list[str], rows_nbytes: in
         viewed = viewed and view
         i = schema.get_field_index(name)
         batch = batch.set_column(i, schema.field(i), col)
-    kept = viewed and rows_nbytes + nbytes >= KEEP_ANSWER_BYTES
+    kept = viewed and pc.cost + pc.brings >= KEEP_ANSWER_BYTES
     made = WholeAnswer(source, tuple(media), batch, frozenset(ids), nbytes, kept)
     if kept:
         pc.answer_whole = made

@@ -260,10 +260,25 @@ def _pieces(server: flightq.Server, partition: str) -> list:
     return list({id(r.home[0]): r.home[0] for r in rows if r.home is not None}.values())
 
 
-def test_a_stored_batch_read_again_is_answered_from_its_kept_description(server, client):
+def test_a_stored_batch_read_again_is_answered_from_its_kept_description(
+    server, client, monkeypatch
+):
     # A step is read by several workers: the answer form of each stored batch read whole
     # (media dictionaries, buffer table) is worked out once, kept on the piece, and
     # numbered afresh for each answer; a segment that went since is located afresh.
+    described = {"batches": 0, "kept": 0}  # batches described buffer by buffer, kept
+    by_buffer, keep = shmtable._Describer.batch, shmtable._Template.__init__
+
+    def counted_batch(self, b):
+        described["batches"] += 1
+        return by_buffer(self, b)
+
+    def counted_keep(self, b):
+        described["kept"] += 1
+        keep(self, b)
+
+    monkeypatch.setattr(shmtable._Describer, "batch", counted_batch)
+    monkeypatch.setattr(shmtable._Template, "__init__", counted_keep)
     step = workloads.w2(groups=2)
     client.create_partition("k", step.schema, group_size=step.group_size)
     client.put("k", step.keys, step.columns, tags=step.tags)
@@ -271,18 +286,23 @@ def test_a_stored_batch_read_again_is_answered_from_its_kept_description(server,
     assert assert_rows_match(first, step) > 0
     pieces = _pieces(server, "k")
     assert pieces and all(pc.answer_whole is not None for pc in pieces)
-    described = [pc.answer_whole.described for pc in pieces]
-    assert all(d is not None for d in described)
+    kept = [pc.answer_whole.described for pc in pieces]
+    assert all(d is not None for d in kept)
+    assert described["kept"] == len(pieces)  # each kept form described once
+    described.update(batches=0, kept=0)
     (put_seg,) = _stores()
     for _ in range(2):
         again = client.get("k", step.keys, as_="numpy")
         assert assert_rows_match(again, step) > 0
         row = next(r for r in again["pixel_values"] if r)
         assert _mapped_files(row[0].__array_interface__["data"][0]) == [put_seg]
-    assert [pc.answer_whole.described for pc in pieces] == described  # the same, kept
+    assert [pc.answer_whole.described for pc in pieces] == kept  # the same, kept
+    assert described == {"batches": 0, "kept": 0}  # nothing described afresh
     # A subset of the rows is no stored batch whole: described buffer by buffer.
     half = client.get("k", step.keys[::2], as_="numpy")
     assert half.keys == step.keys[::2]
+    assert described["batches"] == len(half.parts) and described["kept"] == 0
+    described.update(batches=0)
     # The file goes (a process that may write in the directory unlinked it): the kept
     # description names a segment no reader can open, so the answer copies the bytes.
     written = len(server.shm_pool.paths())
@@ -292,6 +312,24 @@ def test_a_stored_batch_read_again_is_answered_from_its_kept_description(server,
     row = next(r for r in gone["pixel_values"] if r)
     assert put_seg not in _mapped_files(row[0].__array_interface__["data"][0])
     assert len(server.shm_pool.paths()) == written + 1  # the answer's own segment
+    assert described["batches"] == len(pieces)  # located afresh, buffer by buffer
+
+
+def test_rows_that_count_little_themselves_keep_no_answer_form(server, client):
+    # A prompt group streamed a row per put, each referencing the image the first put
+    # brought: such a row counts a few kB, so what an answer form keeps beside it (tens of
+    # kB of objects) would go uncounted many times over. Only the first is kept.
+    step = workloads.w1(groups=1)
+    client.create_partition("s", step.schema, tasks=["train"])
+    for i, key in enumerate(step.keys):
+        row = {name: col[i : i + 1] for name, col in step.columns.items()}
+        client.put("s", [key], row, tags=step.tags[i : i + 1])
+    for key in step.keys:
+        assert client.get("s", [key], as_="numpy").keys == [key]
+    pieces = sorted(_pieces(server, "s"), key=lambda pc: -pc.brings)
+    assert len(pieces) == step.rows and pieces[0].brings > 0
+    assert pieces[0].answer_whole is not None
+    assert all(pc.brings == 0 and pc.answer_whole is None for pc in pieces[1:])
 
 
 def test_a_claim_of_rows_two_puts_wrote_copies_no_image(server, client):

@@ -66,3 +66,16 @@ def test_copies_of_two_homes_are_copied() -> None:
     entries, at = media._dictionary_of(copies)
     assert at is None
     assert entries.to_pylist() == [a.entries[1].as_py(), b.entries[0].as_py()]
+
+
+def test_spare_bytes_are_bounded_by_the_bytes_used_past_a_floor() -> None:
+    # Over the socket the spare entries are sent: two 8-byte size tensors 5 000 entries
+    # apart would send 40 kB for 16 B, so they are copied; with as many bytes used as
+    # spare, a view.
+    home = _home([8] * 5002)
+    entries, at = media._dictionary_of(_copies(home, [0, 5001]))
+    assert at is None
+    assert entries.to_pylist() == [home.entries[0].as_py(), home.entries[5001].as_py()]
+    big = _home([8 << 10, 8 << 10, 8 << 10])
+    entries, at = media._dictionary_of(_copies(big, [0, 2]))
+    assert at is not None and _data_address(entries) == _data_address(big.entries)
