@@ -61,6 +61,7 @@ __all__ = [
     "piece_answer",
     "WholeAnswer",
     "KEEP_ANSWER_BYTES",
+    "KEPT_COLUMN_BYTES",
     "grouped_by_media",
 ]
 
@@ -604,6 +605,10 @@ def _dictionary_of(copies: list[Copy]) -> tuple[pa.Array, np.ndarray | None]:
 #: piece's own memory (Python objects, 9-20 kB for a schema of tens of fields) stays a
 #: small share of what the budget counts for the piece.
 KEEP_ANSWER_BYTES = 1 << 20
+#: A bound on what a kept answer form holds per column of its batch (the batch's arrays,
+#: the buffer table's description of them: about 0.7-1.5 kB measured); a piece keeps its
+#: form only where that is at most a sixteenth of what it counts, whatever the schema.
+KEPT_COLUMN_BYTES = 2048
 
 
 @dataclass(eq=False)
@@ -628,8 +633,9 @@ def piece_answer(pc: Piece, schema: pa.Schema, media: list[str]) -> WholeAnswer:
     answer (a step is read by several workers) where no payload was copied for it and
     the piece counts at least :data:`KEEP_ANSWER_BYTES` itself (its rows and the payloads
     it brought, not copies another put brought: a row streamed with a reference to its
-    group's image counts a few kB): the batch then holds only memory the piece's copies
-    hold anyway, and what the kept form adds stays a small share of what it counts."""
+    group's image counts a few kB), and 16 :data:`KEPT_COLUMN_BYTES` per column: the batch
+    then holds only memory the piece's copies hold anyway, and what the kept form adds
+    stays a small share of what the piece counts."""
     made = pc.answer_whole
     if made is not None and made.source is pc.batch and made.media == tuple(media):
         return made
@@ -644,7 +650,8 @@ def piece_answer(pc: Piece, schema: pa.Schema, media: list[str]) -> WholeAnswer:
         viewed = viewed and view
         i = schema.get_field_index(name)
         batch = batch.set_column(i, schema.field(i), col)
-    kept = viewed and pc.cost + pc.brings >= KEEP_ANSWER_BYTES
+    least = max(KEEP_ANSWER_BYTES, 16 * KEPT_COLUMN_BYTES * batch.num_columns)
+    kept = viewed and pc.cost + pc.brings >= least
     made = WholeAnswer(source, tuple(media), batch, frozenset(ids), nbytes, kept)
     if kept:
         pc.answer_whole = made
