@@ -24,33 +24,29 @@ Run::
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from flightq_bench.flightq_system import server_argv
+from flightq_bench.procs import ServerProcess
+
 __all__ = ["main", "measure"]
 
 
-def _server(tree: str) -> tuple[subprocess.Popen[str], str]:
-    """A ``flightq serve`` process importing ``tree``'s flightq, and its location."""
+def _server(tree: str) -> ServerProcess:
+    """A ``flightq serve`` process importing ``tree``'s flightq (run from its root)."""
     root = os.path.abspath(tree)
     here = os.path.abspath(".")
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     path = [root, *(p for p in rest if os.path.abspath(p) != here)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-    argv = [sys.executable, "-m", "flightq.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env, cwd=root)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        proc.wait(30)
-        raise RuntimeError(f"the server of {tree!r} exited ({proc.returncode}) before listening")
-    return proc, json.loads(line)["listening"]
+    return ServerProcess(
+        server_argv(), f"flightq ({tree})", env={"PYTHONPATH": os.pathsep.join(path)}, cwd=root
+    )
 
 
 def _reader(c: Any, step: Any, mode: str, as_: str) -> Callable[[], list[Any]]:
@@ -94,11 +90,13 @@ def measure(
     if mode not in ("get", "claim"):
         raise ValueError(f"mode must be 'get' or 'claim', got {mode!r}")
     step = make(workload)
-    servers = [_server(t) for t in trees]
-    clients: list[Any] = []
-    try:
-        for _, location in servers:
-            c = flightq.connect(location, [step.schema], timeout=60, shm=shm)
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(_server(t)) for t in trees]
+        clients: list[Any] = []
+        for server in servers:
+            c = stack.enter_context(
+                flightq.connect(server.info["listening"], [step.schema], timeout=60, shm=shm)
+            )
             clients.append(c)
             c.create_partition("p", step.schema, tasks=["train"], group_size=step.group_size)
             c.put("p", step.keys, step.columns, tags=step.tags)
@@ -118,12 +116,6 @@ def measure(
                     _again(clients[k], step, mode)
                 out[k][1].append(times)
         return out
-    finally:
-        for c in clients:
-            c.close()
-        for proc, _ in servers:
-            proc.terminate()
-            proc.wait(30)
 
 
 def _again(c: Any, step: Any, mode: str) -> None:

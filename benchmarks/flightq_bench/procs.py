@@ -267,6 +267,8 @@ class ServerProcess:
     name: str
     ready_timeout: float = 90.0
     env: dict[str, str] | None = None
+    #: Its working directory (``python -m`` imports from there first); None: this one's.
+    cwd: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
 
@@ -279,6 +281,7 @@ class ServerProcess:
             stderr=subprocess.DEVNULL if not os.environ.get("FLIGHTQ_BENCH_DEBUG") else None,
             start_new_session=True,
             env=env,
+            cwd=self.cwd,
         )
         try:
             self.info = self._await_ready()

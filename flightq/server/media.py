@@ -378,16 +378,6 @@ def _empty_entries(n: int) -> pa.Array:
     )
 
 
-def _entries_of(copies: list[Copy]) -> pa.Array:
-    """One large_binary array of the copies' payloads: a zero-copy slice where they are
-    consecutive entries of one home, else a copy of their bytes."""
-    if not copies:
-        return _empty_entries(0)
-    if _consecutive(copies):
-        return copies[0].home.entries.slice(copies[0].index, len(copies))
-    return pa.concat_arrays([c.entry for c in copies])
-
-
 def _consecutive(copies: list[Copy]) -> bool:
     """Whether the copies are consecutive entries of one home (one zero-copy slice)."""
     if not copies:
@@ -536,7 +526,7 @@ def media_column(cells: list[tuple[Piece, int, int] | None], name: str) -> tuple
         else:
             nulls.extend([False] * n)
     idx_all = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-    entries, places = _dictionary_of(order)
+    entries, places, _ = _dictionary_of(order)
     if places is not None:
         idx_all = places[idx_all]
     segs = pa.DictionaryArray.from_arrays(pa.array(idx_all, type=pa.int32()), entries)
@@ -559,7 +549,7 @@ def piece_column(pc: Piece, name: str) -> tuple[pa.Array, list[Copy], bool]:
     if made is None:
         made = pc.answer_entries[name] = _answer_entries(copies, pc.media_index[name])
     distinct, remap = made
-    entries, at = _dictionary_of(distinct)
+    entries, at, viewed = _dictionary_of(distinct)
     if at is not None:
         remap = at if remap is None else at[remap]
     indices = col.values.indices
@@ -568,7 +558,7 @@ def piece_column(pc: Piece, name: str) -> tuple[pa.Array, list[Copy], bool]:
     out = pa.DictionaryArray.from_arrays(indices, entries)
     mask = col.is_null() if col.null_count else None
     col = pa.LargeListArray.from_arrays(col.offsets, out, mask=mask)
-    return col, distinct, at is not None or _consecutive(distinct)
+    return col, distinct, viewed
 
 
 #: Payload bytes of entries no answer row uses that a dictionary sent as a view of its
@@ -579,25 +569,28 @@ SPARE_ENTRY_BYTES = 64 << 10
 _SPARE_FLOOR = 4 << 10
 
 
-def _dictionary_of(copies: list[Copy]) -> tuple[pa.Array, np.ndarray | None]:
-    """One large_binary dictionary holding each copy's payload, and where each copy's
-    entry is in it (None: in order). A zero-copy slice of their home where they are
-    consecutive entries of it, or where they are entries of one home with few bytes of
-    others between them (:data:`SPARE_ENTRY_BYTES`; a piece's distinct size tensors:
-    equal ones share a copy, so the ones left are scattered); a copy of their bytes
-    otherwise."""
-    if len(copies) > 1 and not _consecutive(copies):
-        home = copies[0].home
-        if all(c.home is home for c in copies):
-            at = np.fromiter((c.index for c in copies), dtype=np.int64, count=len(copies))
-            lo, hi = int(at.min()), int(at.max()) + 1
-            span = home.entries.slice(lo, hi - lo)
-            offsets = binary_offsets(span)
-            used = sum(c.nbytes for c in copies)
-            spare = int(offsets[-1] - offsets[0]) - used
-            if spare <= min(SPARE_ENTRY_BYTES, max(used, _SPARE_FLOOR)):
-                return span, (at - lo).astype(np.int32)
-    return _entries_of(copies), None
+def _dictionary_of(copies: list[Copy]) -> tuple[pa.Array, np.ndarray | None, bool]:
+    """One large_binary dictionary holding each copy's payload, where each copy's entry
+    is in it (None: in order), and whether it is a view of their home (no payload
+    copied). A zero-copy slice of their home where they are consecutive entries of it,
+    or where they are entries of one home with few bytes of others between them
+    (:data:`SPARE_ENTRY_BYTES`; a piece's distinct size tensors: equal ones share a copy,
+    so the ones left are scattered); a copy of their bytes otherwise."""
+    if not copies:
+        return _empty_entries(0), None, True
+    home = copies[0].home
+    if _consecutive(copies):
+        return home.entries.slice(copies[0].index, len(copies)), None, True
+    if all(c.home is home for c in copies):
+        at = np.fromiter((c.index for c in copies), dtype=np.int64, count=len(copies))
+        lo, hi = int(at.min()), int(at.max()) + 1
+        span = home.entries.slice(lo, hi - lo)
+        offsets = binary_offsets(span)
+        used = sum(c.nbytes for c in copies)
+        spare = int(offsets[-1] - offsets[0]) - used
+        if spare <= min(SPARE_ENTRY_BYTES, max(used, _SPARE_FLOOR)):
+            return span, (at - lo).astype(np.int32), True
+    return pa.concat_arrays([c.entry for c in copies]), None, False
 
 
 #: Fewest bytes a piece counts itself (its rows and the payloads it brought) for the

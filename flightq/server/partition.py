@@ -137,8 +137,8 @@ class Piece:
     answer_entries: dict[str, tuple[list[Copy], np.ndarray | None]] = field(
         default_factory=dict, repr=False
     )
-    #: The piece as an answer sends it whole (:func:`~.media.piece_answer`), kept where
-    #: making it copied no payload; made on first use, for the batch it was made from.
+    #: The piece as an answer sends it whole, kept where :func:`~.media.piece_answer`
+    #: says; made on first use, for the batch it was made from.
     answer_whole: Any = field(default=None, repr=False)
 
     @property

@@ -71,15 +71,7 @@ class _Describer:
         hit = MAPPED.locate(buf.address, buf.size) if buf.size else None
         if hit is not None:
             ref, offset = hit
-            key = (ref["path"], ref["gen"])
-            if key not in self._index:
-                # A file its owner unlinked (it exited) cannot be opened: copy its bytes.
-                live = self._keep or still_there(ref)
-                self._index[key] = len(self.segments) if live else None
-                if live:
-                    self.segments.append({k: ref[k] for k in ("path", "gen", "nbytes")})
-                    self.refs.append(ref)
-            i = self._index[key]
+            i = self._segment(ref)
             if i is not None:
                 return [i, offset, buf.size]
         at = self.extra_bytes
@@ -88,6 +80,18 @@ class _Describer:
         out = [-1, at, buf.size]
         self.extra_refs.append(out)
         return out
+
+    def _segment(self, ref: dict[str, Any]) -> int | None:
+        """The answer's number for a mapped segment, None where its file is gone: a file
+        its owner unlinked (it exited) cannot be opened, so its bytes are copied."""
+        key = (ref["path"], ref["gen"])
+        if key not in self._index:
+            live = self._keep or still_there(ref)
+            self._index[key] = len(self.segments) if live else None
+            if live:
+                self.segments.append({k: ref[k] for k in ("path", "gen", "nbytes")})
+                self.refs.append(ref)
+        return self._index[key]
 
     def whole(self, w: Any) -> dict[str, Any]:
         """A stored batch answered whole (:class:`flightq.server.media.WholeAnswer`): its
@@ -99,13 +103,7 @@ class _Describer:
             t = w.described = _Template(w.batch)
         at: list[int] = []
         for ref in t.segments:
-            key = (ref["path"], ref["gen"])
-            if key not in self._index:
-                live = still_there(ref)
-                self._index[key] = len(self.segments) if live else None
-                if live:
-                    self.segments.append({k: ref[k] for k in ("path", "gen", "nbytes")})
-            i = self._index[key]
+            i = self._segment(ref)
             if i is None:
                 raise _Stale
             at.append(i)

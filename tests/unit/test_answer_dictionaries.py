@@ -33,7 +33,7 @@ def _payloads(entries: pa.Array, at: np.ndarray | None, n: int) -> list[bytes]:
 def test_consecutive_copies_are_a_slice_of_their_home() -> None:
     home = _home([8] * 10)
     copies = _copies(home, [3, 4, 5])
-    entries, at = media._dictionary_of(copies)
+    entries, at, _ = media._dictionary_of(copies)
     assert at is None and len(entries) == 3
     assert _data_address(entries) == _data_address(home.entries)
     assert _payloads(entries, at, 3) == [home.entries[i].as_py() for i in (3, 4, 5)]
@@ -45,7 +45,7 @@ def test_scattered_small_copies_are_a_slice_with_their_places() -> None:
     home = _home([8] * 100)
     want = [0, 7, 40, 99]
     copies = _copies(home, want)
-    entries, at = media._dictionary_of(copies)
+    entries, at, _ = media._dictionary_of(copies)
     assert at is not None and at.dtype == np.int32
     assert _data_address(entries) == _data_address(home.entries)  # nothing copied
     assert _payloads(entries, at, 4) == [home.entries[i].as_py() for i in want]
@@ -54,7 +54,7 @@ def test_scattered_small_copies_are_a_slice_with_their_places() -> None:
 def test_copies_with_more_unused_bytes_between_them_are_copied() -> None:
     home = _home([8, SPARE_ENTRY_BYTES + 1, 8])
     copies = _copies(home, [0, 2])
-    entries, at = media._dictionary_of(copies)
+    entries, at, _ = media._dictionary_of(copies)
     assert at is None and len(entries) == 2
     assert _data_address(entries) != _data_address(home.entries)
     assert entries.to_pylist() == [home.entries[0].as_py(), home.entries[2].as_py()]
@@ -63,7 +63,7 @@ def test_copies_with_more_unused_bytes_between_them_are_copied() -> None:
 def test_copies_of_two_homes_are_copied() -> None:
     a, b = _home([8, 8]), _home([8, 8])
     copies = [*_copies(a, [1]), *_copies(b, [0])]
-    entries, at = media._dictionary_of(copies)
+    entries, at, _ = media._dictionary_of(copies)
     assert at is None
     assert entries.to_pylist() == [a.entries[1].as_py(), b.entries[0].as_py()]
 
@@ -73,9 +73,9 @@ def test_spare_bytes_are_bounded_by_the_bytes_used_past_a_floor() -> None:
     # apart would send 40 kB for 16 B, so they are copied; with as many bytes used as
     # spare, a view.
     home = _home([8] * 5002)
-    entries, at = media._dictionary_of(_copies(home, [0, 5001]))
+    entries, at, _ = media._dictionary_of(_copies(home, [0, 5001]))
     assert at is None
     assert entries.to_pylist() == [home.entries[0].as_py(), home.entries[5001].as_py()]
     big = _home([8 << 10, 8 << 10, 8 << 10])
-    entries, at = media._dictionary_of(_copies(big, [0, 2]))
+    entries, at, _ = media._dictionary_of(_copies(big, [0, 2]))
     assert at is not None and _data_address(entries) == _data_address(big.entries)
