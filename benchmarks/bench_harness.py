@@ -373,9 +373,15 @@ def test_the_server_trees_benchmark_checks_and_times_each_servers_reads(capsys: 
     # Two servers of this tree: W4's prompt groups, claimed through shared memory, and a
     # get over the socket; each client's first reads are checked against the step.
     got = trees.measure([".", "."], "W4", mode="claim", shm=True, rounds=2, gets=1)
-    assert [t for t, _ in got] == [".", "."]
-    assert all(len(rounds) == 2 and rounds[0][0] > 0 for _, rounds in got)
+    assert [t for t, _, _ in got] == [".", "."]
+    assert all(len(reads) == 2 and reads[0][0] > 0 for _, reads, _ in got)
+    assert all(len(puts) == 2 and puts[0][0] > 0 for _, _, puts in got)  # put again each time
     assert trees.main(["--trees", ".,.", "--workload", "W4", "--rounds", "1", "--gets", "1"]) == 0
-    assert "W4 get as numpy over socket" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "W4 get as numpy over socket" in out and "put" not in out  # the same step read
+    argv = ["--trees", ".", "--workload", "W4", "--rounds", "1", "--gets", "2", "--fresh"]
+    assert trees.main([*argv, "--shm"]) == 0
+    out = capsys.readouterr().out
+    assert "each a fresh step's first" in out and "W4 put over shm" in out
     with pytest.raises(ValueError, match="mode must be"):
         trees.measure(["."], "W4", mode="scan")

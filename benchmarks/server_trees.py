@@ -9,7 +9,11 @@ reversed every other round so that load drifts hit all alike. ``--mode``:
 - ``get``: ``Client.get`` of every row by key, every field's per-row tensors built;
 - ``claim``: every prompt group claimed once (``batch_size`` = the group size) and acked,
   fields built, as a trainer takes microbatches; the time of all of a step's claims is
-  one read, and the step is put again after it (not timed).
+  one read, and the step is put again after it.
+
+``--fresh`` (a get): the step is cleared and put again after each read, so that every read
+is a step's first, as in ``flightq bench``. Where the step is put again, the puts are
+timed too and reported the same way.
 
 ``--shm``: the client reads through shared memory (``connect(..., shm=True)``). Every
 answer is checked against the step once before the timed reads. Prints per tree the
@@ -81,9 +85,10 @@ def measure(
     as_: str = "numpy",
     rounds: int = 8,
     gets: int = 20,
-) -> list[tuple[str, list[list[float]]]]:
+    fresh: bool = False,
+) -> list[tuple[str, list[list[float]], list[list[float]]]]:
     """Per tree (in order, a tree named twice is two servers), per round, the seconds of
-    each timed read."""
+    each timed read and of each put made again after one (``fresh``, or a claim)."""
     import flightq
     from flightq.workloads import make
 
@@ -101,28 +106,33 @@ def measure(
             c.create_partition("p", step.schema, tasks=["train"], group_size=step.group_size)
             c.put("p", step.keys, step.columns, tags=step.tags)
         reads = [_reader(c, step, mode, as_) for c in clients]
+        again = fresh or mode == "claim"
         for c, read in zip(clients, reads, strict=True):
             _check(step, read(), mode)  # once, before anything is timed
-            _again(c, step, mode)
-        out: list[tuple[str, list[list[float]]]] = [(t, []) for t in trees]
+            _again(c, step, again)
+        out: list[tuple[str, list[list[float]], list[list[float]]]] = [(t, [], []) for t in trees]
         order = list(range(len(trees)))
         for r in range(rounds):
             for k in order if r % 2 == 0 else order[::-1]:
-                times = []
+                times, puts = [], []
                 for _ in range(gets):
                     t0 = time.perf_counter()
                     reads[k]()
                     times.append(time.perf_counter() - t0)
-                    _again(clients[k], step, mode)
+                    puts.append(_again(clients[k], step, again))
                 out[k][1].append(times)
+                out[k][2].append(puts)
         return out
 
 
-def _again(c: Any, step: Any, mode: str) -> None:
-    """After a step's claims, the step stored afresh for the next read."""
-    if mode == "claim":
-        c.clear("p")
-        c.put("p", step.keys, step.columns, tags=step.tags)
+def _again(c: Any, step: Any, again: bool) -> float:
+    """After a read, the step stored afresh for the next (``again``): the put's seconds."""
+    if not again:
+        return 0.0
+    c.clear("p")
+    t0 = time.perf_counter()
+    c.put("p", step.keys, step.columns, tags=step.tags)
+    return time.perf_counter() - t0
 
 
 def _check(step: Any, batches: list[Any], mode: str) -> None:
@@ -147,11 +157,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--as", dest="as_", default="numpy", choices=["numpy", "torch"])
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--gets", type=int, default=20, help="timed reads per server a round")
+    p.add_argument("--fresh", action="store_true", help="put the step again before each get")
     a = p.parse_args(argv)
     trees = [t for t in a.trees.split(",") if t]
-    got = measure(trees, a.workload, a.mode, a.shm, a.as_, a.rounds, a.gets)
+    got = measure(trees, a.workload, a.mode, a.shm, a.as_, a.rounds, a.gets, a.fresh)
     route = "shm" if a.shm else "socket"
-    print(f"{a.workload} {a.mode} as {a.as_} over {route}: ms per read, median of all rounds")
+    first = " (each a fresh step's first)" if a.fresh and a.mode == "get" else ""
+    print(f"{a.workload} {a.mode} as {a.as_} over {route}: ms per read{first}, median of rounds")
+    _report([(t, reads) for t, reads, _ in got])
+    if a.fresh or a.mode == "claim":
+        print(f"{a.workload} put over {route}: ms per put, median of all rounds")
+        _report([(t, puts) for t, _, puts in got])
+    return 0
+
+
+def _report(got: list[tuple[str, list[list[float]]]]) -> None:
+    """Per tree its median, and the first tree's median over this one's per round."""
     base, first = got[0]
     for k, (t, rounds) in enumerate(got):
         flat = [x for xs in rounds for x in xs]
@@ -166,7 +187,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"[{min(ratios):.2f}-{max(ratios):.2f}]"
             )
         print(line, flush=True)
-    return 0
 
 
 if __name__ == "__main__":

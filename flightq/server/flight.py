@@ -67,7 +67,7 @@ from .budget import DictionaryUse, check_batch, underlying_bytes
 from .exchange import serve_requests
 from .idle import DEFAULT_IDLE_TIMEOUT, MIDDLEWARE_KEY, IdleWatch
 from .limits import DEFAULT_MAX_CALLS, DEFAULT_MAX_SESSIONS, LIMITS_KEY, CallLimits
-from .media import WholeAnswer, media_piece
+from .media import WholeAnswer, media_piece, prepare_answer
 from .metrics import Counters, call_kind
 from .partition import Block, Partition, Row
 from .putplan import Stored
@@ -469,8 +469,12 @@ class Server(fl.FlightServerBase):
                     self._staging.fail(name, staged[0], staged[2], e)
                 raise
 
+            stored: list[Any] = []
+
             def store(every: list[Any]) -> Stored:
-                return self.store.put(name, every, cmd.overwrite, cmd.timeout, cmd.put_id)
+                put = self.store.put(name, every, cmd.overwrite, cmd.timeout, cmd.put_id)
+                stored.extend(every)
+                return put
 
             if staged is None:
                 done = store(pieces)
@@ -479,9 +483,29 @@ class Server(fl.FlightServerBase):
         finally:
             self.store.release(pieces)  # what was not stored counts no more
             advance.release()
+        if cmd.shm is not None and self.shm_dir is not None:
+            self._prepare_answers(name, stored)
         self.counters.add("rows_put", done.rows)
         log.debug("put of %d rows to %r (%d created)", done.rows, name, done.created)
         return done
+
+    def _prepare_answers(self, name: str, pieces: list[Any]) -> None:
+        """The answer forms of the stored batches of a put through shared memory, made
+        before it is acknowledged: a same-host reader of the step comes next, and its
+        first get then costs the server what every later one does (see
+        docs/performance.md). Only what a piece keeps (:func:`~.media.prepare_answer`); a
+        partition gone meanwhile prepares nothing."""
+        from ..shm import table as shmtable
+
+        try:
+            p = self.store.partition(name)
+        except FlightqError:
+            return
+        roles = {f.name: f.role for f in p.schema.fields}
+        for pc in pieces:
+            made = prepare_answer(pc, roles)
+            if made is not None:
+                shmtable.prepare(made)
 
     def _put_pieces(
         self,

@@ -59,6 +59,7 @@ __all__ = [
     "media_column",
     "same_media",
     "piece_answer",
+    "prepare_answer",
     "WholeAnswer",
     "KEEP_ANSWER_BYTES",
     "KEPT_COLUMN_BYTES",
@@ -643,12 +644,29 @@ def piece_answer(pc: Piece, schema: pa.Schema, media: list[str]) -> WholeAnswer:
         viewed = viewed and view
         i = schema.get_field_index(name)
         batch = batch.set_column(i, schema.field(i), col)
-    least = max(KEEP_ANSWER_BYTES, 16 * KEPT_COLUMN_BYTES * batch.num_columns)
-    kept = viewed and pc.cost + pc.brings >= least
+    kept = viewed and keeps_answer(pc)
     made = WholeAnswer(source, tuple(media), batch, frozenset(ids), nbytes, kept)
     if kept:
         pc.answer_whole = made
     return made
+
+
+def keeps_answer(pc: Piece) -> bool:
+    """Whether ``pc`` counts enough itself to keep the answer form of its batch read
+    whole (:func:`piece_answer`, where no payload is copied for it)."""
+    least = max(KEEP_ANSWER_BYTES, 16 * KEPT_COLUMN_BYTES * pc.batch.num_columns)
+    return pc.cost + pc.brings >= least
+
+
+def prepare_answer(pc: Piece, roles: dict[str, str]) -> WholeAnswer | None:
+    """The kept answer form of a piece just stored, made now for its first reader (a get
+    of the step by key then pays no more than the next ones): None where the piece keeps
+    none (:func:`piece_answer`). ``roles``: the role of each field of its partition."""
+    if not pc.stored or pc.damaged or not keeps_answer(pc):
+        return None
+    schema = pc.batch.schema
+    made = piece_answer(pc, schema, [n for n in schema.names if roles.get(n) == "media"])
+    return made if made.kept else None
 
 
 def _answer_entries(copies: list[Copy], index: np.ndarray) -> tuple[list[Copy], np.ndarray | None]:

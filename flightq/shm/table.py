@@ -38,7 +38,7 @@ from ..protocol import pack, unpack
 from .mapping import MAPPED, map_data, read_private, still_there
 from .segments import MARKER, Declined, SegmentPool
 
-__all__ = ["INLINE_BYTES", "answer", "take"]
+__all__ = ["INLINE_BYTES", "answer", "prepare", "take"]
 
 #: Bytes not found in a mapped segment travel inline in the table up to this size.
 INLINE_BYTES = 2**20
@@ -152,6 +152,14 @@ class _Template:
         self.segments = d.refs
         self.extra = d.extra
         self.extra_bytes = d.extra_bytes
+
+
+def prepare(whole: Any) -> None:
+    """Describe a stored batch's kept answer form (:class:`~flightq.server.media.WholeAnswer`,
+    ``kept``) now, as its first answer would: that answer then only numbers it."""
+    if whole.kept and whole.described is None:
+        with contextlib.suppress(_Unsupported):  # each answer writes such a batch out
+            whole.described = _Template(whole.batch)
 
 
 def _numbered(

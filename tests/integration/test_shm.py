@@ -28,6 +28,7 @@ from helpers_wire import replace_column
 import flightq
 from flightq import shm, workloads
 from flightq.batch import encode_chunks, split_batch
+from flightq.server import media
 from flightq.shm import segments
 from flightq.shm import table as shmtable
 
@@ -313,6 +314,46 @@ def test_a_stored_batch_read_again_is_answered_from_its_kept_description(
     assert put_seg not in _mapped_files(row[0].__array_interface__["data"][0])
     assert len(server.shm_pool.paths()) == written + 1  # the answer's own segment
     assert described["batches"] == len(pieces)  # located afresh, buffer by buffer
+
+
+def test_a_put_through_shared_memory_prepares_the_answer_of_its_first_reader(
+    server, client, monkeypatch
+):
+    # The next to read a step a same-host writer put is a same-host reader of all of it:
+    # its answer form is made before the put is acknowledged, so that first get
+    # describes nothing (as every later one). A put over the socket prepares nothing.
+    made = {"whole": 0, "batches": 0, "kept": 0}
+    whole, by_buffer = media.piece_answer, shmtable._Describer.batch
+    keep = shmtable._Template.__init__
+
+    def counted(name, f):
+        def g(*a, **k):
+            made[name] += 1
+            return f(*a, **k)
+
+        return g
+
+    monkeypatch.setattr(media, "piece_answer", counted("whole", whole))
+    monkeypatch.setattr(shmtable._Describer, "batch", counted("batches", by_buffer))
+    monkeypatch.setattr(shmtable._Template, "__init__", counted("kept", keep))
+    step = workloads.w2(groups=2)
+    client.create_partition("k", step.schema, group_size=step.group_size)
+    assert client.put("k", step.keys, step.columns, tags=step.tags).route == "shm"
+    pieces = _pieces(server, "k")
+    assert pieces and all(pc.answer_whole is not None for pc in pieces)
+    assert all(pc.answer_whole.kept and pc.answer_whole.described for pc in pieces)
+    n = len(pieces)  # each described once (a kept form, itself described batch-wise)
+    assert made == {"whole": n, "batches": n, "kept": n}
+    made.update(whole=0, batches=0, kept=0)
+    first = client.get("k", step.keys, as_="numpy")
+    assert first.received is not None and first.received.route == "shm"
+    assert assert_rows_match(first, step) > 0
+    assert made == {"whole": 0, "batches": 0, "kept": 0}  # only numbered
+    with flightq.connect(server.location, [VLM], timeout=TIMEOUT) as plain:
+        plain.create_partition("s", step.schema, group_size=step.group_size)
+        assert plain.put("s", step.keys, step.columns, tags=step.tags).route != "shm"
+    assert all(pc.answer_whole is None for pc in _pieces(server, "s"))
+    assert made == {"whole": 0, "batches": 0, "kept": 0}
 
 
 def test_rows_that_count_little_themselves_keep_no_answer_form(server, client):
