@@ -27,7 +27,16 @@ import msgpack
 import pyarrow as pa
 
 from ..layout import KEY, SHAPE_SUFFIX, TAGS, arrow_schema
-from .media import Copy, Home, WholeAnswer, media_column, piece_answer, row_copies
+from .media import (
+    Answered,
+    Copy,
+    Home,
+    RowsAnswer,
+    media_column,
+    piece_answer,
+    row_copies,
+    rows_answer,
+)
 from .partition import Partition, Piece, Row
 
 if TYPE_CHECKING:
@@ -49,7 +58,7 @@ def assemble(
     fields: list[str],
     max_bytes: int,
     coalesce: bool = False,
-    held: list[WholeAnswer] | None = None,
+    held: list[Answered] | None = None,
 ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     """The Arrow schema and record batches that serve ``rows`` with ``fields``.
 
@@ -61,8 +70,9 @@ def assemble(
     of many small puts, such as one prompt group of text each) are copied into one batch
     of up to :data:`COALESCED_BYTES` (never past ``max_bytes``): each record batch costs
     both ends a fixed amount of work, more than copying a small one does. Where the
-    answer is stored batches whole, each one's :class:`~.media.WholeAnswer` is appended to
-    ``held`` (once the batches are made).
+    answer is stored batches whole or runs of their rows, each one's
+    :class:`~.media.WholeAnswer` or :class:`~.media.RowsAnswer` is appended to ``held``
+    (once the batches are made).
     """
     schema = arrow_schema(p.schema, fields)
     cols = [n for n in schema.names if n not in (KEY, TAGS)]
@@ -266,7 +276,7 @@ def _media_batches(
     cols: list[str],
     media: list[str],
     max_bytes: int,
-    held: list[WholeAnswer] | None = None,
+    held: list[Answered] | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Record batches of rows with media: cut before the row that would take a batch
     past ``max_bytes`` (each distinct copy counted once; a row larger goes alone), each
@@ -275,6 +285,8 @@ def _media_batches(
         yield pa.RecordBatch.from_pylist([], schema=schema)
         return
     stored = _stored_batches(rows, schema, media, max_bytes, held)
+    if stored is None:
+        stored = _stored_runs(rows, schema, media, max_bytes, held)
     if stored is not None:
         yield from stored
         return
@@ -286,7 +298,7 @@ def _stored_batches(
     schema: pa.Schema,
     media: list[str],
     max_bytes: int,
-    held: list[WholeAnswer] | None = None,
+    held: list[Answered] | None = None,
 ) -> list[pa.RecordBatch] | None:
     """The answer as the stored batches themselves, where ``rows`` are every row of one
     or more stored batches, each in its order and unchanged (:attr:`Row.home`; the usual
@@ -296,7 +308,7 @@ def _stored_batches(
     streamed in one put per row travels once per answer batch), and none but the last is
     under :data:`SMALL_RUN_BYTES`. Each media dictionary carries its batch's distinct
     copies' payloads (:func:`~.media.piece_answer`): no work per row. None otherwise."""
-    out: list[WholeAnswer] = []
+    out: list[Answered] = []
     seen: set[int] = set()
     at = size = 0
     while at < len(rows):
@@ -324,6 +336,64 @@ def _stored_batches(
     if held is not None:
         held.extend(out)
     return [w.batch for w in out]
+
+
+def _stored_runs(
+    rows: list[Row],
+    schema: pa.Schema,
+    media: list[str],
+    max_bytes: int,
+    held: list[Answered] | None = None,
+) -> list[pa.RecordBatch] | None:
+    """The answer as slices of the kept answer forms of stored batches (a claim of a
+    prompt group, a get of part of a step), where ``rows`` are runs of consecutive rows of
+    stored batches, each unchanged (:attr:`Row.home`), whose forms are kept
+    (:func:`~.media.prepare_answer`) with exactly the answer's columns: a record batch per
+    run, its dictionaries views of the entries its rows use (:func:`~.media.rows_answer`),
+    no work per row but a look at its place. As :func:`_stored_batches`, only where the
+    runs fit ``max_bytes``, none but the last is under :data:`SMALL_RUN_BYTES` and no two
+    come from one stored batch or share a copy; None otherwise (cut row by row). Each
+    run's :class:`~.media.RowsAnswer` is appended to ``held``."""
+    out: list[RowsAnswer] = []
+    seen: set[int] = set()
+    pieces: set[int] = set()
+    at = size = 0
+    while at < len(rows):
+        home = rows[at].home
+        if home is None or (out and size < SMALL_RUN_BYTES):
+            return None
+        pc, first = home
+        whole = pc.answer_whole
+        if (
+            whole is None
+            or not whole.kept
+            or whole.source is not pc.batch
+            or whole.media != tuple(media)
+            or id(pc) in pieces
+            or not seen.isdisjoint(whole.copies)
+            or not pc.batch.schema.equals(schema, check_metadata=True)
+        ):
+            return None
+        end = at + 1
+        while end < len(rows):
+            h = rows[end].home
+            if h is None or h[0] is not pc or h[1] != first + end - at:
+                break
+            end += 1
+        made = rows_answer(whole, first, end - at)
+        if made is None:
+            return None
+        part, payloads = made
+        size = sum(r.nbytes for r in rows[at:end]) + payloads
+        if size > max_bytes and end - at > 1:  # a row larger than that goes alone
+            return None
+        out.append(part)
+        seen |= whole.copies
+        pieces.add(id(pc))
+        at = end
+    if held is not None:
+        held.extend(out)
+    return [r.batch for r in out]
 
 
 def _cut_media_rows(

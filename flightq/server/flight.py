@@ -67,7 +67,7 @@ from .budget import DictionaryUse, check_batch, underlying_bytes
 from .exchange import serve_requests
 from .idle import DEFAULT_IDLE_TIMEOUT, MIDDLEWARE_KEY, IdleWatch
 from .limits import DEFAULT_MAX_CALLS, DEFAULT_MAX_SESSIONS, LIMITS_KEY, CallLimits
-from .media import WholeAnswer, media_piece, prepare_answer
+from .media import Answered, media_piece, prepare_answer
 from .metrics import Counters, call_kind
 from .partition import Block, Partition, Row
 from .putplan import Stored
@@ -483,28 +483,30 @@ class Server(fl.FlightServerBase):
         finally:
             self.store.release(pieces)  # what was not stored counts no more
             advance.release()
-        if cmd.shm is not None and self.shm_dir is not None:
-            self._prepare_answers(name, stored)
+        self._prepare_answers(name, stored, cmd.shm is not None and self.shm_dir is not None)
         self.counters.add("rows_put", done.rows)
         log.debug("put of %d rows to %r (%d created)", done.rows, name, done.created)
         return done
 
-    def _prepare_answers(self, name: str, pieces: list[Any]) -> None:
-        """The answer forms of the stored batches of a put through shared memory, made
-        before it is acknowledged: a same-host reader of the step comes next, and its
-        first get then costs the server what every later one does (see
-        docs/performance.md). Only what a piece keeps (:func:`~.media.prepare_answer`); a
-        partition gone meanwhile prepares nothing."""
+    def _prepare_answers(self, name: str, pieces: list[Any], shm: bool) -> None:
+        """The answer forms of a put's stored batches, made before it is acknowledged, where
+        its partition has media fields (a claim of part of a batch is then its form's slice,
+        :func:`~.assemble.assemble`) or the put came through shared memory (a same-host
+        reader of the step comes next: its first get then costs the server what a later
+        one does, the form described for it too; see docs/performance.md). Only what a
+        piece keeps (:func:`~.media.prepare_answer`); a partition gone meanwhile, nothing."""
         from ..shm import table as shmtable
 
         try:
             p = self.store.partition(name)
         except FlightqError:
             return
+        if not shm and not p.media_fields:
+            return
         roles = {f.name: f.role for f in p.schema.fields}
         for pc in pieces:
             made = prepare_answer(pc, roles)
-            if made is not None:
+            if made is not None and shm:
                 shmtable.prepare(made)
 
     def _put_pieces(
@@ -600,7 +602,7 @@ class Server(fl.FlightServerBase):
             part, rows, names = self.store.rows_for_get(t.partition, t.keys, t.fields)
             if t.parts is not None:
                 rows = self.part_cuts.rows(t, part, rows, names)
-            wholes: list[WholeAnswer] = []
+            wholes: list[Answered] = []
             schema, batches = self._assemble(t, part, rows, names, count, wholes)
             return (*self._shm_reply(t, schema, batches, context, wholes), None)
         if isinstance(t, ScanTicket):
@@ -629,7 +631,7 @@ class Server(fl.FlightServerBase):
             park=lambda: self.limits.park(context),
         )
         try:
-            wholes: list[WholeAnswer] = []
+            wholes: list[Answered] = []
             schema, batches = self._assemble(t, part, rows, names, count, wholes)
             schema, batches = self._shm_reply(t, schema, batches, context, wholes)
             st = part.progress.tasks[task]
@@ -655,7 +657,7 @@ class Server(fl.FlightServerBase):
         rows: list[Row],
         names: list[str],
         count: bool = True,
-        wholes: list[WholeAnswer] | None = None,
+        wholes: list[Answered] | None = None,
     ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
         """A read's answer: batches bounded for the socket (small slices copied together),
         large and as stored over shm, where the consumer maps them; ``count``: their bytes
@@ -877,7 +879,7 @@ class Server(fl.FlightServerBase):
         schema: pa.Schema,
         batches: Iterator[pa.RecordBatch],
         context: fl.ServerCallContext | None,
-        wholes: list[WholeAnswer] | None = None,
+        wholes: list[Answered] | None = None,
     ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
         """A read's answer: the batches, or (ticket ``shm``) the segment holding them;
         ``wholes``: the stored batches answered whole, once the batches are made."""

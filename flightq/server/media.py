@@ -60,6 +60,9 @@ __all__ = [
     "same_media",
     "piece_answer",
     "prepare_answer",
+    "rows_answer",
+    "RowsAnswer",
+    "Answered",
     "WholeAnswer",
     "KEEP_ANSWER_BYTES",
     "KEPT_COLUMN_BYTES",
@@ -649,6 +652,66 @@ def piece_answer(pc: Piece, schema: pa.Schema, media: list[str]) -> WholeAnswer:
     if kept:
         pc.answer_whole = made
     return made
+
+
+@dataclass(eq=False)
+class RowsAnswer:
+    """Rows ``[lo, lo + len(batch))`` of a kept answer form as an answer sends them
+    (:func:`rows_answer`): the batch, whose columns ``made`` (the media ones) were made
+    afresh and the others are slices of the form's (:mod:`flightq.shm.table` describes
+    those from the form's kept description)."""
+
+    whole: WholeAnswer
+    lo: int
+    batch: pa.RecordBatch
+    made: frozenset[int]
+
+
+#: What an answer's stored batches are made from, for :mod:`flightq.shm.table`.
+Answered = WholeAnswer | RowsAnswer
+
+
+def rows_answer(whole: WholeAnswer, lo: int, n: int) -> tuple[RowsAnswer, int] | None:
+    """Rows ``[lo, lo + n)`` of a kept answer form (:func:`piece_answer`, ``kept``): the
+    slice of its batch, each media dictionary cut to the entries those rows use (a view of
+    the put's dictionary, as the form's is), and the payload bytes they use. None where
+    their entries lie apart with more bytes of others between them than
+    :func:`_dictionary_of` lets a view carry (the caller cuts the rows one by one)."""
+    batch = whole.batch.slice(lo, n)
+    schema = batch.schema
+    nbytes = 0
+    made = []
+    for name in whole.media:
+        i = schema.get_field_index(name)
+        col = batch.column(i)
+        offsets = np.frombuffer(
+            col.buffers()[1], dtype=np.int64, count=n + 1, offset=8 * col.offset
+        )
+        first, end = int(offsets[0]), int(offsets[-1])
+        segs = col.values.slice(first, end - first)
+        entries = segs.dictionary
+        idx = segs.indices.to_numpy(zero_copy_only=False)
+        lo_e, hi_e = (int(idx.min()), int(idx.max()) + 1) if idx.size else (0, 0)
+        span = entries.slice(lo_e, hi_e - lo_e)
+        ends = binary_offsets(span)
+        if hi_e - lo_e == len(idx) and bool((np.diff(idx) == 1).all()):  # one each, in order
+            taken = int(ends[-1] - ends[0])
+        else:
+            sizes = np.diff(ends)
+            used = np.zeros(len(span), dtype=bool)
+            used[idx - lo_e] = True
+            taken = int(sizes[used].sum())
+            if int(ends[-1] - ends[0]) - taken > min(SPARE_ENTRY_BYTES, max(taken, _SPARE_FLOOR)):
+                return None
+        nbytes += taken
+        indices = pa.array(np.subtract(idx, lo_e, dtype=np.int32))
+        out = pa.DictionaryArray.from_arrays(indices, span)
+        mask = col.is_null() if col.null_count else None
+        starts = pa.array(np.subtract(offsets, first))
+        col = pa.LargeListArray.from_arrays(starts, out, mask=mask)
+        batch = batch.set_column(i, schema.field(i), col)
+        made.append(i)
+    return RowsAnswer(whole, lo, batch, frozenset(made)), nbytes
 
 
 def keeps_answer(pc: Piece) -> bool:

@@ -98,6 +98,28 @@ class _Describer:
         table entry from what describing it the first time found (kept on ``w``), its
         buffers' segments and inline bytes numbered for this answer. Raises
         :class:`_Stale` where one of its segments is gone (describe it afresh)."""
+        t, at, base = self._kept(w)
+        refs = self.extra_refs
+        return {"n": t.rows, "c": [_numbered(c, at, base, refs) for c in t.columns]}
+
+    def rows(self, r: Any) -> dict[str, Any]:
+        """Rows of a stored batch (:class:`flightq.server.media.RowsAnswer`): each column
+        its answer form sliced is described from the form's kept description, with the
+        slice's length, offset and nulls; the columns made afresh buffer by buffer.
+        Raises :class:`_Stale` as :meth:`whole`."""
+        t, at, base = self._kept(r.whole)
+        refs = self.extra_refs
+        out = []
+        for i, c in enumerate(r.batch.columns):
+            if i in r.made:
+                out.append(self.array(c))
+            else:
+                out.append(_sliced(_numbered(t.columns[i], at, base, refs), c))
+        return {"n": r.batch.num_rows, "c": out}
+
+    def _kept(self, w: Any) -> tuple[_Template, list[int], int]:
+        """``w``'s kept description (made now if it has none), the answer's number of each
+        of its segments, and where its inline bytes begin in the answer's."""
         t = w.described
         if t is None:
             t = w.described = _Template(w.batch)
@@ -110,8 +132,7 @@ class _Describer:
         base = self.extra_bytes
         self.extra.extend((base + off, buf) for off, buf in t.extra)
         self.extra_bytes = base + t.extra_bytes
-        refs = self.extra_refs
-        return {"n": t.rows, "c": [_numbered(c, at, base, refs) for c in t.columns]}
+        return t, at, base
 
     def batch(self, b: pa.RecordBatch) -> dict[str, Any]:
         """A batch's table entry, buffer by buffer."""
@@ -160,6 +181,16 @@ def prepare(whole: Any) -> None:
     if whole.kept and whole.described is None:
         with contextlib.suppress(_Unsupported):  # each answer writes such a batch out
             whole.described = _Template(whole.batch)
+
+
+def _sliced(desc: dict[str, Any], a: pa.Array) -> dict[str, Any]:
+    """The description of a whole array, ``desc``, made that of ``a``, a slice of it: the
+    same buffers, with ``a``'s length, offset and nulls (a dictionary array's indices are
+    sliced, its dictionary not)."""
+    if "i" in desc:
+        assert isinstance(a, pa.DictionaryArray)
+        return {"i": _sliced(desc["i"], a.indices), "d": desc["d"]}
+    return {**desc, "n": len(a), "o": a.offset, "z": a.null_count}
 
 
 def _numbered(
@@ -263,9 +294,17 @@ def _described(
     ):
         d = _Describer()
         with contextlib.suppress(_Stale):  # a segment went: located afresh below
-            return d, [d.whole(w) if w.kept else d.batch(w.batch) for w in wholes]
+            return d, [_answered(d, w) for w in wholes]
     d = _Describer()
     return d, [d.batch(b) for b in batches]
+
+
+def _answered(d: _Describer, w: Any) -> dict[str, Any]:
+    """The table entry of a stored batch answered whole or of rows of one, from its kept
+    description where it keeps one."""
+    if hasattr(w, "whole"):  # rows of a stored batch (RowsAnswer)
+        return d.rows(w) if w.whole.kept else d.batch(w.batch)
+    return d.whole(w) if w.kept else d.batch(w.batch)
 
 
 def _reply(body: dict[str, Any]) -> tuple[pa.Schema, list[pa.RecordBatch]]:

@@ -20,6 +20,7 @@ from fixtures_dataplane import assert_rows_match, client_fixture, server_fixture
 
 import flightq
 from flightq import workloads
+from flightq.server import assemble
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,6 +69,39 @@ def test_a_claim_of_one_group_carries_its_image_and_no_other(client, vlm):
         assert _media_entries(batch, "pixel_values") == [1]
         assert _media_bytes(batch, "pixel_values") == image
         assert_rows_match(batch, vlm)
+
+
+def test_claims_of_part_of_a_stored_batch_slice_its_kept_answer_form(
+    server, client, vlm, monkeypatch
+):
+    # A trainer claims a prompt group at a time: the put made its stored batch's answer
+    # form, and each claim's answer is a slice of it with the dictionary cut to the
+    # group's image, not rows gathered one by one; rows from one stored batch out of
+    # order are gathered as before.
+    gathered: list[int] = []
+    by_row = assemble._cut_media_rows
+
+    def counted(rows, *a, **k):
+        gathered.append(len(rows))
+        return by_row(rows, *a, **k)
+
+    monkeypatch.setattr(assemble, "_cut_media_rows", counted)
+    rows = server.store.partition("vlm").rows.values()
+    (piece,) = {id(r.home[0]): r.home[0] for r in rows}.values()
+    assert piece.answer_whole is not None and piece.answer_whole.kept  # made by the put
+    image = vlm.columns["pixel_values"][0][0].nbytes
+    for g in range(3):
+        batch = client.claim("vlm", "train", batch_size=4, as_="numpy")
+        assert batch.keys == vlm.group(g).keys
+        assert _media_entries(batch, "pixel_values") == [1]
+        assert _media_bytes(batch, "pixel_values") == image
+        assert_rows_match(batch, vlm)
+    assert gathered == []
+    keys = vlm.keys[12:16] + vlm.keys[0:4]  # two runs of one stored batch
+    batch = client.get("vlm", keys, as_="numpy")
+    assert batch.keys == keys and gathered == [8]
+    assert sum(_media_entries(batch, "pixel_values")) == 2
+    assert_rows_match(batch, vlm)
 
 
 @pytest.mark.torch

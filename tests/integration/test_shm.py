@@ -321,7 +321,8 @@ def test_a_put_through_shared_memory_prepares_the_answer_of_its_first_reader(
 ):
     # The next to read a step a same-host writer put is a same-host reader of all of it:
     # its answer form is made before the put is acknowledged, so that first get
-    # describes nothing (as every later one). A put over the socket prepares nothing.
+    # describes nothing (as every later one). A put over the socket makes the form (a
+    # claim of part of a batch slices it) but describes nothing for shared memory.
     made = {"whole": 0, "batches": 0, "kept": 0}
     whole, by_buffer = media.piece_answer, shmtable._Describer.batch
     keep = shmtable._Template.__init__
@@ -352,8 +353,48 @@ def test_a_put_through_shared_memory_prepares_the_answer_of_its_first_reader(
     with flightq.connect(server.location, [VLM], timeout=TIMEOUT) as plain:
         plain.create_partition("s", step.schema, group_size=step.group_size)
         assert plain.put("s", step.keys, step.columns, tags=step.tags).route != "shm"
-    assert all(pc.answer_whole is None for pc in _pieces(server, "s"))
-    assert made == {"whole": 0, "batches": 0, "kept": 0}
+    formed = [pc.answer_whole for pc in _pieces(server, "s") if pc.answer_whole is not None]
+    assert formed and all(w.kept and w.described is None for w in formed)
+    assert made["batches"] == made["kept"] == 0
+
+
+def test_claims_of_prompt_groups_are_described_from_the_kept_form(server, client, monkeypatch):
+    # A trainer claims a prompt group at a time: each answer is a slice of its stored
+    # batch's answer form, described from the form's kept description (the media columns,
+    # cut to the group's entries, afresh), its images mapped where the put left them.
+    described = {"batches": 0, "arrays": 0, "kept": 0}
+    by_batch, by_array = shmtable._Describer.batch, shmtable._Describer.array
+    keep = shmtable._Template.__init__
+
+    def counted(name, f):
+        def g(*a, **k):
+            described[name] += 1
+            return f(*a, **k)
+
+        return g
+
+    step = workloads.w2(groups=3)
+    client.create_partition("c", step.schema, tasks=["train"], group_size=step.group_size)
+    assert client.put("c", step.keys, step.columns, tags=step.tags).route == "shm"
+    (put_seg,) = _stores()
+    monkeypatch.setattr(shmtable._Describer, "batch", counted("batches", by_batch))
+    monkeypatch.setattr(shmtable._Describer, "array", counted("arrays", by_array))
+    monkeypatch.setattr(shmtable._Template, "__init__", counted("kept", keep))
+    for g in range(3):
+        before = described["arrays"]
+        got = client.claim("c", "train", step.group_size, timeout=TIMEOUT, as_="numpy")
+        assert got.keys == step.group(g).keys and len(got.parts) == 1
+        assert assert_rows_match(got, step) > 0
+        for row in got["pixel_values"]:
+            for image in row or ():
+                assert _mapped_files(image.__array_interface__["data"][0]) == [put_seg]
+        # Each media column described afresh: the list, its dictionary array, that one's
+        # indices and entries.
+        media_fields = [f for f in got.fields if got.schema[f].role == "media"]
+        assert media_fields and described["arrays"] - before == 4 * len(media_fields)
+        client.ack(got)
+    assert described["batches"] == described["kept"] == 0
+    assert server.shm_pool.paths() == []  # no answer needed a segment of its own
 
 
 def test_rows_that_count_little_themselves_keep_no_answer_form(server, client):

@@ -79,3 +79,45 @@ def test_spare_bytes_are_bounded_by_the_bytes_used_past_a_floor() -> None:
     big = _home([8 << 10, 8 << 10, 8 << 10])
     entries, at, _ = media._dictionary_of(_copies(big, [0, 2]))
     assert at is not None and _data_address(entries) == _data_address(big.entries)
+
+
+def _form(entries: pa.Array, rows: list[list[int] | None]) -> media.WholeAnswer:
+    """A kept answer form of one media column ``f``: per row the dictionary entries of its
+    segments (None: the row lacks the field)."""
+    offsets = [0]
+    for r in rows:
+        offsets.append(offsets[-1] + len(r or []))
+    segs = pa.DictionaryArray.from_arrays(
+        pa.array([e for r in rows for e in r or []], pa.int32()), entries
+    )
+    mask = pa.array([r is None for r in rows]) if None in rows else None
+    col = pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), segs, mask=mask)
+    batch = pa.record_batch([col], names=["f"])
+    return media.WholeAnswer(batch, ("f",), batch, frozenset(), 0, kept=True)
+
+
+def test_rows_of_a_kept_form_carry_the_entries_they_use_as_a_view() -> None:
+    entries = _home([8] * 6).entries
+    whole = _form(entries, [[0], [1, 2], None, [3], [5]])
+    rows, nbytes = media.rows_answer(whole, 1, 3)
+    col = rows.batch.column(0)
+    assert col.to_pylist() == [
+        [entries[1].as_py(), entries[2].as_py()],
+        None,
+        [entries[3].as_py()],
+    ]
+    assert nbytes == 24 and len(col.values.dictionary) == 3
+    assert _data_address(col.values.dictionary) == _data_address(entries)  # nothing copied
+    assert rows.lo == 1 and rows.made == {0}  # the media column made afresh
+    assert media.rows_answer(whole, 2, 1)[0].batch.column(0).to_pylist() == [None]
+
+
+def test_rows_of_a_kept_form_whose_entries_lie_far_apart_are_cut_row_by_row() -> None:
+    entries = _home([8, SPARE_ENTRY_BYTES + 1, 8]).entries
+    whole = _form(entries, [[0], [2], [1]])
+    assert media.rows_answer(whole, 0, 2) is None  # the large entry between would go too
+    # As many segments as entries in their span, one of them unused all the same.
+    assert media.rows_answer(_form(entries, [[0], [0], [2]]), 0, 3) is None
+    rows, nbytes = media.rows_answer(whole, 1, 2)
+    assert nbytes == SPARE_ENTRY_BYTES + 9
+    assert rows.batch.column(0).to_pylist() == [[entries[2].as_py()], [entries[1].as_py()]]
