@@ -504,10 +504,16 @@ class Server(fl.FlightServerBase):
         if not shm and not p.media_fields:
             return
         roles = {f.name: f.role for f in p.schema.fields}
-        for pc in pieces:
-            made = prepare_answer(pc, roles)
-            if made is not None and shm:
-                shmtable.prepare(made)
+        try:  # the put is stored: what fails here only leaves its first reader more to do
+            made = [prepare_answer(pc, roles) for pc in pieces]
+            if shm:
+                for w in made:
+                    if w is not None:
+                        shmtable.prepare(w)
+                if made and all(w is not None for w in made):
+                    shmtable.prepare_reply(made)  # a get of the step, as the put left it
+        except Exception:
+            log.debug("put to %r: its answer forms were not prepared", name, exc_info=True)
 
     def _put_pieces(
         self,

@@ -622,6 +622,9 @@ class WholeAnswer:
     nbytes: int
     kept: bool = False
     described: Any = None
+    #: The answer through shared memory last sent of this batch read whole (first among
+    #: others, :mod:`flightq.shm.table`), kept for the next reader of the same.
+    reply: Any = None
 
 
 def piece_answer(pc: Piece, schema: pa.Schema, media: list[str]) -> WholeAnswer:

@@ -26,8 +26,10 @@ whose put bytes did not come through shared memory and exceed :data:`INLINE_BYTE
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,7 +40,7 @@ from ..protocol import pack, unpack
 from .mapping import MAPPED, map_data, read_private, still_there
 from .segments import MARKER, Declined, SegmentPool
 
-__all__ = ["INLINE_BYTES", "answer", "prepare", "take"]
+__all__ = ["INLINE_BYTES", "KEPT_INLINE_BYTES", "answer", "prepare", "prepare_reply", "take"]
 
 #: Bytes not found in a mapped segment travel inline in the table up to this size.
 INLINE_BYTES = 2**20
@@ -64,6 +66,8 @@ class _Describer:
         self.extra: list[tuple[int, pa.Buffer]] = []
         self.extra_refs: list[list[int]] = []
         self.extra_bytes = 0
+        #: Whether the answer was described from kept descriptions alone (:func:`_described`).
+        self.kept = False
 
     def buffer(self, buf: pa.Buffer | None) -> list[int] | None:
         if buf is None:
@@ -74,10 +78,7 @@ class _Describer:
             i = self._segment(ref)
             if i is not None:
                 return [i, offset, buf.size]
-        at = self.extra_bytes
-        self.extra.append((at, buf))
-        self.extra_bytes = (at + buf.size + _ALIGN - 1) // _ALIGN * _ALIGN
-        out = [-1, at, buf.size]
+        out = [-1, self.inline(buf), buf.size]
         self.extra_refs.append(out)
         return out
 
@@ -98,41 +99,55 @@ class _Describer:
         table entry from what describing it the first time found (kept on ``w``), its
         buffers' segments and inline bytes numbered for this answer. Raises
         :class:`_Stale` where one of its segments is gone (describe it afresh)."""
-        t, at, base = self._kept(w)
+        t = w.described
+        if t is None:
+            t = w.described = _Template(w.batch)
+        at = self._segments_of(t)
+        base = self.extra_bytes
+        self.extra.extend((base + off, buf) for off, buf in t.extra)
+        self.extra_bytes = base + t.extra_bytes
+        moved = {off: base + off for off, _ in t.extra}
         refs = self.extra_refs
-        return {"n": t.rows, "c": [_numbered(c, at, base, refs) for c in t.columns]}
+        return {"n": t.rows, "c": [_numbered(c, at, moved, refs) for c in t.columns]}
 
     def rows(self, r: Any) -> dict[str, Any]:
-        """Rows of a stored batch (:class:`flightq.server.media.RowsAnswer`): each column
-        its answer form sliced is described from the form's kept description, with the
-        slice's length, offset and nulls; the columns made afresh buffer by buffer.
-        Raises :class:`_Stale` as :meth:`whole`."""
-        t, at, base = self._kept(r.whole)
+        """Rows of a stored batch (:class:`flightq.server.media.RowsAnswer`, its form
+        described): each column its answer form sliced is described from the form's kept
+        description, with the slice's length, offset and nulls, and carries only its own
+        inline bytes; the columns made afresh are described buffer by buffer. Raises
+        :class:`_Stale` as :meth:`whole`."""
+        t = r.whole.described
+        at = self._segments_of(t)
+        moved: dict[int, int] = {}
+        for (off, buf), col in zip(t.extra, t.extra_columns, strict=True):
+            if col not in r.made:
+                moved[off] = self.inline(buf)
         refs = self.extra_refs
         out = []
         for i, c in enumerate(r.batch.columns):
             if i in r.made:
                 out.append(self.array(c))
             else:
-                out.append(_sliced(_numbered(t.columns[i], at, base, refs), c))
+                out.append(_sliced(_numbered(t.columns[i], at, moved, refs), c))
         return {"n": r.batch.num_rows, "c": out}
 
-    def _kept(self, w: Any) -> tuple[_Template, list[int], int]:
-        """``w``'s kept description (made now if it has none), the answer's number of each
-        of its segments, and where its inline bytes begin in the answer's."""
-        t = w.described
-        if t is None:
-            t = w.described = _Template(w.batch)
+    def _segments_of(self, t: _Template) -> list[int]:
+        """The answer's number of each segment of a kept description; raises
+        :class:`_Stale` where one is gone."""
         at: list[int] = []
         for ref in t.segments:
             i = self._segment(ref)
             if i is None:
                 raise _Stale
             at.append(i)
-        base = self.extra_bytes
-        self.extra.extend((base + off, buf) for off, buf in t.extra)
-        self.extra_bytes = base + t.extra_bytes
-        return t, at, base
+        return at
+
+    def inline(self, buf: pa.Buffer) -> int:
+        """Where ``buf`` goes among the answer's own bytes (appended, aligned)."""
+        at = self.extra_bytes
+        self.extra.append((at, buf))
+        self.extra_bytes = (at + buf.size + _ALIGN - 1) // _ALIGN * _ALIGN
+        return at
 
     def batch(self, b: pa.RecordBatch) -> dict[str, Any]:
         """A batch's table entry, buffer by buffer."""
@@ -169,7 +184,13 @@ class _Template:
     def __init__(self, batch: pa.RecordBatch) -> None:
         d = _Describer(keep=True)
         self.rows = batch.num_rows
-        self.columns = d.batch(batch)["c"]
+        self.columns = []
+        #: Per inline buffer, the column whose description names it.
+        self.extra_columns: list[int] = []
+        for i, c in enumerate(batch.columns):
+            before = len(d.extra)
+            self.columns.append(d.array(c))
+            self.extra_columns.extend([i] * (len(d.extra) - before))
         self.segments = d.refs
         self.extra = d.extra
         self.extra_bytes = d.extra_bytes
@@ -186,7 +207,8 @@ def prepare(whole: Any) -> None:
 def _sliced(desc: dict[str, Any], a: pa.Array) -> dict[str, Any]:
     """The description of a whole array, ``desc``, made that of ``a``, a slice of it: the
     same buffers, with ``a``'s length, offset and nulls (a dictionary array's indices are
-    sliced, its dictionary not)."""
+    sliced, its dictionary not: no column of a flightq batch is one but media columns,
+    which a slice makes afresh)."""
     if "i" in desc:
         assert isinstance(a, pa.DictionaryArray)
         return {"i": _sliced(desc["i"], a.indices), "d": desc["d"]}
@@ -194,14 +216,15 @@ def _sliced(desc: dict[str, Any], a: pa.Array) -> dict[str, Any]:
 
 
 def _numbered(
-    desc: dict[str, Any], at: list[int], base: int, extra_refs: list[list[int]]
+    desc: dict[str, Any], at: list[int], moved: dict[int, int], extra_refs: list[list[int]]
 ) -> dict[str, Any]:
-    """A kept array description with its segments at ``at`` and inline bytes from
-    ``base``: new lists throughout (an answer may renumber the inline ones later)."""
+    """A kept array description with its segments at ``at`` and each inline buffer at
+    ``moved[offset]`` among the answer's own bytes: new lists throughout (an answer may
+    renumber the inline ones later)."""
     if "i" in desc:
         return {
-            "i": _numbered(desc["i"], at, base, extra_refs),
-            "d": _numbered(desc["d"], at, base, extra_refs),
+            "i": _numbered(desc["i"], at, moved, extra_refs),
+            "d": _numbered(desc["d"], at, moved, extra_refs),
         }
     bufs: list[list[int] | None] = []
     for ref in desc["b"]:
@@ -210,7 +233,7 @@ def _numbered(
         elif ref[0] >= 0:
             bufs.append([at[ref[0]], ref[1], ref[2]])
         else:
-            out = [-1, base + ref[1], ref[2]]
+            out = [-1, moved[ref[1]], ref[2]]
             extra_refs.append(out)
             bufs.append(out)
     return {
@@ -218,12 +241,12 @@ def _numbered(
         "o": desc["o"],
         "z": desc["z"],
         "b": bufs,
-        "c": [_numbered(c, at, base, extra_refs) for c in desc["c"]],
+        "c": [_numbered(c, at, moved, extra_refs) for c in desc["c"]],
     }
 
 
 def answer(
-    pool: SegmentPool,
+    pool: SegmentPool | None,
     schema: pa.Schema,
     batches: Iterable[pa.RecordBatch],
     what: str,
@@ -233,7 +256,8 @@ def answer(
 ) -> tuple[pa.Schema, list[pa.RecordBatch]] | None:
     """A read's answer over shared memory: the one-row stream that names its bytes.
 
-    An answer that needs a segment of its own writes it within ``room()``, a context
+    An answer that needs a segment of its own writes it in ``pool`` (None: it needs none,
+    :func:`prepare_reply`) within ``room()``, a context
     giving ``admit(size)``: whether ``size`` more bytes of segment may wait for their
     reader (asked for the least file first, then for what a larger one reused adds).
     None when it may not, or when the directory has no room for the segment (the caller
@@ -243,10 +267,15 @@ def answer(
     answer).
     """
     batches = list(batches)
+    again = _kept_reply(schema, batches, wholes)
+    if again is not None:
+        return again
     with contextlib.nullcontext(None) if room is None else room() as admit:
         try:
             d, table = _described(batches, wholes)
         except _Unsupported:
+            if pool is None:
+                return None
             try:
                 ref = pool.write(schema, batches, what, admit=admit)
             except (Declined, ResourceExhaustedError):  # no room: over the socket
@@ -255,6 +284,8 @@ def answer(
                 wrote.append(ref)
             return _reply(ref)
         if d.extra_bytes > INLINE_BYTES:
+            if pool is None:
+                return None
             try:
                 ref = pool.write_bytes(d.extra, d.extra_bytes, what, admit=admit)
             except (Declined, ResourceExhaustedError):  # no room: over the socket
@@ -270,7 +301,7 @@ def answer(
         for at, buf in d.extra:
             out[at : at + buf.size] = memoryview(buf)
         inline = bytes(out)
-    return _reply(
+    reply = _reply(
         {
             _TABLE: 1,
             "schema": schema.serialize().to_pybytes(),
@@ -279,6 +310,62 @@ def answer(
             "batches": table,
         }
     )
+    if d.kept and d.extra_bytes <= KEPT_INLINE_BYTES and wholes and all(map(_whole, wholes)):
+        wholes[0].reply = _Kept(tuple(map(weakref.ref, wholes)), schema, d.refs, reply)
+    return reply
+
+
+def prepare_reply(wholes: Sequence[Any]) -> None:
+    """The answer of a put's stored batches read whole, in order (a get of the step), made
+    now from their kept descriptions (:func:`prepare`) and kept for its first reader."""
+    if not wholes or not all(_whole(w) and w.described is not None for w in wholes):
+        return
+    if sum(w.described.extra_bytes for w in wholes) > KEPT_INLINE_BYTES:
+        return
+    schema = wholes[0].batch.schema
+    if all(w.batch.schema.equals(schema, check_metadata=True) for w in wholes[1:]):
+        answer(None, schema, [w.batch for w in wholes], "an answer prepared", wholes=wholes)
+
+
+#: Most inline bytes of an answer of stored batches read whole that its first piece keeps
+#: (:class:`_Kept`) for the next reader: beyond, the answer is made afresh each time.
+KEPT_INLINE_BYTES = 16 << 10
+
+
+@dataclass(eq=False)
+class _Kept:
+    """An answer of stored batches read whole (``wholes``, their answer forms, in order,
+    held weakly: the first holds this) as it was sent, for the next reader of exactly
+    those: the same table, while its segments' files (``refs``) are still there."""
+
+    wholes: tuple[weakref.ref[Any], ...]
+    schema: pa.Schema
+    refs: list[dict[str, Any]]
+    reply: tuple[pa.Schema, list[pa.RecordBatch]]
+
+
+def _whole(w: Any) -> bool:
+    """Whether ``w`` is a stored batch's kept answer form read whole (a WholeAnswer)."""
+    return getattr(w, "kept", False) and not hasattr(w, "whole")
+
+
+def _kept_reply(
+    schema: pa.Schema, batches: list[pa.RecordBatch], wholes: Sequence[Any] | None
+) -> tuple[pa.Schema, list[pa.RecordBatch]] | None:
+    """The answer kept for exactly these stored batches read whole, if their segments are
+    still there; None otherwise."""
+    if not wholes or len(wholes) != len(batches):
+        return None
+    k = getattr(wholes[0], "reply", None)
+    if k is None or len(k.wholes) != len(wholes):
+        return None
+    if not all(
+        a() is b and b.batch is c for a, b, c in zip(k.wholes, wholes, batches, strict=True)
+    ):
+        return None
+    if not (k.schema is schema or k.schema.equals(schema, check_metadata=True)):
+        return None
+    return k.reply if all(still_there(ref) for ref in k.refs) else None
 
 
 def _described(
@@ -294,7 +381,9 @@ def _described(
     ):
         d = _Describer()
         with contextlib.suppress(_Stale):  # a segment went: located afresh below
-            return d, [_answered(d, w) for w in wholes]
+            table = [_answered(d, w) for w in wholes]
+            d.kept = True
+            return d, table
     d = _Describer()
     return d, [d.batch(b) for b in batches]
 
@@ -303,7 +392,7 @@ def _answered(d: _Describer, w: Any) -> dict[str, Any]:
     """The table entry of a stored batch answered whole or of rows of one, from its kept
     description where it keeps one."""
     if hasattr(w, "whole"):  # rows of a stored batch (RowsAnswer)
-        return d.rows(w) if w.whole.kept else d.batch(w.batch)
+        return d.rows(w) if w.whole.kept and w.whole.described is not None else d.batch(w.batch)
     return d.whole(w) if w.kept else d.batch(w.batch)
 
 

@@ -343,13 +343,17 @@ def test_a_put_through_shared_memory_prepares_the_answer_of_its_first_reader(
     pieces = _pieces(server, "k")
     assert pieces and all(pc.answer_whole is not None for pc in pieces)
     assert all(pc.answer_whole.kept and pc.answer_whole.described for pc in pieces)
-    n = len(pieces)  # each described once (a kept form, itself described batch-wise)
-    assert made == {"whole": n, "batches": n, "kept": n}
-    made.update(whole=0, batches=0, kept=0)
-    first = client.get("k", step.keys, as_="numpy")
-    assert first.received is not None and first.received.route == "shm"
-    assert assert_rows_match(first, step) > 0
-    assert made == {"whole": 0, "batches": 0, "kept": 0}  # only numbered
+    n = len(pieces)  # each described once, as a kept form
+    assert made == {"whole": n, "batches": 0, "kept": n}
+    made.update(whole=0, kept=0)
+    # The answers whose table is worked out: none (the step's was, at the put).
+    monkeypatch.setattr(shmtable, "_described", counted("tables", shmtable._described))
+    made["tables"] = 0
+    for _ in range(2):
+        got = client.get("k", step.keys, as_="numpy")
+        assert got.received is not None and got.received.route == "shm"
+        assert assert_rows_match(got, step) > 0
+    assert made == {"whole": 0, "batches": 0, "kept": 0, "tables": 0}
     with flightq.connect(server.location, [VLM], timeout=TIMEOUT) as plain:
         plain.create_partition("s", step.schema, group_size=step.group_size)
         assert plain.put("s", step.keys, step.columns, tags=step.tags).route != "shm"
@@ -395,6 +399,52 @@ def test_claims_of_prompt_groups_are_described_from_the_kept_form(server, client
         client.ack(got)
     assert described["batches"] == described["kept"] == 0
     assert server.shm_pool.paths() == []  # no answer needed a segment of its own
+
+
+def test_a_claim_through_shared_memory_of_rows_put_over_the_socket_copies_their_bytes_once(
+    server, client, monkeypatch
+):
+    # Rows a put over the socket left in the server's heap: a claim's answer through
+    # shared memory copies what it names into bytes of its own; a slice of the kept form
+    # takes along only its own columns' bytes, not the form's media bytes as well.
+    step = workloads.w1(0, groups=4, g=4)
+    with flightq.connect(server.location, [VLM], timeout=TIMEOUT) as plain:
+        plain.create_partition("q", step.schema, tasks=["train"], group_size=step.group_size)
+        assert plain.put("q", step.keys, step.columns, tags=step.tags).route != "shm"
+    assert client.get("q", step.keys, as_="numpy").keys == step.keys  # described whole
+    (piece,) = _pieces(server, "q")
+    assert piece.answer_whole is not None and piece.answer_whole.described is not None
+    images = sum(c.nbytes for c in piece.media["pixel_values"])
+    copied: list[int] = []
+    described = shmtable._described
+
+    def counted(batches, wholes):
+        d, table = described(batches, wholes)
+        copied.append(d.extra_bytes)
+        return d, table
+
+    monkeypatch.setattr(shmtable, "_described", counted)
+    got = client.claim("q", "train", step.group_size, timeout=TIMEOUT, as_="numpy")
+    assert got.keys == step.group(0).keys and assert_rows_match(got, step) > 0
+    assert len(copied) == 1 and images <= copied[0] < 1.5 * images
+
+
+def test_a_put_whose_answer_forms_fail_to_be_made_is_stored_all_the_same(
+    server, client, monkeypatch
+):
+    # The forms are made once the rows are stored: a failure there (memory under the
+    # server's cap) leaves the first reader more to do, never a put refused but stored.
+    from flightq.server import flight as server_flight
+
+    def fails(pc, roles):
+        raise MemoryError("no room for an answer form")
+
+    monkeypatch.setattr(server_flight, "prepare_answer", fails)
+    step = workloads.w2(groups=1)
+    client.create_partition("f", step.schema, group_size=step.group_size)
+    assert client.put("f", step.keys, step.columns, tags=step.tags).rows == step.rows
+    assert all(pc.answer_whole is None for pc in _pieces(server, "f"))
+    assert assert_rows_match(client.get("f", step.keys, as_="numpy"), step) > 0
 
 
 def test_rows_that_count_little_themselves_keep_no_answer_form(server, client):
