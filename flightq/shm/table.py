@@ -158,6 +158,10 @@ class _Describer:
         if pa.types.is_dictionary(t):
             assert isinstance(a, pa.DictionaryArray)
             return {"i": self.array(a.indices), "d": self.array(a.dictionary)}
+        bufs = a.buffers()[: t.num_buffers]
+        if not self._keep and _spare_in_heap(a, bufs):
+            a = pa.concat_arrays([a])  # its bytes are copied into the answer's: only these
+            bufs = a.buffers()[: t.num_buffers]
         if pa.types.is_list(t) or pa.types.is_large_list(t):
             children = [self.array(a.values)]
         elif t.num_fields:
@@ -168,9 +172,25 @@ class _Describer:
             "n": len(a),
             "o": a.offset,
             "z": a.null_count,
-            "b": [self.buffer(b) for b in a.buffers()[: t.num_buffers]],
+            "b": [self.buffer(b) for b in bufs],
             "c": children,
         }
+
+
+#: Bytes of its buffers a slice may leave unused before an answer copying it out of
+#: memory no segment holds compacts it first (:func:`_spare_in_heap`).
+SPARE_SLICE_BYTES = 64 << 10
+
+
+def _spare_in_heap(a: pa.Array, bufs: list[pa.Buffer | None]) -> bool:
+    """Whether ``a`` (its own buffers ``bufs``) is a slice of a large buffer no mapped
+    segment holds, of which it uses much less: an answer would copy it whole into its own
+    bytes (rows a put over the socket left in the server's memory, read through shared
+    memory)."""
+    large = [b for b in bufs if b is not None and b.size >= SPARE_SLICE_BYTES]
+    if not large or any(MAPPED.locate(b.address, b.size) is not None for b in large):
+        return False
+    return a.get_total_buffer_size() - a.nbytes >= SPARE_SLICE_BYTES
 
 
 class _Stale(Exception):

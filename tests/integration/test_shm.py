@@ -406,7 +406,8 @@ def test_a_claim_through_shared_memory_of_rows_put_over_the_socket_copies_their_
 ):
     # Rows a put over the socket left in the server's heap: a claim's answer through
     # shared memory copies what it names into bytes of its own; a slice of the kept form
-    # takes along only its own columns' bytes, not the form's media bytes as well.
+    # takes along only its own columns' bytes, not the form's media bytes as well, and of
+    # a buffer it slices only the part it uses: the group's image, not the put's four.
     step = workloads.w1(0, groups=4, g=4)
     with flightq.connect(server.location, [VLM], timeout=TIMEOUT) as plain:
         plain.create_partition("q", step.schema, tasks=["train"], group_size=step.group_size)
@@ -426,7 +427,8 @@ def test_a_claim_through_shared_memory_of_rows_put_over_the_socket_copies_their_
     monkeypatch.setattr(shmtable, "_described", counted)
     got = client.claim("q", "train", step.group_size, timeout=TIMEOUT, as_="numpy")
     assert got.keys == step.group(0).keys and assert_rows_match(got, step) > 0
-    assert len(copied) == 1 and images <= copied[0] < 1.5 * images
+    image = step.columns["pixel_values"][0][0].nbytes
+    assert images == 4 * image and len(copied) == 1 and image <= copied[0] < 2 * image
 
 
 def test_a_put_whose_answer_forms_fail_to_be_made_is_stored_all_the_same(
