@@ -505,7 +505,7 @@ class Server(fl.FlightServerBase):
             return
         roles = {f.name: f.role for f in p.schema.fields}
         try:  # the put is stored: what fails here only leaves its first reader more to do
-            made = [prepare_answer(pc, roles) for pc in pieces]
+            made = [prepare_answer(pc, roles) if _homed(p, pc) else None for pc in pieces]
             if shm:
                 for w in made:
                     if w is not None:
@@ -1035,6 +1035,14 @@ Incoming = tuple[pa.RecordBatch, Any, Block | None]
 def _block(extra: int) -> Block | None:
     """A block of ``extra`` bytes beyond one batch's buffers (None for none)."""
     return Block(extra) if extra > 0 else None
+
+
+def _homed(p: Partition, pc: Any) -> bool:
+    """Whether ``pc``'s first row is stored as it wrote it (its home): not a write-back's
+    columns added to rows stored before, whose answers never read a piece whole."""
+    keys = pc.checked.keys
+    row = p.rows.get(keys[0]) if keys else None
+    return row is not None and row.home is not None and row.home[0] is pc
 
 
 def _own_copy(batch: pa.RecordBatch) -> pa.RecordBatch:

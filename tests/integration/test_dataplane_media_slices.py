@@ -104,6 +104,25 @@ def test_claims_of_part_of_a_stored_batch_slice_its_kept_answer_form(
     assert_rows_match(batch, vlm)
 
 
+def test_a_write_back_to_stored_rows_makes_no_answer_form(server, client, monkeypatch):
+    # A worker adds a column to rows a generator put: no answer reads that piece whole
+    # (the rows are no longer as either put wrote them), so no form is made for it.
+    from flightq.server import media
+
+    monkeypatch.setattr(media, "KEEP_ANSWER_BYTES", 0)  # every piece counts enough
+    monkeypatch.setattr(media, "KEPT_COLUMN_BYTES", 0)
+    ref = workloads.w1(groups=1)
+    client.create_partition("wb", ref.schema, tasks=["t"], group_size=ref.group_size)
+    client.put("wb", ref.keys, ref.columns, ref.tags)
+    lp = workloads.logprobs_for(ref)
+    client.put("wb", ref.keys, {"prev_logprobs": lp})
+    rows = server.store.partition("wb").rows.values()
+    pieces = {id(pc): pc for r in rows for pc, _ in r.cells.values()}.values()
+    written = [pc for pc in pieces if "prev_logprobs" in pc.batch.schema.names]
+    assert written and all(pc.answer_whole is None for pc in written)
+    assert all(r.home is None for r in rows)  # rows written twice have no home
+
+
 @pytest.mark.torch
 def test_a_get_of_some_rows_carries_the_images_of_those_rows(client, vlm):
     keys = vlm.keys[4:12]  # groups 1 and 2
