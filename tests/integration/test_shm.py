@@ -256,6 +256,16 @@ def test_a_read_maps_the_servers_copy_of_the_put_and_copies_nothing_more(server,
     assert server.shm_pool.paths() == []  # no answer needed a segment of its own
 
 
+def _counted(counts: dict[str, int], name: str, f):
+    """``f``, each call counted in ``counts[name]``."""
+
+    def g(*a, **k):
+        counts[name] += 1
+        return f(*a, **k)
+
+    return g
+
+
 def _pieces(server: flightq.Server, partition: str) -> list:
     rows = server.store.partition(partition).rows.values()
     return list({id(r.home[0]): r.home[0] for r in rows if r.home is not None}.values())
@@ -328,11 +338,7 @@ def test_a_put_through_shared_memory_prepares_the_answer_of_its_first_reader(
     keep = shmtable._Template.__init__
 
     def counted(name, f):
-        def g(*a, **k):
-            made[name] += 1
-            return f(*a, **k)
-
-        return g
+        return _counted(made, name, f)
 
     monkeypatch.setattr(media, "piece_answer", counted("whole", whole))
     monkeypatch.setattr(shmtable._Describer, "batch", counted("batches", by_buffer))
@@ -371,11 +377,7 @@ def test_claims_of_prompt_groups_are_described_from_the_kept_form(server, client
     keep = shmtable._Template.__init__
 
     def counted(name, f):
-        def g(*a, **k):
-            described[name] += 1
-            return f(*a, **k)
-
-        return g
+        return _counted(described, name, f)
 
     step = workloads.w2(groups=3)
     client.create_partition("c", step.schema, tasks=["train"], group_size=step.group_size)
