@@ -259,7 +259,7 @@ def connect(
         if client.shm_dir is not None:
             from ..shm.client import handshake
 
-            handshake(client.transport, client.shm_dir)
+            client._segments.learn(handshake(client.transport, client.shm_dir))
         wanted = resolve_schemas(schemas, registry)
         if wanted:
             client.check_schemas(wanted)
@@ -815,12 +815,17 @@ class Client:
         return known
 
     def _put_batch_bytes(self) -> int:
-        """Record-batch size of a put: bounded for the socket, large through a segment."""
+        """Record-batch size of a put: bounded for the socket, large through a segment (as
+        large as the server takes there, as its probe said, up to ``PUT_BATCH_BYTES``;
+        :data:`~flightq.shm.BATCH_BYTES` where it did not say)."""
         if self.shm_dir is None:
             return self.max_batch_bytes
-        from ..shm import BATCH_BYTES
+        from ..shm import BATCH_BYTES, PUT_BATCH_BYTES
 
-        return max(self.max_batch_bytes, BATCH_BYTES)
+        said = self._segments.put_batch_bytes(self._transport)
+        return max(
+            self.max_batch_bytes, BATCH_BYTES if said is None else min(said, PUT_BATCH_BYTES)
+        )
 
     def put_batch(
         self,

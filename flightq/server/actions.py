@@ -90,6 +90,8 @@ class ActionContext:
     counters: Counters | None = None
     #: The caller's address as gRPC names it (``ipv4:127.0.0.1:PORT``); None: unknown.
     peer: str | None = None
+    #: The largest record batch a put through shared memory may carry; None: not said.
+    shm_batch_bytes: int | None = None
 
 
 #: A handler takes the context and the parsed request and returns the reply.
@@ -137,7 +139,7 @@ def _health(ctx: ActionContext, req: Health) -> HealthReply:
         ok=True,
         protocol=PROTOCOL_VERSION,
         partitions=len(ctx.store.partitions()),
-        shm=probe_reply(ctx.shm_dir, req.to_dict(), ctx.peer),
+        shm=probe_reply(ctx.shm_dir, req.to_dict(), ctx.peer, ctx.shm_batch_bytes),
     )
 
 

@@ -138,7 +138,9 @@ class Server(fl.FlightServerBase):
         shared-memory pool keeps at most a quarter of it warm (:attr:`shm_keep_bytes`).
     max_put_batch_bytes:
         Largest record batch (Arrow buffer bytes) a put may send; a larger one is refused
-        with ProtocolError and nothing of the put is stored.
+        with ProtocolError and nothing of the put is stored. A put through shared memory
+        may send up to :attr:`shm_put_batch_bytes` (at least ``flightq.shm.PUT_BATCH_BYTES``),
+        which the server's health reply names.
     max_request_bytes:
         Largest control message a client may send (a ticket, an action body, a
         descriptor's command, a request-stream frame's header, a batch's media claims),
@@ -279,6 +281,15 @@ class Server(fl.FlightServerBase):
     def location(self) -> str:
         """The bound address, e.g. ``grpc://127.0.0.1:40123``."""
         return self._location
+
+    @property
+    def shm_put_batch_bytes(self) -> int:
+        """The largest record batch a put through shared memory may carry (and an answer
+        through it): :data:`flightq.shm.PUT_BATCH_BYTES`, or ``max_put_batch_bytes`` where
+        that is larger."""
+        from ..shm import PUT_BATCH_BYTES
+
+        return max(self.max_put_batch_bytes, PUT_BATCH_BYTES)
 
     @property
     def shm_pool(self) -> SegmentPool | None:
@@ -530,6 +541,8 @@ class Server(fl.FlightServerBase):
         what = f"put to {name!r}"
         part = self.store.partition(name)
         budget = self.store.memory_budget
+        # Through shared memory a step is one record batch up to PUT_BATCH_BYTES.
+        limit = self.max_put_batch_bytes if cmd.shm is None else self.shm_put_batch_bytes
         media = DictionaryUse(what)
         got = reserved = 0
         last_block: Block | None = None  # a block's batches come one after another
@@ -537,11 +550,11 @@ class Server(fl.FlightServerBase):
             for data, claims, block in source:
                 # All its buffers (cheap); exact referenced bytes only where that matters.
                 size = data.get_total_buffer_size()
-                if size > self.max_put_batch_bytes and data.nbytes > self.max_put_batch_bytes:
+                if size > limit and data.nbytes > limit:
                     size = data.nbytes
                     raise ProtocolError(
                         f"put to {name!r}: a record batch of {size} bytes exceeds the "
-                        f"server's limit of {self.max_put_batch_bytes} bytes per batch; "
+                        f"server's limit of {limit} bytes per batch; "
                         "send smaller batches (Client(max_batch_bytes=...))"
                     )
                 check_batch(data, what)
@@ -674,9 +687,7 @@ class Server(fl.FlightServerBase):
         if not t.shm:
             schema, batches = assemble(part, rows, names, self.max_batch_bytes, coalesce=True)
         else:
-            from ..shm import BATCH_BYTES
-
-            limit = max(self.max_batch_bytes, BATCH_BYTES)
+            limit = max(self.max_batch_bytes, self.shm_put_batch_bytes)
             schema, batches = assemble(part, rows, names, limit, held=wholes)
         return schema, self._sent(batches) if count else batches
 
@@ -981,6 +992,7 @@ class Server(fl.FlightServerBase):
             self.snapshot_dir,
             counters=self.counters,
             peer=peer,
+            shm_batch_bytes=self.shm_put_batch_bytes,
         )
         return HANDLERS[action.type](context, request).to_wire()
 

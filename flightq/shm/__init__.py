@@ -58,6 +58,7 @@ from .segments import (
     FREE,
     HEADER,
     MARKER,
+    PUT_BATCH_BYTES,
     TAKEN,
     WRITTEN,
     SegmentPool,
@@ -88,6 +89,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BATCH_BYTES",
+    "PUT_BATCH_BYTES",
     "DEFAULT_DIR",
     "DEFAULT_KEEP_BYTES",
     "FREE",

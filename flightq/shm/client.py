@@ -37,6 +37,10 @@ class ClientSegments:
         self.direct: bool | None = None
         #: Why not, as the server said.
         self.direct_why = ""
+        #: The largest record batch the server takes in a put through shared memory, as
+        #: its probe said (None: it did not say, or not yet asked).
+        self.batch_bytes: int | None = None
+        self._asked = False
 
     def direct_reads(self, transport: Transport) -> bool:
         """Whether puts leave their payloads for the server to read: asked once (a probe
@@ -49,7 +53,27 @@ class ClientSegments:
             else:
                 self.direct = reply.get("direct") is True
                 self.direct_why = str(reply.get("direct_why") or "")
+                self.learn(reply)
         return self.direct
+
+    def learn(self, reply: dict[str, Any]) -> None:
+        """Keep what a probe's reply says of the server's limits (``batch_bytes``)."""
+        said = reply.get("batch_bytes")
+        if isinstance(said, int) and not isinstance(said, bool) and said > 0:
+            self.batch_bytes = said
+        self._asked = True
+
+    def put_batch_bytes(self, transport: Transport) -> int | None:
+        """The largest record batch the server takes in a put through shared memory, as
+        it said (asked once; None: it does not say, as a server older than this)."""
+        if not self._asked:
+            if self.direct is None:
+                self.direct_reads(transport)
+            with contextlib.suppress(ProtocolError):
+                if not self._asked:
+                    self.learn(probe(transport, self.dir))
+            self._asked = True
+        return self.batch_bytes
 
     @property
     def pool(self) -> SegmentPool | None:
@@ -71,11 +95,11 @@ class ClientSegments:
             pool.close()
 
 
-def handshake(transport: Transport, shm_dir: str) -> None:
+def handshake(transport: Transport, shm_dir: str) -> dict[str, Any]:
     """Check that the server serves shared memory and sees the client's directory.
 
     The client writes a file of random bytes in its directory; the server's health reply
-    must echo them.
+    must echo them. Returns the reply's ``shm`` entry.
 
     Raises
     ------
@@ -83,7 +107,7 @@ def handshake(transport: Transport, shm_dir: str) -> None:
         If the server has shared memory disabled or sees other files (another host,
         container or directory).
     """
-    probe(transport, shm_dir)
+    return probe(transport, shm_dir)
 
 
 def probe(transport: Transport, shm_dir: str, reader: bool = False) -> dict[str, Any]:

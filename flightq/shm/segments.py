@@ -40,6 +40,13 @@ GRANULE = 2 * 2**20
 #: get in 6 batches of 256 MiB took 2-3x as long as in 2). Below the server's default
 #: limit per put batch (``Server(max_put_batch_bytes=2**30)``).
 BATCH_BYTES = 768 * 2**20
+#: Largest record batch a server takes in a put through shared memory, and answers with,
+#: whatever its limit per put batch over the socket (a step of up to this many bytes is
+#: one record batch, which a reader decodes once): each binary column of such a batch
+#: stays well under the 2 GiB its 32-bit offsets can name. A server says it in its
+#: health reply (``batch_bytes``); a client cuts puts at :data:`BATCH_BYTES` for one
+#: that does not.
+PUT_BATCH_BYTES = 3 << 29
 #: Free segments a pool keeps warm for reuse; beyond this they are unlinked.
 DEFAULT_KEEP_BYTES = 2 * 2**30
 #: Seconds a written segment may wait for its reader before the owner gives it up.
@@ -194,7 +201,10 @@ def open_regular(path: str, what: str, min_size: int = 0) -> tuple[int, os.stat_
 
 
 def probe_reply(
-    dirpath: str | None, body: Mapping[str, Any], peer: str | None = None
+    dirpath: str | None,
+    body: Mapping[str, Any],
+    peer: str | None = None,
+    batch_bytes: int | None = None,
 ) -> dict[str, Any] | None:
     """The ``shm`` entry of a health reply: the directory, the probe file's contents, and
     whether the server reads puts straight out of the client's memory (``direct``).
@@ -203,10 +213,14 @@ def probe_reply(
     Naming also where it keeps the file's token (``shm_reader``: pid, address), it gets
     direct reads where the server finds that pid holding the caller's connection and
     reads the token back (:mod:`flightq.shm.direct`); ``direct_why`` says why not.
+    ``batch_bytes``: the largest record batch the server takes in a put through shared
+    memory (:data:`PUT_BATCH_BYTES`), said where given.
     """
     if dirpath is None:
         return None
     out: dict[str, Any] = {"dir": dirpath, "probe": None}
+    if batch_bytes is not None:
+        out["batch_bytes"] = batch_bytes
     path = body.get("shm_probe")
     if isinstance(path, str):
         real = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))

@@ -756,3 +756,71 @@ def test_a_stopped_server_left_holding_rows_lets_go_of_them_and_their_segments()
             assert gone() is None
     finally:
         shutil.rmtree(own, ignore_errors=True)
+
+
+def _big_rows(n: int) -> tuple[list[str], dict[str, list[np.ndarray]]]:
+    keys = [f"b{i}" for i in range(n)]
+    return keys, {"input_ids": [np.full(25_000, i, np.int64) for i in range(n)]}  # 200 KB
+
+
+def test_a_put_through_shared_memory_is_one_record_batch_up_to_what_the_server_takes(
+    monkeypatch,
+):
+    # A reader decodes a record batch at a fixed cost per column: a step put through
+    # shared memory goes as one record batch up to what the server says it takes there,
+    # even past its limit per put batch over the socket, which still holds for sockets.
+    monkeypatch.setattr(shm, "PUT_BATCH_BYTES", 8 << 20)
+    monkeypatch.setattr(shm, "BATCH_BYTES", 1 << 20)  # what a client cuts at unsaid
+    keys, rows = _big_rows(15)  # 3 MB
+    own = tempfile.mkdtemp(prefix="flightq-test-", dir=SHM)
+    try:
+        with (
+            flightq.Server(shm=own, max_put_batch_bytes=1 << 20) as srv,
+            flightq.connect(srv.location, timeout=TIMEOUT, shm=own, max_batch_bytes=1 << 20) as c,
+            flightq.connect(srv.location, timeout=TIMEOUT, max_batch_bytes=4 << 20) as plain,
+        ):
+            assert c.health()["shm"]["batch_bytes"] == 8 << 20
+            c.shm_min_bytes = 0
+            c.create_partition("p", TEXT, tasks=["t"])
+            assert c.put("p", keys, rows).route == "shm"
+            got = c.get("p", keys, as_="numpy")
+            assert got.received.record_batches == 1 and len(_pieces(srv, "p")) == 1
+            assert [int(r[0]) for r in got["input_ids"]] == list(range(15))
+            with pytest.raises(flightq.ProtocolError, match="limit of 1048576 bytes per batch"):
+                plain.put("p", keys, rows, overwrite=True)
+            c.drop("p")
+    finally:
+        shutil.rmtree(own, ignore_errors=True)
+
+
+def test_a_server_that_does_not_say_what_it_takes_gets_puts_cut_as_before(monkeypatch):
+    # A server older than the word (its health reply names no batch_bytes): puts
+    # through shared memory are cut at shm.BATCH_BYTES, as before.
+    from flightq import shm as shm_pkg
+
+    said = shm_pkg.probe_reply
+
+    def older(*a, **k):
+        out = said(*a, **k)
+        if out is not None:
+            out.pop("batch_bytes", None)
+        return out
+
+    monkeypatch.setattr(shm_pkg, "probe_reply", older)
+    monkeypatch.setattr(shm, "BATCH_BYTES", 1 << 20)
+    keys, rows = _big_rows(15)
+    own = tempfile.mkdtemp(prefix="flightq-test-", dir=SHM)
+    try:
+        with (
+            flightq.Server(shm=own) as srv,
+            flightq.connect(srv.location, timeout=TIMEOUT, shm=own, max_batch_bytes=1 << 20) as c,
+        ):
+            assert "batch_bytes" not in c.health()["shm"]
+            c.shm_min_bytes = 0
+            c.create_partition("p", TEXT, tasks=["t"])
+            assert c.put("p", keys, rows).route == "shm"
+            assert len(_pieces(srv, "p")) >= 3  # 3 MB cut at 1 MiB
+            assert c.get("p", keys, as_="numpy").keys == keys
+            c.drop("p")
+    finally:
+        shutil.rmtree(own, ignore_errors=True)

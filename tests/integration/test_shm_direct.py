@@ -545,7 +545,7 @@ def test_a_segment_counts_whole_while_any_of_its_batches_rows_is_stored(
     # One put through shared memory, cut into 4 record batches that the server copies
     # into one segment: the segment lives while a row of any of them does, so clearing
     # the first batch's rows leaves it counted whole; clearing them all frees it.
-    monkeypatch.setattr(shm, "BATCH_BYTES", 2 << 20)  # a put's batches through shm
+    monkeypatch.setattr(shm, "PUT_BATCH_BYTES", 2 << 20)  # a put's batches through shm
     keys = [f"k{i}" for i in range(40)]
     rows = {"input_ids": [np.full(25_000, i, np.int64) for i in range(40)]}  # 200 KB each
     with (
