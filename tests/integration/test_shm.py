@@ -824,3 +824,35 @@ def test_a_server_that_does_not_say_what_it_takes_gets_puts_cut_as_before(monkey
             c.drop("p")
     finally:
         shutil.rmtree(own, ignore_errors=True)
+
+
+def test_a_plain_flight_put_through_shared_memory_is_held_to_the_servers_limit(monkeypatch):
+    # A writer that ignores the health reply: a record batch in its segment larger than
+    # the server takes through shared memory is refused, whole, naming the limit; one
+    # within it is stored, even past the server's limit per put batch over the socket.
+    keys, rows = _big_rows(15)  # 3 MB in one record batch
+    schema = flightq.SchemaRegistry.default().get(TEXT)
+    batch = flightq.encode(schema, rows, keys)
+    own = tempfile.mkdtemp(prefix="flightq-test-", dir=SHM)
+    pool = segments.SegmentPool(own)
+    try:
+        with (
+            flightq.Server(shm=own, max_put_batch_bytes=1 << 20) as srv,
+            flightq.connect(srv.location, timeout=TIMEOUT) as c,
+        ):
+            c.create_partition("p", TEXT, tasks=["t"])
+            monkeypatch.setattr(shm, "PUT_BATCH_BYTES", 2 << 20)
+            ref = pool.write(batch.schema, [batch], "test")
+            with pytest.raises(
+                fl.FlightServerError, match="exceeds the server's limit of 2097152 bytes"
+            ):
+                plain_shm_put(srv.location, ref, rows=15)
+            assert c.stats()["partitions"]["p"]["rows"] == 0
+            monkeypatch.setattr(shm, "PUT_BATCH_BYTES", 8 << 20)
+            ref = pool.write(batch.schema, [batch], "test")
+            plain_shm_put(srv.location, ref, rows=15)
+            assert c.get("p", keys, as_="numpy").keys == keys
+            c.drop("p")
+    finally:
+        pool.close()
+        shutil.rmtree(own, ignore_errors=True)
