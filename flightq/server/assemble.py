@@ -32,6 +32,7 @@ from .media import (
     Copy,
     Home,
     RowsAnswer,
+    kept_answer,
     media_column,
     piece_answer,
     row_copies,
@@ -363,12 +364,9 @@ def _stored_runs(
         if home is None or (out and size < SMALL_RUN_BYTES):
             return None
         pc, first = home
-        whole = pc.answer_whole
+        whole = kept_answer(pc, media)
         if (
             whole is None
-            or not whole.kept
-            or whole.source is not pc.batch
-            or whole.media != tuple(media)
             or id(pc) in pieces
             or not seen.isdisjoint(whole.copies)
             or not pc.batch.schema.equals(schema, check_metadata=True)

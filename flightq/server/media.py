@@ -60,6 +60,7 @@ __all__ = [
     "same_media",
     "piece_answer",
     "prepare_answer",
+    "kept_answer",
     "rows_answer",
     "RowsAnswer",
     "Answered",
@@ -573,6 +574,12 @@ SPARE_ENTRY_BYTES = 64 << 10
 _SPARE_FLOOR = 4 << 10
 
 
+def _few_spare(span: int, used: int) -> bool:
+    """Whether a view of ``span`` payload bytes, ``used`` of them by the answer's rows,
+    carries few enough others (:data:`SPARE_ENTRY_BYTES`, :data:`_SPARE_FLOOR`)."""
+    return span - used <= min(SPARE_ENTRY_BYTES, max(used, _SPARE_FLOOR))
+
+
 def _dictionary_of(copies: list[Copy]) -> tuple[pa.Array, np.ndarray | None, bool]:
     """One large_binary dictionary holding each copy's payload, where each copy's entry
     is in it (None: in order), and whether it is a view of their home (no payload
@@ -591,8 +598,7 @@ def _dictionary_of(copies: list[Copy]) -> tuple[pa.Array, np.ndarray | None, boo
         span = home.entries.slice(lo, hi - lo)
         offsets = binary_offsets(span)
         used = sum(c.nbytes for c in copies)
-        spare = int(offsets[-1] - offsets[0]) - used
-        if spare <= min(SPARE_ENTRY_BYTES, max(used, _SPARE_FLOOR)):
+        if _few_spare(int(offsets[-1] - offsets[0]), used):
             return span, (at - lo).astype(np.int32), True
     return pa.concat_arrays([c.entry for c in copies]), None, False
 
@@ -636,8 +642,8 @@ def piece_answer(pc: Piece, schema: pa.Schema, media: list[str]) -> WholeAnswer:
     group's image counts a few kB), and 16 :data:`KEPT_COLUMN_BYTES` per column: the batch
     then holds only memory the piece's copies hold anyway, and what the kept form adds
     stays a small share of what the piece counts."""
-    made = pc.answer_whole
-    if made is not None and made.source is pc.batch and made.media == tuple(media):
+    made = kept_answer(pc, media)
+    if made is not None:
         return made
     source = batch = pc.batch
     ids: set[int] = set()
@@ -704,7 +710,7 @@ def rows_answer(whole: WholeAnswer, lo: int, n: int) -> tuple[RowsAnswer, int] |
             used = np.zeros(len(span), dtype=bool)
             used[idx - lo_e] = True
             taken = int(sizes[used].sum())
-            if int(ends[-1] - ends[0]) - taken > min(SPARE_ENTRY_BYTES, max(taken, _SPARE_FLOOR)):
+            if not _few_spare(int(ends[-1] - ends[0]), taken):
                 return None
         nbytes += taken
         indices = pa.array(np.subtract(idx, lo_e, dtype=np.int32))
@@ -715,6 +721,15 @@ def rows_answer(whole: WholeAnswer, lo: int, n: int) -> tuple[RowsAnswer, int] |
         batch = batch.set_column(i, schema.field(i), col)
         made.append(i)
     return RowsAnswer(whole, lo, batch, frozenset(made)), nbytes
+
+
+def kept_answer(pc: Piece, media: list[str]) -> WholeAnswer | None:
+    """The answer form kept on ``pc`` for its batch as stored now with media columns
+    ``media``; None where none is (a batch replaced since makes a new one)."""
+    made = pc.answer_whole
+    if made is not None and made.source is pc.batch and made.media == tuple(media):
+        return made
+    return None
 
 
 def keeps_answer(pc: Piece) -> bool:

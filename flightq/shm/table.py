@@ -69,10 +69,12 @@ class _Describer:
         #: Whether the answer was described from kept descriptions alone (:func:`_described`).
         self.kept = False
 
-    def buffer(self, buf: pa.Buffer | None) -> list[int] | None:
+    def buffer(self, buf: pa.Buffer | None, hit: Any) -> list[int] | None:
+        """``buf``'s reference in the answer: its segment and offset where ``hit``
+        (:func:`_located`) names one still there, else its place among the answer's own
+        bytes."""
         if buf is None:
             return None
-        hit = MAPPED.locate(buf.address, buf.size) if buf.size else None
         if hit is not None:
             ref, offset = hit
             i = self._segment(ref)
@@ -159,9 +161,11 @@ class _Describer:
             assert isinstance(a, pa.DictionaryArray)
             return {"i": self.array(a.indices), "d": self.array(a.dictionary)}
         bufs = a.buffers()[: t.num_buffers]
-        if not self._keep and _spare_in_heap(a, bufs):
+        hits = [_located(b) for b in bufs]
+        if not self._keep and _spare_in_heap(a, bufs, hits):
             a = pa.concat_arrays([a])  # its bytes are copied into the answer's: only these
             bufs = a.buffers()[: t.num_buffers]
+            hits = [None] * len(bufs)  # the copy lies in no segment
         if pa.types.is_list(t) or pa.types.is_large_list(t):
             children = [self.array(a.values)]
         elif t.num_fields:
@@ -172,7 +176,7 @@ class _Describer:
             "n": len(a),
             "o": a.offset,
             "z": a.null_count,
-            "b": [self.buffer(b) for b in bufs],
+            "b": [self.buffer(b, h) for b, h in zip(bufs, hits, strict=True)],
             "c": children,
         }
 
@@ -182,13 +186,20 @@ class _Describer:
 SPARE_SLICE_BYTES = 64 << 10
 
 
-def _spare_in_heap(a: pa.Array, bufs: list[pa.Buffer | None]) -> bool:
-    """Whether ``a`` (its own buffers ``bufs``) is a slice of a large buffer no mapped
-    segment holds, of which it uses much less: an answer would copy it whole into its own
-    bytes (rows a put over the socket left in the server's memory, read through shared
-    memory)."""
-    large = [b for b in bufs if b is not None and b.size >= SPARE_SLICE_BYTES]
-    if not large or any(MAPPED.locate(b.address, b.size) is not None for b in large):
+def _located(buf: pa.Buffer | None) -> Any:
+    """The mapped segment and offset of ``buf``'s bytes (``MAPPED.locate``), or None."""
+    return MAPPED.locate(buf.address, buf.size) if buf is not None and buf.size else None
+
+
+def _spare_in_heap(a: pa.Array, bufs: list[pa.Buffer | None], hits: list[Any]) -> bool:
+    """Whether ``a`` (its own buffers ``bufs``, where each lies: ``hits``) is a slice of a
+    large buffer no mapped segment holds, of which it uses much less: an answer would copy
+    it whole into its own bytes (rows a put over the socket left in the server's memory,
+    read through shared memory)."""
+    large = [
+        h for b, h in zip(bufs, hits, strict=True) if b is not None and b.size >= SPARE_SLICE_BYTES
+    ]
+    if not large or any(h is not None for h in large):
         return False
     return a.get_total_buffer_size() - a.nbytes >= SPARE_SLICE_BYTES
 
