@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import numpy as np
 import pyarrow as pa
 
 from .chunks import encode_chunks, row_nbytes, split_batch
@@ -159,7 +158,7 @@ class PartDecoder:
         if self.prepare:
             if self.parts:
                 self.parts[-1].prepare()  # not the last: another record batch came after it
-            _ = part.tags  # malformed tags fail the read, not a later access
+            part.check_tags()  # malformed tags fail the read, not a later access
         self.parts.append(part)
         self.decode_s += time.perf_counter() - t
 
@@ -250,43 +249,45 @@ _IMMUTABLE = (str, int, float, bool, bytes, type(None))
 _TAG_ERRORS = (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError)
 
 
-def _tags_by_value(col: pa.Array, keys: list[str]) -> list[dict[str, Any]]:
-    """Each row's tags (``{}`` for none), each distinct value decoded once: the rows of a
-    prompt group carry equal bytes. Each row gets its own map (a caller may change one
-    row's): a copy of the decoded one where its values are immutable, else decoded again.
+class _TagValues:
+    """A batch's tags, each distinct value decoded and checked once (the rows of a prompt
+    group carry equal bytes): ``maps`` (the decoded maps, ``{}`` last for a row without
+    tags), ``picks`` (each row's map), ``shallow`` (per map, whether its values are
+    immutable, so a shallow copy shares them safely), ``values`` (their bytes)."""
 
-    Raises
-    ------
-    DecodeError
-        Naming the first row whose tags are not msgpack, or not a map.
-    """
-    seen: dict[bytes, int] = {}  # each distinct value's number, in order of first use
-    at = np.array([-1 if b is None else seen.setdefault(b, len(seen)) for b in col.to_pylist()])
-    values = list(seen)
-    maps: list[dict[str, Any]] = []
-    for j, b in enumerate(values):
-        try:
-            t = msgpack.unpackb(b, raw=False)
-        except _TAG_ERRORS as e:
-            k = keys[int(np.argmax(at == j))]  # the first row with these bytes
-            raise DecodeError(
-                f"tags of row {k!r} are not valid msgpack: {e}", field=TAGS, key=k
-            ) from e
-        if not isinstance(t, dict):
-            k = keys[int(np.argmax(at == j))]
-            raise DecodeError(
-                f"tags of row {k!r} are not a map", field=TAGS, key=k, actual=type(t).__name__
-            )
-        maps.append(t)
-    shallow = [all(type(v) in _IMMUTABLE for v in t.values()) for t in maps]
-    maps.append({})  # index -1: a row without tags
-    picks = at.tolist()
-    if all(shallow):
-        return list(map(dict, map(maps.__getitem__, picks)))
-    return [
-        dict(maps[j]) if j < 0 or shallow[j] else msgpack.unpackb(values[j], raw=False)
-        for j in picks
-    ]
+    def __init__(self, col: pa.Array, keys: list[str]) -> None:
+        seen: dict[bytes, int] = {}  # each distinct value's number, in order of first use
+        picks = [-1 if b is None else seen.setdefault(b, len(seen)) for b in col.to_pylist()]
+        values = list(seen)
+        maps: list[dict[str, Any]] = []
+        for j, b in enumerate(values):
+            try:
+                t = msgpack.unpackb(b, raw=False)
+            except _TAG_ERRORS as e:
+                k = keys[picks.index(j)]  # the first row with these bytes
+                raise DecodeError(
+                    f"tags of row {k!r} are not valid msgpack: {e}", field=TAGS, key=k
+                ) from e
+            if not isinstance(t, dict):
+                k = keys[picks.index(j)]
+                raise DecodeError(
+                    f"tags of row {k!r} are not a map", field=TAGS, key=k, actual=type(t).__name__
+                )
+            maps.append(t)
+        self.shallow = [all(type(v) in _IMMUTABLE for v in t.values()) for t in maps]
+        maps.append({})  # index -1: a row without tags
+        self.maps, self.picks, self.values = maps, picks, values
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Each row's own map (a caller may change one row's): a copy of the decoded one
+        where its values are immutable, else decoded again."""
+        maps, shallow = self.maps, self.shallow
+        if all(shallow):
+            return list(map(dict, map(maps.__getitem__, self.picks)))
+        return [
+            dict(maps[j]) if j < 0 or shallow[j] else msgpack.unpackb(self.values[j], raw=False)
+            for j in self.picks
+        ]
 
 
 def join(parts: Sequence[Batch]) -> Batch:
@@ -344,6 +345,7 @@ class Batch:
         #: Jagged offsets handed out so far: the batch's token columns share them.
         self._ragged: list[Any] = []
         self._tags: list[dict[str, Any]] | None = None
+        self._tag_values: _TagValues | None = None
         self._parts: list[Batch] | None = None
         #: Set on what a get or claim returns: see :class:`Received`.
         self.received: Received | None = None
@@ -407,13 +409,33 @@ class Batch:
         (``(self,)`` for an answer of one record batch). Read-only."""
         return (self,) if self._parts is None else tuple(self._parts)
 
+    def check_tags(self) -> None:
+        """Decode and check the rows' tags now, so that malformed tags fail the read that
+        brought them; each row's own map is made when :attr:`tags` is first read (a reader
+        of whole columns may never ask for it).
+
+        Raises
+        ------
+        DecodeError
+            Naming the first row whose tags are not msgpack, or not a map.
+        """
+        if self._tags is not None or self._tag_values is not None or self._parts is not None:
+            return
+        if self.record_batch.num_rows > _FEW:
+            self._tag_values = _TagValues(self.record_batch.column(TAGS), self.keys)
+        else:
+            _ = self.tags
+
     @property
     def tags(self) -> list[dict[str, Any]]:
         """Per-row tag dicts (empty where a row has none)."""
         if self._tags is None and self._parts is not None:
             self._tags = [t for p in self._parts for t in p.tags]
         if self._tags is None and self.record_batch.num_rows > _FEW:
-            self._tags = _tags_by_value(self.record_batch.column(TAGS), self.keys)
+            checked, self._tag_values = self._tag_values, None
+            if checked is None:
+                checked = _TagValues(self.record_batch.column(TAGS), self.keys)
+            self._tags = checked.rows()
         if self._tags is None:
             out: list[dict[str, Any]] = []
             for i, b in enumerate(self.record_batch.column(TAGS).to_pylist()):

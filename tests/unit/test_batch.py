@@ -961,6 +961,35 @@ def test_many_rows_tags_are_refused_at_the_first_bad_row(bad: bytes, message: st
         assert e.value.key == "r6"
 
 
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [(b"\xc1", "are not valid msgpack: "), (b"\x93\x01\x02\x03", "are not a map")],
+)
+def test_a_reads_malformed_tags_fail_the_read_though_no_row_asks_for_its_map(
+    bad: bytes, message: str
+) -> None:
+    # A read decodes each distinct value at once and makes the rows' own maps only when
+    # asked for: the fault is still the read's, naming the first row that carries it.
+    good = msgpack.packb({"prompt_idx": 1})
+    values = [good] * 9 + [bad, None, bad]
+    rb = replace_column(_many_rows([None] * 12), "__tags__", pa.array(values, pa.binary()))
+    with pytest.raises(DecodeError, match=f"tags of row 'r9' {message}") as e:
+        PartDecoder("numpy").add(rb)
+    assert e.value.key == "r9"
+
+
+def test_a_read_makes_its_rows_tag_maps_only_when_they_are_asked_for() -> None:
+    tags = [{"prompt_idx": i // 4, "weight_version": 3} for i in range(16)]
+    d = PartDecoder("numpy")
+    d.add(_many_rows(tags))
+    batch = join(d.parts)
+    assert batch._tags is None  # checked, not yet a map per row
+    _flat, offsets = batch.column("input_ids").packed()  # a reader of whole columns
+    assert batch._tags is None and len(offsets) == 17
+    assert batch.tags == tags
+    assert len({id(t) for t in batch.tags}) == 16
+
+
 def test_a_column_asked_for_a_form_its_role_has_not_names_the_field_and_role() -> None:
     step = workloads.w1(groups=1, g=2)
     b = flightq.decode(
