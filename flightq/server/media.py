@@ -279,12 +279,13 @@ def _resolve(
     seg_shapes = shapes.values.slice(int(souter[0]), int(souter[-1] - souter[0]))
     if len(seg_shapes) != len(idx) or seg_shapes.null_count:
         return [None] * n, None
-    so = seg_shapes.offsets.to_numpy()
-    sv = seg_shapes.values.to_numpy(zero_copy_only=False)
+    # As Python lists: a numpy slice per segment costs several times the list's.
+    so = seg_shapes.offsets.to_numpy().tolist()
+    sv = seg_shapes.values.to_numpy(zero_copy_only=False).tolist()
     shape_of: dict[int, tuple[int, ...]] = {}
     mixed: set[int] = set()
     for s, j in enumerate(idx.tolist()):
-        shp = tuple(sv[so[s] : so[s + 1]].tolist())
+        shp = tuple(sv[so[s] : so[s + 1]])
         if shape_of.setdefault(j, shp) != shp:
             mixed.add(j)
     offsets = binary_offsets(entries)
