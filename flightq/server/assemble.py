@@ -88,6 +88,9 @@ def assemble(
         # A run ends before the row that would take it past max_bytes: that is the row
         # carrying a new image (a row counts a shared image where its group uses it
         # first), so a prompt group's rows and their image stay in one record batch.
+        if _one_run(rows, max_bytes):
+            yield 0, len(rows)
+            return
         start = 0
         acc = 0
         for i, row in enumerate(rows):
@@ -585,6 +588,33 @@ def _one_piece(row: Row, fields: list[str], schema: pa.Schema) -> tuple[Piece, i
     if not first[0].batch.schema.equals(schema, check_metadata=True):
         return None
     return first
+
+
+def _one_run(rows: list[Row], max_bytes: int) -> bool:
+    """Whether ``rows`` are consecutive rows of one stored batch as a put made them (each
+    :attr:`Row.home` the next of one piece) within ``max_bytes``: one slice, found in a
+    few loops in C instead of comparing the rows pair by pair (a get of what one put
+    wrote)."""
+    if len(rows) < 2:
+        return False
+    homes = list(map(_HOME, rows))
+    first, last = homes[0], homes[-1]
+    if first is None or last is None or last[0] is not first[0]:
+        return False
+    pc, lo = first
+    if last[1] != lo + len(homes) - 1 or sum(map(_NBYTES, rows)) > max_bytes:
+        return False
+    try:  # a row without a home (None) raises here
+        at = list(map(_AT, homes))
+        same = all(map(operator.is_, map(_PIECE, homes), itertools.repeat(pc)))
+    except TypeError:
+        return False
+    return same and at == list(range(lo, lo + len(homes)))
+
+
+_NBYTES = operator.attrgetter("nbytes")
+_PIECE = operator.itemgetter(0)
+_AT = operator.itemgetter(1)
 
 
 def _continues(prev: Row, row: Row, fields: list[str]) -> bool:
