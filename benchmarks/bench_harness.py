@@ -368,6 +368,20 @@ def test_the_cuda_get_benchmark_times_the_parts_a_cpu_can_run(capsys: Any) -> No
     assert "get cuda" not in out and "to device" not in out
 
 
+def test_the_get_parts_benchmark_times_bare_flight_the_server_and_the_client(
+    capsys: Any,
+) -> None:
+    parts = _script("get_parts")
+    got = parts.measure("W4", "rows", rounds=2)  # the client's answer checked inside
+    assert sorted(got) == sorted(parts.READS)
+    assert all(len(xs) == 2 and min(xs) > 0 for xs in got.values())
+    assert parts.main(["--workload", "W4", "--form", "packed", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "W4 get over the socket (packed)" in out and "bare / client" in out
+    with pytest.raises(ValueError, match="form must be"):
+        parts.measure("W4", "jagged", rounds=1)
+
+
 def test_the_server_trees_benchmark_checks_and_times_each_servers_reads(capsys: Any) -> None:
     trees = _script("server_trees")
     # Two servers of this tree: W4's prompt groups, claimed through shared memory, and a

@@ -1,0 +1,159 @@
+"""Where a fresh step's get over the socket spends its time, against bare Flight.
+
+Three reads of the same step, each after a fresh put of it (as in ``flightq bench``, every
+timed read is a step's first), interleaved, their order reversed every other round:
+
+- ``bare``: the benchmark's bare Flight server (``bare-flight-records``) holding the record
+  batches a flightq put of the step sends, read with a plain DoGet and ``read_all``;
+- ``server``: a plain DoGet of flightq's own get ticket against ``flightq serve``, read
+  with ``read_all``: flightq's server answering, nothing of flightq's client;
+- ``client``: ``Client.get`` of every row, then what the reader takes (``--form``:
+  ``packed``, token and tensor columns as ``.packed()`` and the rest as ``batch[name]``;
+  ``rows``, every field's per-row tensors).
+
+Both servers run on 127.0.0.1 in processes of their own; the client's answer is checked
+against the step once before anything is timed. Prints each read's median ms and the
+paired ratios per round (median [p10-p90]): bare / server (what flightq's server adds to
+the transport), server / client (what flightq's client adds) and bare / client (flightq
+against bare Flight's records, the W3 target's ratio).
+
+Run::
+
+    .venv/bin/python benchmarks/get_parts.py --workload W3 --form packed --rounds 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from flightq_bench.flightq_system import server_argv
+from flightq_bench.procs import ServerProcess
+
+__all__ = ["FORMS", "READS", "main", "measure"]
+
+FORMS = ("packed", "rows")
+READS = ("bare", "server", "client")
+
+
+def _taken(batch: Any, form: str) -> dict[str, Any]:
+    """What a reader takes from the answer (``form``: see the module's text)."""
+    if form == "rows":
+        return {f: batch[f] for f in batch.fields}
+    roles = {f: batch.schema[f].role for f in batch.fields}
+    return {
+        f: batch.column(f).packed() if roles[f] in ("token", "tensor") else batch[f]
+        for f in batch.fields
+    }
+
+
+def _check(step: Any, batch: Any, form: str) -> None:
+    """The client's answer against the step, bit for bit (packed columns cut into rows)."""
+    from flightq_bench.payload import check_rows
+
+    import flightq
+
+    cols = {
+        f: [
+            v.values[a:b]
+            for a, b in zip(v.offsets[:-1].tolist(), v.offsets[1:].tolist(), strict=True)
+        ]
+        if isinstance(v, flightq.Packed)
+        else v
+        for f, v in _taken(batch, form).items()
+    }
+    check_rows(step, list(batch.keys), cols, batch.tags, f"get ({form})")
+
+
+def measure(workload: str = "W3", form: str = "packed", rounds: int = 40) -> dict[str, list[float]]:
+    """Per read (:data:`READS`), the seconds of each of ``rounds`` timed reads."""
+    import pyarrow as pa
+    import pyarrow.flight as fl
+
+    import flightq
+    from flightq.chunks import encode_chunks
+    from flightq.client.client import DEFAULT_MAX_BATCH_BYTES
+    from flightq.protocol import GetTicket
+    from flightq.registry import SchemaRegistry
+    from flightq.workloads import make, to_torch
+
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    ref = make(workload)  # numpy: what the answer is checked against
+    step = to_torch(ref)  # torch: what a producer puts
+    schema = SchemaRegistry.default().get(step.schema)
+    # What a put sends (encoded before the timer, as bare-flight-records does).
+    table = pa.Table.from_batches(
+        encode_chunks(schema, step.columns, step.keys, step.tags, max_bytes=DEFAULT_MAX_BATCH_BYTES)
+    )
+    bare_argv = [sys.executable, "-m", "flightq_bench.arrowflight"]
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(ServerProcess(server_argv(), "flightq"))
+        bare = stack.enter_context(ServerProcess(bare_argv, "bare Flight"))
+        c = stack.enter_context(flightq.connect(server.info["listening"], [schema], timeout=60))
+        plain = stack.enter_context(fl.connect(server.info["listening"]))
+        held = stack.enter_context(fl.connect(bare.info["listening"]))
+        c.create_partition("p", schema, tasks=["train"], group_size=step.group_size)
+        ticket = fl.Ticket(GetTicket(partition="p", keys=list(step.keys)).to_wire())
+
+        def put() -> None:
+            c.put("p", step.keys, step.columns, tags=step.tags)
+            writer, reader = held.do_put(fl.FlightDescriptor.for_path("s"), table.schema)
+            writer.write_table(table)
+            writer.done_writing()
+            reader.read()
+            writer.close()
+
+        def read(which: str) -> Any:
+            if which == "bare":
+                return held.do_get(fl.Ticket(b"s")).read_all()
+            if which == "server":
+                return plain.do_get(ticket).read_all()
+            batch = c.get("p", step.keys)
+            return batch, _taken(batch, form)
+
+        put()
+        _check(ref, read("client")[0], form)  # once, before anything is timed
+        c.clear("p")
+        out: dict[str, list[float]] = {k: [] for k in READS}
+        for r in range(rounds):
+            put()
+            for which in READS if r % 2 == 0 else READS[::-1]:
+                t0 = time.perf_counter()
+                read(which)
+                out[which].append(time.perf_counter() - t0)
+            c.clear("p")
+        return out
+
+
+def _ratio(a: list[float], b: list[float]) -> str:
+    """``a``'s time over ``b``'s, paired per round: median [p10-p90]; it reads as ``b``'s
+    speed against ``a``'s (below 1x: ``b`` is slower)."""
+    r = sorted(x / y for x, y in zip(a, b, strict=True))
+    n = len(r)
+    return f"{r[n // 2]:.2f}x [{r[n // 10]:.2f}-{r[(9 * n) // 10]:.2f}]"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="W3")
+    p.add_argument("--form", default="packed", choices=FORMS)
+    p.add_argument("--rounds", type=int, default=40)
+    a = p.parse_args(argv)
+    got = measure(a.workload, a.form, a.rounds)
+    print(f"{a.workload} get over the socket ({a.form}), each a fresh step's first: median ms")
+    for k in READS:
+        print(f"  {k:<8} {statistics.median(got[k]) * 1e3:8.2f}")
+    print(f"  bare / server   {_ratio(got['bare'], got['server'])}   (flightq's server)")
+    print(f"  server / client {_ratio(got['server'], got['client'])}   (flightq's client)")
+    print(f"  bare / client   {_ratio(got['bare'], got['client'])}   (flightq against bare)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
