@@ -36,7 +36,6 @@ from .errors import ProtocolError, ResourceExhaustedError
 __all__ = [
     "DEFAULT_MAX_REQUEST_BYTES",
     "MIN_MAX_REQUEST_BYTES",
-    "MOST_PER_BYTE",
     "SPLIT_BYTES",
     "decoded_bytes",
     "request_bytes",
@@ -99,14 +98,6 @@ _OTHERS: dict[int, tuple[int, int, int]] = {
     0xD7: (0, 9, _EXT + 8),
     0xD8: (0, 17, _EXT + 16),
 }
-#: Most bytes :func:`decoded_bytes` counts per byte of a message. Each object but the
-#: root takes at most 60 bytes of its container (a map entry's 120 for two objects, a
-#: list slot 8) beside its own cost, and takes one byte at least: a one-byte object costs
-#: at most 64 (an empty map) + 60; any longer one less per byte (an empty str 49, a
-#: one-byte non-ASCII str 84 in 2 bytes, a fixext 129 in 3). A message of ``n`` bytes is
-#: therefore counted at most ``124 * n``: under a cap of ``limit``, one of at most
-#: ``limit // 124`` bytes cannot pass it, and need not be walked (``request_bytes``).
-MOST_PER_BYTE = 124
 #: str8/16/32 and array16/32, map16/32: the bytes of their length field.
 _STR_LEN = {0xD9: 1, 0xDA: 2, 0xDB: 4}
 _ARRAY_LEN = {0xDC: 2, 0xDD: 4}
@@ -225,18 +216,13 @@ def request_bytes(data: Any, what: str, limit: int) -> bytes:
     ResourceExhaustedError
         Past ``limit``, naming the message, its size, the cap and the fix.
     ProtocolError
-        Where its headers claim more than follows (:func:`decoded_bytes`), in a message
-        large enough that it could pass ``limit``; a smaller one is not walked, and its
-        decoder, should msgpack refuse it, names the fault with :func:`decoded_bytes`.
+        Where its headers claim more than follows (:func:`decoded_bytes`).
     """
     size = memoryview(data).nbytes
     if size > limit:
         raise _too_large(what, "exceeds", size, limit)
     raw = data.to_pybytes() if hasattr(data, "to_pybytes") else bytes(data)
-    # A small message cannot pass the cap (MOST_PER_BYTE): not walked here, and msgpack,
-    # given no more items or bytes than it has, refuses a header claiming more; a caller
-    # whose decode fails names the fault as the walk would (decoded_bytes).
-    if size * MOST_PER_BYTE > limit and decoded_bytes(raw, what, limit) > limit:
+    if decoded_bytes(raw, what, limit) > limit:
         raise _too_large(what, "would take more than", size, limit)
     return raw
 

@@ -49,7 +49,7 @@ from .errors import (
     UnavailableError,
 )
 from .layout import META_CLAIM
-from .msgcheck import decoded_bytes, request_bytes
+from .msgcheck import request_bytes
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -187,22 +187,12 @@ def unpack(data: bytes | memoryview | Any, what: str, limit: int | None = None) 
             max_map_len=n // 2,
         )
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        _malformed(raw, what, limit)
         raise ProtocolError(f"{what}: not a valid msgpack map ({type(e).__name__}: {e})") from e
     except Exception as e:  # msgpack raises assorted errors on hostile input
-        _malformed(raw, what, limit)
         raise ProtocolError(f"{what}: not a valid msgpack map ({type(e).__name__})") from e
     if not isinstance(obj, dict):
         raise ProtocolError(f"{what}: expected a msgpack map, got {type(obj).__name__}")
     return obj
-
-
-def _malformed(raw: bytes, what: str, limit: int | None) -> None:
-    """Where msgpack refused a message ``request_bytes`` did not walk (a small one), name
-    the fault as the walk does: a header claiming more than follows, a byte that is no
-    msgpack type (raises :class:`ProtocolError`); else return, msgpack's error stands."""
-    if limit is not None:
-        decoded_bytes(raw, what)
 
 
 # --------------------------------------------------------------------------- value checks

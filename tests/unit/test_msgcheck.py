@@ -12,18 +12,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flightq.digest import parse_claims
 from flightq.errors import ProtocolError, ResourceExhaustedError
 from flightq.msgcheck import (
     MIN_MAX_REQUEST_BYTES,
-    MOST_PER_BYTE,
     SPLIT_BYTES,
     decoded_bytes,
     key_bytes,
     key_chunks,
     request_bytes,
 )
-from flightq.protocol import Clear, unpack
+from flightq.protocol import Clear
 
 
 def _shared(x: Any) -> bool:
@@ -116,44 +114,6 @@ def test_a_header_claiming_more_than_follows_is_refused_before_anything_is_built
 ) -> None:
     with pytest.raises(ProtocolError, match=rf"^clear: not a valid msgpack map \(.*{cause}"):
         decoded_bytes(raw, "clear")
-
-
-_EMPTY_MAPS = b"\x8f" + b"\x80" * 30  # 15 entries, each an empty map to an empty map
-
-
-@settings(max_examples=300, deadline=None)
-@given(_MESSAGES | st.recursive(st.just({}), lambda inner: st.lists(inner, max_size=15)))
-def test_no_message_is_counted_past_most_per_byte(obj: Any) -> None:
-    raw = msgpack.packb(obj, use_bin_type=True)
-    assert decoded_bytes(raw, "t") <= MOST_PER_BYTE * len(raw)
-
-
-def test_most_per_byte_is_reached_by_maps_of_empty_maps() -> None:
-    # The worst a message can do per byte, nested: the bound is tight, not generous.
-    raw = b"\x8f" + _EMPTY_MAPS * 30
-    assert 123 * len(raw) < decoded_bytes(raw, "t") <= MOST_PER_BYTE * len(raw)
-
-
-@pytest.mark.parametrize(
-    ("raw", "cause"),
-    [
-        (b"\xdd\xff\xff\xff\xff", r"claim 4294967295 more items at byte 5; 0 bytes follow"),
-        (_NESTED, r"claim 9999999 more items at byte 11; 4995 bytes follow"),
-        (b"\x91\xc1", r"byte 1 is 0xc1, no msgpack type"),
-    ],
-    ids=["array32", "nested", "0xc1"],
-)
-def test_a_message_too_small_to_pass_the_cap_is_refused_naming_its_fault(
-    raw: bytes, cause: str
-) -> None:
-    # Not walked before msgpack (it cannot pass the cap), yet refused as the walk refuses.
-    limit = 16 * 2**20
-    assert len(raw) * MOST_PER_BYTE <= limit
-    assert request_bytes(raw, "clear", limit) == raw
-    with pytest.raises(ProtocolError, match=rf"^clear: not a valid msgpack map \(.*{cause}"):
-        unpack(raw, "clear", limit)
-    with pytest.raises(ProtocolError, match=rf"^put: media claims: not a valid .*{cause}"):
-        parse_claims(raw, "put", limit)
 
 
 def test_the_walk_stops_once_the_bound_passes_stop() -> None:
