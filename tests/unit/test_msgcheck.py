@@ -5,6 +5,7 @@ is refused, and a client's key lists are cut into messages within the bound."""
 from __future__ import annotations
 
 import sys
+import tracemalloc
 from typing import Any
 
 import msgpack
@@ -21,7 +22,7 @@ from flightq.msgcheck import (
     key_chunks,
     request_bytes,
 )
-from flightq.protocol import Clear
+from flightq.protocol import Clear, unpack
 
 
 def _shared(x: Any) -> bool:
@@ -114,6 +115,24 @@ def test_a_header_claiming_more_than_follows_is_refused_before_anything_is_built
 ) -> None:
     with pytest.raises(ProtocolError, match=rf"^clear: not a valid msgpack map \(.*{cause}"):
         decoded_bytes(raw, "clear")
+
+
+def test_a_small_message_of_nested_list_headers_is_refused_before_msgpack_reserves_them() -> None:
+    # 10 KB: 1 023 nested arrays each claiming 10 000 items, far fewer bytes following.
+    # msgpack reserves a list's slots at its header (up to 10 000 each, at every level):
+    # handed this, it took 66 MiB before refusing it. The walk refuses it first, however
+    # small the message, with nothing built.
+    k = 10_000
+    raw = (b"\xdd" + k.to_bytes(4, "big")) * 1023
+    raw += b"\x00" * (k + 10 - len(raw))
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError, match=r"^clear: not a valid msgpack map \(its headers"):
+            unpack(raw, "clear", MIN_MAX_REQUEST_BYTES)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, peak
 
 
 def test_the_walk_stops_once_the_bound_passes_stop() -> None:
