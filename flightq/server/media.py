@@ -279,9 +279,12 @@ def _resolve(
     seg_shapes = shapes.values.slice(int(souter[0]), int(souter[-1] - souter[0]))
     if len(seg_shapes) != len(idx) or seg_shapes.null_count:
         return [None] * n, None
-    # As Python lists: a numpy slice per segment costs several times the list's.
-    so = seg_shapes.offsets.to_numpy().tolist()
-    sv = seg_shapes.values.to_numpy(zero_copy_only=False).tolist()
+    # As Python lists (a numpy slice per segment costs several times the list's), of the
+    # dims the segments use only: ``values`` ignores the slice, and a put may carry more.
+    offs = seg_shapes.offsets.to_numpy()
+    at = int(offs[0])
+    so = (offs - at).tolist()
+    sv = seg_shapes.values.slice(at, int(offs[-1]) - at).to_numpy(zero_copy_only=False).tolist()
     shape_of: dict[int, tuple[int, ...]] = {}
     mixed: set[int] = set()
     for s, j in enumerate(idx.tolist()):

@@ -226,3 +226,40 @@ def test_a_reader_without_the_lock_finds_every_kept_row_at_each_step_of_a_clear(
         sys.setprofile(None)
     assert len(seen) > 1000 and all(seen), seen.index(False)
     assert list(p.rows) == [kept]
+
+
+def test_resolving_a_puts_media_reads_only_the_shape_dims_its_segments_use():
+    # A put's shapes column may carry dims past those its segments use (Arrow's full
+    # validation accepts them): the server, resolving the put's media before anything
+    # else checks it, must not turn them into Python objects (36 bytes each, for 8).
+    import tracemalloc
+
+    import numpy as np
+    import pyarrow as pa
+
+    from flightq import SchemaRegistry, encode, workloads
+    from flightq.server.media import media_piece
+
+    step = workloads.w1(0, groups=1, g=2)
+    vlm = SchemaRegistry.default().get(step.schema)
+    store = Store(memory_budget=1 << 30)
+    store.declare("p", vlm, ["t"], None)
+    rb = encode(vlm, step.columns, step.keys, step.tags)
+    name = "pixel_values__shape"
+    shapes = rb.column(name)
+    inner = shapes.values
+    tail = np.zeros(2_000_000, dtype=np.int64)  # 16 MB no segment uses
+    padded = pa.ListArray.from_arrays(
+        inner.offsets, pa.concat_arrays([inner.values, pa.array(tail)])
+    )
+    col = pa.LargeListArray.from_arrays(shapes.offsets, padded)
+    i = rb.schema.get_field_index(name)
+    rb = rb.set_column(i, rb.schema.field(i), col)
+    tracemalloc.start()
+    try:
+        piece = media_piece(store.partition("p"), rb, None, "put", None)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert piece.media["pixel_values"], "the put's image was resolved"
+    assert peak < tail.nbytes // 4, peak
