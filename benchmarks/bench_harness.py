@@ -380,6 +380,8 @@ def test_the_get_parts_benchmark_times_bare_flight_the_server_and_the_client(
     assert "W4 get over the socket (packed)" in out and "bare / client" in out
     with pytest.raises(ValueError, match="form must be"):
         parts.measure("W4", "jagged", rounds=1)
+    with pytest.raises(ValueError, match="rounds must be"):
+        parts.measure("W4", "rows", rounds=0)
 
 
 def test_the_server_trees_benchmark_checks_and_times_each_servers_reads(capsys: Any) -> None:

@@ -1,13 +1,16 @@
 """Where a fresh step's get over the socket spends its time, against bare Flight.
 
-Three reads of the same step, each after a fresh put of it (as in ``flightq bench``, every
-timed read is a step's first), interleaved, their order reversed every other round:
+Three reads of the same step, each of a copy of it put afresh that round (as in ``flightq
+bench``, every timed read is the first of what it reads), interleaved, their order
+reversed every other round:
 
 - ``bare``: the benchmark's bare Flight server (``bare-flight-records``) holding the record
   batches a flightq put of the step sends, read with a plain DoGet and ``read_all``;
-- ``server``: a plain DoGet of flightq's own get ticket against ``flightq serve``, read
-  with ``read_all``: flightq's server answering, nothing of flightq's client;
-- ``client``: ``Client.get`` of every row, then what the reader takes (``--form``:
+- ``server``: a plain DoGet of flightq's own get ticket against ``flightq serve`` (a
+  partition of its own), read with ``read_all``: flightq's server answering, nothing of
+  flightq's client;
+- ``client``: ``Client.get`` of every row from another partition of the same server,
+  then what the reader takes (``--form``:
   ``packed``, token and tensor columns as ``.packed()`` and the rest as ``batch[name]``;
   ``rows``, every field's per-row tensors).
 
@@ -84,6 +87,8 @@ def measure(workload: str = "W3", form: str = "packed", rounds: int = 40) -> dic
 
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     ref = make(workload)  # numpy: what the answer is checked against
     step = to_torch(ref)  # torch: what a producer puts
     schema = SchemaRegistry.default().get(step.schema)
@@ -98,11 +103,13 @@ def measure(workload: str = "W3", form: str = "packed", rounds: int = 40) -> dic
         c = stack.enter_context(flightq.connect(server.info["listening"], [schema], timeout=60))
         plain = stack.enter_context(fl.connect(server.info["listening"]))
         held = stack.enter_context(fl.connect(bare.info["listening"]))
-        c.create_partition("p", schema, tasks=["train"], group_size=step.group_size)
-        ticket = fl.Ticket(GetTicket(partition="p", keys=list(step.keys)).to_wire())
+        for name in ("p", "q"):  # read by the client, read by a plain DoGet
+            c.create_partition(name, schema, tasks=["train"], group_size=step.group_size)
+        ticket = fl.Ticket(GetTicket(partition="q", keys=list(step.keys)).to_wire())
 
         def put() -> None:
-            c.put("p", step.keys, step.columns, tags=step.tags)
+            for name in ("p", "q"):
+                c.put(name, step.keys, step.columns, tags=step.tags)
             writer, reader = held.do_put(fl.FlightDescriptor.for_path("s"), table.schema)
             writer.write_table(table)
             writer.done_writing()
@@ -119,7 +126,11 @@ def measure(workload: str = "W3", form: str = "packed", rounds: int = 40) -> dic
 
         put()
         _check(ref, read("client")[0], form)  # once, before anything is timed
-        c.clear("p")
+        for which in ("bare", "server"):  # each connection's first call, untimed too
+            if read(which).num_rows != len(step.keys):
+                raise AssertionError(f"{which}: not every row of the step came back")
+        for name in ("p", "q"):
+            c.clear(name)
         out: dict[str, list[float]] = {k: [] for k in READS}
         for r in range(rounds):
             put()
@@ -127,7 +138,8 @@ def measure(workload: str = "W3", form: str = "packed", rounds: int = 40) -> dic
                 t0 = time.perf_counter()
                 read(which)
                 out[which].append(time.perf_counter() - t0)
-            c.clear("p")
+            for name in ("p", "q"):
+                c.clear(name)
         return out
 
 
@@ -136,7 +148,7 @@ def _ratio(a: list[float], b: list[float]) -> str:
     speed against ``a``'s (below 1x: ``b`` is slower)."""
     r = sorted(x / y for x, y in zip(a, b, strict=True))
     n = len(r)
-    return f"{r[n // 2]:.2f}x [{r[n // 10]:.2f}-{r[(9 * n) // 10]:.2f}]"
+    return f"{statistics.median(r):.2f}x [{r[n // 10]:.2f}-{r[(9 * n) // 10]:.2f}]"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
