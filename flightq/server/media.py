@@ -279,16 +279,14 @@ def _resolve(
     seg_shapes = shapes.values.slice(int(souter[0]), int(souter[-1] - souter[0]))
     if len(seg_shapes) != len(idx) or seg_shapes.null_count:
         return [None] * n, None
-    # As Python lists (a numpy slice per segment costs several times the list's), of the
-    # dims the segments use only: ``values`` ignores the slice, and a put may carry more.
-    offs = seg_shapes.offsets.to_numpy()
-    at = int(offs[0])
-    so = (offs - at).tolist()
-    sv = seg_shapes.values.slice(at, int(offs[-1]) - at).to_numpy(zero_copy_only=False).tolist()
+    # Views, each segment's dims made Python ints in turn: a put's shapes may carry many
+    # (and dims no segment uses, which the batch's own validation accepts).
+    so = seg_shapes.offsets.to_numpy()
+    sv = seg_shapes.values.to_numpy(zero_copy_only=False)
     shape_of: dict[int, tuple[int, ...]] = {}
     mixed: set[int] = set()
     for s, j in enumerate(idx.tolist()):
-        shp = tuple(sv[so[s] : so[s + 1]])
+        shp = tuple(sv[so[s] : so[s + 1]].tolist())
         if shape_of.setdefault(j, shp) != shp:
             mixed.add(j)
     offsets = binary_offsets(entries)
