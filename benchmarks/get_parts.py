@@ -35,7 +35,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from flightq_bench.flightq_system import server_argv
+from flightq_bench.flightq_system import packed_taken, server_argv
 from flightq_bench.procs import ServerProcess
 
 __all__ = ["FORMS", "READS", "main", "measure"]
@@ -48,29 +48,14 @@ def _taken(batch: Any, form: str) -> dict[str, Any]:
     """What a reader takes from the answer (``form``: see the module's text)."""
     if form == "rows":
         return {f: batch[f] for f in batch.fields}
-    roles = {f: batch.schema[f].role for f in batch.fields}
-    return {
-        f: batch.column(f).packed() if roles[f] in ("token", "tensor") else batch[f]
-        for f in batch.fields
-    }
+    return packed_taken(batch)
 
 
 def _check(step: Any, batch: Any, form: str) -> None:
     """The client's answer against the step, bit for bit (packed columns cut into rows)."""
-    from flightq_bench.payload import check_rows
+    from flightq_bench.payload import check_rows, unpacked
 
-    import flightq
-
-    cols = {
-        f: [
-            v.values[a:b]
-            for a, b in zip(v.offsets[:-1].tolist(), v.offsets[1:].tolist(), strict=True)
-        ]
-        if isinstance(v, flightq.Packed)
-        else v
-        for f, v in _taken(batch, form).items()
-    }
-    check_rows(step, list(batch.keys), cols, batch.tags, f"get ({form})")
+    check_rows(step, list(batch.keys), unpacked(_taken(batch, form)), batch.tags, f"get ({form})")
 
 
 def measure(workload: str = "W3", form: str = "packed", rounds: int = 40) -> dict[str, list[float]]:

@@ -23,7 +23,7 @@ from typing import Any
 from flightq.workloads import Step, to_torch
 
 from .endpoint import Consumer, Producer, now_ns, timed
-from .payload import check_flat, check_rows, flat_buffers
+from .payload import check_flat, check_rows, flat_buffers, unpacked
 
 __all__ = [
     "FlightqProducer",
@@ -37,6 +37,7 @@ __all__ = [
     "FlightqCudaProducer",
     "FlightqCudaConsumer",
     "PinnedH2DConsumer",
+    "packed_taken",
     "server_argv",
     "step_on_device",
     "usable_torch",
@@ -293,26 +294,21 @@ class FlightqPackedConsumer(FlightqConsumer):
     suffix = "-packed"
 
     def taken(self, batch: Any) -> dict[str, Any]:
-        roles = {f: batch.schema[f].role for f in batch.fields}
-        return {
-            f: batch.column(f).packed() if roles[f] in ("token", "tensor") else batch[f]
-            for f in batch.fields
-        }
+        return packed_taken(batch)
 
     def verify(self) -> None:
-        import flightq
-
         batch, cols = self._got
-        rows = {
-            f: [
-                v.values[a:b]
-                for a, b in zip(v.offsets[:-1].tolist(), v.offsets[1:].tolist(), strict=True)
-            ]
-            if isinstance(v, flightq.Packed)
-            else v
-            for f, v in cols.items()
-        }
-        check_rows(self.ref, batch.keys, rows, batch.tags, "flightq-packed")
+        check_rows(self.ref, batch.keys, unpacked(cols), batch.tags, "flightq-packed")
+
+
+def packed_taken(batch: Any) -> dict[str, Any]:
+    """What a packed-sequence reader takes from an answer: token and tensor columns
+    ``.packed()``, the rest as ``batch[name]``."""
+    roles = {f: batch.schema[f].role for f in batch.fields}
+    return {
+        f: batch.column(f).packed() if roles[f] in ("token", "tensor") else batch[f]
+        for f in batch.fields
+    }
 
 
 class FlightqShmProducer(FlightqProducer):

@@ -24,6 +24,7 @@ __all__ = [
     "as_payload",
     "to_numpy",
     "check_rows",
+    "unpacked",
     "check_flat",
 ]
 
@@ -129,6 +130,22 @@ def _same(ref: np.ndarray, got: Any, where: str) -> None:
         raise VerifyError(f"{where}: shape {g.shape}, expected {ref.shape}")
     if not np.array_equal(_u8(g), _u8(ref)):
         raise VerifyError(f"{where}: bytes differ")
+
+
+def unpacked(columns: Mapping[str, Any]) -> dict[str, Any]:
+    """``columns`` with each ``flightq.Packed`` one cut into its rows (views), for
+    :func:`check_rows`; other columns as they are."""
+    from flightq import Packed
+
+    return {
+        f: [
+            v.values[a:b]
+            for a, b in zip(v.offsets[:-1].tolist(), v.offsets[1:].tolist(), strict=True)
+        ]
+        if isinstance(v, Packed)
+        else v
+        for f, v in columns.items()
+    }
 
 
 def check_rows(
