@@ -9,7 +9,9 @@ building anything and returns an upper bound of what its objects take
 (``sys.getsizeof``, each container with its slots), refusing a message whose headers
 claim more items than bytes follow (each takes one at least: a five-byte header may
 claim 2**32). :func:`request_bytes` refuses a message whose size, or that bound, passes
-the receiver's cap (the server's ``max_request_bytes``) before anything decodes it.
+the receiver's cap (the server's ``max_request_bytes``) before anything decodes it; a message
+whose bound :func:`quick_bound` finds from a count of its bytes (a ticket of ASCII row
+keys) is not walked.
 
 The same costs size what a client sends: :func:`key_chunks` cuts a list of row keys into
 lists whose messages cost at most :data:`SPLIT_BYTES`, within any server's cap.
@@ -38,6 +40,7 @@ __all__ = [
     "MIN_MAX_REQUEST_BYTES",
     "SPLIT_BYTES",
     "decoded_bytes",
+    "quick_bound",
     "request_bytes",
     "key_bytes",
     "key_chunks",
@@ -189,6 +192,54 @@ def decoded_bytes(raw: bytes, what: str, stop: int | None = None) -> int:
     return total
 
 
+#: Bytes that may be a container's header: fixmap and fixarray (0x80-0x9f, 15 items at
+#: most), array16/32 and map16/32 (0xdc-0xdf, their length field after them).
+_FIX_HEADERS = bytes(range(0x80, 0xA0))
+_WIDE_HEADERS = b"\xdc\xdd\xde\xdf"
+#: What a fixmap or fixarray header may make msgpack reserve: a dict of 15 entries.
+_FIX_RESERVE = _DICT + _ENTRY * 15
+#: :func:`decoded_bytes` of any message is at most this many times its length: each
+#: object takes a byte at least and its parent's slot or half an entry (60), and none
+#: takes more per byte than an empty map (one byte, a 64-byte dict).
+_PER_BYTE = 124
+#: Wide headers past which :func:`quick_bound` leaves a message to the walk.
+_MAX_WIDE = 64
+
+
+def quick_bound(raw: bytes, stop: int) -> int | None:
+    """An upper bound of what decoding ``raw`` may take at its peak, found without walking
+    it, where that bound is at most ``stop``; None where it is not (or the message has
+    many wide headers), and :func:`decoded_bytes` must walk it.
+
+    The objects of any message take at most :data:`_PER_BYTE` bytes per byte of it. What
+    else msgpack may take is what it reserves at a container's header for the items it
+    claims, before it finds them missing (up to 10 000 slots per header, at each nested
+    level): every such header is one of the bytes that could be one, so the claims read
+    at each of those bytes, summed, bound it. A message of row keys in ASCII has a
+    handful of such bytes; one of hostile headers has many, or claims that pass ``stop``,
+    and is walked (and refused) as before.
+    """
+    n = len(raw)
+    bound = _PER_BYTE * n
+    if bound > stop:
+        return None
+    bound += _FIX_RESERVE * (n - len(raw.translate(None, _FIX_HEADERS)))
+    if bound > stop:
+        return None
+    if n - len(raw.translate(None, _WIDE_HEADERS)) > _MAX_WIDE:
+        return None
+    for b in _WIDE_HEADERS:
+        i = raw.find(b)
+        while i >= 0:
+            width = 2 if b in (0xDC, 0xDE) else 4
+            k = int.from_bytes(raw[i + 1 : i + 1 + width], "big")
+            bound += _LIST + _SLOT * k if b < 0xDE else _DICT + _ENTRY * k
+            if bound > stop:
+                return None
+            i = raw.find(b, i + 1)
+    return bound
+
+
 def _size(n: int) -> str:
     """``n`` bytes for a message: ``16 MiB``, ``70.2 MiB``, ``3.5 KiB``, ``12 bytes``."""
     if n >= 2**20:
@@ -222,7 +273,7 @@ def request_bytes(data: Any, what: str, limit: int) -> bytes:
     if size > limit:
         raise _too_large(what, "exceeds", size, limit)
     raw = data.to_pybytes() if hasattr(data, "to_pybytes") else bytes(data)
-    if decoded_bytes(raw, what, limit) > limit:
+    if quick_bound(raw, limit) is None and decoded_bytes(raw, what, limit) > limit:
         raise _too_large(what, "would take more than", size, limit)
     return raw
 

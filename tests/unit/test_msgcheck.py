@@ -4,6 +4,7 @@ is refused, and a client's key lists are cut into messages within the bound."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import tracemalloc
 from typing import Any
@@ -20,6 +21,7 @@ from flightq.msgcheck import (
     decoded_bytes,
     key_bytes,
     key_chunks,
+    quick_bound,
     request_bytes,
 )
 from flightq.protocol import Clear, unpack
@@ -77,6 +79,8 @@ def test_the_bound_holds_for_any_message(obj: Any) -> None:
     raw = msgpack.packb(obj, use_bin_type=True)
     decoded = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     assert _held(decoded) <= decoded_bytes(raw, "t")
+    quick = quick_bound(raw, 2**62)
+    assert quick is None or quick >= decoded_bytes(raw, "t")
 
 
 @pytest.mark.parametrize(
@@ -133,6 +137,68 @@ def test_a_small_message_of_nested_list_headers_is_refused_before_msgpack_reserv
     finally:
         tracemalloc.stop()
     assert peak < 2**20, peak
+
+
+def _peak(raw: bytes) -> int:
+    """Bytes msgpack held at its peak while decoding ``raw`` (or failing to)."""
+    tracemalloc.start()
+    try:
+        with contextlib.suppress(Exception):  # hostile bytes raise assorted errors
+            msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+#: What an exception and its message take beside a failed decode.
+_SLACK = 8 * 2**10
+
+
+@pytest.mark.parametrize(
+    ("header", "depth"),
+    [(b"\xdc", 64), (b"\xdd", 64), (b"\xde", 64), (b"\xdf", 64), (b"\x9f", 1000), (b"\x8f", 1000)],
+)
+def test_the_quick_bound_covers_what_msgpack_reserves_for_headers_claiming_missing_items(
+    header: bytes, depth: int
+) -> None:
+    # Nested headers each claiming 4 000 items (15 for fixarray, fixmap), the message
+    # padded to twice as many bytes (msgpack takes claims up to its length, maps up to
+    # half) but few items following: msgpack reserves each header's slots before it
+    # finds them missing. Where the quick bound lets such a message through (its stop
+    # at the bound), the bound covers that.
+    width = {b"\xdc": 2, b"\xde": 2, b"\xdd": 4, b"\xdf": 4}.get(header)
+    raw = (header + (4_000).to_bytes(width, "big") if width else header) * depth
+    raw += b"\x00" * (8_010 - len(raw) if width else 100)
+    bound = quick_bound(raw, 2**40)
+    assert bound is not None
+    assert quick_bound(raw, bound) == bound and quick_bound(raw, bound - 1) is None
+    assert _peak(raw) <= bound + _SLACK
+
+
+_TOKENS = st.sampled_from(
+    [b"\xdc\x27\x10", b"\xdd\x00\x00\x27\x10", b"\xde\x13\x88", b"\xdf\x00\x00\x13\x88"]
+    + [bytes([b]) for b in (0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xA3, 0xC0, 0x00, 0xE0)]
+    + [b"\xd9\x05hello", b"\xc4\x02ab", b"\xcb" + bytes(8)]
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_TOKENS, min_size=1, max_size=300), st.integers(0, 12_000))
+def test_the_quick_bound_covers_the_peak_of_any_bytes_it_lets_through(
+    tokens: list[bytes], pad: int
+) -> None:
+    raw = b"".join(tokens) + b"\x00" * pad  # padded: msgpack takes claims up to its length
+    bound = quick_bound(raw, 2**40)
+    if bound is not None:
+        assert _peak(raw) <= bound + _SLACK
+
+
+def test_a_tickets_row_keys_are_bounded_without_the_walk() -> None:
+    # A get of 512 ASCII keys: a map header, an array16 header, 512 fixstr.
+    raw = msgpack.packb({"op": "get", "partition": "p", "keys": [f"p{i}_g0" for i in range(512)]})
+    bound = quick_bound(raw, MIN_MAX_REQUEST_BYTES)
+    assert bound is not None and decoded_bytes(raw, "t") <= bound <= MIN_MAX_REQUEST_BYTES
+    assert quick_bound(("€" * 2000).encode() + raw, MIN_MAX_REQUEST_BYTES) is None
 
 
 def test_the_walk_stops_once_the_bound_passes_stop() -> None:
