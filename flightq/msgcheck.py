@@ -218,6 +218,10 @@ def quick_bound(raw: bytes, stop: int) -> int | None:
     at each of those bytes, summed, bound it. A message of row keys in ASCII has a
     handful of such bytes; one of hostile headers has many, or claims that pass ``stop``,
     and is walked (and refused) as before.
+
+    Neither this bound nor the walk counts one thing: msgpack interns map keys, and a new
+    key now and then grows the interpreter's table of interned strings (about 1 MB, once
+    per tens of thousands of new keys, sized by the process, not by the message).
     """
     n = len(raw)
     bound = _PER_BYTE * n
@@ -267,7 +271,10 @@ def request_bytes(data: Any, what: str, limit: int) -> bytes:
     ResourceExhaustedError
         Past ``limit``, naming the message, its size, the cap and the fix.
     ProtocolError
-        Where its headers claim more than follows (:func:`decoded_bytes`).
+        Where its headers claim more than follows, found by :func:`decoded_bytes` where it
+        walks the message; where :func:`quick_bound` lets it through without the walk,
+        msgpack refuses it at decode (a message of a few bytes, bounded whole), and the
+        caller raises ProtocolError then.
     """
     size = memoryview(data).nbytes
     if size > limit:
