@@ -373,15 +373,46 @@ def test_the_get_parts_benchmark_times_bare_flight_the_server_and_the_client(
 ) -> None:
     parts = _script("get_parts")
     got = parts.measure("W4", "rows", rounds=2)  # the client's answer checked inside
-    assert sorted(got) == sorted(parts.READS)
+    assert sorted(got) == ["bare", "client", "server"]  # no floor for per-row tensors
     assert all(len(xs) == 2 and min(xs) > 0 for xs in got.values())
+    got = parts.measure("W4", "packed", rounds=1)  # the floor's answer checked too
+    assert sorted(got) == sorted(parts.READS) and min(min(xs) for xs in got.values()) > 0
     assert parts.main(["--workload", "W4", "--form", "packed", "--rounds", "2"]) == 0
     out = capsys.readouterr().out
     assert "W4 get over the socket (packed)" in out and "bare / client" in out
+    assert "floor / client" in out
     with pytest.raises(ValueError, match="form must be"):
         parts.measure("W4", "jagged", rounds=1)
     with pytest.raises(ValueError, match="rounds must be"):
         parts.measure("W4", "rows", rounds=0)
+
+
+def test_the_get_parts_floor_refuses_what_a_reader_must_not_take() -> None:
+    import numpy as np
+    import pyarrow as pa
+    from flightq_bench.payload import generate
+
+    import flightq
+
+    parts = _script("get_parts")
+    step = generate("W3", quick=True)
+    schema = flightq.SchemaRegistry.default().get(step.schema)
+    rb = flightq.encode(schema, step.columns, keys=step.keys, tags=step.tags)
+    keys, tags, cols = parts.floor_taken(pa.Table.from_batches([rb]), schema)
+    assert keys == list(step.keys) and tags == [dict(t) for t in step.tags]
+    assert np.array_equal(
+        cols["input_ids"].values.numpy(), np.concatenate(step.columns["input_ids"])
+    )
+    # One row's shape one token longer than its payload: refused, nothing handed out.
+    i = rb.schema.get_field_index("input_ids__shape")
+    shapes = rb.column(i).to_pylist()
+    shapes[0] = [shapes[0][0] + 1]
+    bad = rb.set_column(i, rb.schema.field(i), pa.array(shapes, rb.schema.field(i).type))
+    with pytest.raises(ValueError, match="input_ids: a payload is not its shape's bytes"):
+        parts.floor_taken(pa.Table.from_batches([bad]), schema)
+    with pytest.raises(ValueError, match="row keys are not unique"):
+        twice = pa.Table.from_batches([rb]).set_column(0, "__key__", pa.array(["k"] * len(rb)))
+        parts.floor_taken(twice, schema)
 
 
 def test_the_server_trees_benchmark_checks_and_times_each_servers_reads(capsys: Any) -> None:
