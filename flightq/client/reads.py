@@ -38,6 +38,9 @@ __all__ = ["Reader", "RowSizes", "claim_grant", "distinct_nbytes", "received_on_
 def distinct_nbytes(batches: Iterable[pa.RecordBatch]) -> int:
     """Bytes the batches hold, each buffer once: slices of one stored batch share a media
     dictionary, which ``RecordBatch.nbytes`` would count in every slice."""
+    batches = list(batches)
+    if len(batches) == 1:  # Arrow counts a batch's shared buffers once itself
+        return batches[0].get_total_buffer_size()
     seen: set[tuple[int, int]] = set()
     for b in batches:
         for col in b.columns:
