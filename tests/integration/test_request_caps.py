@@ -25,6 +25,7 @@ from helpers_stream import ask, open_stream, refusal
 import flightq
 from flightq.digest import split_claims
 from flightq.frames import pack_frame
+from flightq.msgcheck import DEFAULT_MAX_REQUEST_BYTES, quick_bound
 from flightq.protocol import Clear, GetTicket
 
 pytestmark = pytest.mark.timeout(120)
@@ -246,4 +247,31 @@ def test_clears_and_acks_of_more_keys_than_a_message_carries_go_in_parts(served)
     assert c.ack(batch, [*batch.keys, *batch.keys]) == len(keys) + 2  # named twice: once
     assert c.clear("p", keys) == len(keys)
     assert c.inspect("p")["rows"] == 2
+    _serves_on(c)
+
+
+#: Small bodies bounded without the header walk (few bytes that could be a header), whose
+#: headers still claim more than follows: msgpack refuses them at decode, typed.
+_SHORT = {
+    "claim past the end": b"\x81\xa4keys\x9f\xa1k",
+    "nested fixarrays": b"\x81\xa4keys" + b"\x9f" * 900,
+    "array16 claim": b"\x81\xa4keys\xdc\x01\x00" + b"\xa1k" * 10,
+}
+
+
+@pytest.mark.parametrize("body", list(_SHORT.values()), ids=list(_SHORT))
+@pytest.mark.parametrize("where", list(_WHAT))
+def test_small_bodies_claiming_more_than_follows_are_refused_typed_without_the_walk(
+    served, where, body
+):
+    assert quick_bound(body, DEFAULT_MAX_REQUEST_BYTES) is not None  # not walked
+    srv, c = served
+    before = partition_state(srv.location, "p")
+    kind, message = _sent(srv.location, body, where)
+    assert kind == "ProtocolError", message
+    start = f"{_WHAT[where]}: not a valid msgpack map"
+    if where == "media claims":
+        start = "put to 'v': a record batch's media claims are malformed"
+    assert message.startswith(start), message
+    assert partition_state(srv.location, "p") == before
     _serves_on(c)
