@@ -27,7 +27,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from .errors import ProtocolError, ResourceExhaustedError
+from .errors import FlightqError, ProtocolError, ResourceExhaustedError
 from .ipccheck import check_message, check_stream
 from .protocol import MAX_BODY, pack, unpack
 
@@ -268,6 +268,12 @@ def parse_frame(
             schema.names  # noqa: B018  (field names must be UTF-8: refused here, typed)
             for b in batches:
                 b.validate(full=True)
+    except FlightqError:  # the IPC checks' own refusals, as they are
+        raise
+    except MemoryError as e:  # Arrow's too (ArrowMemoryError): an allocation past the cap
+        raise ResourceExhaustedError(
+            f"{what}: the frame's Arrow IPC bytes need more memory than the server can take ({e})"
+        ) from e
     except (pa.ArrowException, EOFError, OSError, ValueError) as e:  # what Arrow raises
         raise ProtocolError(f"{what}: the frame's Arrow IPC bytes do not parse: {e}") from e
     # Each checked "rb" batch was read from its own copy of exactly its message's bytes.

@@ -30,7 +30,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from ..errors import FlightqError, ProtocolError, UnavailableError
+from ..errors import FlightqError, ProtocolError, ResourceExhaustedError, UnavailableError
 from ..frames import MAX_FRAME_BYTES, STREAM_ACTIONS, pack_frame, parse_frame
 from ..protocol import ErrorDetail, PutAck, Ticket, parse_ticket
 from .metrics import Counters
@@ -103,6 +103,10 @@ def serve_requests(
                 kind, reply, undo = _handle(chunk, context, put, answer, act, counters, limit)
             except (FlightqError, fl.FlightError):  # typed, or the transport's own
                 raise
+            except MemoryError as e:  # an allocation past the process's cap (Arrow's too)
+                raise ResourceExhaustedError(
+                    f"request stream: the server could not take the memory this request needs ({e})"
+                ) from e
             except Exception as e:  # hostile bytes deep in Arrow: refused, the stream lives
                 log.warning(
                     "request stream: %s handling a request", type(e).__name__, exc_info=True
@@ -191,18 +195,14 @@ def _handle(
         raise ProtocolError(f"{what}: a read's 'max' must be an int, got {type(asked).__name__}")
     schema, batches, undo = answer(t, context, False)
     try:
-        out = list(batches)
         limit = MAX_FRAME_BYTES - _FRAME_SLACK
         if asked is not None:
             limit = max(0, min(limit, asked))
-        # All the buffers bound the bytes from above (cheap); a slice's exact bytes
-        # (``nbytes``, tens of µs a batch) only where that bound is over the limit.
-        if sum(b.get_total_buffer_size() for b in out) > limit:
-            size = sum(b.nbytes for b in out)
-            if size > limit:
-                if undo is not None:
-                    undo(False)  # never sent: back where they were, not a delivery
-                return t.op, pack_frame({"retry": size}), None
+        out, past = _within(batches, limit)
+        if past:  # past the limit: what was made of it goes, the rest is never made
+            if undo is not None:
+                undo(False)  # never sent: back where they were, not a delivery
+            return t.op, pack_frame({"retry": past}), None
         reply = pack_frame({"ok": b""}, schema, out)
         counters.add("bytes_sent", reply.size)
         return t.op, reply, undo
@@ -210,6 +210,35 @@ def _handle(
         if undo is not None:
             undo(False)  # nothing of it was sent
         raise
+
+
+def _within(batches: Iterator[pa.RecordBatch], limit: int) -> tuple[list[pa.RecordBatch], int]:
+    """An answer's batches, made one at a time while their bytes stay within ``limit``,
+    and 0; once they pass it, the bytes counted so far (past ``limit``: the answer takes
+    at least that many), the rest never made (a get naming rows many times over asks for
+    an answer far larger than the stream carries, each batch of it a copy).
+
+    All the buffers a batch holds bound its bytes from above (cheap); its exact bytes
+    (``nbytes``, tens of µs a batch, less than the bound for a slice of a stored batch)
+    are counted only from the batch where that bound first passes the limit."""
+    out: list[pa.RecordBatch] = []
+    bound, exact = 0, -1
+    try:
+        for b in batches:
+            out.append(b)
+            if exact < 0:
+                bound += b.get_total_buffer_size()
+                if bound > limit:
+                    exact = sum(x.nbytes for x in out)
+            else:
+                exact += b.nbytes
+            if exact > limit:
+                return [], exact
+        return out, 0
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()  # a generator stopped early runs its cleanup now
 
 
 def _claims(header: dict[str, Any], batches: int, what: str) -> list[bytes | None]:

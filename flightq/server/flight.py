@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -110,6 +111,11 @@ MAX_UNREAD_ANSWER_BYTES = 4 * 2**30
 #: Shared-memory answers that may wait for their reader at once (each is looked at when
 #: the budget is counted).
 MAX_UNREAD_ANSWERS = 1024
+#: Most record batches a read's answer through shared memory is made of (each is described
+#: to its reader, and all of them are held at once while it is): past it, the answer goes
+#: over the socket, one batch at a time. A batch is a run of consecutive stored rows, so
+#: only a read of rows from thousands of puts, or naming rows many times over, passes it.
+MAX_SHM_ANSWER_BATCHES = 4096
 #: A put through shared memory whose segment holds this many bytes more than its rows
 #: count (payloads of media the partition holds already), and more than the rows
 #: themselves, has its rows copied out, so that the segment does not outlive the put.
@@ -918,7 +924,10 @@ class Server(fl.FlightServerBase):
                 pool = self._shm_pool = shm.SegmentPool(
                     self.shm_dir, keep_bytes=self.shm_keep_bytes
                 )
-        whole = list(batches)
+        whole = list(itertools.islice(batches, MAX_SHM_ANSWER_BATCHES + 1))
+        if len(whole) > MAX_SHM_ANSWER_BATCHES:  # the rest is never made before it is sent
+            self.counters.add("shm_answers_declined")
+            return schema, itertools.chain(whole, batches)
         wrote: list[dict[str, Any]] = []
         got = shmtable.answer(pool, schema, whole, what, self._answer_room, wrote, wholes)
         if got is None:  # no room for it to wait for its reader: over the socket

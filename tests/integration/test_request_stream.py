@@ -401,7 +401,7 @@ def test_hostile_frames_are_refused_and_the_stream_serves_on(
         (
             raw_frame({"op": "put", "cmd": put_cmd, "body": "ipc", "batches": [32]}, b"\x07" * 32),
             ProtocolError,
-            "do not parse",
+            "the Arrow IPC stream does not parse",
         ),
         # A frame over the stream's limit.
         (
