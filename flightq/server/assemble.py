@@ -27,6 +27,7 @@ import msgpack
 import pyarrow as pa
 
 from ..layout import KEY, SHAPE_SUFFIX, TAGS, arrow_schema
+from . import copied
 from .media import (
     Answered,
     Copy,
@@ -566,14 +567,14 @@ def _joined_rows(
                 parts.append(pa.nulls(b - a, type=schema.field(c).type))
             else:
                 parts.append(cell[0].batch.column(c).slice(cell[1], b - a))
-        arrays.append(parts[0] if len(parts) == 1 else pa.concat_arrays(parts))
+        arrays.append(parts[0] if len(parts) == 1 else copied.made(pa.concat_arrays(parts)))
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
 def _joined(batches: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """The batches as one (a copy; media dictionaries unified), or nothing if none."""
     if len(batches) > 1:
-        yield pa.concat_batches(batches)
+        yield copied.made(pa.concat_batches(batches))
     elif batches:
         yield batches[0]
 

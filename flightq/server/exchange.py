@@ -204,6 +204,10 @@ def _handle(
                 undo(False)  # never sent: back where they were, not a delivery
             return t.op, pack_frame({"retry": past}), None
         reply = pack_frame({"ok": b""}, schema, out)
+        if reply.size > MAX_FRAME_BYTES:  # the batches' IPC framing too (many small ones)
+            if undo is not None:
+                undo(False)
+            return t.op, pack_frame({"retry": reply.size}), None
         counters.add("bytes_sent", reply.size)
         return t.op, reply, undo
     except BaseException:

@@ -62,6 +62,7 @@ from ..protocol import (
 )
 from ..registry import SchemaRegistry
 from ..schema import diff_schemas
+from . import copied
 from .actions import HANDLERS, ActionContext
 from .assemble import PartCuts, assemble
 from .budget import DictionaryUse, check_batch, underlying_bytes
@@ -112,9 +113,10 @@ MAX_UNREAD_ANSWER_BYTES = 4 * 2**30
 #: the budget is counted).
 MAX_UNREAD_ANSWERS = 1024
 #: Most record batches a read's answer through shared memory is made of (each is described
-#: to its reader, and all of them are held at once while it is): past it, the answer goes
-#: over the socket, one batch at a time. A batch is a run of consecutive stored rows, so
-#: only a read of rows from thousands of puts, or naming rows many times over, passes it.
+#: to its reader, and all of them are held at once while it is): past it, or past copies
+#: of more than a quarter of the budget, the answer goes over the socket, one batch at a
+#: time. A batch is a run of consecutive stored rows, so only a read of rows from
+#: thousands of puts, or naming rows many times over, passes it.
 MAX_SHM_ANSWER_BATCHES = 4096
 #: A put through shared memory whose segment holds this many bytes more than its rows
 #: count (payloads of media the partition holds already), and more than the rows
@@ -924,10 +926,18 @@ class Server(fl.FlightServerBase):
                 pool = self._shm_pool = shm.SegmentPool(
                     self.shm_dir, keep_bytes=self.shm_keep_bytes
                 )
-        whole = list(itertools.islice(batches, MAX_SHM_ANSWER_BATCHES + 1))
-        if len(whole) > MAX_SHM_ANSWER_BATCHES:  # the rest is never made before it is sent
-            self.counters.add("shm_answers_declined")
-            return schema, itertools.chain(whole, batches)
+        # Listed before any is sent, so held at once: at most MAX_SHM_ANSWER_BATCHES
+        # batches, and copies (a prompt group's image out of two puts' dictionaries, once
+        # per batch) of at most what the answer could take in shared memory. Past either,
+        # the rest goes over the socket as it is made.
+        room = self._answer_cap()
+        start = copied.so_far()
+        whole: list[pa.RecordBatch] = []
+        for b in batches:
+            whole.append(b)
+            if len(whole) > MAX_SHM_ANSWER_BATCHES or copied.so_far() - start > room:
+                self.counters.add("shm_answers_declined")
+                return schema, itertools.chain(whole, batches)
         wrote: list[dict[str, Any]] = []
         got = shmtable.answer(pool, schema, whole, what, self._answer_room, wrote, wholes)
         if got is None:  # no room for it to wait for its reader: over the socket
@@ -948,6 +958,11 @@ class Server(fl.FlightServerBase):
         pool = self._shm_pool
         return 0 if pool is None else pool.unread_bytes()
 
+    def _answer_cap(self) -> int:
+        """Bytes of shared-memory answers that may wait for their readers at once."""
+        budget = self.store.memory_budget
+        return MAX_UNREAD_ANSWER_BYTES if budget is None else budget // 4
+
     @contextlib.contextmanager
     def _answer_room(self) -> Iterator[Callable[[int], bool]]:
         """Within it, ``admit(size)``: whether ``size`` more bytes of an answer's segment
@@ -955,8 +970,7 @@ class Server(fl.FlightServerBase):
         memory budget until taken, and take at most a quarter of it (without one, at most
         :data:`MAX_UNREAD_ANSWER_BYTES` wait at once); at most :data:`MAX_UNREAD_ANSWERS`
         wait."""
-        budget = self.store.memory_budget
-        cap = MAX_UNREAD_ANSWER_BYTES if budget is None else budget // 4
+        cap = self._answer_cap()
         counted = 0
 
         def admit(size: int) -> bool:

@@ -41,6 +41,7 @@ from ..digest import (
 from ..errors import DecodeError, MediaDigestError, MediaUnknownError, ProtocolError
 from ..layout import MEDIA_TYPE, SHAPE_SUFFIX, binary_offsets, media_row_bytes
 from ..validation import validate
+from . import copied
 
 if TYPE_CHECKING:
     from .partition import Partition, Piece, Row
@@ -405,7 +406,7 @@ def _with_entries(col: pa.Array, found: list[Copy | None] | None) -> pa.Array:
         new = _empty_entries(len(entries))
     else:
         parts = [c.entry if c is not None else _empty_entries(1) for c in found]
-        new = pa.concat_arrays(parts) if len(parts) != 1 else parts[0]
+        new = copied.made(pa.concat_arrays(parts)) if len(parts) != 1 else parts[0]
     dict_arr = pa.DictionaryArray.from_arrays(values.indices, new)
     mask = col.is_null() if col.null_count else None
     return pa.LargeListArray.from_arrays(outer, dict_arr, mask=mask)
@@ -602,7 +603,7 @@ def _dictionary_of(copies: list[Copy]) -> tuple[pa.Array, np.ndarray | None, boo
         used = sum(c.nbytes for c in copies)
         if _few_spare(int(offsets[-1] - offsets[0]), used):
             return span, (at - lo).astype(np.int32), True
-    return pa.concat_arrays([c.entry for c in copies]), None, False
+    return copied.made(pa.concat_arrays([c.entry for c in copies])), None, False
 
 
 #: Fewest bytes a piece counts itself (its rows and the payloads it brought) for the

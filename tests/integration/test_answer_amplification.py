@@ -183,3 +183,49 @@ def test_a_shared_memory_read_of_thousands_of_batches_goes_over_the_socket_as_ma
         with flightq.connect(location, [TEXT], timeout=TIMEOUT) as c:
             assert c.stats()["counters"]["shm_answers_declined"] == 1
             assert c.get("r", ["5"], as_="numpy")["input_ids"][0].size == 62_000  # serves on
+
+
+def test_a_shared_memory_read_copying_an_image_per_batch_stops_listing_at_the_answer_room() -> None:
+    # Row 'b' carries its own image and one put before it (two puts' dictionaries): each
+    # answer batch of it copies both into one. Named 2 000 times, the listing held 2 000
+    # copies (95 MiB to 2.2 GB under a 64 MiB budget) before anything was sent; it stops
+    # once the copies pass a quarter of the budget, and the rest streams as it is made.
+    rng = np.random.default_rng(1)
+    x, y = (rng.random((111, 1176), dtype=np.float32) for _ in range(2))  # 0.5 MiB each
+    with cli_server(*BUDGET) as (location, proc):
+        with flightq.connect(location, [VLM], timeout=TIMEOUT) as c:
+            c.stream_max_bytes = 0  # per call
+            c.create_partition("v", VLM, tasks=["t"])
+            c.put("v", ["a"], {"input_ids": [np.arange(3)], "pixel_values": [[x]]})
+            c.put("v", ["b"], {"input_ids": [np.arange(3)], "pixel_values": [[y, x]]})
+        before = hwm_mib(proc.pid)
+        ticket = {"op": "get", "partition": "v", "shm": True, "keys": ["b"] * 2000}
+        plain = fl.connect(location)
+        try:
+            stream = plain.do_get(fl.Ticket(msgpack.packb(ticket, use_bin_type=True)))
+            first = stream.read_chunk().data
+            stream.cancel()
+        finally:
+            plain.close()
+        assert first.column("__key__").to_pylist()[0] == "b"  # rows, not a segment's name
+        assert hwm_mib(proc.pid) - before < 128
+        with flightq.connect(location, [VLM], timeout=TIMEOUT, shm=True) as c:
+            assert c.stats()["counters"]["shm_answers_declined"] == 1
+            got = c.get("v", ["b"] * 3, as_="numpy")["pixel_values"]  # serves on
+            assert all(np.array_equal(r[0], y) and np.array_equal(r[1], x) for r in got)
+
+
+def test_a_stream_read_of_many_tiny_rows_whose_framing_passes_the_frame_goes_per_call() -> None:
+    # One small row named 12 000 times, a batch each: their bytes fit the 4 MiB frame,
+    # their batches' IPC framing did not (a 5.5 MB frame, which the client refused as too
+    # large). Answered retry, the get goes per call and returns every row.
+    with (
+        cli_server(*BUDGET) as (location, _),
+        flightq.connect(location, [TEXT], timeout=TIMEOUT) as c,
+    ):
+        c.create_partition("r", TEXT, tasks=["t"])
+        c.put("r", ["0"], {"input_ids": [np.arange(3, dtype=np.int64)]})
+        c.get("r", ["0"])  # the row's size learned: the next get tries the stream
+        got = c.get("r", ["0"] * 12_000, as_="numpy")  # a batch per row
+        assert got.keys == ["0"] * 12_000
+        assert got["input_ids"][-1].tolist() == [0, 1, 2]
