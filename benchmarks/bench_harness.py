@@ -410,6 +410,8 @@ def test_the_get_parts_floor_refuses_what_a_reader_must_not_take() -> None:
     bad = rb.set_column(i, rb.schema.field(i), pa.array(shapes, rb.schema.field(i).type))
     with pytest.raises(ValueError, match="input_ids: a payload is not its shape's bytes"):
         parts.floor_taken(pa.Table.from_batches([bad]), schema)
+    untagged = flightq.encode(schema, step.columns, keys=step.keys)  # rows without tags
+    assert parts.floor_taken(pa.Table.from_batches([untagged]), schema)[1] == [{}] * len(rb)
     with pytest.raises(ValueError, match="row keys are not unique"):
         twice = pa.Table.from_batches([rb]).set_column(0, "__key__", pa.array(["k"] * len(rb)))
         parts.floor_taken(twice, schema)

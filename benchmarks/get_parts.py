@@ -75,11 +75,11 @@ def floor_taken(table: Any, schema: Any) -> tuple[list[str], list[dict[str, Any]
     """
     import msgpack
     import numpy as np
+    import pyarrow as pa
     import torch
 
     from flightq import Packed
 
-    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     batches = table.to_batches()
     if len(batches) != 1:
         raise ValueError(f"the floor reads a step of one record batch, got {len(batches)}")
@@ -90,7 +90,7 @@ def floor_taken(table: Any, schema: Any) -> tuple[list[str], list[dict[str, Any]
         raise ValueError("row keys are not unique")
     seen: dict[bytes, int] = {}
     picks = [seen.setdefault(b, len(seen)) for b in rb.column(1).to_pylist()]
-    maps = [msgpack.unpackb(b, raw=False) for b in seen]
+    maps = [{} if b is None else msgpack.unpackb(b, raw=False) for b in seen]
     if not all(isinstance(m, dict) for m in maps):
         raise ValueError("a row's tags are not a map")
     names = rb.schema.names
@@ -110,6 +110,8 @@ def floor_taken(table: Any, schema: Any) -> tuple[list[str], list[dict[str, Any]
             raise ValueError(
                 f"{name}: the floor takes token, tensor and scalar fields of numpy dtypes"
             )
+        if not pa.types.is_large_binary(col.type):
+            raise ValueError(f"{name}: payloads are {col.type}, not large_binary")
         shapes = rb.column(name + "__shape")
         so, sv = shapes.offsets.to_numpy(), shapes.values.to_numpy()
         if shapes.null_count or (np.diff(so) != 1).any():
@@ -162,6 +164,9 @@ def measure(workload: str = "W3", form: str = "packed", rounds: int = 40) -> dic
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     timed = reads(form)
+    # The floor views read-only received buffers as tensors, as flightq's client does;
+    # torch warns of that once a process (flightq silences it the same way).
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     ref = make(workload)  # numpy: what the answer is checked against
