@@ -112,6 +112,9 @@ MAX_UNREAD_ANSWER_BYTES = 4 * 2**30
 #: Shared-memory answers that may wait for their reader at once (each is looked at when
 #: the budget is counted).
 MAX_UNREAD_ANSWERS = 1024
+#: Largest action reply (one Flight ``Result``, one gRPC message, which gRPC cannot send
+#: past 2 GiB and aborts the process instead): past it the action is refused.
+MAX_ACTION_REPLY_BYTES = 1 << 30
 #: Most record batches a read's answer through shared memory is made of (each is described
 #: to its reader, and all of them are held at once while it is): past it, or past copies
 #: of more than a quarter of the budget, the answer goes over the socket, one batch at a
@@ -1017,7 +1020,16 @@ class Server(fl.FlightServerBase):
             peer=peer,
             shm_batch_bytes=self.shm_put_batch_bytes,
         )
-        return HANDLERS[action.type](context, request).to_wire()
+        reply = HANDLERS[action.type](context, request).to_wire()
+        if len(reply) > MAX_ACTION_REPLY_BYTES:  # one gRPC message: past 2 GiB gRPC aborts
+            raise ResourceExhaustedError(
+                f"{action.type}: a reply of {len(reply)} bytes passes what the server sends "
+                f"as one Flight result ({MAX_ACTION_REPLY_BYTES}); ask for less per call "
+                "(list_keys: name the keys, a part of the partition at a time)",
+                expected=MAX_ACTION_REPLY_BYTES,
+                actual=len(reply),
+            )
+        return reply
 
     # ------------------------------------------------------------------ descriptions
 

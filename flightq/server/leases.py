@@ -349,7 +349,7 @@ class Progress:
     def held(self, lease: Lease, keys: Sequence[str] | None) -> list[str]:
         """Which of ``keys`` (all of the lease's when None) the lease still holds."""
         st = self.tasks[lease.task]
-        ks = lease.keys if keys is None else keys
+        ks = lease.keys if keys is None else dict.fromkeys(keys)  # a key named twice: once
         return [k for k in ks if st.leased.get(k) == lease.id]
 
     def ack(

@@ -1170,6 +1170,7 @@ class Store:
             else:
                 _known(p, keys)
                 rows = [p.rows[k] for k in keys]
+                _listable(p, rows)
         tags = [dict(r.tags) for r in rows]
         cells = [r.cells for r in rows]
         have = set().union(*cells)
@@ -1294,6 +1295,36 @@ def _copy_progress(
 
 
 _CELLS = operator.attrgetter("cells")
+
+
+#: What a ``list_keys`` naming keys may cost beyond listing each of the partition's rows
+#: once (the slack for a partition of few rows).
+LIST_SLACK_BYTES = 16 * 2**20
+
+
+def _listable(p: Partition, rows: list[Row]) -> None:
+    """Refuse a listing of ``rows`` (keys named, some perhaps many times) that would take
+    more than listing every row of the partition once, and :data:`LIST_SLACK_BYTES`: each
+    entry copies its row's tags, so a key named thousands of times turns a few KB of
+    request into gigabytes of reply (and past 2 GiB, one gRPC message, the process ends).
+
+    Raises
+    ------
+    ResourceExhaustedError
+        Naming the partition, the keys, what the listing would take and the fix.
+    """
+    cost = sum(r.held for r in rows)
+    whole = sum(r.held for r in p.rows.values()) if cost > LIST_SLACK_BYTES else 0
+    if cost > whole + LIST_SLACK_BYTES:
+        raise ResourceExhaustedError(
+            f"list_keys of {p.name!r}: the {len(rows)} keys named (some more than once) would "
+            f"take about {cost} bytes to list, more than listing each of the partition's "
+            f"{len(p.rows)} rows once ({whole} bytes) and {LIST_SLACK_BYTES} more; name each "
+            "key once, or fewer keys per call",
+            partition=p.name,
+            expected=whole + LIST_SLACK_BYTES,
+            actual=cost,
+        )
 
 
 def _fields_for(p: Partition, rows: list[Row], fields: Sequence[str] | None) -> list[str]:

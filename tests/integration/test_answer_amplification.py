@@ -19,6 +19,7 @@ import pyarrow.flight as fl
 import pytest
 from fixtures_dataplane import TEXT, TIMEOUT, VLM, cli_server
 from helpers_budget import hwm_mib
+from helpers_reliability import plain_error
 from helpers_stream import ask, open_stream, raw_frame, refusal
 
 import flightq
@@ -229,3 +230,29 @@ def test_a_stream_read_of_many_tiny_rows_whose_framing_passes_the_frame_goes_per
         got = c.get("r", ["0"] * 12_000, as_="numpy")  # a batch per row
         assert got.keys == ["0"] * 12_000
         assert got["input_ids"][-1].tolist() == [0, 1, 2]
+
+
+def test_a_list_keys_naming_a_row_many_times_is_refused_before_its_reply_is_built() -> None:
+    # One row of 60 KB of tags named 2 000 times in a 4 KB body: each entry copied the
+    # row's tags (93 MiB to 437 MiB); 36 000 times made a reply past 2 GiB, one gRPC
+    # message, and gRPC aborted the server. Refused once it would take more than listing
+    # the partition's rows once, and 16 MiB.
+    with cli_server(*BUDGET) as (location, proc):
+        with flightq.connect(location, [TEXT], timeout=TIMEOUT) as c:
+            c.create_partition("p", TEXT, tasks=["t"])
+            c.put("p", ["k"], {"input_ids": [np.arange(4)]}, tags=[{"t": "x" * 60_000}])
+        before = hwm_mib(proc.pid)
+        body = msgpack.packb({"partition": "p", "keys": ["k"] * 36_000}, use_bin_type=True)
+        with fl.connect(location) as plain:
+            with pytest.raises(fl.FlightError) as e:
+                list(plain.do_action(fl.Action("list_keys", body)))
+            kind, message = plain_error(e.value)
+            assert kind == "ResourceExhaustedError", message
+            assert message.startswith("list_keys of 'p': the 36000 keys named"), message
+            once = msgpack.packb({"partition": "p", "keys": ["k", "k"]}, use_bin_type=True)
+            reply = next(iter(plain.do_action(fl.Action("list_keys", once))))
+            twice = msgpack.unpackb(reply.body.to_pybytes())
+        assert twice["keys"] == ["k", "k"]  # a key named twice in a small listing: as asked
+        assert proc.poll() is None and hwm_mib(proc.pid) - before < 64
+        with flightq.connect(location, [TEXT], timeout=TIMEOUT) as c:
+            assert list(c.list_keys("p")) == ["k"]  # serves on

@@ -300,6 +300,24 @@ def test_nacked_rows_are_ready_again_behind_the_rows_ready_already(client):
     assert _counts(client, "p") == {"delivered": 5, "acked": 5, "leased": 0, "dead": 0, "claims": 0}
 
 
+def test_a_nack_naming_a_key_twice_gives_it_back_once_and_counts_one_failure(client):
+    # It raised KeyError half way (the first keys given back, their failures counted, the
+    # lease never settled), untyped, with the server's traceback in a plain client's error.
+    _declare(client, "p", 3, max_failures=2)
+    got = _claim(client, "p", 3)
+    assert client.nack(got, ["k1", "k0", "k0"], failed=True) == 2
+    assert _counts(client, "p") == {"delivered": 1, "acked": 0, "leased": 1, "dead": 0, "claims": 1}
+    with fl.connect(client.location) as plain:  # the same from plain Flight
+        body = {"partition": "p", "claim": got.claim.id, "keys": ["k2", "k2"], "failed": False}
+        reply = list(plain.do_action(fl.Action("nack", msgpack.packb(body))))
+    assert msgpack.unpackb(reply[0].body.to_pybytes())["released"] == 1
+    again = _claim(client, "p", 3)
+    assert sorted(again.keys) == ["k0", "k1", "k2"]
+    assert dict(zip(again.keys, again.claim.deliveries, strict=True)) == {"k0": 2, "k1": 2, "k2": 2}
+    assert client.nack(again, ["k0", "k0"], failed=True) == 1  # its second failure: dead
+    assert client.dead_letters("p", "train")["keys"] == ["k0"]
+
+
 def test_a_failed_nack_counts_a_failed_delivery_and_the_last_one_goes_dead(client):
     _declare(client, "p", 2, max_failures=2)
     first = _claim(client, "p", 2)
