@@ -61,18 +61,18 @@ def _header(meta: bytes) -> tuple[int, int]:
     return meta[kind_at], _target(meta, header_at)
 
 
-def _delta(meta: bytes) -> bool:
-    """Whether the message is a dictionary batch that adds to an earlier one
-    (``DictionaryBatch.isDelta``, its field 2)."""
-    kind, header = _header(meta)
+def _delta(meta: bytes, kind: int, header: int) -> bool:
+    """Whether the message (its :func:`_header`) is a dictionary batch that adds to an
+    earlier one (``DictionaryBatch.isDelta``, its field 2)."""
     if kind != _DICTIONARY_BATCH:
         return False
     at = _field(meta, header, 2)
     return bool(at and meta[at])
 
 
-def _compressed(meta: bytes) -> bool:
-    kind, header = _header(meta)
+def _compressed(meta: bytes, kind: int, header: int) -> bool:
+    """Whether the message (its :func:`_header`) is a record or dictionary batch whose
+    body is compressed (``RecordBatch.compression``, its field 3)."""
     if not header:
         return False
     if kind == _DICTIONARY_BATCH:
@@ -99,8 +99,9 @@ def check_message(message: Any, what: str) -> None:
         return
     try:
         meta = message.metadata.to_pybytes()
-        compressed = _compressed(meta)
-        delta = _delta(meta)
+        kind, header = _header(meta)
+        compressed = _compressed(meta, kind, header)
+        delta = _delta(meta, kind, header)
     except (struct.error, IndexError) as e:
         raise ProtocolError(f"{what}: an Arrow IPC message header does not parse: {e}") from e
     if delta:

@@ -198,16 +198,14 @@ def _handle(
         limit = MAX_FRAME_BYTES - _FRAME_SLACK
         if asked is not None:
             limit = max(0, min(limit, asked))
+        # Past the limit, what was made of it goes and the rest is never made; the frame
+        # itself, the batches' IPC framing included (many small ones), is held to it too.
         out, past = _within(batches, limit)
-        if past:  # past the limit: what was made of it goes, the rest is never made
+        reply = None if past else pack_frame({"ok": b""}, schema, out)
+        if reply is None or reply.size > MAX_FRAME_BYTES:
             if undo is not None:
                 undo(False)  # never sent: back where they were, not a delivery
-            return t.op, pack_frame({"retry": past}), None
-        reply = pack_frame({"ok": b""}, schema, out)
-        if reply.size > MAX_FRAME_BYTES:  # the batches' IPC framing too (many small ones)
-            if undo is not None:
-                undo(False)
-            return t.op, pack_frame({"retry": reply.size}), None
+            return t.op, pack_frame({"retry": past if reply is None else reply.size}), None
         counters.add("bytes_sent", reply.size)
         return t.op, reply, undo
     except BaseException:

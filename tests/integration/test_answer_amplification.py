@@ -75,10 +75,8 @@ def _delta_stream(deltas: int) -> tuple[pa.Buffer, int]:
             batch([image.tobytes(), empty.tobytes()], [list(image.shape), [0, 1176]], 1, "k1")
         )
     messages = list(pa.ipc.MessageReader.open_stream(sink.getvalue()))
-    assert [m.type for m in messages] == ["schema", "dictionary", "record batch"] * 1 + [
-        "dictionary",
-        "record batch",
-    ]
+    kinds = ["schema", "dictionary", "record batch", "dictionary", "record batch"]
+    assert [m.type for m in messages] == kinds
     schema_m, dict_m, first, delta, second = (m.serialize().to_pybytes() for m in messages)
     end = b"\xff\xff\xff\xff\x00\x00\x00\x00"
     return pa.py_buffer(schema_m + dict_m + first + (delta + second) * deltas + end), deltas + 1
