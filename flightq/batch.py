@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 import pyarrow as pa
 
 from .chunks import encode_chunks, row_nbytes, split_batch
@@ -154,7 +155,7 @@ class PartDecoder:
         t = time.perf_counter()
         self.arrived = t
         c = validate_part(rb, self.parts[0] if self.parts else None)
-        part = self.part(rb, c.schema, c.keys, c.fields, self.as_, self.copy)
+        part = self.part(rb, c.schema, c.keys, c.fields, self.as_, self.copy, c.flat)
         if self.prepare:
             if self.parts:
                 self.parts[-1].prepare()  # not the last: another record batch came after it
@@ -334,6 +335,7 @@ class Batch:
         fields: list[str],
         as_: str,
         copy: bool,
+        flat: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
     ) -> None:
         self.record_batch = record_batch
         self.schema = schema
@@ -342,6 +344,8 @@ class Batch:
         self._as = as_
         self._copy = copy
         self._columns: dict[str, Column] = {}
+        #: What validation learned of the 1-D token and tensor columns (``Checked.flat``).
+        self._flat = {} if flat is None else flat
         #: Jagged offsets handed out so far: the batch's token columns share them.
         self._ragged: list[Any] = []
         self._tags: list[dict[str, Any]] | None = None
@@ -491,8 +495,14 @@ class Batch:
                 col = ChunkedColumn([p.column(name) for p in self._parts])
             else:
                 f = self.schema[name]
-                cls = {"scalar": ScalarColumn, "media": MediaColumn}.get(f.role, TensorColumn)
-                col = cls(f, self.record_batch, self._as, self._copy)
+                if f.role == "scalar":
+                    col = ScalarColumn(f, self.record_batch, self._as, self._copy)
+                elif f.role == "media":
+                    col = MediaColumn(f, self.record_batch, self._as, self._copy)
+                else:
+                    col = TensorColumn(
+                        f, self.record_batch, self._as, self._copy, self._flat.get(name)
+                    )
             if self.schema[name].role == "token":  # a row's token fields share its length
                 col.ragged = self._ragged
             self._columns[name] = col

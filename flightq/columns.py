@@ -33,6 +33,17 @@ def _offsets_of(lengths: np.ndarray, as_: str, device: Any = None) -> Any:
     """Row offsets (N + 1, int32) from per-row lengths, as numpy or torch."""
     offs = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offs[1:])
+    return _as_offsets(offs, as_, device)
+
+
+def _as_offsets(offs: np.ndarray, as_: str, device: Any = None) -> Any:
+    """Row offsets (N + 1, int64, from 0) as int32, numpy or torch.
+
+    Raises
+    ------
+    ShapeError
+        If the last offset does not fit int32.
+    """
     if offs[-1] > np.iinfo(np.int32).max:
         raise ShapeError(
             f"{int(offs[-1])} rows' elements overflow int32 offsets (cu_seqlens); "
@@ -145,25 +156,28 @@ def _decoded_base(
     shapes: list[tuple[int, ...] | None] | None,
     as_: str,
     key: Callable[[int], str] | None = None,
+    offs: np.ndarray | None = None,
 ) -> tuple[Any, np.ndarray]:
-    """One flat view over a binary array's payloads, and each payload's element offset.
+    """One flat view over a binary array's payloads, and each payload's element offset
+    and, last, the view's length (N + 1 offsets: payload ``i`` spans ``[at[i], at[i + 1])``).
 
     Raw payloads are viewed in place; compressed ones are decoded into one new buffer,
     each straight into its place and bounded by its shape (``None``: a payload no row
-    uses, skipped). ``key(i)`` names payload ``i``'s row in an error.
+    uses, skipped). ``key(i)`` names payload ``i``'s row in an error; ``offs``, where
+    known, are the payloads' byte offsets.
     """
     dt = f.dt
     if f.codec is RAW:
         bufs = payloads.buffers()
-        offs = binary_offsets(payloads)
+        offs = binary_offsets(payloads) if offs is None else offs
         data = bufs[2]
         if len(offs) <= _FEW + 1:  # a few rows: Python's arithmetic beats numpy's calls
             at = offs.tolist()
             lo, size = at[0], dt.itemsize
             base = column_base(data if data is not None else b"", lo, at[-1], dt, as_)
-            return base, np.array([(o - lo) // size for o in at[:-1]], dtype=np.int64)
+            return base, np.array([(o - lo) // size for o in at], dtype=np.int64)
         base = column_base(data if data is not None else b"", int(offs[0]), int(offs[-1]), dt, as_)
-        return base, (offs[:-1] - offs[0]) // dt.itemsize
+        return base, (offs - offs[0]) // dt.itemsize
     assert shapes is not None  # compressed payloads are sized by their shapes
     sizes = np.array(
         [0 if s is None else nbytes_for(s, dt.itemsize) for s in shapes], dtype=np.int64
@@ -199,16 +213,37 @@ def _decoded_base(
                 actual=e.actual,
             ) from e
     base = column_base(out, 0, len(out), dt, as_)
-    return base, starts[:-1] // dt.itemsize
+    return base, starts // dt.itemsize
 
 
 class TensorColumn(Column):
-    """A token or tensor field: one tensor per row."""
+    """A token or tensor field: one tensor per row.
 
-    def __init__(self, f: Field, rb: pa.RecordBatch, as_: str, copy: bool) -> None:
+    ``flat``: where validation found every row present and 1-D with a raw payload, the
+    rows' dims and the payloads' byte offsets (:attr:`flightq.validation.Checked.flat`),
+    taken as they are instead of read again.
+    """
+
+    def __init__(
+        self,
+        f: Field,
+        rb: pa.RecordBatch,
+        as_: str,
+        copy: bool,
+        flat: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
         super().__init__(f, rb, as_, copy)
-        shapes = rb.column(f.name + SHAPE_SUFFIX)
         self._shapes: list[tuple[int, ...] | None] | None = None
+        #: The shape column's offsets (None: one dim per row, every row, from ``flat``).
+        self._offs: np.ndarray | None = None
+        if flat is not None and f.codec is RAW and self.complete:
+            self._dims, payload_offsets = flat
+            self._flat = True
+            self._base, at = _decoded_base(f, self.payload, None, as_, offs=payload_offsets)
+            #: Each row's element offset in the base; ``_at`` also ends with its length.
+            self._elem, self._at = at[:-1], at
+            return
+        shapes = rb.column(f.name + SHAPE_SUFFIX)
         if len(shapes) <= _FEW:
             # A few rows: their shapes as Python values at once (a null row's is None,
             # as validation holds payload and shape to agree); numpy costs more here.
@@ -230,20 +265,26 @@ class TensorColumn(Column):
             and (f.role == "token" or bool((offs[1:] - offs[:-1] == 1).all()))
         )
         present = None if f.codec is RAW else self.shapes
-        self._base, self._elem = _decoded_base(
+        self._base, at = _decoded_base(
             f, self.payload, present, as_, lambda i: str(rb.column(KEY)[i].as_py())
         )
+        self._elem, self._at = at[:-1], at
 
     @property
     def shapes(self) -> list[tuple[int, ...] | None]:
         """Each row's shape (None where the row lacks the field)."""
-        if self._shapes is None:
+        if self._shapes is not None:
+            return self._shapes
+        if self._offs is None:  # one dim per row, every row
+            shapes: list[tuple[int, ...] | None] = [(d,) for d in self._dims.tolist()]
+        else:
             offs, dims = (self._offs - self._offs[0]).tolist(), self._dims.tolist()
-            self._shapes = [
+            shapes = [
                 tuple(dims[offs[i] : offs[i + 1]]) if ok else None
                 for i, ok in enumerate(self.valid.tolist())
             ]
-        return self._shapes
+        self._shapes = shapes
+        return shapes
 
     def __getitem__(self, i: int) -> Any:
         shape = self.shapes[i]
@@ -299,18 +340,25 @@ class TensorColumn(Column):
             If the rows differ in their trailing dims, or the field has no row dim.
         """
         self._check_packable()
-        lengths = self.lengths()
+        copied = self.copy or self.field.codec is not RAW
         if self._flat and len(self):
-            tail: tuple[int, ...] = ()
-        else:
-            shapes: list[tuple[int, ...]] = self.shapes  # type: ignore[assignment]
-            tail = shapes[0][1:] if shapes else tuple(d or 0 for d in (self.field.shape or ())[1:])
+            # Every row present and 1-D: the base holds them end to end, and its element
+            # offsets are the rows' (validation held each payload to its shape's bytes).
+            flat = self._base
+            if self.copy:
+                flat = flat.clone() if self.as_ == "torch" else flat.copy()
+            device = getattr(flat, "device", None) if self.as_ == "torch" else None
+            offsets = _as_offsets(self._at, self.as_, device)
+            return Packed(flat, offsets, int(self._dims.max()), copied)
+        lengths = self.lengths()
+        shapes: list[tuple[int, ...]] = self.shapes  # type: ignore[assignment]
+        tail = shapes[0][1:] if shapes else tuple(d or 0 for d in (self.field.shape or ())[1:])
         total = int(lengths.sum())
         flat = row_view(self._base, 0, (total, *tail), self.copy)
         device = getattr(flat, "device", None) if self.as_ == "torch" else None
         offsets = _offsets_of(lengths, self.as_, device)
         top = int(lengths.max()) if len(lengths) else 0
-        return Packed(flat, offsets, top, self.copy or self.field.codec is not RAW)
+        return Packed(flat, offsets, top, copied)
 
     def jagged(self) -> Any:
         """The rows as one jagged nested tensor (``torch.nested``, ``layout=torch.jagged``)
@@ -381,7 +429,8 @@ class MediaColumn(Column):
             entry_shapes = [None] * len(entries)
             for e, shape in zip(self.entry.tolist(), self.segment_shapes, strict=True):
                 entry_shapes[e] = shape
-        self._base, self._elem = _decoded_base(f, entries, entry_shapes, as_)
+        self._base, at = _decoded_base(f, entries, entry_shapes, as_)
+        self._elem = at[:-1]
 
     @property
     def counts(self) -> np.ndarray:

@@ -16,7 +16,7 @@ import json
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -79,6 +79,11 @@ class Checked:
         Per row, the sequence length shared by its token fields (-1 where it has none).
     nbytes:
         Per row, payload bytes (as sent, compressed where a codec applies).
+    flat:
+        Per token or tensor column whose every row is present and 1-D with raw payloads
+        (the common case, checked in a few array operations): its rows' dims and its
+        payloads' int64 byte offsets (N + 1), so a decoder need not derive them again.
+        Columns not in it were checked the long way.
     """
 
     schema: Schema
@@ -86,6 +91,7 @@ class Checked:
     fields: list[str]
     seq_lens: np.ndarray
     nbytes: np.ndarray
+    flat: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 def shape_products(
@@ -500,8 +506,12 @@ def validate(
     few = _few_rows(plan, batch) if n <= _FEW else None
     if few is not None:
         return Checked(carried, keys, list(plan.present), *few)
-    seq = np.full(n, -1, dtype=np.int64)
-    nbytes = np.zeros(n, dtype=np.int64)
+    # Made by the first column that has them: on an answer just received each array
+    # operation costs a few times more than on warm data, and the first column's arrays
+    # serve as they are.
+    seq: np.ndarray | None = None
+    nbytes: np.ndarray | None = None
+    flat: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for c in plan.columns:
         if c.shape < 0:
             continue
@@ -520,11 +530,20 @@ def validate(
                     key=key(i),
                 )
         if c.f.role == "media":
-            nbytes += _check_media(c.f, c.where, col, shapes, valid, key)
+            sent = _check_media(c.f, c.where, col, shapes, valid, key)
         else:
-            seq, sent = _check_tensor(c.f, c.where, col, shapes, valid, seq, key)
-            nbytes += sent
-    return Checked(carried, keys, list(plan.present), seq, nbytes)
+            seq, sent, layout = _check_tensor(c.f, c.where, col, shapes, valid, seq, key)
+            if layout is not None:
+                flat[c.f.name] = layout
+        nbytes = sent if nbytes is None else nbytes + sent
+    return Checked(
+        carried,
+        keys,
+        list(plan.present),
+        np.full(n, -1, dtype=np.int64) if seq is None else seq,
+        np.zeros(n, dtype=np.int64) if nbytes is None else nbytes,
+        flat,
+    )
 
 
 def _one_field(expected: Schema, actual: Schema) -> str | None:
@@ -619,21 +638,25 @@ def _check_tensor(
     col: pa.Array,
     shapes: pa.Array,
     valid: np.ndarray | None,
-    seq: np.ndarray,
+    seq: np.ndarray | None,
     key: Callable[[int], str],
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray | None, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """Check a token or tensor column's payloads against their shapes (``valid`` None: no
-    row is null; ``key(i)`` is row ``i``'s key). Returns the rows' sequence lengths so far
-    and the bytes sent per row."""
+    row is null; ``seq`` None: no token column seen yet; ``key(i)`` is row ``i``'s key).
+    Returns the rows' sequence lengths so far, the bytes sent per row, and where every row
+    is present and 1-D with a raw payload, the rows' dims and the payloads' byte offsets
+    (:attr:`Checked.flat`)."""
     if valid is None and f.codec is RAW and len(col) <= _FEW:
-        fast = _few_one_dim_rows(f, shapes, col, seq)
-        if fast is not None:
-            return fast
+        few = _few_one_dim_rows(f, shapes, col, seq)
+        if few is not None:
+            return (*few, None)
     so, sv = _shape_arrays(shapes, f, where)
     if valid is None and f.codec is RAW:
         fast = _one_dim_rows(f, so, sv, col, seq)
         if fast is not None:
             return fast
+    if seq is None:
+        seq = np.full(len(col), -1, dtype=np.int64)
     if valid is not None and (~valid & (so[1:] != so[:-1])).any():
         raise DecodeError(f"{where}a null row has a shape", field=f.name)
     _check_fixed(f, so, sv, valid, where, key)
@@ -682,7 +705,7 @@ def _check_tensor(
         )
     if f.codec is not RAW:
         _check_frames(f, where, col, np.nonzero(_all(valid, len(sent)))[0], want, key)
-    return seq, sent if valid is None else np.where(valid, sent, 0)
+    return seq, sent if valid is None else np.where(valid, sent, 0), None
 
 
 def _check_frames(
@@ -719,8 +742,8 @@ def _check_frames(
 
 
 def _one_dim_rows(
-    f: Field, so: np.ndarray, sv: np.ndarray, col: pa.Array, seq: np.ndarray
-) -> tuple[np.ndarray, np.ndarray] | None:
+    f: Field, so: np.ndarray, sv: np.ndarray, col: pa.Array, seq: np.ndarray | None
+) -> tuple[np.ndarray | None, np.ndarray, tuple[np.ndarray, np.ndarray]] | None:
     """The common case of :func:`_check_tensor` in a few array operations: every row
     present with one dim (token fields, 1-D tensors), raw payloads. Returns what
     :func:`_check_tensor` returns when every check passes, None when any fails or does
@@ -733,22 +756,23 @@ def _one_dim_rows(
     dims = sv[so[0] : so[-1]]
     if dims.view(np.uint64).max() >= _LIMIT // f.dt.itemsize:
         return None  # a negative dim, or one whose byte length could wrap around int64
-    sent = _lengths(binary_offsets(col))
+    offs = binary_offsets(col)
+    sent = _lengths(offs)
     if not np.array_equal(dims * f.dt.itemsize, sent):
         return None
     if f.shape is not None and f.shape[0] is not None and (dims != f.shape[0]).any():
         return None
     if f.role == "token":
-        if seq[0] < 0 and (seq < 0).all():
-            return dims.copy(), sent  # the row's first token field sets its length
+        if seq is None or (seq[0] < 0 and (seq < 0).all()):
+            return dims.copy(), sent, (dims, offs)  # the row's first token field sets S
         if not np.array_equal(dims, seq):
             return None
-    return seq, sent
+    return seq, sent, (dims, offs)
 
 
 def _few_one_dim_rows(
-    f: Field, shapes: pa.Array, col: pa.Array, seq: np.ndarray
-) -> tuple[np.ndarray, np.ndarray] | None:
+    f: Field, shapes: pa.Array, col: pa.Array, seq: np.ndarray | None
+) -> tuple[np.ndarray | None, np.ndarray] | None:
     """:func:`_one_dim_rows` for a few rows, over Python lists: on a handful of values each
     numpy operation costs more than the loop it replaces. Same checks, same contract (a
     null dim, like any other fault, is left to the full check, which names it)."""
@@ -758,8 +782,8 @@ def _few_one_dim_rows(
     dims, sent = got
     out = np.array(sent, dtype=np.int64)
     if f.role == "token":
-        known = seq.tolist()
-        if all(k < 0 for k in known):
+        known = None if seq is None else seq.tolist()
+        if known is None or all(k < 0 for k in known):
             return np.array(dims, dtype=np.int64), out  # the first token field sets S
         if dims != known:
             return None
