@@ -1006,7 +1006,8 @@ class Server(fl.FlightServerBase):
         as msgpack bytes (one Flight ``Result``)."""
         spec = ACTIONS.get(action.type)
         if spec is None:
-            raise ProtocolError(f"unknown action {action.type!r}")
+            name = action.type if len(action.type) <= 64 else action.type[:64] + "..."
+            raise ProtocolError(f"unknown action {name!r} (of {len(action.type)} characters)")
         body = action.body if action.body.size else {}
         request = spec.request.parse(body, limit=self.max_request_bytes)
         self.counters.add("actions")

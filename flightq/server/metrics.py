@@ -14,6 +14,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from ..protocol import ACTIONS
+
 __all__ = ["Counters", "COUNTERS", "LATENCY_BUCKETS", "call_kind"]
 
 #: Every counter, in the order the answer lists them.
@@ -64,9 +66,12 @@ def call_kind(handler: str, args: Sequence[Any]) -> str | None:
     """The kind of a call, for its latency: ``put``, ``get``, ``claim``, ``scan``,
     ``action:<type>``, ``exchange`` or ``info``, from the handler's name and arguments
     (a DoGet's parsed ticket says whether it reads keys, claims or scans); None for a
-    step that is not a whole call (parsing a ticket or a descriptor)."""
+    step that is not a whole call (parsing a ticket or a descriptor). An action type the
+    server does not know is ``action:?``: a client naming a new type in every call would
+    otherwise add a histogram per call, kept for the server's life."""
     if handler == "_do_action" and args:
-        return f"action:{getattr(args[0], 'type', '?')}"
+        kind = getattr(args[0], "type", "?")
+        return f"action:{kind if kind in ACTIONS else '?'}"
     if handler == "_do_get" and args:
         op = getattr(args[0], "op", None)
         return op if op in ("get", "claim", "scan") else "get"

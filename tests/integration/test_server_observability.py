@@ -89,3 +89,25 @@ def test_a_port_in_use_is_named_with_what_to_do() -> None:
     assert out.returncode == 2
     assert f"UnavailableError: cannot listen on 127.0.0.1:{port}: the port is in use" in out.stderr
     assert "--port 0" in out.stderr
+
+
+def test_unknown_action_types_are_refused_typed_and_timed_under_one_kind() -> None:
+    """Each call's seconds are kept per call kind for the server's life: a client naming
+    a new action type in every call (a type of 1 MiB among them) must not add a kind
+    per call, nor have its type echoed back whole."""
+    import pyarrow.flight as fl
+
+    with flightq.Server() as srv:
+        plain = fl.connect(srv.location)
+        try:
+            for i in range(50):
+                kind = f"no-such-action-{i}" + ("x" * (1 << 20) if i == 0 else "")
+                with pytest.raises(fl.FlightServerError, match="ProtocolError") as e:
+                    list(plain.do_action(fl.Action(kind, b"")))
+                assert "unknown action" in str(e.value) and len(str(e.value)) < 1000
+            list(plain.do_action(fl.Action("stats", b"")))  # serves on
+        finally:
+            plain.close()
+        kinds = set(srv.counters.latency())
+    assert {k for k in kinds if k.startswith("action:")} == {"action:?", "action:stats"}
+    assert srv.counters.latency()["action:?"]["count"] == 50
