@@ -215,6 +215,7 @@ def _drop(ctx: ActionContext, req: Drop) -> DropReply:
 
 
 def _abort_put(ctx: ActionContext, req: AbortPut) -> AbortPutReply:
+    ctx.store.partition(req.partition)  # NotFoundError: no put of it can be waiting
     gave_up = ProtocolError(f"put to {req.partition!r}: the client gave up a part")
     ctx.staging.fail(req.partition, req.stage, req.parts, gave_up)
     return AbortPutReply(aborted=True)

@@ -8,20 +8,24 @@ until every part has arrived. The handler of the last part stores all of them in
 (in part order, so rows keep the client's order), and every part's handler answers with
 the same result or raises the same error. If a part fails, or does not arrive within the
 put's timeout (and :data:`GRACE_S`), every part fails and nothing is stored. A decided put
-is remembered for a while, so a part that comes late fails at once instead of waiting; a
-retry draws a new ``stage``.
+is remembered for a while (:data:`_KEEP_S`, the latest :data:`MAX_DECIDED` of them), so a
+part that comes late fails at once instead of waiting; a retry draws a new ``stage``. What
+a decided put keeps is its result or its error's class and message: never the error
+itself, whose traceback would keep the failed part's record batches alive.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import FlightqError, ProtocolError
 from ..protocol import MAX_PUT_PARTS, PutCommand
+from .budget import MAX_NAME_CHARS
 from .putplan import Stored
 
 __all__ = ["Staging", "MAX_PARTS"]
@@ -30,6 +34,9 @@ __all__ = ["Staging", "MAX_PARTS"]
 MAX_PARTS = MAX_PUT_PARTS
 #: Seconds a decided put is remembered (for its late parts).
 _KEEP_S = 300.0
+#: Most decided puts remembered: past it the oldest decision goes first (a part that comes
+#: later than thousands of other decisions then waits out its own timeout instead).
+MAX_DECIDED = 4096
 #: Longest single wait (a condition wait refuses huge timeouts).
 _WAIT_S = 3600.0
 #: Seconds the parts that arrived wait beyond the put's timeout: a missing part that is
@@ -41,12 +48,14 @@ GRACE_S = 1.0
 @dataclass
 class _Put:
     parts: int
+    key: tuple[str, str]  # (partition, stage)
     pieces: dict[int, list[Any]] = field(default_factory=dict)
     done: bool = False
     committing: bool = False  # every part is here; only the commit decides now
     decided_at: float = 0.0
     result: Stored | None = None
-    error: BaseException | None = None
+    #: The error's class and message (the error itself would keep its frames alive).
+    error: tuple[type[BaseException], str] | None = None
 
 
 class Staging:
@@ -55,6 +64,8 @@ class Staging:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._puts: dict[tuple[str, str], _Put] = {}  # (partition, stage)
+        #: The decided ones among them, in the order they were decided.
+        self._decided: OrderedDict[tuple[str, str], _Put] = OrderedDict()
 
     def check(self, cmd: PutCommand) -> tuple[str, int, int] | None:
         """``(stage, part, parts)`` of a put command, None for a put of one stream.
@@ -96,7 +107,11 @@ class Staging:
             self.fail(partition, stage, parts, error)
 
     def fail(self, partition: str, stage: str, parts: int, error: BaseException) -> None:
-        """A part could not be read or checked: the whole put fails, nothing is stored."""
+        """A part could not be read or checked: the whole put fails, nothing is stored.
+        A partition name longer than any partition's (:data:`MAX_NAME_CHARS`) names no
+        put that could be stored: nothing is remembered."""
+        if len(partition) > MAX_NAME_CHARS:
+            return
         with self._cond:
             p = self._entry(partition, stage, parts)
             self._decide(p, error=error)
@@ -172,9 +187,10 @@ class Staging:
                 self._decide(p, error=ProtocolError(f"{what}: part {part} failed: {e!r}"))
                 raise
         if p.error is not None:
-            if isinstance(p.error, FlightqError):
-                raise type(p.error)(str(p.error))
-            raise ProtocolError(f"{what}: {p.error}")
+            kind, message = p.error
+            if issubclass(kind, FlightqError):
+                raise kind(message)
+            raise ProtocolError(f"{what}: {message}")
         assert p.result is not None, "a put decided without an error has its result"
         return p.result
 
@@ -191,13 +207,18 @@ class Staging:
         return out
 
     def _entry(self, partition: str, stage: str, parts: int) -> _Put:
-        # With the lock held: the put of this stage, new or remembered; old ones go.
+        # With the lock held: the put of this stage, new or remembered; old ones go (the
+        # decided ones in the order they were decided, so this looks at few).
         now = time.monotonic()
-        for k in [k for k, q in self._puts.items() if q.done and now - q.decided_at > _KEEP_S]:
+        decided = self._decided
+        while decided and (
+            len(decided) > MAX_DECIDED or now - next(iter(decided.values())).decided_at > _KEEP_S
+        ):
+            k, _ = decided.popitem(last=False)
             del self._puts[k]
         p = self._puts.get((partition, stage))
         if p is None:
-            p = self._puts[(partition, stage)] = _Put(parts)
+            p = self._puts[(partition, stage)] = _Put(parts, (partition, stage))
         return p
 
     def _decide(
@@ -212,7 +233,9 @@ class Staging:
         if p.committing and not final:
             return
         if not p.done:
-            p.done, p.result, p.error = True, result, error
+            p.done, p.result = True, result
+            p.error = None if error is None else (type(error), str(error))
             p.decided_at = time.monotonic()
             p.pieces = {i: [] for i in p.pieces}
+            self._decided[p.key] = p
             self._cond.notify_all()

@@ -235,3 +235,61 @@ def test_a_part_the_client_cannot_send_aborts_the_others_at_once(client, monkeyp
     assert "the client gave up a part" in str(answers[0])
     p = client.stats()["partitions"]["p"]
     assert p["rows"] == 0 and p["staged_parts"] == 0
+
+
+def test_a_decided_put_keeps_its_errors_class_and_message_not_the_error():
+    """The error of a failed part carries a traceback whose frames hold the part's record
+    batches: a decided put, kept for its late parts, keeps only the class and message."""
+    import gc
+    import weakref
+
+    staging = Staging()
+
+    class Batches:  # stands for what a part's frames held
+        pass
+
+    def failing(held: Batches) -> None:
+        raise ProtocolError("the stream ended after 1 of the 999 rows announced")
+
+    held = Batches()
+    alive = weakref.ref(held)
+    try:
+        failing(held)
+    except ProtocolError as e:
+        staging.fail("p", "s", 2, e)
+    del held
+    gc.disable()  # what `flightq serve` leaves to rare collections must go without one
+    try:
+        assert alive() is None, "the decided put keeps the failed part's frames"
+    finally:
+        gc.enable()
+    with pytest.raises(ProtocolError, match="999 rows announced"):  # its late part
+        staging.join("p", "s", 1, 2, [], lambda every: pytest.fail("committed"), 5.0)
+
+
+def test_the_decided_puts_kept_are_bounded_and_the_latest_still_answer():
+    from flightq.server.staging import MAX_DECIDED
+
+    staging = Staging()
+    for i in range(MAX_DECIDED + 500):
+        staging.fail("p", f"s{i}", 2, ProtocolError(f"gave up {i}"))
+    assert len(staging._puts) <= MAX_DECIDED + 1
+    last = MAX_DECIDED + 499
+    with pytest.raises(ProtocolError, match=f"gave up {last}$"):
+        staging.join("p", f"s{last}", 1, 2, [], lambda every: pytest.fail("committed"), 5.0)
+    # A partition name no partition can have is not remembered at all.
+    staging.fail("x" * 100_000, "s", 2, ProtocolError("gave up"))
+    assert all(len(k[0]) < 1000 for k in staging._puts)
+
+
+def test_abort_put_of_a_partition_that_does_not_exist_is_not_found(server, client):
+    plain = fl.connect(server.location)
+    try:
+        for name in ("nope", "n" * (1 << 20)):
+            body = msgpack.packb({"partition": name, "stage": "s", "parts": 2})
+            with pytest.raises(fl.FlightServerError, match="NotFoundError") as e:
+                list(plain.do_action(fl.Action("abort_put", body)))
+            assert len(str(e.value)) < 2000  # a 1 MiB name is not echoed back whole
+    finally:
+        plain.close()
+    assert client.stats()["partitions"]["p"]["rows"] == 0  # serves on
