@@ -757,36 +757,51 @@ class Server(fl.FlightServerBase):
         try:
             reply = SessionReply(session=sid, silence=silence)
             writer.write_metadata(pa.py_buffer(reply.to_wire()))
-            if silence is None:
+            if silence is None and not self.idle.watching:
                 # The client sends nothing: it cancels the call to end the session, or
                 # its process or connection goes away, which cancels it too.
-                while not context.is_cancelled() and not self.store.closing:
-                    time.sleep(_SESSION_POLL)
-            else:
-                self._beats(context, reader, sid, silence)
+                self._until_cancelled(context)
+            elif not self._beats(context, reader, sid, silence):
+                self._until_cancelled(context)  # its side closed; its leases hold
         finally:
             self.store.end_session(sid)
+
+    def _until_cancelled(self, context: fl.ServerCallContext) -> None:
+        while not context.is_cancelled() and not self.store.closing:
+            time.sleep(_SESSION_POLL)
 
     def _beats(
         self,
         context: fl.ServerCallContext,
         reader: fl.MetadataRecordBatchReader,
         sid: str,
-        silence: float,
-    ) -> None:
-        """Read a beating session's beats until its stream ends, the server stops, or
-        the watch finds it silent for ``silence`` seconds (it then ends the session and
-        cuts the connection, which ends the read)."""
-        beats = self.idle.heartbeats(context, silence, lambda: self.store.end_session(sid))
+        silence: float | None,
+    ) -> bool:
+        """Read a session's beats until its stream ends, the server stops, or the watch
+        finds it silent for ``silence`` seconds (it then ends the session and cuts the
+        connection, which ends the read). Returns False where a session without a silence
+        saw its client close its side (the session lives on until the call ends).
+
+        A session without a silence (``None``) asks for no beats, but its stream is read
+        all the same, each read a wait by design (cut only once the server stops): beats
+        sent anyway are taken as beats, and anything else is refused at once instead of
+        piling up unread in the connection's buffers."""
+        beats = None
+        if silence is not None:
+            beats = self.idle.heartbeats(context, silence, lambda: self.store.end_session(sid))
         what = "consumer session"
         last = -MIN_BEAT_GAP
         while not self.store.closing:
             try:
-                chunk = reader.read_chunk()
+                if beats is None:
+                    with self.idle.patient(context):
+                        chunk = reader.read_chunk()
+                else:
+                    chunk = reader.read_chunk()
             except StopIteration:
-                return  # the client closed its side
+                return beats is not None  # the client closed its side
             except fl.FlightError:
-                return  # cancelled, or its connection was cut
+                return True  # cancelled, or its connection was cut
             except pa.ArrowException as e:
                 raise ProtocolError(f"{what}: unreadable message: {e}") from e
             if chunk.data is not None:
@@ -802,9 +817,11 @@ class Server(fl.FlightServerBase):
             if early > 0:  # too soon after the one before: the next read waits
                 self.counters.add("beats_slowed")
                 time.sleep(early)
-            beats.heard()
+            if beats is not None:
+                beats.heard()
             self.counters.add("beats")
             last = time.monotonic()
+        return True
 
     def _stream_put(
         self,

@@ -396,6 +396,51 @@ def test_a_stopping_server_ends_a_beating_session_within_its_deadline():
         c.close()
 
 
+@pytest.mark.parametrize(
+    ("send", "cause"),
+    [
+        (lambda w: w.begin(_batch().schema) or w.write_batch(_batch()), r"beats only"),
+        (
+            lambda w: w.write_metadata(pa.py_buffer(b"\x80" * (4 << 20))),
+            r"at most 64 bytes, got 4194304",
+        ),
+    ],
+    ids=["a-record-batch", "4-mib-of-metadata"],
+)
+def test_a_message_on_a_session_without_a_silence_is_read_and_refused_typed(
+    plain, client, send, cause
+):
+    # Such a session asks for no beats; what its client sends anyway is read (not left
+    # in the connection's buffers, outside the budget) and anything but a beat ends it.
+    _declare(client, 4)
+    desc = fl.FlightDescriptor.for_command(SessionCommand().to_wire())
+    # A deadline: a server that leaves the message unread never answers.
+    writer, reader = plain.do_exchange(desc, options=fl.FlightCallOptions(timeout=SOON))
+    reply = msgpack.unpackb(reader.read_chunk().app_metadata.to_pybytes())
+    assert "silence" not in reply
+    assert _plain_claim(plain, reply["session"], 2) == ["k0", "k1"]
+    send(writer)
+    with pytest.raises(fl.FlightError) as e:
+        reader.read_chunk()
+    kind, message = plain_error(e.value)
+    assert kind == "ProtocolError" and re.search(cause, message), message
+    stat_until(client, "p", "leased", {"train": 0}, timeout=SOON)
+    _end(writer, reader)
+    assert _claim(client, 4).keys == ["k2", "k3", "k0", "k1"]
+
+
+def test_a_session_without_a_silence_whose_client_closes_its_side_lives_on(plain, client):
+    _declare(client, 2)
+    writer, reader = plain.do_exchange(fl.FlightDescriptor.for_command(SessionCommand().to_wire()))
+    reply = msgpack.unpackb(reader.read_chunk().app_metadata.to_pybytes())
+    assert _plain_claim(plain, reply["session"], 2) == ["k0", "k1"]
+    writer.done_writing()
+    time.sleep(0.5)
+    assert _leased(client) == 2  # the leases hold until the call ends
+    _end(writer, reader)
+    stat_until(client, "p", "leased", {"train": 0}, timeout=SOON)
+
+
 def test_beats_on_a_session_opened_without_a_silence_harm_nothing(plain, client):
     # A session opened without a silence reads nothing: a client that beats anyway is
     # not cut, and its leases hold (the stream's end still ends them).
