@@ -106,10 +106,12 @@ def text_batch(keys: Sequence[str], seed: int = 0, ref: str = "rollout_text@1") 
     return flightq.encode(schema, cols, list(keys))
 
 
-def plain_shm_put(location: str, ref: dict[str, object], rows: int | None = None) -> None:
+def plain_shm_put(
+    location: str, ref: dict[str, object], rows: int | None = None, timeout: float = 1.0
+) -> None:
     """A put to partition 'p' whose bytes a plain Flight client says lie in segment ``ref``
-    (of ``rows`` rows, when given)."""
-    cmd: dict[str, object] = {"op": "put", "partition": "p", "overwrite": False, "timeout": 1.0}
+    (of ``rows`` rows, when given), waiting up to ``timeout`` seconds for room."""
+    cmd: dict[str, object] = {"op": "put", "partition": "p", "overwrite": False, "timeout": timeout}
     if rows is not None:
         cmd["rows"] = rows
     cmd["shm"] = ref

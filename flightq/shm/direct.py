@@ -313,6 +313,7 @@ def read_fills(
                 _slots.release()
                 done.set()
             if late:
+                errors.clear()  # no wait() raises them now (it raised GivenUp)
                 try:
                     later()  # counted as stuck until its segment is let go
                 finally:
@@ -339,7 +340,12 @@ def read_fills(
                     field="fills",
                 )
         if errors:
-            raise errors[0]
+            try:
+                raise errors[0]
+            finally:
+                # Kept, the list would close a reference cycle (the error, its traceback,
+                # the frames holding the list and ``later``), freed by a cyclic collection.
+                errors.clear()
 
     return wait
 

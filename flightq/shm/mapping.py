@@ -30,12 +30,12 @@ from .segments import (
     HEADER_FORMAT,
     MAGIC,
     MAP_POPULATE_FLAG,
-    SEGMENT_NAME,
     STATE_AT,
     TAKEN,
     WRITTEN,
     SegmentPool,
     open_regular,
+    segment_path,
 )
 
 # --------------------------------------------------------------------------- reader side
@@ -108,8 +108,8 @@ def _check_ref(ref: Any, what: str) -> tuple[str, int, int]:
 
 def _checked_path(ref: Any, dirpath: str, what: str) -> tuple[str, int, int]:
     path, gen, n = _check_ref(ref, what)
-    real = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
-    if os.path.dirname(real) != dirpath or not SEGMENT_NAME.match(os.path.basename(real)):
+    real = segment_path(path, dirpath)
+    if real is None:
         raise ProtocolError(
             f"{what}: shared-memory segment {path!r} is not a flightq segment in {dirpath}"
         )
@@ -293,14 +293,18 @@ COPY_THREADS = 8
 
 def _copy_piece(fd: int, dst: memoryview, at: int, path: str, what: str) -> None:
     # pread, not a mapping of the writer's file: a writer that shrinks its file meanwhile
-    # makes the read come up short (refused), never a SIGBUS in the server.
+    # makes the read come up short (refused), never a SIGBUS in the server. A refusal's
+    # traceback keeps this frame: ``dst`` goes first, or the view in it would keep the
+    # server's segment mapped, unlinked, after the put is refused.
     done = 0
     while done < len(dst):
         try:
             got = os.preadv(fd, [dst[done:]], HEADER + at + done)
         except OSError as e:
+            del dst
             raise ProtocolError(f"{what}: shared-memory segment {path!r}: {e}") from e
         if got == 0:
+            del dst
             raise ProtocolError(
                 f"{what}: shared-memory segment {path!r} shrank to {HEADER + at + done} "
                 f"bytes while the server read it; nothing is stored"
@@ -329,7 +333,12 @@ def _copy_in(fd: int, dst: memoryview, path: str, what: str) -> None:
     for t in threads:
         t.join()
     if errors:
-        raise errors[0]
+        try:
+            raise errors[0]
+        finally:
+            # Kept, the list would close a reference cycle (the error, its traceback, the
+            # frames holding the list), freed by a cyclic collection only.
+            errors.clear()
 
 
 def _copy_gaps(fd: int, dst: memoryview, fills: np.ndarray, path: str, what: str) -> None:

@@ -63,7 +63,8 @@ FREE, WRITTEN, TAKEN = 0, 1, 2
 SHARED_ROOM = "bytes of shared memory in"
 #: What :meth:`Segment.state` says of a file shorter than its segment (never on disk).
 GONE = -1
-SEGMENT_NAME = re.compile(r"^flightq-(\d+)-[0-9a-f]{8}-\d+$")
+#: A segment's file name, matched whole (``fullmatch``: ``$`` would let a newline end it).
+SEGMENT_NAME = re.compile(r"flightq-([0-9]+)-[0-9a-f]{8}-[0-9]+")
 MAP_POPULATE_FLAG = getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -141,10 +142,12 @@ def directory(option: bool | str | os.PathLike[str]) -> str:
 
 
 #: Flags every open in the segment directory uses: a FIFO or device named like a segment
-#: cannot block the opener, a symlink is not followed, children do not inherit it.
+#: cannot block the opener, a terminal does not become its controlling one, a symlink is
+#: not followed, children do not inherit it.
 OPEN_FLAGS = (
     os.O_RDONLY
     | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_NOCTTY", 0)
     | getattr(os, "O_NOFOLLOW", 0)
     | getattr(os, "O_CLOEXEC", 0)
 )
@@ -155,7 +158,9 @@ def open_regular(path: str, what: str, min_size: int = 0) -> tuple[int, os.stat_
 
     Only a regular file of this process's user, of at least ``min_size`` bytes, is
     accepted: a FIFO, a device, a directory or a symlink named like a segment is refused
-    at once.
+    at once, without being opened (opening one can act: a FIFO's writer waiting in its
+    own open is let through). The file opened is checked again, in case another took its
+    name meanwhile.
 
     Raises
     ------
@@ -163,38 +168,62 @@ def open_regular(path: str, what: str, min_size: int = 0) -> tuple[int, os.stat_
         If the file is gone, a symlink, not a regular file, another user's, or too small.
     """
     try:
+        _check_regular(os.lstat(path), path, what, min_size)
         fd = os.open(path, OPEN_FLAGS)
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise ProtocolError(
-                f"{what}: shared-memory segment {path!r} is a symlink, not a regular file; "
-                "only flightq's own segment files are mapped"
-            ) from e
+        if e.errno == errno.ELOOP:  # a symlink put in its place since the lstat
+            raise _symlink(path, what) from e
         raise ProtocolError(
             f"{what}: shared-memory segment {path!r} is gone: {e}; retry the call"
         ) from e
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ProtocolError(
-                f"{what}: shared-memory segment {path!r} is not a regular file "
-                f"(mode {stat.filemode(st.st_mode)}); only flightq's own segment files "
-                "are mapped"
-            )
-        if st.st_uid != os.getuid():
-            raise ProtocolError(
-                f"{what}: shared-memory segment {path!r} belongs to uid {st.st_uid}, "
-                f"expected {os.getuid()} (this process's user)"
-            )
-        if st.st_size < min_size:
-            raise ProtocolError(
-                f"{what}: shared-memory segment {path!r} holds {st.st_size} bytes, "
-                f"{min_size} announced"
-            )
+        _check_regular(st, path, what, min_size)
     except BaseException:
         os.close(fd)
         raise
     return fd, st
+
+
+def _check_regular(st: os.stat_result, path: str, what: str, min_size: int) -> None:
+    """Refuse all but a regular file of this process's user of ``min_size`` bytes."""
+    if stat.S_ISLNK(st.st_mode):
+        raise _symlink(path, what)
+    if not stat.S_ISREG(st.st_mode):
+        raise ProtocolError(
+            f"{what}: shared-memory segment {path!r} is not a regular file "
+            f"(mode {stat.filemode(st.st_mode)}); only flightq's own segment files "
+            "are mapped"
+        )
+    if st.st_uid != os.getuid():
+        raise ProtocolError(
+            f"{what}: shared-memory segment {path!r} belongs to uid {st.st_uid}, "
+            f"expected {os.getuid()} (this process's user)"
+        )
+    if st.st_size < min_size:
+        raise ProtocolError(
+            f"{what}: shared-memory segment {path!r} holds {st.st_size} bytes, {min_size} announced"
+        )
+
+
+def _symlink(path: str, what: str) -> ProtocolError:
+    return ProtocolError(
+        f"{what}: shared-memory segment {path!r} is a symlink, not a regular file; "
+        "only flightq's own segment files are mapped"
+    )
+
+
+def segment_path(path: str, dirpath: str) -> str | None:
+    """``path`` with its directory's symlinks resolved (never its own name), if that names
+    a flightq segment in ``dirpath``; else None (also for a path no file can have, such as
+    one with a NUL byte)."""
+    try:
+        real = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+    except (OSError, ValueError):  # ValueError: a NUL byte
+        return None
+    if os.path.dirname(real) != dirpath or not SEGMENT_NAME.fullmatch(os.path.basename(real)):
+        return None
+    return real
 
 
 # --------------------------------------------------------------------------- checks (server)
@@ -222,16 +251,15 @@ def probe_reply(
     if batch_bytes is not None:
         out["batch_bytes"] = batch_bytes
     path = body.get("shm_probe")
-    if isinstance(path, str):
-        real = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
-        if os.path.dirname(real) == dirpath and SEGMENT_NAME.match(os.path.basename(real)):
-            # A FIFO or symlink named like a probe gets no echo, at once.
-            with contextlib.suppress(OSError, ProtocolError):
-                fd, _ = open_regular(real, "health")
-                try:
-                    out["probe"] = os.pread(fd, 64, 0).hex()
-                finally:
-                    os.close(fd)
+    real = segment_path(path, dirpath) if isinstance(path, str) else None
+    if real is not None:
+        # A FIFO or symlink named like a probe gets no echo, at once.
+        with contextlib.suppress(OSError, ProtocolError):
+            fd, _ = open_regular(real, "health")
+            try:
+                out["probe"] = os.pread(fd, 64, 0).hex()
+            finally:
+                os.close(fd)
     reader = body.get("shm_reader")
     if out["probe"] and isinstance(reader, list) and len(reader) == 2:
         out["direct"], out["direct_why"] = _direct_offer(peer, reader, bytes.fromhex(out["probe"]))
@@ -706,7 +734,7 @@ def _sweep(dirpath: str) -> None:
     uid = os.getuid()
     with contextlib.suppress(OSError), os.scandir(dirpath) as it:
         for e in it:
-            m = SEGMENT_NAME.match(e.name)
+            m = SEGMENT_NAME.fullmatch(e.name)
             if m is None:
                 continue
             with contextlib.suppress(OSError):

@@ -214,6 +214,34 @@ def test_fills_the_writer_does_not_map_are_refused_and_nothing_is_stored(server,
         assert _rows(server.location) == 2
 
 
+def test_a_failed_direct_read_leaves_no_reference_cycle_behind():
+    # Its error, kept in a list that its own traceback's frames held, made a cycle that
+    # kept the read's frames (and the segment's let-go) until a cyclic collection, which
+    # `flightq serve` makes rare.
+    fills = np.array([[0, 4096, 64]], dtype=np.int64)  # the first page is never mapped
+    busy = direct._pool_busy
+    collecting = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        wait = direct.read_fills(os.getpid(), fills, np.zeros(64, np.uint8), "test", lambda: None)
+        with pytest.raises(flightq.ProtocolError, match="Bad address"):
+            wait()
+        del wait
+        deadline = time.monotonic() + TIMEOUT  # its threads back in the pool, holding nothing
+        while direct._pool_busy > busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        cyclic = [o for o in gc.garbage if isinstance(o, flightq.ProtocolError)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if collecting:
+            gc.enable()
+    assert cyclic == []
+
+
 def _lie(fills: bytes, how: str, nbytes: int) -> bytes:
     f = np.frombuffer(fills, dtype="<i8").reshape(-1, 3).copy()
     if how == "not triples":
