@@ -5,11 +5,12 @@ alive, not only its payload: per row, its payload bytes, its share of the rest o
 record batch's Arrow buffers (shapes, offsets, keys, the tags' msgpack bytes, validity)
 and of the batch's schema metadata, the row key as a Python string, its tags as the Python
 objects they decode to, and a measured constant for the row's Python objects
-(:data:`ROW_OVERHEAD`). Media payloads are the partition's, not a row's: each distinct
-payload is held once per partition, whichever puts brought it, and counts once, while a
-stored row uses it (:mod:`flightq.server.media`). A put's pieces count from the moment
-each record batch is read (with the media payloads it brought), while it waits for the
-put's other parts, until it is stored or refused.
+(:data:`ROW_OVERHEAD`); per stored record batch, a measured constant for its own objects,
+shared by its rows (:data:`PIECE_OVERHEAD`). Media payloads are the partition's, not a
+row's: each distinct payload is held once per partition, whichever puts brought it, and
+counts once, while a stored row uses it (:mod:`flightq.server.media`). A put's pieces
+count from the moment each record batch is read (with the media payloads it brought),
+while it waits for the put's other parts, until it is stored or refused.
 
 A declared partition counts :func:`declaration_cost` while it exists, and its name, its
 tasks and the partitions a server holds are capped (:data:`MAX_NAME_CHARS`,
@@ -47,6 +48,7 @@ __all__ = [
     "RETURNED_KEY_BYTES",
     "RECORDS_SLACK",
     "ROW_OVERHEAD",
+    "PIECE_OVERHEAD",
     "Tally",
     "TASK_ROW_BYTES",
     "MAX_NAME_CHARS",
@@ -83,6 +85,13 @@ MAX_SCHEMAS = 64
 #: its cells map, the partition's and its validation's entries for it): 660 bytes,
 #: counted with room for per-row state to come.
 ROW_OVERHEAD = 1024
+#: Bytes a stored record batch takes beyond its Arrow buffers, whatever its rows: its
+#: Arrow and Python objects (an array and its data per column, the batch, the piece and
+#: its validation's arrays) and what the received message keeps around its buffers.
+#: Measured as a server's RSS over 10 000 one-row batches put (6.7 KB a batch, 2.8 KB of it
+#: counted per row) and 24 000 cells written back one per batch (4.9 KB, 1.4 KB counted):
+#: about 4 KB a batch uncounted, which let a server of one-cell batches pass 3 budgets.
+PIECE_OVERHEAD = 4096
 #: Bytes a stored row takes for each task of its partition past the first, measured with
 #: tracemalloc over 1 600 rows of a 64-task partition: its entry in that task's index of
 #: ready rows (35 bytes), and once delivered to the task its counts of deliveries and
@@ -431,6 +440,11 @@ def row_overhead(tasks: int) -> int:
     return ROW_OVERHEAD + TASK_ROW_BYTES * max(tasks - 1, 0)
 
 
+def piece_share(nbytes: int, rows: int) -> int:
+    """Each of ``rows`` rows' share of ``nbytes`` held for them all (rounded up)."""
+    return -(-nbytes // rows)
+
+
 def row_costs(
     batch: pa.RecordBatch,
     keys: Sequence[str],
@@ -440,21 +454,22 @@ def row_costs(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per row of a validated batch, the bytes the budget counts while it is stored, in
     two parts. What lies in the batch, counted while any stored row uses it: ``payload``
-    (per row, from validation) plus the row's share of the batch's other Arrow buffers and
-    schema metadata, and the put's decoded tags map (``tag_sizes`` per row,
-    :func:`tags_size`, 0 for none; rows sharing one map each count it whole). What the row
+    (per row, from validation) plus the row's share of the batch's other Arrow buffers,
+    schema metadata and :data:`PIECE_OVERHEAD`, and the put's decoded tags map
+    (``tag_sizes`` per row, :func:`tags_size`, 0 for none; rows sharing one map each count
+    it whole). What the row
     holds of its own, counted while it is stored: its key, its tags map, and ``overhead``
     (:func:`row_overhead` of its partition's tasks)."""
     n = batch.num_rows
     if n == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     meta = metadata_bytes(batch.schema)
-    rest = batch.get_total_buffer_size() - int(payload.sum()) + meta
+    rest = batch.get_total_buffer_size() - int(payload.sum()) + meta + PIECE_OVERHEAD
     for i in _media_columns(batch.schema, keep=meta <= MAX_METADATA_BYTES):
         # Batches of a stream may share one dictionary: its entries count in the payload
         # of the rows using them (first use per batch), not once per batch sharing it.
         rest -= batch.column(i).values.dictionary.get_total_buffer_size()
-    share = -(-max(rest, 0) // n)
+    share = piece_share(max(rest, 0), n)
     tags = np.asarray(tag_sizes, dtype=np.int64)
     piece = payload.astype(np.int64) + share + tags
     own = np.asarray(mapped(sys.getsizeof, keys), dtype=np.int64) + overhead + tags

@@ -40,9 +40,11 @@ from ..layout import (
 from ..schema import Schema
 from ..validation import Checked
 from .budget import (
+    PIECE_OVERHEAD,
     Tally,
     declaration_cost,
     journal_cost,
+    piece_share,
     put_id_cost,
     record_stamp,
     row_costs,
@@ -510,7 +512,8 @@ class Partition:
         checked = Checked(
             ck.schema, [keys[i] for i in at], ck.fields, ck.seq_lens[idx], ck.nbytes[idx]
         )
-        held = pc.held[idx] if len(pc.held) else pc.held
+        # The rows' shares of the old batch, and of the new batch's own objects.
+        held = pc.held[idx] + piece_share(PIECE_OVERHEAD, len(at)) if len(pc.held) else pc.held
         own = pc.own[idx] if len(pc.own) else pc.own
         new = Piece(pc.batch.take(pa.array(idx)), checked, [pc.tags[i] for i in at], held, own=own)
         new.stored = new.damaged = True  # not what a put sent: a retry is stored again

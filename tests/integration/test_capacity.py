@@ -9,7 +9,7 @@ import pytest
 from helpers_waiting import stat_until
 
 import flightq
-from flightq.server.budget import declaration_cost
+from flightq.server.budget import PIECE_OVERHEAD, declaration_cost
 
 
 def _rows(prefix: str, n: int, s: int = 1000) -> tuple[list[str], dict[str, list[np.ndarray]]]:
@@ -18,8 +18,8 @@ def _rows(prefix: str, n: int, s: int = 1000) -> tuple[list[str], dict[str, list
 
 
 def test_put_over_budget_fails_typed_after_its_timeout_and_stores_nothing() -> None:
-    # 20 000 bytes for rows, and what the partition's declaration counts.
-    budget = 20_000 + declaration_cost("p", ["train"])
+    # 20 000 bytes for rows and a record batch's objects, and what the declaration counts.
+    budget = 20_000 + PIECE_OVERHEAD + declaration_cost("p", ["train"])
     with flightq.Server(memory_budget=budget) as srv, flightq.connect(srv.location) as c:
         c.create_partition("p", "rollout_text@1", tasks=["train"])
         keys, cols = _rows("a", 2)  # 16 000 bytes
@@ -38,8 +38,8 @@ def test_put_over_budget_fails_typed_after_its_timeout_and_stores_nothing() -> N
 
 
 def test_put_waiting_for_space_lands_once_rows_are_cleared() -> None:
-    # 20 000 bytes for rows, and what the partition's declaration counts.
-    budget = 20_000 + declaration_cost("p", ["train"])
+    # 20 000 bytes for rows and a record batch's objects, and what the declaration counts.
+    budget = 20_000 + PIECE_OVERHEAD + declaration_cost("p", ["train"])
     with flightq.Server(memory_budget=budget) as srv, flightq.connect(srv.location) as c:
         c.create_partition("p", "rollout_text@1", tasks=["train"])
         keys, cols = _rows("a", 2)

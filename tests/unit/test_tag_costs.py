@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from flightq import SchemaRegistry, encode
 from flightq.errors import EncodeError, ResourceExhaustedError
-from flightq.server.budget import ROW_OVERHEAD, metadata_bytes, tags_size
+from flightq.server.budget import PIECE_OVERHEAD, ROW_OVERHEAD, metadata_bytes, tags_size
 from flightq.server.partition import make_piece
 from flightq.validation import validate
 
@@ -39,11 +39,12 @@ maps = st.one_of(st.none(), st.dictionaries(st.text(max_size=6), values, max_siz
 def _expected(
     rb: pa.RecordBatch, keys: list[str], tags: list, payload: np.ndarray
 ) -> tuple[list[int], list[int]]:
-    """Per row, what the piece counts (payload, share of the batch's other buffers, the
-    put's decoded tags map) and what the row holds of its own (key, its tags map, its
-    objects)."""
+    """Per row, what the piece counts (payload, share of the batch's other buffers and
+    objects, the put's decoded tags map) and what the row holds of its own (key, its tags
+    map, its objects)."""
     n = len(keys)
     rest = rb.get_total_buffer_size() - int(payload.sum()) + metadata_bytes(rb.schema)
+    rest += PIECE_OVERHEAD
     share = -(-max(rest, 0) // n)
     sizes = [tags_size(t) if t else 0 for t in tags]
     piece = [int(payload[i]) + share + sizes[i] for i in range(n)]
