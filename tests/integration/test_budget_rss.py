@@ -282,6 +282,7 @@ def _cells_one_per_batch(loc: str) -> str:
             return plain_error(e)[0]
     return "none refused"
 
+
 LOADS = [
     ("unused dictionary entries", _unused_dictionary_entries, "ResourceExhaustedError"),
     ("huge tags", _huge_tags, "ResourceExhaustedError"),
