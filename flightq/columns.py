@@ -673,6 +673,14 @@ class ChunkedColumn(Column):
         """Each row's length along dim 0 (int64)."""
         return np.concatenate([p.lengths() for p in self.parts])  # type: ignore[attr-defined]
 
+    @property
+    def shapes(self) -> list[tuple[int, ...] | None]:
+        """Each row's shape, of every chunk (token and tensor fields; see
+        :attr:`TensorColumn.shapes`)."""
+        if self.field.role not in ("token", "tensor"):
+            raise self._no_form("shapes", "token and tensor fields")
+        return [s for p in self.parts for s in p.shapes]  # type: ignore[attr-defined]
+
 
 def _jagged(p: Packed, ragged: list[Any]) -> Any:
     """A jagged nested tensor over a packed column's values (no copy of the values).

@@ -32,6 +32,7 @@ flightq.errors.ProtocolError: clear: unknown key 'all'; expected partition, keys
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
@@ -201,6 +202,16 @@ def unpack(data: bytes | memoryview | Any, what: str, limit: int | None = None) 
 Check = Callable[[Any, str, str], Any]
 
 
+def _shown(v: Any, most: int = 64) -> str:
+    """``repr(v)``, cut to about ``most`` characters: a refusal names what arrived without
+    echoing (or keeping) megabytes of it."""
+    if isinstance(v, (str, bytes, list, dict)) and len(v) > most:
+        head = dict(itertools.islice(v.items(), 8)) if isinstance(v, dict) else v[:most]
+        return f"{repr(head)[:most]}... (of length {len(v)})"
+    r = repr(v)
+    return r if len(r) <= most else f"{r[:most]}..."
+
+
 def _type_error(v: Any, key: str, what: str) -> ProtocolError:
     return ProtocolError(f"{what}: {key!r} has type {type(v).__name__}")
 
@@ -314,7 +325,8 @@ def _span(v: Any, key: str, what: str) -> list[int]:
         or v[0] > v[1]
     ):
         raise ProtocolError(
-            f"{what}: {key!r} must be [first, end], two integers with 0 <= first <= end; got {v!r}"
+            f"{what}: {key!r} must be [first, end], two integers with 0 <= first <= end; "
+            f"got {_shown(v)}"
         )
     return v
 
@@ -329,7 +341,7 @@ def _counts(v: Any, key: str, what: str) -> dict[str, int]:
     """A map of names to non-negative integers (rows per task, per field)."""
     d = _map(v, key, what)
     for k, n in d.items():
-        _int(0)(n, f"{key}[{k!r}]", what)
+        _int(0)(n, f"{key}[{_shown(k)}]", what)
     return d
 
 
@@ -340,7 +352,7 @@ def _any(v: Any, key: str, what: str) -> Any:
 def _const(value: str) -> Check:
     def check(v: Any, key: str, what: str) -> str:
         if v != value:
-            raise ProtocolError(f"{what}: {key!r} must be {value!r}, got {v!r}")
+            raise ProtocolError(f"{what}: {key!r} must be {value!r}, got {_shown(v)}")
         return value
 
     return check
@@ -442,7 +454,7 @@ class Message:
         unknown = [k for k in d if k not in names]
         if unknown:
             s = "s" if len(unknown) > 1 else ""
-            listed = ", ".join(repr(k) for k in unknown[:8])
+            listed = ", ".join(_shown(k) for k in unknown[:8])
             raise ProtocolError(
                 f"{what}: unknown key{s} {listed}; expected {', '.join(cls.wire_keys())}"
             )

@@ -37,6 +37,9 @@ _KEEP_S = 300.0
 #: Most decided puts remembered: past it the oldest decision goes first (a part that comes
 #: later than thousands of other decisions then waits out its own timeout instead).
 MAX_DECIDED = 4096
+#: Most characters of a decided put's error message kept (a refusal may quote what a
+#: client sent; 4 096 decisions of it stay within a few MiB).
+MAX_KEPT_MESSAGE = 1024
 #: Longest single wait (a condition wait refuses huge timeouts).
 _WAIT_S = 3600.0
 #: Seconds the parts that arrived wait beyond the put's timeout: a missing part that is
@@ -234,8 +237,15 @@ class Staging:
             return
         if not p.done:
             p.done, p.result = True, result
-            p.error = None if error is None else (type(error), str(error))
+            p.error = None if error is None else (type(error), _kept(str(error)))
             p.decided_at = time.monotonic()
             p.pieces = {i: [] for i in p.pieces}
             self._decided[p.key] = p
             self._cond.notify_all()
+
+
+def _kept(message: str) -> str:
+    """A decided put's error message as kept: at most :data:`MAX_KEPT_MESSAGE` characters."""
+    if len(message) <= MAX_KEPT_MESSAGE:
+        return message
+    return f"{message[:MAX_KEPT_MESSAGE]}... ({len(message)} characters)"

@@ -279,12 +279,6 @@ class Store:
 
     def _get(self, name: str) -> Partition:
         p = self._parts.get(name)
-        if p is None and len(name) > MAX_NAME_CHARS:  # none is declared: named in short
-            raise NotFoundError(
-                f"unknown partition {name[:MAX_NAME_CHARS]!r}... ({len(name)} characters; "
-                f"a partition's name has at most {MAX_NAME_CHARS})",
-                partition=name[:MAX_NAME_CHARS],
-            )
         if p is None:
             raise _near(
                 NotFoundError(f"unknown partition {name!r}", partition=name), name, self._parts

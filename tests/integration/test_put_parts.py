@@ -293,3 +293,18 @@ def test_abort_put_of_a_partition_that_does_not_exist_is_not_found(server, clien
     finally:
         plain.close()
     assert client.stats()["partitions"]["p"]["rows"] == 0  # serves on
+
+
+def test_a_refused_part_quoting_megabytes_is_answered_and_remembered_in_short(server, client):
+    # A descriptor refused for an unknown key of 1 MiB still names its put in parts, which
+    # fails and is remembered for its late parts: neither the answer nor the decision
+    # keeps the key whole (4 096 decisions of 1 MiB would be 4 GiB outside the budget).
+    rb = _batch(client, text_keys(1, 4))
+    huge = "x" * (1 << 20)
+    with pytest.raises(fl.FlightServerError, match="unknown key") as e:
+        _part(server.location, _cmd(stage="s9", part=0, parts=2, **{huge: 1}), rb)
+    assert len(str(e.value)) < 4000
+    kind, message = server._staging._puts[("p", "s9")].error
+    assert kind is ProtocolError and "unknown key" in message and len(message) < 1100
+    with pytest.raises(fl.FlightServerError, match="unknown key"):  # its late part
+        _part(server.location, _cmd(stage="s9", part=1, parts=2), rb)

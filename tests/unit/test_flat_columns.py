@@ -126,3 +126,13 @@ def test_a_copied_packed_column_owns_its_values() -> None:
     assert p.values.flags.writeable and not view.values.flags.writeable
     p.values[:] = -1
     assert (view.values != -1).all()
+
+
+def test_a_column_over_several_record_batches_has_its_rows_shapes() -> None:
+    rb = _batch()
+    whole = flightq.decode(rb, as_="numpy")
+    parts = flightq.decode([rb.slice(0, 5), rb.slice(5)], as_="numpy")
+    for name in ("ids", "vec", "mat", "zt", "gap"):
+        assert parts.column(name).shapes == whole.column(name).shapes, name
+    with pytest.raises(flightq.ShapeError, match="token and tensor fields"):
+        _ = parts.column("img").shapes
