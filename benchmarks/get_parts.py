@@ -20,12 +20,20 @@ reversed every other round:
   token columns to one another; flat views, int32 offsets, scalar tensors). What a
   flightq get could come down to with nothing of its own but those checks.
 
+With the floor, two more timings per round, of the work after the receive alone: ``floor
+checks`` (:func:`floor_taken` on bare Flight's records just read) and ``client decode``
+(what ``Client.get`` does with flightq's answer just read by a plain DoGet: validate,
+decode, check the tags, then what the reader takes and every row's tags), each timed
+right after its own DoGet, their order reversed every other round.
+
 Both servers run on 127.0.0.1 in processes of their own; the client's answer is checked
 against the step once before anything is timed. Prints each read's median ms and the
 paired ratios per round (median [p10-p90]): bare / server (what flightq's server adds to
 the transport), server / client (what flightq's client adds) and bare / client (flightq
 against bare Flight's records, the W3 target's ratio); with the floor, bare / floor (what
-the least checks and columns cost) and floor / client (flightq against that floor).
+the least checks and columns cost), floor / client (flightq against that floor) and
+floor checks / client decode (flightq's decode against the floor's checks, transfers left
+out).
 
 Run::
 
@@ -46,10 +54,12 @@ from typing import Any
 from flightq_bench.flightq_system import packed_taken, server_argv
 from flightq_bench.procs import ServerProcess
 
-__all__ = ["FORMS", "READS", "floor_taken", "main", "measure", "reads"]
+__all__ = ["DECODES", "FORMS", "READS", "floor_taken", "main", "measure", "reads"]
 
 FORMS = ("packed", "rows")
 READS = ("bare", "floor", "server", "client")
+#: The timings of the work after a receive alone (``--form packed``, beside the floor).
+DECODES = ("floor checks", "client decode")
 
 
 def reads(form: str) -> tuple[str, ...]:
@@ -150,11 +160,13 @@ def _check(step: Any, batch: Any, form: str) -> None:
 
 
 def measure(workload: str = "W3", form: str = "packed", rounds: int = 40) -> dict[str, list[float]]:
-    """Per read (:data:`READS`), the seconds of each of ``rounds`` timed reads."""
+    """Per read (:data:`READS`), the seconds of each of ``rounds`` timed reads; with the
+    floor, also per :data:`DECODES` the seconds of the work after each round's receive."""
     import pyarrow as pa
     import pyarrow.flight as fl
 
     import flightq
+    from flightq.batch import PartDecoder, join
     from flightq.chunks import encode_chunks
     from flightq.client.client import DEFAULT_MAX_BATCH_BYTES
     from flightq.protocol import GetTicket
@@ -207,6 +219,24 @@ def measure(workload: str = "W3", form: str = "packed", rounds: int = 40) -> dic
             batch = c.get("p", step.keys)
             return batch, _taken(batch, form)
 
+        def after_receive(which: str) -> float:
+            """Seconds of the work after a receive: the floor's, or what Client.get does
+            (a decoder as its reads use, then the reader's columns and rows' tags)."""
+            if which == "floor checks":
+                got = held.do_get(fl.Ticket(b"f")).read_all()
+                t0 = time.perf_counter()
+                floor_taken(got, schema)
+                return time.perf_counter() - t0
+            batches = plain.do_get(ticket).read_all().to_batches()
+            t0 = time.perf_counter()
+            d = PartDecoder("torch", False)
+            for b in batches:
+                d.add(b)
+            batch = join(d.parts)
+            _taken(batch, form)
+            _ = batch.tags
+            return time.perf_counter() - t0
+
         put()
         _check(ref, read("client")[0], form)  # once, before anything is timed
         if "floor" in timed:
@@ -219,13 +249,16 @@ def measure(workload: str = "W3", form: str = "packed", rounds: int = 40) -> dic
                 raise AssertionError(f"{which}: not every row of the step came back")
         for name in ("p", "q"):
             c.clear(name)
-        out: dict[str, list[float]] = {k: [] for k in timed}
+        decodes = DECODES if "floor" in timed else ()
+        out: dict[str, list[float]] = {k: [] for k in (*timed, *decodes)}
         for r in range(rounds):
             put()
             for which in timed if r % 2 == 0 else timed[::-1]:
                 t0 = time.perf_counter()
                 read(which)
                 out[which].append(time.perf_counter() - t0)
+            for which in decodes if r % 2 == 0 else decodes[::-1]:
+                out[which].append(after_receive(which))
             for name in ("p", "q"):
                 c.clear(name)
         return out
@@ -248,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     got = measure(a.workload, a.form, a.rounds)
     print(f"{a.workload} get over the socket ({a.form}), each a fresh step's first: median ms")
     for k in got:
-        print(f"  {k:<8} {statistics.median(got[k]) * 1e3:8.2f}")
+        print(f"  {k:<13} {statistics.median(got[k]) * 1e3:8.2f}")
     print(f"  bare / server   {_ratio(got['bare'], got['server'])}   (flightq's server)")
     print(f"  server / client {_ratio(got['server'], got['client'])}   (flightq's client)")
     print(f"  bare / client   {_ratio(got['bare'], got['client'])}   (flightq against bare)")
@@ -256,6 +289,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  bare / floor    {_ratio(got['bare'], got['floor'])}   (the least checks)")
         print(
             f"  floor / client  {_ratio(got['floor'], got['client'])}   (flightq against the floor)"
+        )
+        print(
+            f"  floor checks / client decode {_ratio(got['floor checks'], got['client decode'])}"
+            "   (the work after the receive alone)"
         )
     return 0
 
