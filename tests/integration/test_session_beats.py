@@ -325,6 +325,19 @@ def test_beats_flooded_faster_than_the_gap_are_read_one_per_gap_and_the_session_
     assert _claim(client, 4).keys == ["k2", "k3", "k0", "k1"]
 
 
+def _ends_typed(client: flightq.Client, writer: Any, reader: Any, send: Any, cause: str) -> None:
+    """``send`` on a session holding k0 and k1 ends it with a ProtocolError matching
+    ``cause``, and the rows come back at once (not after a silence), after k2 and k3."""
+    send(writer)
+    with pytest.raises(fl.FlightError) as e:
+        reader.read_chunk()
+    kind, message = plain_error(e.value)
+    assert kind == "ProtocolError" and re.search(cause, message), message
+    stat_until(client, "p", "leased", {"train": 0}, timeout=SOON)
+    _end(writer, reader)
+    assert _claim(client, 4).keys == ["k2", "k3", "k0", "k1"]
+
+
 def _batch() -> pa.RecordBatch:
     return pa.record_batch({"x": pa.array([1, 2, 3])})
 
@@ -347,14 +360,7 @@ def test_a_session_message_that_is_not_a_beat_ends_it_typed(plain, client, send,
     _declare(client, 4)
     writer, reader, reply = _open(plain, 30.0)  # a long silence: only the message ends it
     assert _plain_claim(plain, reply["session"], 2) == ["k0", "k1"]
-    send(writer)
-    with pytest.raises(fl.FlightError) as e:
-        reader.read_chunk()
-    kind, message = plain_error(e.value)
-    assert kind == "ProtocolError" and re.search(cause, message), message
-    stat_until(client, "p", "leased", {"train": 0}, timeout=SOON)  # at once, not after 30 s
-    _end(writer, reader)
-    assert _claim(client, 4).keys == ["k2", "k3", "k0", "k1"]
+    _ends_typed(client, writer, reader, send, cause)
 
 
 @pytest.mark.parametrize(
@@ -419,14 +425,7 @@ def test_a_message_on_a_session_without_a_silence_is_read_and_refused_typed(
     reply = msgpack.unpackb(reader.read_chunk().app_metadata.to_pybytes())
     assert "silence" not in reply
     assert _plain_claim(plain, reply["session"], 2) == ["k0", "k1"]
-    send(writer)
-    with pytest.raises(fl.FlightError) as e:
-        reader.read_chunk()
-    kind, message = plain_error(e.value)
-    assert kind == "ProtocolError" and re.search(cause, message), message
-    stat_until(client, "p", "leased", {"train": 0}, timeout=SOON)
-    _end(writer, reader)
-    assert _claim(client, 4).keys == ["k2", "k3", "k0", "k1"]
+    _ends_typed(client, writer, reader, send, cause)
 
 
 def test_a_session_without_a_silence_whose_client_closes_its_side_lives_on(plain, client):

@@ -60,6 +60,17 @@ def _name(n: int) -> str:
 # --------------------------------------------------------------------------- opening
 
 
+def _dead_pid() -> int:
+    """The pid of a process that has ended (a dead owner of segments)."""
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(dead.stdout)
+
+
 def test_a_fifo_a_symlink_and_a_directory_named_like_a_segment_are_refused_at_once(shm_dir):
     fifo, link, folder = (os.path.join(shm_dir, _name(i)) for i in (1, 2, 3))
     os.mkfifo(fifo, 0o600)
@@ -90,13 +101,7 @@ def test_a_fifo_a_symlink_and_a_directory_named_like_a_segment_are_refused_at_on
     finally:
         assert server.stop(deadline=5.0) is True  # no thread is stuck in an open
     # The sweep of dead owners' segments opens nothing and leaves these alone.
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    dead_fifo = os.path.join(shm_dir, f"flightq-{int(dead.stdout)}-0badf00d-1")
+    dead_fifo = os.path.join(shm_dir, f"flightq-{_dead_pid()}-0badf00d-1")
     os.mkfifo(dead_fifo, 0o600)
     shm.SegmentPool(shm_dir).close()
     assert os.path.exists(dead_fifo) and os.path.exists(fifo)
@@ -187,13 +192,7 @@ def test_a_name_like_a_segments_but_for_a_trailing_newline_is_no_segment(server,
     finally:
         own.close()
     # Nor does a sweep of dead owners' segments take such a file for one of theirs.
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    stray = os.path.join(shm_dir, f"flightq-{int(dead.stdout)}-0badf00d-1\n")
+    stray = os.path.join(shm_dir, f"flightq-{_dead_pid()}-0badf00d-1\n")
     with open(stray, "wb") as f:
         f.write(b"not flightq's")
     shm.SegmentPool(shm_dir).close()
