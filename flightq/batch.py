@@ -20,7 +20,7 @@ import pyarrow as pa
 from .chunks import encode_chunks, row_nbytes, split_batch
 from .columns import ChunkedColumn, Column, MediaColumn, Packed, ScalarColumn, TensorColumn
 from .encode import encode
-from .errors import DecodeError, MissingFieldError
+from .errors import DecodeError, MissingFieldError, ProtocolError
 from .layout import TAGS
 from .schema import Schema
 from .validation import Checked, validate
@@ -135,8 +135,13 @@ class PartDecoder:
         copy: bool = False,
         prepare: bool = True,
         part: type[Batch] | None = None,
+        most: int | None = None,
     ) -> None:
         self.as_ = as_
+        #: The most rows the answer may hold (None: any): a stream past it is refused at
+        #: the record batch that passes it, not read to its end.
+        self.most = most
+        self.rows = 0
         self.copy = copy
         self.prepare = prepare
         self.part = Batch if part is None else part  # the class of each decoded part
@@ -154,6 +159,13 @@ class PartDecoder:
         """
         t = time.perf_counter()
         self.arrived = t
+        if self.most is not None and self.rows + rb.num_rows > self.most:
+            raise ProtocolError(
+                f"the answer holds more than the {self.most} rows asked for "
+                f"({self.rows + rb.num_rows} so far); it is not a flightq server's answer "
+                "to this read"
+            )
+        self.rows += rb.num_rows
         c = validate_part(rb, self.parts[0] if self.parts else None)
         part = self.part(rb, c.schema, c.keys, c.fields, self.as_, self.copy, c.flat)
         if self.prepare:

@@ -50,7 +50,7 @@ from .errors import (
     UnavailableError,
 )
 from .layout import META_CLAIM
-from .msgcheck import request_bytes
+from .msgcheck import decoded_bytes, quick_bound, request_bytes
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -125,6 +125,9 @@ PROTOCOL_VERSION = 1
 #: Largest answer from its server a client parses (bytes). What a server takes is its
 #: own cap, ``Server(max_request_bytes=...)`` (:mod:`flightq.msgcheck`).
 MAX_BODY = 64 * 2**20
+#: Most bytes of Python objects a message read without a caller's cap (a reply the client
+#: reads) may decode to (:func:`flightq.msgcheck.decoded_bytes`).
+MAX_DECODED = 2**30
 #: Most ranges of a writer's memory one put through shared memory may name.
 MAX_FILLS = 2**16
 #: Most parallel DoPut streams one put may travel over.
@@ -174,6 +177,16 @@ def unpack(data: bytes | memoryview | Any, what: str, limit: int | None = None) 
         raw = data.to_pybytes() if hasattr(data, "to_pybytes") else bytes(data)
         if len(raw) > MAX_BODY:
             raise ProtocolError(f"{what}: body of {len(raw)} bytes exceeds {MAX_BODY}")
+        # A reply a client reads: bounded by what it decodes to as well (60 MB of empty
+        # maps would take 8 GB), at a cap no flightq server's reply comes near.
+        if (
+            quick_bound(raw, MAX_DECODED) is None
+            and decoded_bytes(raw, what, MAX_DECODED) > MAX_DECODED
+        ):
+            raise ProtocolError(
+                f"{what}: a body of {len(raw)} bytes that would decode to more than "
+                f"{MAX_DECODED} bytes of Python objects; not a flightq server's reply"
+            )
     n = len(raw)
     try:
         # Nothing in a body holds more items or bytes than the body has (each item takes

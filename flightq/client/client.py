@@ -1049,6 +1049,13 @@ class Client:
                 )
             else:
                 batch = self._reader.one(t, what, limit, as_, copy, grant=grant)
+            deliveries = grant[0].deliveries
+            if len(deliveries) != len(batch.keys) or min(deliveries, default=1) < 1:
+                raise ProtocolError(
+                    f"{what}: the claim's grant counts {len(deliveries)} deliveries (least "
+                    f"{min(deliveries, default=None)}) for {len(batch.keys)} rows; each row "
+                    "is delivered at least once"
+                )
         except BaseException as e:
             if grant:  # the rows were taken: give them back before raising
                 self._give_back(t.partition, grant[0].claim, e)
@@ -1206,7 +1213,21 @@ def _parts(keys: list[str] | None) -> list[list[str] | None]:
 
 
 def _rows_listed(r: Any) -> dict[str, dict[str, Any]]:
-    """A ``list_keys`` reply as ``{key: {"tags": ..., "fields": [...]}}``."""
+    """A ``list_keys`` reply as ``{key: {"tags": ..., "fields": [...]}}``.
+
+    Raises
+    ------
+    ProtocolError
+        If the reply's lists disagree in length or name a field it does not list.
+    """
+    n, fields = len(r.keys), len(r.fields)
+    if len(r.tags) != n or len(r.present) != n:
+        raise ProtocolError(
+            f"list_keys: the reply lists {n} keys, {len(r.tags)} tags and "
+            f"{len(r.present)} rows' fields"
+        )
+    if any(not 0 <= i < fields for present in r.present for i in present):
+        raise ProtocolError(f"list_keys: the reply names a field past its {fields} fields")
     return {
         k: {"tags": t, "fields": [r.fields[i] for i in present]}
         for k, t, present in zip(r.keys, r.tags, r.present, strict=True)

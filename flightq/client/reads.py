@@ -238,20 +238,21 @@ class Reader:
         copy: bool,
         grant: list[ClaimGrant] | None = None,
     ) -> Batch:
-        """A read as one stream, decoded (through shared memory where it applies)."""
+        """A read as one stream, decoded (through shared memory where it applies), held
+        to what it asked for (:func:`answers`)."""
         t = self.routed(ticket)
-        d = PartDecoder(as_, copy)
+        d = PartDecoder(as_, copy, most=asked_rows(ticket))
         if t.shm:
             came = self._shm_streamed(t, what, timeout, d, grant)
             if came is not None:
-                return self.decoded(ticket.partition, [d], came)
+                return answers(ticket, self.decoded(ticket.partition, [d], came), what)
         else:
             got = self._streamed(t, what, timeout, d, grant)
             if got is not None:  # its batches own their buffers: no slices to tell apart
-                return self.decoded(ticket.partition, [d], "socket", got)
+                return answers(ticket, self.decoded(ticket.partition, [d], "socket", got), what)
         route = ["shm" if t.shm else "socket"]
         self.read(t, what, timeout, decoder=d, grant=grant, route=route)
-        return self.decoded(ticket.partition, [d], route[0])
+        return answers(ticket, self.decoded(ticket.partition, [d], route[0]), what)
 
     def _shm_streamed(
         self,
@@ -351,8 +352,11 @@ class Reader:
         )
         if grant is not None:
             chunks = _granted(chunks, grant, what)
+        most = asked_rows(ticket)
+        if most is not None:
+            chunks = bounded(chunks, most, what)
         out = decode_to_device(chunks, device, self.pinned, copy=copy, sync=sync)
-        return received_on_device(out, len(got), started)
+        return received_on_device(answers(ticket, out, what), len(got), started)
 
 
 def claim_grant(rb: pa.RecordBatch, what: str) -> ClaimGrant:
@@ -379,4 +383,65 @@ def _granted(
     for rb in chunks:
         if not grant:
             grant.append(claim_grant(rb, what))
+        yield rb
+
+
+def asked_rows(ticket: Ticket) -> int | None:
+    """The most rows a read's answer may hold: a get's keys, a claim's batch size; None
+    for a scan."""
+    if isinstance(ticket, GetTicket):
+        return len(ticket.keys)
+    if isinstance(ticket, ClaimTicket):
+        return ticket.batch_size
+    return None
+
+
+def answers(ticket: Ticket, batch: Batch, what: str) -> Batch:
+    """``batch`` where it is an answer to ``ticket``: a get's rows are its keys, in order;
+    a claim's are at most its batch size, each once.
+
+    Raises
+    ------
+    ProtocolError
+        Naming what was asked and what came (a server that is not flightq's, or a bug).
+    """
+    keys = batch.keys
+    if isinstance(ticket, GetTicket) and ticket.parts is None and keys != list(ticket.keys):
+        asked = list(ticket.keys)
+        i = next(
+            (j for j, (a, b) in enumerate(zip(asked, keys, strict=False)) if a != b),
+            min(len(asked), len(keys)),
+        )
+        raise ProtocolError(
+            f"{what}: the answer's rows are not the keys asked for: {len(keys)} rows for "
+            f"{len(asked)} keys, the first difference at position {i} "
+            f"({asked[i][:64] if i < len(asked) else None!r} asked, "
+            f"{keys[i][:64] if i < len(keys) else None!r} came)"
+        )
+    if isinstance(ticket, ClaimTicket) and (
+        len(keys) > ticket.batch_size or len(set(keys)) != len(keys)
+    ):
+        raise ProtocolError(
+            f"{what}: the answer holds {len(keys)} rows ({len(set(keys))} distinct) for a "
+            f"claim of at most {ticket.batch_size}"
+        )
+    return batch
+
+
+def bounded(chunks: Iterable[pa.RecordBatch], most: int, what: str) -> Iterator[pa.RecordBatch]:
+    """``chunks``, refused at the record batch that takes them past ``most`` rows (what a
+    read asked for): a stream that goes on is not read to its end.
+
+    Raises
+    ------
+    ProtocolError
+        Naming the rows asked for and the rows come so far.
+    """
+    rows = 0
+    for rb in chunks:
+        rows += rb.num_rows
+        if rows > most:
+            raise ProtocolError(
+                f"{what}: the answer holds more than the {most} rows asked for ({rows} so far)"
+            )
         yield rb

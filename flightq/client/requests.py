@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.flight as fl
 
 from ..digest import split_claims
-from ..errors import FlightqError, FlightqTimeoutError, UnavailableError
+from ..errors import FlightqError, FlightqTimeoutError, ProtocolError, UnavailableError
 from ..frames import STREAM_READS, Frame, pack_frame, parse_frame
 from ..protocol import (
     ErrorDetail,
@@ -132,7 +132,12 @@ class Requests:
         # "created" beside "ok" says what the put created; an older server sends none.
         created = got.header.get("created")
         record = None if created is None else PutCreated.parse(created)
-        return PutAck.parse(got.header["ok"]).rows, record
+        rows = PutAck.parse(got.header["ok"]).rows
+        if cmd.rows is not None and cmd.parts is None and rows != cmd.rows:
+            raise ProtocolError(
+                f"{what}: the server acknowledged {rows} rows of the {cmd.rows} sent"
+            )
+        return rows, record
 
     def read(
         self, ticket: Ticket, what: str, timeout: float | None, max_bytes: int | None = None
@@ -227,6 +232,11 @@ class Requests:
             raise err
         if "retry" in got.header:
             return None
+        if "ok" not in got.header:
+            raise ProtocolError(
+                f"{what}: the request stream's answer has neither 'ok', 'error' nor 'retry' "
+                f"(keys {sorted(map(str, got.header))[:8]})"
+            )
         return got
 
     # ------------------------------------------------------------------ the stream

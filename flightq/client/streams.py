@@ -40,7 +40,7 @@ from ..errors import (
 )
 from ..layout import KEY, pylist
 from ..protocol import MAX_GET_PARTS, AbortPut, GetTicket, PutCommand
-from .reads import Reader, received_on_device
+from .reads import Reader, answers, bounded, received_on_device
 from .transport import Acked
 
 __all__ = [
@@ -117,6 +117,7 @@ def put_parts(
     """
     transport = reader.transport
     stage = secrets.token_hex(8)
+    total = sum(b.num_rows for b in batches)  # before the batches are let go as sent
 
     def send(i: int) -> Acked:
         part = groups[i]
@@ -153,7 +154,12 @@ def put_parts(
             if isinstance(first, ResourceExhaustedError) and _crowded(reader, first):
                 raise Crowded(str(first)) from first
             raise first
-    return futures[0].result()  # every part is answered alike
+    acked = futures[0].result()  # every part is answered alike
+    if acked[0] != total:
+        raise ProtocolError(
+            f"put to {cmd.partition!r}: the server acknowledged {acked[0]} rows of the {total} sent"
+        )
+    return acked
 
 
 def read_keys(
@@ -176,7 +182,7 @@ def read_keys(
     tickets = split(ticket, n)
 
     def part(i: int) -> PartDecoder:
-        d = PartDecoder(as_, copy)
+        d = PartDecoder(as_, copy, most=len(ticket.keys))
         reader.read(tickets[i], what, timeout, connection=i, decoder=d)
         return d
 
@@ -303,8 +309,9 @@ def get_to_device(
                 reader.sizes.learn(partition, rows, every)
                 reader.sizes.learn_parts(partition, [sum(b.num_rows for b in g) for g in gots])
                 return received_on_device(out, len(every), started)
-    chunks = transport.get(ticket, what, timeout=timeout, got=got)
+    chunks = bounded(transport.get(ticket, what, timeout=timeout, got=got), rows, what)
     out = decode_to_device(chunks, device, reader.pinned, copy=copy, sync=sync)
+    answers(ticket, out, what)
     reader.sizes.learn(partition, rows, got)
     return received_on_device(out, len(got), started)
 

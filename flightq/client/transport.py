@@ -24,7 +24,7 @@ import pyarrow.flight as fl
 
 from ..chunks import split_batch
 from ..digest import split_claims
-from ..errors import FlightqError, FlightqTimeoutError
+from ..errors import FlightqError, FlightqTimeoutError, ProtocolError
 from ..protocol import (
     ACTIONS,
     ActionSpec,
@@ -199,16 +199,23 @@ class Transport:
         """
         name, spec = action_spec(request)
         try:
-            results = list(
-                self._main.do_action(
-                    fl.Action(name, request.to_wire()), options=self.options(timeout)
-                )
+            # One Result, and no more: a server that keeps sending is not read to its end.
+            results = self._main.do_action(
+                fl.Action(name, request.to_wire()), options=self.options(timeout)
             )
+            first = next(results, None)
+            extra = None if first is None else next(results, None)
+            results.close()
         except _FOREIGN as e:
             raise from_flight_error(e, f"{name} on {self.location}") from e
-        if not results:
+        if first is None:
             raise FlightqError(f"{name} on {self.location}: the server sent no answer")
-        return spec.reply.parse(results[0].body)
+        if extra is not None:
+            raise ProtocolError(
+                f"{name} on {self.location}: the server sent more than one answer; a flightq "
+                "server sends one"
+            )
+        return spec.reply.parse(first.body)
 
     def put(
         self,
@@ -252,7 +259,13 @@ class Transport:
             raise from_flight_error(e, what) from e
         if ack is None:
             raise FlightqError(f"{what}: the server sent no acknowledgement")
-        return PutAck.parse(ack).rows, None if created is None else PutCreated.parse(created)
+        rows = PutAck.parse(ack).rows
+        # A part of a put in parts is acknowledged with the whole put's rows.
+        if command.rows is not None and command.parts is None and rows != command.rows:
+            raise ProtocolError(
+                f"{what}: the server acknowledged {rows} rows of the {command.rows} sent"
+            )
+        return rows, None if created is None else PutCreated.parse(created)
 
     def get(
         self,
@@ -308,6 +321,8 @@ class Transport:
             def read() -> None:
                 try:
                     first.append(reader.read_chunk())
+                except StopIteration:
+                    first.append(None)  # the stream ended before its first message
                 except BaseException as e:  # handed to the caller's thread
                     first.append(e)
 
@@ -321,6 +336,8 @@ class Transport:
         try:
             if not first:
                 raise FlightqTimeoutError(f"{what}: timed out waiting for the session id")
+            if first[0] is None:
+                raise ProtocolError(f"{what}: the server ended the stream without a session id")
             if first[0].app_metadata is None:
                 raise FlightqError(f"{what}: the server sent no session id")
             return writer, reader, SessionReply.parse(first[0].app_metadata)
