@@ -171,3 +171,53 @@ def test_a_reply_of_megabytes_of_empty_maps_is_refused_before_it_is_decoded(serv
     server.answer = {"health": lambda name, body: iter([bomb])}
     with pytest.raises(ProtocolError, match="would decode to more than"):
         flightq.connect(f"grpc://127.0.0.1:{server.port}", timeout=30.0)
+
+
+def _held_session(descriptor: Any, reader: Any, writer: Any) -> None:
+    """A session as a server without an idle watch opens one: its id, then nothing."""
+    writer.write_metadata(pa.py_buffer(msgpack.packb({"session": "s1"})))
+    try:
+        reader.read_chunk()  # until the client cancels or closes
+    except (fl.FlightError, pa.ArrowException, StopIteration):
+        pass
+
+
+def _granted(
+    batches: list[list[str]], deliveries: list[int]
+) -> Callable[[Any], fl.FlightDataStream]:
+    """A claim's answer: record batches of these keys, under a grant of ``deliveries``."""
+
+    def get(ticket: Any) -> fl.FlightDataStream:
+        grant = msgpack.packb({"claim": "c1", "lease": 30.0, "deliveries": deliveries})
+        rbs = [_rows(keys) for keys in batches]
+        meta = {**rbs[0].schema.metadata, b"flightq.claim": grant}
+        return fl.RecordBatchStream(
+            pa.Table.from_batches([rb.replace_schema_metadata(meta) for rb in rbs])
+        )
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("keys", "deliveries", "cause"),
+    [
+        ([[f"k{i}" for i in range(12)]], [1] * 12, "more than the 4 rows asked for"),
+        ([["k0"], ["k0"]], [1, 1], r"2 rows \(1 distinct\)"),
+        ([["k0", "k1"]], [1], "1 deliveries .* for 2 rows"),
+        ([["k0", "k1"]], [-5, 1], "least -5"),
+    ],
+    ids=["more-than-asked", "a-row-twice", "deliveries-short", "deliveries-negative"],
+)
+def test_a_claim_answered_out_of_its_bounds_is_refused_and_given_back(
+    liar, keys: list[list[str]], deliveries: list[int], cause: str
+) -> None:
+    gave_back: list[Any] = []
+
+    def action(name: str, body: Any) -> Iterator[bytes]:
+        gave_back.append((name, body))
+        return iter([msgpack.packb({"released": 0})])
+
+    c = liar(get=_granted(keys, deliveries), exchange=_held_session, action=action)
+    with pytest.raises(ProtocolError, match=cause):
+        c.claim("p", "train", 4, as_="numpy", timeout=1.0)
+    assert [name for name, _ in gave_back] == ["nack"]  # the rows go back
