@@ -9,6 +9,7 @@ the test says; it refuses the request stream, so every call goes per call.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -176,10 +177,8 @@ def test_a_reply_of_megabytes_of_empty_maps_is_refused_before_it_is_decoded(serv
 def _held_session(descriptor: Any, reader: Any, writer: Any) -> None:
     """A session as a server without an idle watch opens one: its id, then nothing."""
     writer.write_metadata(pa.py_buffer(msgpack.packb({"session": "s1"})))
-    try:
+    with contextlib.suppress(fl.FlightError, pa.ArrowException, StopIteration):
         reader.read_chunk()  # until the client cancels or closes
-    except (fl.FlightError, pa.ArrowException, StopIteration):
-        pass
 
 
 def _granted(
