@@ -254,8 +254,10 @@ class Requests:
         flight = self._transport.connection()
         greeted = threading.Lock()  # taken by the greeting or by the timer, whichever first
         timer: threading.Timer | None = None
+        opened: _Stream | None = None
         try:
             writer, reader = flight.do_exchange(desc, options=_OPTIONS)
+            opened = _Stream(writer, reader)
 
             def too_late() -> None:
                 if greeted.acquire(blocking=False):
@@ -271,11 +273,15 @@ class Requests:
             parse_frame(hello.app_metadata, "request stream").header["ok"]
         except (*_FOREIGN, StopIteration, FlightqError, KeyError):
             self._refused_until = now + RETRY_OPEN_S
+            if opened is not None:  # closed now, not left for the collector to find
+                with contextlib.suppress(Exception):
+                    opened.reader.cancel()
+                opened.close()
             return None
         finally:
             if timer is not None:
                 timer.cancel()
-        self._stream = _Stream(writer, reader)
+        self._stream = opened
         self._last = now
         if self._watchdog is None:
             self._watchdog = threading.Thread(

@@ -220,3 +220,19 @@ def test_a_claim_answered_out_of_its_bounds_is_refused_and_given_back(
     with pytest.raises(ProtocolError, match=cause):
         c.claim("p", "train", 4, as_="numpy", timeout=1.0)
     assert [name for name, _ in gave_back] == ["nack"]  # the rows go back
+
+
+def test_a_refused_request_stream_is_closed_at_once(liar, capfd) -> None:
+    # The liar refuses the request stream: the client's call goes per call, and the
+    # stream it opened is closed then, not found unclosed by the collector later (which
+    # Arrow reports on stderr as "Close() failed").
+    import gc
+
+    c = liar(
+        action=lambda name, body: iter([msgpack.packb({"partitions": {}, "rows": 0, "bytes": 0})])
+    )
+    assert c.stats()["rows"] == 0
+    c.close()
+    del c
+    gc.collect()
+    assert "Close() failed" not in capfd.readouterr().err
