@@ -97,6 +97,15 @@ def decode(
     return join(d.parts)
 
 
+def past_asked(most: int, rows: int, what: str) -> ProtocolError:
+    """The error of an answer that holds ``rows`` rows so far, past the ``most`` its read
+    asked for (a server that is not flightq's, or a bug): refused at the record batch
+    that passes them, not read to its end."""
+    return ProtocolError(
+        f"{what}: the answer holds more than the {most} rows asked for ({rows} so far)"
+    )
+
+
 def check_as(as_: str) -> None:
     """Refuse an ``as_`` this process cannot decode to, before anything is read (so a
     claim takes no rows it could not return).
@@ -159,13 +168,9 @@ class PartDecoder:
         """
         t = time.perf_counter()
         self.arrived = t
-        if self.most is not None and self.rows + rb.num_rows > self.most:
-            raise ProtocolError(
-                f"the answer holds more than the {self.most} rows asked for "
-                f"({self.rows + rb.num_rows} so far); it is not a flightq server's answer "
-                "to this read"
-            )
         self.rows += rb.num_rows
+        if self.most is not None and self.rows > self.most:
+            raise past_asked(self.most, self.rows, "a read")
         c = validate_part(rb, self.parts[0] if self.parts else None)
         part = self.part(rb, c.schema, c.keys, c.fields, self.as_, self.copy, c.flat)
         if self.prepare:

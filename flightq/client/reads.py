@@ -23,7 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..batch import Batch, PartDecoder, Received, join
+from ..batch import Batch, PartDecoder, Received, join, past_asked
 from ..cuda import PinnedPool, decode_to_device
 from ..errors import ProtocolError
 from ..frames import STREAM_MAX_BYTES
@@ -441,7 +441,5 @@ def bounded(chunks: Iterable[pa.RecordBatch], most: int, what: str) -> Iterator[
     for rb in chunks:
         rows += rb.num_rows
         if rows > most:
-            raise ProtocolError(
-                f"{what}: the answer holds more than the {most} rows asked for ({rows} so far)"
-            )
+            raise past_asked(most, rows, what)
         yield rb

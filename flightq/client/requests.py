@@ -45,7 +45,7 @@ from ..protocol import (
     Ticket,
     from_flight_error,
 )
-from .transport import Acked, Transport, action_spec
+from .transport import Acked, Transport, acknowledged, action_spec
 
 __all__ = ["Requests", "IDLE_CLOSE_S", "OPEN_S", "RETRY_OPEN_S"]
 
@@ -132,12 +132,7 @@ class Requests:
         # "created" beside "ok" says what the put created; an older server sends none.
         created = got.header.get("created")
         record = None if created is None else PutCreated.parse(created)
-        rows = PutAck.parse(got.header["ok"]).rows
-        if cmd.rows is not None and cmd.parts is None and rows != cmd.rows:
-            raise ProtocolError(
-                f"{what}: the server acknowledged {rows} rows of the {cmd.rows} sent"
-            )
-        return rows, record
+        return acknowledged(PutAck.parse(got.header["ok"]).rows, cmd, what), record
 
     def read(
         self, ticket: Ticket, what: str, timeout: float | None, max_bytes: int | None = None

@@ -41,7 +41,7 @@ from ..errors import (
 from ..layout import KEY, pylist
 from ..protocol import MAX_GET_PARTS, AbortPut, GetTicket, PutCommand
 from .reads import Reader, answers, bounded, received_on_device
-from .transport import Acked
+from .transport import Acked, acknowledged
 
 __all__ = [
     "CROWDED_SECONDS",
@@ -154,12 +154,8 @@ def put_parts(
             if isinstance(first, ResourceExhaustedError) and _crowded(reader, first):
                 raise Crowded(str(first)) from first
             raise first
-    acked = futures[0].result()  # every part is answered alike
-    if acked[0] != total:
-        raise ProtocolError(
-            f"put to {cmd.partition!r}: the server acknowledged {acked[0]} rows of the {total} sent"
-        )
-    return acked
+    rows, created = futures[0].result()  # every part is answered alike
+    return acknowledged(rows, cmd, f"put to {cmd.partition!r}", total), created
 
 
 def read_keys(

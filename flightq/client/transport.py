@@ -259,12 +259,7 @@ class Transport:
             raise from_flight_error(e, what) from e
         if ack is None:
             raise FlightqError(f"{what}: the server sent no acknowledgement")
-        rows = PutAck.parse(ack).rows
-        # A part of a put in parts is acknowledged with the whole put's rows.
-        if command.rows is not None and command.parts is None and rows != command.rows:
-            raise ProtocolError(
-                f"{what}: the server acknowledged {rows} rows of the {command.rows} sent"
-            )
+        rows = acknowledged(PutAck.parse(ack).rows, command, what)
         return rows, None if created is None else PutCreated.parse(created)
 
     def get(
@@ -372,6 +367,23 @@ class Transport:
         for flight in flights:
             with contextlib.suppress(*_FOREIGN):
                 flight.close()
+
+
+def acknowledged(rows: int, command: PutCommand, what: str, sent: int | None = None) -> int:
+    """``rows``, the rows a put's acknowledgement names, where they are the ``sent`` rows
+    (default: the command's; a part of a put in parts is acknowledged with the whole
+    put's rows, checked by its caller).
+
+    Raises
+    ------
+    ProtocolError
+        If they are not (a server that is not flightq's, or a bug).
+    """
+    if sent is None:
+        sent = command.rows if command.parts is None else None
+    if sent is not None and rows != sent:
+        raise ProtocolError(f"{what}: the server acknowledged {rows} rows of the {sent} sent")
+    return rows
 
 
 def with_scheme(location: str) -> str:
