@@ -174,7 +174,12 @@ def unpack(data: bytes | memoryview | Any, what: str, limit: int | None = None) 
     if limit is not None:
         raw = request_bytes(data, what, limit)
     else:
-        raw = data.to_pybytes() if hasattr(data, "to_pybytes") else bytes(data)
+        if hasattr(data, "to_pybytes"):
+            raw = data.to_pybytes()
+        elif isinstance(data, (bytes, bytearray, memoryview)):
+            raw = bytes(data)
+        else:  # bytes(n) of an int n would make n zero bytes; of a str, an untyped error
+            raise ProtocolError(f"{what}: a msgpack body must be bytes, got {type(data).__name__}")
         if len(raw) > MAX_BODY:
             raise ProtocolError(f"{what}: body of {len(raw)} bytes exceeds {MAX_BODY}")
         # A reply a client reads: bounded by what it decodes to as well (60 MB of empty

@@ -55,6 +55,7 @@ from ..msgcheck import key_chunks
 from ..protocol import (
     MAX_SECONDS,
     MIN_SILENCE,
+    PROTOCOL_VERSION,
     Ack,
     CheckSchemas,
     ClaimGrant,
@@ -82,7 +83,7 @@ from ..schema import Schema
 from ..sink import DeferredFills, Sink
 from ..tensordicts import tensordict_reads
 from .interface import PutReceipt
-from .reads import Reader
+from .reads import Reader, claimed
 from .recent import Recent
 from .requests import Requests
 from .session import DEFAULT_SESSION_TIMEOUT, Session
@@ -239,8 +240,9 @@ def connect(
     UnauthenticatedError
         If the server requires a token and none, or a wrong one, was given.
     ProtocolError
-        With ``shm``: the location is not loopback, the server has shared memory
-        disabled, or it does not see this process's shared-memory directory.
+        If the server speaks another protocol version (its health says which). With
+        ``shm``: the location is not loopback, the server has shared memory disabled, or
+        it does not see this process's shared-memory directory.
     """
     client = Client(
         location,
@@ -255,7 +257,7 @@ def connect(
         **flight_kwargs,
     )
     try:
-        client.health()
+        same_protocol(client.health(), location)
         if client.shm_dir is not None:
             from ..shm.client import handshake
 
@@ -267,6 +269,22 @@ def connect(
         client.close()
         raise
     return client
+
+
+def same_protocol(health: dict[str, Any], where: str) -> None:
+    """Check that a server's health reply names this client's protocol version.
+
+    Raises
+    ------
+    ProtocolError
+        Naming the server and both versions: a server of another version would take
+        messages this client reads otherwise.
+    """
+    if health.get("protocol") != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"server {where} speaks flightq protocol {str(health.get('protocol'))[:64]}; this "
+            f"client speaks {PROTOCOL_VERSION}: use a flightq of the server's version"
+        )
 
 
 #: What a put refused for its columns or schema raises: where the partition's schema the
@@ -641,6 +659,11 @@ class Client:
                 ListKeys(partition=partition, keys=p), rows=_EVERY if p is None else len(p)
             )
             out.update(_rows_listed(r))
+        if ks is not None and list(out) != list(dict.fromkeys(ks)):
+            raise ProtocolError(
+                f"list_keys of {partition!r}: the reply lists {len(out)} rows, not the "
+                f"{len(set(ks))} keys asked for in their order"
+            )
         return out
 
     # ------------------------------------------------------------------ data
@@ -1049,13 +1072,7 @@ class Client:
                 )
             else:
                 batch = self._reader.one(t, what, limit, as_, copy, grant=grant)
-            deliveries = grant[0].deliveries
-            if len(deliveries) != len(batch.keys) or min(deliveries, default=1) < 1:
-                raise ProtocolError(
-                    f"{what}: the claim's grant counts {len(deliveries)} deliveries (least "
-                    f"{min(deliveries, default=None)}) for {len(batch.keys)} rows; each row "
-                    "is delivered at least once"
-                )
+            claimed(batch.keys, grant[0].deliveries, t.batch_size, what)
         except BaseException as e:
             if grant:  # the rows were taken: give them back before raising
                 self._give_back(t.partition, grant[0].claim, e)

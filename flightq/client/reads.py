@@ -25,8 +25,8 @@ import pyarrow as pa
 
 from ..batch import Batch, PartDecoder, Received, join, past_asked
 from ..cuda import PinnedPool, decode_to_device
-from ..errors import ProtocolError
-from ..frames import STREAM_MAX_BYTES
+from ..errors import FlightqError, ProtocolError
+from ..frames import STREAM_MAX_BYTES, Frame
 from ..protocol import CLAIM_METADATA, ClaimGrant, ClaimTicket, GetTicket, ScanTicket, Ticket
 from .recent import Recent
 from .requests import Requests
@@ -242,41 +242,60 @@ class Reader:
         to what it asked for (:func:`answers`)."""
         t = self.routed(ticket)
         d = PartDecoder(as_, copy, most=asked_rows(ticket))
-        if t.shm:
-            came = self._shm_streamed(t, what, timeout, d, grant)
-            if came is not None:
-                return answers(ticket, self.decoded(ticket.partition, [d], came), what)
-        else:
-            got = self._streamed(t, what, timeout, d, grant)
-            if got is not None:  # its batches own their buffers: no slices to tell apart
-                return answers(ticket, self.decoded(ticket.partition, [d], "socket", got), what)
+        answered = self._ask(t, what, timeout, grant) if self._small(t) else None
+        if answered is not None:
+            try:
+                if t.shm:
+                    # Its answer only names where the rows lie (a message of a few hundred
+                    # bytes, which the stream carries for less than a call costs), or
+                    # holds them where the server had no room to answer through memory.
+                    assert self.shm_dir is not None
+                    from ..shm.table import take
+
+                    batches = take(answered, self.shm_dir, what)
+                    for b in batches:
+                        d.add(b)
+                    came = self.decoded(
+                        ticket.partition, [d], "socket" if batches is answered else "shm"
+                    )
+                else:  # its batches own their buffers: no slices to tell apart
+                    for rb in answered:
+                        d.add(rb)
+                    nbytes = sum(rb.get_total_buffer_size() for rb in answered)
+                    came = self.decoded(ticket.partition, [d], "socket", nbytes)
+                return answers(ticket, came, what)
+            except FlightqError:
+                # Answers on the stream are taken in turn: after one that is not what was
+                # asked, nothing on it is trusted.
+                assert self.requests is not None
+                self.requests.abandon()
+                raise
         route = ["shm" if t.shm else "socket"]
         self.read(t, what, timeout, decoder=d, grant=grant, route=route)
         return answers(ticket, self.decoded(ticket.partition, [d], route[0]), what)
 
-    def _shm_streamed(
-        self,
-        ticket: Ticket,
-        what: str,
-        timeout: float | None,
-        decoder: PartDecoder,
-        grant: list[ClaimGrant] | None,
-    ) -> str | None:
-        """A read through shared memory, asked on the request stream: its answer only
-        names where the rows lie, a message of a few hundred bytes, which the stream
-        carries for less than a call costs. Returns how the rows came (``"shm"``, or
-        ``"socket"`` where the server had no room to answer through shared memory and
-        sent them), its batches now in ``decoder``; None: it goes per call."""
-        answered = self._ask(ticket, what, timeout, grant)
-        if answered is None:
-            return None
-        assert self.shm_dir is not None
-        from ..shm.table import take
-
-        batches = take(answered, self.shm_dir, what)
-        for b in batches:
-            decoder.add(b)
-        return "socket" if batches is answered else "shm"
+    def _small(self, ticket: Ticket) -> bool:
+        """Whether a read goes on the request stream (where the stream is free): any read
+        through shared memory, a get or claim the partition's last answer predicts
+        smaller than ``stream_max_bytes``, a partition's first get of a few rows."""
+        if self.requests is None or not self.stream_max_bytes:
+            return False
+        if ticket.shm:
+            return True
+        if isinstance(ticket, GetTicket):
+            rows = len(ticket.keys)
+        elif isinstance(ticket, ClaimTicket):
+            rows = ticket.batch_size
+        else:
+            return False
+        per_row = self.sizes.per_row(ticket.partition)
+        if per_row is None:
+            # A partition's first get of a few rows tries the stream too: it is answered
+            # there if it fits in stream_max_bytes, else the server says so at once and the
+            # get goes per call (a consumer never blocked by data calls that fill
+            # max_calls). A claim's rows would be taken and given back: it waits to learn.
+            return isinstance(ticket, GetTicket) and rows <= UNKNOWN_STREAM_ROWS
+        return rows * per_row < self.stream_max_bytes
 
     def _ask(
         self,
@@ -289,49 +308,15 @@ class Reader:
         appended to ``grant``); None where it goes per call."""
         if self.requests is None or not self.stream_max_bytes:
             return None
-        got = self.requests.read(ticket, what, timeout, self.stream_max_bytes)
-        if got is None:
-            return None
-        if grant is not None and not grant:
-            assert got.schema is not None
-            grant.append(_grant_of(got.schema, what))
-        return got.batches
 
-    def _streamed(
-        self,
-        ticket: Ticket,
-        what: str,
-        timeout: float | None,
-        decoder: PartDecoder,
-        grant: list[ClaimGrant] | None,
-    ) -> int | None:
-        """The read over the request stream, its batches now in ``decoder`` (returns their
-        bytes), where the partition's last answer predicts it small and the stream is
-        free; None: it goes per call."""
-        if self.requests is None or not self.stream_max_bytes:
-            return None
-        if isinstance(ticket, GetTicket):
-            rows = len(ticket.keys)
-        elif isinstance(ticket, ClaimTicket):
-            rows = ticket.batch_size
-        else:
-            return None
-        per_row = self.sizes.per_row(ticket.partition)
-        if per_row is None:
-            # A partition's first get of a few rows tries the stream too: it is answered
-            # there if it fits in stream_max_bytes, else the server says so at once and the
-            # get goes per call (a consumer never blocked by data calls that fill
-            # max_calls). A claim's rows would be taken and given back: it waits to learn.
-            if not isinstance(ticket, GetTicket) or rows > UNKNOWN_STREAM_ROWS:
-                return None
-        elif rows * per_row >= self.stream_max_bytes:
-            return None
-        answered = self._ask(ticket, what, timeout, grant)
-        if answered is None:
-            return None
-        for rb in answered:
-            decoder.add(rb)
-        return sum(rb.get_total_buffer_size() for rb in answered)
+        def with_grant(got: Frame) -> list[pa.RecordBatch]:
+            if grant is not None and not grant:
+                if got.schema is None:
+                    raise ProtocolError(f"{what}: the claim's answer carries no rows, so no grant")
+                grant.append(_grant_of(got.schema, what))
+            return got.batches
+
+        return self.requests.read(ticket, what, timeout, with_grant, self.stream_max_bytes)
 
     def to_device(
         self,
@@ -351,7 +336,7 @@ class Reader:
             ticket, what, timeout=timeout, got=got
         )
         if grant is not None:
-            chunks = _granted(chunks, grant, what)
+            chunks = granted(chunks, grant, what)
         most = asked_rows(ticket)
         if most is not None:
             chunks = bounded(chunks, most, what)
@@ -377,9 +362,11 @@ def _grant_of(schema: pa.Schema, what: str) -> ClaimGrant:
     return ClaimGrant.parse(raw)
 
 
-def _granted(
+def granted(
     chunks: Iterator[pa.RecordBatch], grant: list[ClaimGrant], what: str
 ) -> Iterator[pa.RecordBatch]:
+    """``chunks``, the claim's :class:`ClaimGrant` appended to ``grant`` as its first record
+    batch arrives (the rows are then taken, whatever follows)."""
     for rb in chunks:
         if not grant:
             grant.append(claim_grant(rb, what))
@@ -406,26 +393,67 @@ def answers(ticket: Ticket, batch: Batch, what: str) -> Batch:
         Naming what was asked and what came (a server that is not flightq's, or a bug).
     """
     keys = batch.keys
-    if isinstance(ticket, GetTicket) and ticket.parts is None and keys != list(ticket.keys):
-        asked = list(ticket.keys)
-        i = next(
-            (j for j, (a, b) in enumerate(zip(asked, keys, strict=False)) if a != b),
-            min(len(asked), len(keys)),
-        )
-        raise ProtocolError(
-            f"{what}: the answer's rows are not the keys asked for: {len(keys)} rows for "
-            f"{len(asked)} keys, the first difference at position {i} "
-            f"({asked[i][:64] if i < len(asked) else None!r} asked, "
-            f"{keys[i][:64] if i < len(keys) else None!r} came)"
-        )
-    if isinstance(ticket, ClaimTicket) and (
-        len(keys) > ticket.batch_size or len(set(keys)) != len(keys)
-    ):
-        raise ProtocolError(
-            f"{what}: the answer holds {len(keys)} rows ({len(set(keys))} distinct) for a "
-            f"claim of at most {ticket.batch_size}"
-        )
+    if isinstance(ticket, GetTicket) and ticket.parts is None:
+        in_order(list(ticket.keys), keys, what)
+    if isinstance(ticket, ClaimTicket):
+        claimed(keys, None, ticket.batch_size, what)
     return batch
+
+
+def in_order(asked: list[str], keys: list[str], what: str) -> None:
+    """Check that a get's rows are ``keys``, the keys ``asked`` for, in order.
+
+    Raises
+    ------
+    ProtocolError
+        Naming the first position where they differ.
+    """
+    if keys == asked:
+        return
+    i = next(
+        (j for j, (a, b) in enumerate(zip(asked, keys, strict=False)) if a != b),
+        min(len(asked), len(keys)),
+    )
+    raise ProtocolError(
+        f"{what}: the answer's rows are not the keys asked for: {len(keys)} rows for "
+        f"{len(asked)} keys, the first difference at position {i} "
+        f"({asked[i][:64] if i < len(asked) else None!r} asked, "
+        f"{keys[i][:64] if i < len(keys) else None!r} came)"
+    )
+
+
+def claimed(
+    keys: list[str],
+    deliveries: list[int] | None,
+    batch_size: int,
+    what: str,
+    taken: set[str] | frozenset[str] = frozenset(),
+) -> None:
+    """Check a claim's answer: at most ``batch_size`` rows, each once and none of
+    ``taken`` (rows an earlier answer gave the same claim: a sharded claim asks several),
+    with one delivery count of at least 1 per row where the grant's ``deliveries`` are
+    given.
+
+    Raises
+    ------
+    ProtocolError
+        Naming what came against what was asked.
+    """
+    distinct = set(keys)
+    if len(keys) > batch_size or len(distinct) != len(keys):
+        raise ProtocolError(
+            f"{what}: the answer holds {len(keys)} rows ({len(distinct)} distinct) for a "
+            f"claim of at most {batch_size}"
+        )
+    twice = distinct & taken
+    if twice:
+        raise ProtocolError(f"{what}: row {min(twice)[:64]!r} came in two answers of one claim")
+    if deliveries is not None and (len(deliveries) != len(keys) or min(deliveries, default=1) < 1):
+        raise ProtocolError(
+            f"{what}: the claim's grant counts {len(deliveries)} deliveries (least "
+            f"{min(deliveries, default=None)}) for {len(keys)} rows; each row is delivered "
+            "at least once"
+        )
 
 
 def bounded(chunks: Iterable[pa.RecordBatch], most: int, what: str) -> Iterator[pa.RecordBatch]:

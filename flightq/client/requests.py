@@ -26,8 +26,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.flight as fl
@@ -64,15 +64,18 @@ _FOREIGN = (pa.ArrowException, fl.FlightError, OSError)
 #: No deadline (each answer is watched instead); the header the server counts it by
 #: (``flightq.server.limits.STREAM_HEADER``).
 _OPTIONS = fl.FlightCallOptions(headers=[(b"flightq-stream", b"requests")])
+_T = TypeVar("_T")
 
 
 class _Stream:
     """One open DoExchange: its writer and reader."""
 
-    __slots__ = ("reader", "writer")
+    __slots__ = ("numbered", "reader", "writer")
 
     def __init__(self, writer: Any, reader: Any) -> None:
         self.writer, self.reader = writer, reader
+        #: The server's greeting said it echoes each request's number in its answer.
+        self.numbered = False
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -101,6 +104,7 @@ class Requests:
         self._last = 0.0
         self._closed = False
         self._watchdog: threading.Thread | None = None
+        self._sent = 0  # the number of the last request sent (its frame's "n")
         #: Requests answered on the stream (for tests and diagnostics).
         self.served = 0
 
@@ -125,25 +129,31 @@ class Requests:
             header["claims"] = [None if c is None else c.to_pybytes() for _, c in split]
             schema = split[0][0]
             batches = [b.replace_schema_metadata(schema.metadata) for b in batches]
-        frame = pack_frame(header, schema, batches)
-        got = self._call(frame, what, timeout)
-        if got is None:
-            return None
-        # "created" beside "ok" says what the put created; an older server sends none.
-        created = got.header.get("created")
-        record = None if created is None else PutCreated.parse(created)
-        return acknowledged(PutAck.parse(got.header["ok"]).rows, cmd, what), record
+
+        def acked(got: Frame) -> Acked:
+            # "created" beside "ok" says what the put created; an older server sends none.
+            created = got.header.get("created")
+            record = None if created is None else PutCreated.parse(created)
+            return acknowledged(PutAck.parse(got.header["ok"]).rows, cmd, what), record
+
+        return self._call(header, what, timeout, acked, schema=schema, batches=batches)
 
     def read(
-        self, ticket: Ticket, what: str, timeout: float | None, max_bytes: int | None = None
-    ) -> Frame | None:
-        """A get or claim on the stream: the answer's schema and record batches, or None
-        where it must go per call (the stream is busy or not open, or the answer is larger
-        than ``max_bytes`` or than a frame: a claim's rows were given back)."""
+        self,
+        ticket: Ticket,
+        what: str,
+        timeout: float | None,
+        accept: Callable[[Frame], _T],
+        max_bytes: int | None = None,
+    ) -> _T | None:
+        """A get or claim on the stream: ``accept`` of the answer (its schema and record
+        batches), or None where it must go per call (the stream is busy or not open, or
+        the answer is larger than ``max_bytes`` or than a frame: a claim's rows were given
+        back). A :class:`ProtocolError` from ``accept`` closes the stream."""
         header: dict[str, Any] = {"op": "read", "cmd": ticket.to_wire()}
         if max_bytes is not None:
             header["max"] = int(max_bytes)
-        return self._call(pack_frame(header), what, timeout)
+        return self._call(header, what, timeout, accept)
 
     def action(self, request: Message, wire: bytes | None = None) -> Any:
         """An action (one of :data:`~flightq.frames.STREAM_ACTIONS`) on the stream: its
@@ -159,17 +169,36 @@ class Requests:
         """
         name, spec = action_spec(request)
         cmd = request.to_wire() if wire is None else wire
-        frame = pack_frame({"op": "act", "type": name, "cmd": cmd})
+        header = {"op": "act", "type": name, "cmd": cmd}
         where = f"{name} on {self._transport.location}"
-        got = self._call(frame, where, None, again=name in STREAM_READS)
-        return None if got is None else spec.reply.parse(got.header["ok"])
+        return self._call(
+            header,
+            where,
+            None,
+            lambda got: spec.reply.parse(got.header["ok"]),
+            again=name in STREAM_READS,
+        )
 
     def _call(
-        self, frame: pa.Buffer, what: str, timeout: float | None, again: bool = True
-    ) -> Frame | None:
-        """The answer to ``frame``, or None where the request must go per call. ``again``:
-        the request may go per call after the stream broke with it sent (a put: a
-        replay)."""
+        self,
+        header: dict[str, Any],
+        what: str,
+        timeout: float | None,
+        accept: Callable[[Frame], _T],
+        *,
+        again: bool = True,
+        schema: pa.Schema | None = None,
+        batches: Sequence[pa.RecordBatch] = (),
+    ) -> _T | None:
+        """``accept(answer)`` of the answer to the request ``header`` (with ``schema`` and
+        ``batches``), or None where the request must go per call. ``again``: the request
+        may go per call after the stream broke with it sent (a put: a replay).
+
+        The request carries its number (``n``), which a server that says so in its
+        greeting echoes in the answer. An answer that does not parse, answers another
+        request, or that ``accept`` refuses (a :class:`ProtocolError`, a put's rows
+        acknowledged wrongly) closes the stream: answers are taken in turn, so nothing
+        after such an answer on it is trusted; the next request opens another."""
         if self._closed or not self._lock.acquire(blocking=False):
             return None
         try:
@@ -177,8 +206,10 @@ class Requests:
             stream = self._open(wait)
             if stream is None:
                 return None
+            self._sent += 1
+            n = self._sent
             try:
-                stream.writer.write_metadata(frame)
+                stream.writer.write_metadata(pack_frame({**header, "n": n}, schema, batches))
             except _FOREIGN:
                 self._drop()  # nothing reached the server: per call instead
                 return None
@@ -201,38 +232,45 @@ class Requests:
                 # same record batches again, so the server takes it as a replay.
                 if isinstance(e, StopIteration):
                     return None  # the server's handler had returned: it never read it
-                err = from_flight_error(e, what)
-                if isinstance(err, UnavailableError) and again:
+                broke = from_flight_error(e, what)
+                if isinstance(broke, UnavailableError) and again:
                     return None
-                raise err from e
+                raise broke from e
             finally:
                 with self._state:
                     self._armed = None
                 self._last = time.monotonic()
             if self._fired:  # cancelled just after its answer came: keep that, not it
                 self._drop()
-            got = parse_frame(chunk.app_metadata, what)
-            if "retry" not in got.header:  # a read too large for the stream is not served
-                self.served += 1
-        finally:
-            self._lock.release()
-        if "error" in got.header:
-            err = ErrorDetail.parse(got.header["error"]).error()
+            try:
+                got = parse_frame(chunk.app_metadata, what)
+                err = _in_turn(got, n, stream.numbered, what)
+                value = None if err is not None or "retry" in got.header else accept(got)
+            except ProtocolError:
+                self._drop()  # an answer not understood: nothing after it is trusted
+                raise
+            if "retry" in got.header:  # a read too large for the stream is not served
+                return None
+            self.served += 1
+            if err is None:
+                return value
             if isinstance(err, UnavailableError):
                 # The server is stopping (nothing was stored or taken): drop its stream, and
                 # make the call per call, on a server that may be up again at the address.
-                with self._lock:
-                    self._drop()
+                self._drop()
                 return None
+            if stream.numbered and "n" not in got.header:
+                self._drop()  # the frame itself refused, naming no request: none follows
             raise err
-        if "retry" in got.header:
-            return None
-        if "ok" not in got.header:
-            raise ProtocolError(
-                f"{what}: the request stream's answer has neither 'ok', 'error' nor 'retry' "
-                f"(keys {sorted(map(str, got.header))[:8]})"
-            )
-        return got
+        finally:
+            self._lock.release()
+
+    def abandon(self) -> None:
+        """Close the stream after its answer to a request was refused by the caller (a
+        read whose rows are not those asked for): nothing after it on the stream is
+        trusted; the next request opens another."""
+        with self._lock:
+            self._drop()
 
     # ------------------------------------------------------------------ the stream
 
@@ -265,7 +303,9 @@ class Requests:
             hello = reader.read_chunk()
             if not greeted.acquire(blocking=False):  # cancelled as it came: not this one
                 raise StopIteration
-            parse_frame(hello.app_metadata, "request stream").header["ok"]
+            greeting = parse_frame(hello.app_metadata, "request stream").header
+            greeting["ok"]
+            opened.numbered = greeting.get("numbered") is True
         except (*_FOREIGN, StopIteration, FlightqError, KeyError):
             self._refused_until = now + RETRY_OPEN_S
             if opened is not None:  # closed now, not left for the collector to find
@@ -286,6 +326,7 @@ class Requests:
         return self._stream
 
     def _drop(self) -> None:
+        """Close the stream (the lock held); the next request opens another."""
         stream, self._stream = self._stream, None
         if stream is not None:
             with contextlib.suppress(Exception):
@@ -329,3 +370,30 @@ class Requests:
                 stream.reader.cancel()
         with self._lock:
             self._drop()
+
+
+def _in_turn(got: Frame, n: int, numbered: bool, what: str) -> FlightqError | None:
+    """The error an answer to request ``n`` carries (None: an answer), where it is one
+    the client can take: ``"ok"``, ``"error"`` or ``"retry"``, and on a ``numbered``
+    stream echoing ``n`` (or an error of no request, naming none: the frame itself was
+    refused).
+
+    Raises
+    ------
+    ProtocolError
+        Naming what the answer lacks or which request it answers.
+    """
+    h = got.header
+    if numbered and h.get("n") != n and not ("error" in h and "n" not in h):
+        raise ProtocolError(
+            f"{what}: the request stream answered request {str(h.get('n'))[:64]} where "
+            f"request {n} was asked (an answer sent twice, or one lost)"
+        )
+    if "error" in h:
+        return ErrorDetail.parse(h["error"]).error()
+    if "ok" not in h and "retry" not in h:
+        raise ProtocolError(
+            f"{what}: the request stream's answer has neither 'ok', 'error' nor 'retry' "
+            f"(keys {sorted(map(str, h))[:8]})"
+        )
+    return None

@@ -42,7 +42,7 @@ __all__ = ["serve_requests", "HELLO"]
 log = logging.getLogger("flightq.server")
 
 #: The stream's first answer: the server takes requests.
-HELLO = {"ok": b"", "max_frame": MAX_FRAME_BYTES}
+HELLO = {"ok": b"", "max_frame": MAX_FRAME_BYTES, "numbered": True}
 #: Room an answer's frame needs beyond its batches (header, schema).
 _FRAME_SLACK = 64 << 10
 
@@ -96,11 +96,12 @@ def serve_requests(
         started = time.perf_counter()
         kind = "stream"
         undo: Callable[..., None] | None = None
+        echo: dict[str, int] = {}  # the request's number, once its frame is read
         try:
             if closing():
                 raise UnavailableError("the server is shutting down; retry on another server")
             try:
-                kind, reply, undo = _handle(chunk, context, put, answer, act, counters, limit)
+                kind, reply, undo = _handle(chunk, context, put, answer, act, counters, limit, echo)
             except (FlightqError, fl.FlightError):  # typed, or the transport's own
                 raise
             except MemoryError as e:  # an allocation past the process's cap (Arrow's too)
@@ -124,7 +125,7 @@ def serve_requests(
                 getattr(e, "key", None),
                 e,
             )
-            reply = pack_frame({"error": ErrorDetail.of(e).to_wire()})
+            reply = pack_frame({"error": ErrorDetail.of(e).to_wire(), **echo})
 
         def write(reply: pa.Buffer = reply) -> Iterator[None]:
             writer.write_metadata(reply)
@@ -151,9 +152,11 @@ def _handle(
     act: Act,
     counters: Counters,
     limit: int | None,
+    echo: dict[str, int],
 ) -> tuple[str, pa.Buffer, Callable[..., None] | None]:
     """One request: its kind (for the latency histogram), its answer's frame, and what
-    gives a claim's rows back."""
+    gives a claim's rows back. The request's number, where it has one, is put in
+    ``echo`` as soon as its frame is read, and every answer to it carries it."""
     what = "request stream"
     if chunk.data is not None:
         raise ProtocolError(
@@ -161,6 +164,14 @@ def _handle(
             "record batch"
         )
     frame = parse_frame(chunk.app_metadata, what, check=True, limit=limit)
+    n = frame.header.get("n")
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 2**63:
+            raise ProtocolError(
+                f"{what}: a request's number 'n' must be an int in [0, 2**63), got "
+                f"{type(n).__name__}"
+            )
+        echo["n"] = n
     op, cmd = frame.header.get("op"), frame.header.get("cmd")
     if not isinstance(cmd, bytes):
         raise ProtocolError(f"{what}: a request's 'cmd' must be bytes, got {type(cmd).__name__}")
@@ -171,7 +182,7 @@ def _handle(
         # What it created beside the acknowledgement: a client that reads only "ok" (an
         # older one) never parses it.
         ack = {"ok": PutAck(rows=done.rows).to_wire(), "created": done.record().to_wire()}
-        return "put", pack_frame(ack), None
+        return "put", pack_frame({**ack, **echo}), None
     if op == "act":
         kind = frame.header.get("type")
         if kind not in STREAM_ACTIONS:
@@ -184,8 +195,8 @@ def _handle(
             # A read's large reply (a partition's keys and tags, every partition's
             # stats): asked again per call. An ack naming more lost rows than a frame
             # holds (a client past STREAM_ACK_ROWS): it ran; acking again is harmless.
-            return f"action:{kind}", pack_frame({"retry": len(body)}), None
-        return f"action:{kind}", pack_frame({"ok": body}), None
+            return f"action:{kind}", pack_frame({"retry": len(body), **echo}), None
+        return f"action:{kind}", pack_frame({"ok": body, **echo}), None
     if op != "read":
         raise ProtocolError(f"{what}: unknown op {op!r}; expected 'put', 'read' or 'act'")
     t = parse_ticket(cmd, limit)
@@ -201,11 +212,12 @@ def _handle(
         # Past the limit, what was made of it goes and the rest is never made; the frame
         # itself, the batches' IPC framing included (many small ones), is held to it too.
         out, past = _within(batches, limit)
-        reply = None if past else pack_frame({"ok": b""}, schema, out)
+        reply = None if past else pack_frame({"ok": b"", **echo}, schema, out)
         if reply is None or reply.size > MAX_FRAME_BYTES:
             if undo is not None:
                 undo(False)  # never sent: back where they were, not a delivery
-            return t.op, pack_frame({"retry": past if reply is None else reply.size}), None
+            retry = {"retry": past if reply is None else reply.size, **echo}
+            return t.op, pack_frame(retry), None
         counters.add("bytes_sent", reply.size)
         return t.op, reply, undo
     except BaseException:

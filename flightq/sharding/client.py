@@ -40,9 +40,10 @@ from ..client.client import (
     SCHEMA_FAULTS,
     redeclared,
     resolve_schemas,
+    same_protocol,
 )
 from ..client.interface import PutReceipt
-from ..client.reads import claim_grant
+from ..client.reads import bounded, claimed, granted, in_order
 from ..cuda import decode_to_device, resolve_device
 from ..errors import (
     ClaimTimeoutError,
@@ -108,6 +109,8 @@ def connect_sharded(
         Naming each shard that cannot be reached.
     SchemaMismatchError, UnknownSchemaError
         Naming the shard whose schema differs.
+    ProtocolError
+        Naming a shard that speaks another protocol version.
 
     Examples
     --------
@@ -123,7 +126,8 @@ def connect_sharded(
         **flight_kwargs,
     )
     try:
-        client.health()
+        for where, health in client.health()["shards"].items():
+            same_protocol(health, f"{where} (a shard)")
         wanted = resolve_schemas(schemas, registry)
         if wanted:
             client.check_schemas(wanted)
@@ -390,7 +394,16 @@ class ShardedClient(Fanout):
 
         def one(s: int, pos: list[int]) -> Callable[[Any], list[pa.RecordBatch]]:
             t = GetTicket(partition=partition, keys=[ks[i] for i in pos], fields=f)
-            return lambda _: list(self.transports[s].get(t, what, timeout=timeout))
+
+            def read(_: Any) -> list[pa.RecordBatch]:
+                # Held to what was asked of the shard, as a Client's get is: a stream
+                # past its keys refused at that batch, its rows its keys in order.
+                got = self.transports[s].get(t, what, timeout=timeout)
+                bs = list(bounded(got, len(t.keys), what))
+                in_order(t.keys, keys_of(bs), what)
+                return bs
+
+            return read
 
         started = time.perf_counter()
         res = self._fan({s: one(s, pos) for s, pos in parts.items()})
@@ -476,6 +489,26 @@ class ShardedClient(Fanout):
         started = time.perf_counter()
 
         down: dict[int, UnavailableError] = {}
+        taken: set[str] = set()  # the rows the claim's shards gave so far
+
+        def read(s: int, t: ClaimTicket, secs: float) -> list[pa.RecordBatch]:
+            # Held to what was asked, as a Client's claim is; a claim whose rows were taken
+            # (its grant came) joins `grants` before any check, so that they go back.
+            grant: list[ClaimGrant] = []
+            got = self.transports[s].get(t, what, timeout=secs + 5.0)
+            try:
+                bs = list(bounded(granted(got, grant, what), t.batch_size, what))
+                if not grant:
+                    raise ProtocolError(f"{what}: the claim's answer carries no rows")
+                ks = keys_of(bs)
+                claimed(ks, grant[0].deliveries, t.batch_size, what, taken)
+            except BaseException:
+                if grant:
+                    grants.append((s, grant[0], []))
+                raise
+            grants.append((s, grant[0], ks))
+            taken.update(ks)
+            return bs
 
         def take(s: int, size: int, secs: float) -> int:
             if s in down:
@@ -492,15 +525,14 @@ class ShardedClient(Fanout):
                     session=self._clients[s].session.id(),
                 )
                 try:
-                    bs = list(self.transports[s].get(t, what, timeout=secs + 5.0))
+                    bs = read(s, t, secs)
                 except NotFoundError as e:
                     if e.key is None or e.key != t.session:
                         raise
                     # The shard no longer knows the session (it restarted): open another.
                     fresh = self._clients[s].session.reopen(e.key)
                     t = dataclasses.replace(t, session=fresh)
-                    bs = list(self.transports[s].get(t, what, timeout=secs + 5.0))
-                grants.append((s, claim_grant(bs[0], what), keys_of(bs)))
+                    bs = read(s, t, secs)
             except ClaimTimeoutError:
                 return 0
             except UnavailableError as e:

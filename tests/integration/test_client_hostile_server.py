@@ -162,6 +162,24 @@ def test_a_list_keys_reply_whose_lists_disagree_is_refused(liar) -> None:
         c.list_keys("p")
 
 
+@pytest.mark.parametrize(
+    "listed",
+    [["a", "zz"], ["a"], ["b", "a"], ["a", "b", "c"]],
+    ids=["other", "short", "order", "more"],
+)
+def test_a_list_keys_reply_of_other_keys_is_refused(liar, listed: list[str]) -> None:
+    def reply(name: str, body: Any) -> Iterator[bytes]:
+        n = len(listed)
+        r = {"keys": listed, "tags": [{}] * n, "fields": ["input_ids"], "present": [[0]] * n}
+        return iter([msgpack.packb(r)])
+
+    c = liar(action=reply)
+    with pytest.raises(ProtocolError, match="not the 2 keys asked for"):
+        c.list_keys("p", ["a", "b"])
+    with pytest.raises(ProtocolError, match="not the 2 keys asked for"):
+        c.list_keys("p", ["a", "b", "a"])  # a key named twice is listed once
+
+
 def test_a_reply_of_megabytes_of_empty_maps_is_refused_before_it_is_decoded(server) -> None:
     n = 20_000_000  # 20 MB on the wire, about 3 GB of Python dicts once decoded
     bomb = (
@@ -236,3 +254,18 @@ def test_a_refused_request_stream_is_closed_at_once(liar, capfd) -> None:
     del c
     gc.collect()
     assert "Close() failed" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("protocol", [PROTOCOL_VERSION + 1, 999, 0], ids=["next", "999", "zero"])
+def test_a_server_of_another_protocol_version_is_refused_at_connect(server, protocol: int) -> None:
+    server.answer = {
+        "health": lambda name, body: iter([msgpack.packb({**HEALTH, "protocol": protocol})])
+    }
+    with pytest.raises(
+        ProtocolError, match=f"speaks flightq protocol {protocol}; this client speaks"
+    ):
+        flightq.connect(f"grpc://127.0.0.1:{server.port}", timeout=5.0)
+    with pytest.raises(
+        ProtocolError, match=f"speaks flightq protocol {protocol}; this client speaks"
+    ):
+        flightq.connect_sharded([f"grpc://127.0.0.1:{server.port}"], timeout=5.0)

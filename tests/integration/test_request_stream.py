@@ -32,7 +32,7 @@ from flightq.errors import (
     SchemaMismatchError,
 )
 from flightq.frames import MAX_FRAME_BYTES, pack_frame, parse_frame
-from flightq.protocol import GetTicket, PutCommand
+from flightq.protocol import GetTicket, PutCommand, RequestsCommand
 from flightq.server.budget import underlying_bytes
 
 pytestmark = pytest.mark.timeout(60)
@@ -443,6 +443,65 @@ def test_hostile_frames_are_refused_and_the_stream_serves_on(
     finally:
         c.close()
     assert set(client.list_keys("h")) == {"k", "x"}  # nothing of the refused puts stored
+
+
+def test_every_answer_echoes_its_requests_number_and_a_bad_number_is_refused(
+    server: flightq.Server, client: flightq.Client
+) -> None:
+    # The client takes answers in turn; the number lets it tell an answer sent twice (or
+    # one lost) from the answer to its request.
+    client.create_partition("num", TEXT, tasks=["train"])
+    client.put("num", ["k"], text_columns(["k"]))
+    batch = flightq.encode(flightq.SchemaRegistry.default().get(TEXT), text_columns(["x"]), ["x"])
+    put_cmd = PutCommand(partition="num", rows=1, timeout=1.0).to_wire()
+    get = GetTicket(partition="num", keys=["k"]).to_wire()
+    c = fl.connect(server.location)
+    writer, reader = c.do_exchange(fl.FlightDescriptor.for_command(RequestsCommand().to_wire()))
+    try:
+        hello = parse_frame(reader.read_chunk().app_metadata, "hello")
+        assert hello.header["numbered"] is True
+        answers = [
+            ask(writer, reader, pack_frame({"op": "read", "cmd": get, "n": 7})),
+            ask(
+                writer,
+                reader,
+                pack_frame({"op": "put", "cmd": put_cmd, "n": 8}, batch.schema, [batch]),
+            ),
+            ask(writer, reader, pack_frame({"op": "act", "type": "stats", "cmd": b"\x80", "n": 9})),
+            ask(writer, reader, pack_frame({"op": "read", "cmd": get, "max": 1, "n": 10})),
+            ask(
+                writer,
+                reader,
+                pack_frame(
+                    {
+                        "op": "read",
+                        "cmd": GetTicket(partition="num", keys=["nope"]).to_wire(),
+                        "n": 2**63 - 1,
+                    }
+                ),
+            ),
+        ]
+        assert [a.header["n"] for a in answers] == [7, 8, 9, 10, 2**63 - 1]
+        assert [next(k for k in ("ok", "retry", "error") if k in a.header) for a in answers] == [
+            "ok",
+            "ok",
+            "ok",
+            "retry",
+            "error",
+        ]
+        # Without a number (an older client), none is echoed.
+        assert "n" not in ask(writer, reader, pack_frame({"op": "read", "cmd": get})).header
+        for bad in [-1, 2**63, "7", True, 1.5, [7]]:
+            got = ask(writer, reader, raw_frame({"op": "read", "cmd": get, "n": bad}))
+            assert "n" not in got.header
+            kind, message = refusal(got)
+            assert kind is ProtocolError and "'n' must be an int in [0, 2**63)" in message, bad
+        assert (
+            ask(writer, reader, pack_frame({"op": "read", "cmd": get, "n": 11})).header["n"] == 11
+        )
+        writer.done_writing()
+    finally:
+        c.close()
 
 
 def test_hostile_put_cannot_overfill_the_budget() -> None:
