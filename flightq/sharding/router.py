@@ -85,6 +85,12 @@ def score(location: str, routing_key: str) -> int:
     return int.from_bytes(h.digest(), "big")
 
 
+#: Routing keys whose shard a :class:`Router` remembers: a long run meets endless new
+#: groups and sees each only during its step, so the memo is emptied once full (the
+#: groups of the current steps fill it again) instead of keeping the first ones forever.
+MEMO_KEPT = 1 << 16
+
+
 class Router:
     """Maps row keys to shards by rendezvous hashing of their routing key.
 
@@ -122,8 +128,9 @@ class Router:
         if s is None:
             scores = [score(loc, rk) for loc in self.locations]
             s = max(range(len(scores)), key=scores.__getitem__)
-            if len(self._memo) < 1_000_000:  # bounded: long runs create endless groups
-                self._memo[rk] = s
+            if len(self._memo) >= MEMO_KEPT:  # long runs create endless groups
+                self._memo.clear()
+            self._memo[rk] = s
         return s
 
     def split(self, keys: Sequence[str]) -> dict[int, list[int]]:

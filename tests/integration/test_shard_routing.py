@@ -13,7 +13,7 @@ import pytest
 from fixtures_dataplane import TEXT, python_env, text_columns, text_keys
 
 from flightq import SchemaRegistry, ShapeError, decode, encode
-from flightq.sharding.router import Router, gather, group_key, merge, runs, score
+from flightq.sharding.router import MEMO_KEPT, Router, gather, group_key, merge, runs, score
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,6 +98,19 @@ def test_location_order_does_not_change_where_a_key_lives() -> None:
     for p in range(300):
         k = f"g{p}_g0"
         assert a.locations[a.shard_of(k)] == b.locations[b.shard_of(k)]
+
+
+def test_a_long_runs_endless_groups_keep_the_routing_memo_bounded_and_routing_unchanged() -> None:
+    # A run meets new prompt groups every step: the memo of their shards is emptied once
+    # full (it kept the first million before, about 106 MiB, then helped no more).
+    locs = [f"grpc://node{i}:8815" for i in range(3)]
+    r = Router(locs)
+    n = MEMO_KEPT + 1000
+    routed = [r.shard_of(f"step{i}_g0") for i in range(n)]
+    assert 0 < len(r._memo) <= MEMO_KEPT
+    assert r.shard_of("step7_g0") == routed[7]  # remembered again after the memo emptied
+    fresh = Router(locs)
+    assert [fresh.shard_of(f"step{i}_g0") for i in range(0, n, 997)] == routed[::997]
 
 
 def test_router_refuses_no_locations_and_repeated_ones() -> None:
