@@ -1018,6 +1018,9 @@ class ServerCounters(Message):
     #: than one per MIN_BEAT_GAP seconds on their session.
     beats: int = _field(_int(0), 0)
     beats_slowed: int = _field(_int(0), 0)
+    #: Calls that ended with an error because their client had gone (a waiting claim
+    #: whose consumer died or cancelled it): counted here, not among the refusals.
+    cancelled: int = _field(_int(0), 0)
 
 
 @dataclasses.dataclass(**_FROZEN)

@@ -117,7 +117,10 @@ def serve_requests(
                 ) from e
         except FlightqError as e:
             suggest(e)  # close names of an unknown one, now that no lock is held
-            counters.refused(type(e).__name__)
+            if context.is_cancelled():
+                counters.add("cancelled")  # no one to refuse: its client is gone
+            else:
+                counters.refused(type(e).__name__)
             log.info(
                 "refused %s on the request stream (partition %s, key %s): %s",
                 type(e).__name__,

@@ -413,7 +413,10 @@ class Server(fl.FlightServerBase):
             return fn(*args)
         except FlightqError as e:
             suggest(e)  # close names of an unknown one, now that no lock is held
-            self.counters.refused(type(e).__name__)
+            if any(isinstance(a, fl.ServerCallContext) and a.is_cancelled() for a in args):
+                self.counters.add("cancelled")  # no one to refuse: its client is gone
+            else:
+                self.counters.refused(type(e).__name__)
             log.info(
                 "refused %s (partition %s, key %s): %s",
                 type(e).__name__,

@@ -35,6 +35,7 @@ COUNTERS = (
     "shm_answers_declined",
     "beats",
     "beats_slowed",
+    "cancelled",
 )
 
 

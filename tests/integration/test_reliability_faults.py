@@ -132,6 +132,10 @@ def test_a_claim_its_caller_abandoned_stops_waiting_and_takes_no_rows():
         # The server notices the caller left and stops waiting (well before TIMEOUT).
         outcome = srv.gets.get(timeout=TIMEOUT / 2)
         assert "FlightqTimeoutError: claim from 'p' for task 'train' was cancelled" in outcome
+        # Counted as a call whose client had gone, not as a refusal (a preempted trainer
+        # would otherwise raise the refusal counters that alerts watch).
+        counters = c.stats()["counters"]
+        assert counters["cancelled"] == 1 and counters["refusals"] == {}
         c.put("p", ["k0"], text_columns(["k0"]))
         assert c.inspect("p")["delivered"] == {"train": 0}
         assert c.claim("p", "train", 1, timeout=TIMEOUT).keys == ["k0"]

@@ -32,7 +32,7 @@ from flightq.errors import (
     SchemaMismatchError,
 )
 from flightq.frames import MAX_FRAME_BYTES, pack_frame, parse_frame
-from flightq.protocol import GetTicket, PutCommand, RequestsCommand
+from flightq.protocol import ClaimTicket, GetTicket, PutCommand, RequestsCommand
 from flightq.server.budget import underlying_bytes
 
 pytestmark = pytest.mark.timeout(60)
@@ -139,6 +139,31 @@ def test_blocking_claim_on_the_stream_times_out_typed(
     assert streamed.get("w", keys, as_="numpy").keys == keys  # not blocked by the claim
     waiter.join(TIMEOUT)
     assert done and done[0][0] is ClaimTimeoutError
+
+
+def test_a_claim_waiting_on_the_stream_whose_client_went_away_is_counted_cancelled(
+    server: flightq.Server, client: flightq.Client
+) -> None:
+    # Not a refusal: a preempted trainer must not raise the refusal counters alerts watch.
+    client.create_partition("gone", TEXT, tasks=["train"])
+    before = client.stats()["counters"]
+    claim = ClaimTicket(partition="gone", task="train", batch_size=1, timeout=60.0)
+    c, writer, reader = open_stream(server.location)
+    writer.write_metadata(pack_frame({"op": "read", "cmd": claim.to_wire(), "n": 1}))
+    time.sleep(0.5)  # the claim waits for rows
+    reader.cancel()
+    c.close()
+    deadline = time.monotonic() + TIMEOUT
+    while client.stats()["counters"]["cancelled"] == before["cancelled"]:
+        assert time.monotonic() < deadline, "the abandoned claim was never counted"
+        time.sleep(0.05)
+    after = client.stats()["counters"]
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["refusals"].get("FlightqTimeoutError", 0) == before["refusals"].get(
+        "FlightqTimeoutError", 0
+    )
+    client.put("gone", ["k"], text_columns(["k"]))
+    assert client.claim("gone", "train", 1, timeout=TIMEOUT, as_="numpy").keys == ["k"]
 
 
 def test_threads_share_one_client(pair: tuple[flightq.Client, flightq.Client]) -> None:
