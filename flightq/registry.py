@@ -101,6 +101,9 @@ class SchemaRegistry:
     def __init__(self, schemas: list[Schema] | None = None) -> None:
         self._lock = threading.Lock()
         self._by_name: dict[str, dict[int, Schema]] = {}
+        #: Schemas registered under a cap (at run time, by clients), oldest first: those a
+        #: full registry may forget (:meth:`forget_oldest`).
+        self._added: dict[str, None] = {}
         for s in sorted(schemas or [], key=lambda s: (s.name, s.version)):
             self.register(s)
 
@@ -144,7 +147,8 @@ class SchemaRegistry:
 
     def register(self, schema: Schema, max_schemas: int | None = None) -> Schema:
         """Add a schema; idempotent for an identical one. With ``max_schemas``, a new one
-        is refused once the registry holds that many.
+        is refused once the registry holds that many, and is one :meth:`forget_oldest`
+        may forget later.
 
         Raises
         ------
@@ -183,7 +187,25 @@ class SchemaRegistry:
             if newer:
                 check_evolution(schema, versions[min(newer)])
             versions[schema.version] = schema
+            if max_schemas is not None:
+                self._added[schema.ref] = None
             return schema
+
+    def forget_oldest(self, keep: set[str]) -> Schema | None:
+        """Forget the oldest schema registered under a cap whose ref is not in ``keep``
+        (the schemas partitions use); returns it, or None where there is none. Schemas
+        the registry was made with are never forgotten."""
+        with self._lock:
+            ref = next((r for r in self._added if r not in keep), None)
+            if ref is None:
+                return None
+            del self._added[ref]
+            name, _, version = ref.rpartition("@")
+            versions = self._by_name[name]
+            gone = versions.pop(int(version))
+            if not versions:
+                del self._by_name[name]
+            return gone
 
     def get(self, ref: str, version: int | None = None) -> Schema:
         """A schema by ``"name@V"``, by ``(name, V)``, or the latest version of ``name``.

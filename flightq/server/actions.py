@@ -160,10 +160,17 @@ def _register_schema(ctx: ActionContext, req: RegisterSchema) -> SchemaRef:
             actual=size,
         )
     s = Schema.from_json(req.schema)
-    try:
-        ctx.registry.register(s, max_schemas=MAX_SCHEMAS)
-    except SchemaError as e:
-        raise SchemaMismatchError(str(e)) from e
+    while True:
+        try:
+            ctx.registry.register(s, max_schemas=MAX_SCHEMAS)
+            break
+        except ResourceExhaustedError:
+            # Full: the oldest schema a client registered that no partition uses makes
+            # room (a long-lived server whose runs bump versions is never cut off).
+            if ctx.registry.forget_oldest(ctx.store.schemas_used()) is None:
+                raise
+        except SchemaError as e:
+            raise SchemaMismatchError(str(e)) from e
     return SchemaRef(ref=s.ref, fingerprint=s.fingerprint)
 
 

@@ -290,6 +290,11 @@ class Store:
         with self._lock:
             return [self._parts[n] for n in sorted(self._parts)]
 
+    def schemas_used(self) -> set[str]:
+        """The refs of the schemas the partitions are declared with."""
+        with self._lock:
+            return {p.schema.ref for p in self._parts.values()}
+
     def capture(self, names: Sequence[str] | None = None) -> list[Partition]:
         """Consistent copies of partitions (all when ``names`` is None), for a snapshot.
 

@@ -23,6 +23,7 @@ from helpers_reliability import partition_state, plain_error, plain_put, put_com
 
 import flightq
 from flightq.protocol import Clear
+from flightq.schema import Schema
 from flightq.server import budget
 
 TEXT = "rollout_text@1"
@@ -220,16 +221,18 @@ def _schema_json(name: str, fields: int = 1) -> str:
 
 
 def test_registered_schemas_are_capped_in_size_and_count():
-    with flightq.Server() as srv:
+    with flightq.Server() as srv, flightq.connect(srv.location) as c:
         loc = srv.location
+        shipped = set(srv.registry.names())
         text = _schema_json("huge", fields=400)
         assert len(text) > budget.MAX_SCHEMA_BYTES
         with pytest.raises(fl.FlightError) as info:
             action(loc, "register_schema", {"schema": text})
         assert plain_error(info.value)[0] == "ResourceExhaustedError"
         room = budget.MAX_SCHEMAS - len(srv.registry)
-        for i in range(room):
+        for i in range(room):  # each used by a partition
             action(loc, "register_schema", {"schema": _schema_json(f"s{i}")})
+            c.create_partition(f"p{i}", Schema.from_json(_schema_json(f"s{i}")), tasks=["t"])
         with pytest.raises(fl.FlightError) as info:
             action(loc, "register_schema", {"schema": _schema_json("one_more")})
         kind, msg = plain_error(info.value)
@@ -237,6 +240,20 @@ def test_registered_schemas_are_capped_in_size_and_count():
         assert "one_more" not in srv.registry.names()
         action(loc, "register_schema", {"schema": _schema_json("s0")})  # identical: accepted
         assert action(loc, "health", {})["ok"]
+        # Once partitions no longer use them, the oldest registered make room, one each:
+        # a long-lived server whose runs register new versions is never cut off for good.
+        c.drop("p1")
+        c.drop("p0")
+        action(loc, "register_schema", {"schema": _schema_json("one_more")})
+        action(loc, "register_schema", {"schema": _schema_json("two_more")})
+        names = set(srv.registry.names())
+        assert {"one_more", "two_more"} <= names and not {"s0", "s1"} & names
+        assert shipped <= names and {f"s{i}" for i in range(2, room)} <= names
+        assert len(srv.registry) == budget.MAX_SCHEMAS
+        # A schema no partition uses goes before any in use: "one_more" now.
+        action(loc, "register_schema", {"schema": _schema_json("three_more")})
+        assert "one_more" not in srv.registry.names()
+        assert c.create_partition("p2", Schema.from_json(_schema_json("s2")), tasks=["t"]) is False
 
 
 def test_with_tokens_registering_a_schema_needs_a_token():
