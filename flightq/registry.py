@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -24,6 +25,10 @@ from .errors import EvolutionError, ResourceExhaustedError, SchemaError, Unknown
 from .schema import Schema, parse_ref
 
 __all__ = ["SchemaRegistry", "check_evolution", "shipped_schema_dir"]
+
+#: Refs a registry forgot (:meth:`SchemaRegistry.forget_oldest`) whose fingerprints it
+#: keeps, so that one comes back with its content only.
+FORGOTTEN_KEPT = 4096
 
 _VERSION_FILE = re.compile(r"^v([1-9][0-9]*)\.json$")
 
@@ -101,9 +106,11 @@ class SchemaRegistry:
     def __init__(self, schemas: list[Schema] | None = None) -> None:
         self._lock = threading.Lock()
         self._by_name: dict[str, dict[int, Schema]] = {}
-        #: Schemas registered under a cap (at run time, by clients), oldest first: those a
-        #: full registry may forget (:meth:`forget_oldest`).
-        self._added: dict[str, None] = {}
+        #: Schemas registered under a cap (at run time, by clients), by when each was last
+        #: used, least recently first: those a full registry may forget (:meth:`forget_oldest`).
+        self._added: dict[str, float] = {}
+        #: Refs forgotten so, with their fingerprints: one may come back with its content only.
+        self._forgotten: dict[str, str] = {}
         for s in sorted(schemas or [], key=lambda s: (s.name, s.version)):
             self.register(s)
 
@@ -148,55 +155,61 @@ class SchemaRegistry:
     def register(self, schema: Schema, max_schemas: int | None = None) -> Schema:
         """Add a schema; idempotent for an identical one. With ``max_schemas``, a new one
         is refused once the registry holds that many, and is one :meth:`forget_oldest`
-        may forget later.
+        may forget later (a ref forgotten so can come back with its content alone).
 
         Raises
         ------
         ResourceExhaustedError
-            If the registry holds ``max_schemas`` already and ``schema`` is new.
+            If the registry holds ``max_schemas`` already and ``schema`` is new (checked
+            after everything else: a schema refused so is a valid one).
         SchemaError
-            If another schema with the same name and version is already registered.
+            If another schema with the same name and version is registered, or was and
+            was forgotten.
         EvolutionError
             If it breaks the evolution rules against its neighbouring versions.
         """
         with self._lock:
-            versions = self._by_name.setdefault(schema.name, {})
+            versions = self._by_name.get(schema.name, {})
             have = versions.get(schema.version)
-            if have is not None:
-                if have.fingerprint != schema.fingerprint:
-                    raise SchemaError(
-                        f"{schema.ref} is already registered with fingerprint "
-                        f"{have.fingerprint}, not {schema.fingerprint}; released versions "
-                        "are immutable",
-                        expected=have.fingerprint,
-                        actual=schema.fingerprint,
-                    )
-                return have
-            if max_schemas is not None and sum(map(len, self._by_name.values())) >= max_schemas:
-                if not versions:
-                    del self._by_name[schema.name]
-                raise ResourceExhaustedError(
-                    f"cannot register {schema.ref}: the server holds {max_schemas} schemas, "
-                    "its limit",
-                    expected=max_schemas,
+            known = self._forgotten.get(schema.ref) if have is None else have.fingerprint
+            if known is not None and known != schema.fingerprint:
+                raise SchemaError(
+                    f"{schema.ref} {'is already' if have else 'was'} registered with fingerprint "
+                    f"{known}, not {schema.fingerprint}; released versions are immutable",
+                    expected=known,
+                    actual=schema.fingerprint,
                 )
+            if have is not None:
+                self._touch(schema.ref)
+                return have
             older = [v for v in versions if v < schema.version]
             newer = [v for v in versions if v > schema.version]
             if older:
                 check_evolution(versions[max(older)], schema)
             if newer:
                 check_evolution(schema, versions[min(newer)])
-            versions[schema.version] = schema
+            if max_schemas is not None and sum(map(len, self._by_name.values())) >= max_schemas:
+                raise ResourceExhaustedError(
+                    f"cannot register {schema.ref}: the server holds {max_schemas} schemas, "
+                    "its limit",
+                    expected=max_schemas,
+                )
+            self._by_name.setdefault(schema.name, {})[schema.version] = schema
             if max_schemas is not None:
-                self._added[schema.ref] = None
+                self._added[schema.ref] = time.monotonic()
             return schema
 
-    def forget_oldest(self, keep: set[str]) -> Schema | None:
-        """Forget the oldest schema registered under a cap whose ref is not in ``keep``
-        (the schemas partitions use); returns it, or None where there is none. Schemas
-        the registry was made with are never forgotten."""
+    def forget_oldest(self, keep: set[str], idle: float = 0.0) -> Schema | None:
+        """Forget the least recently used schema registered under a cap (registered again,
+        looked up or checked) whose ref is not in ``keep`` (the schemas partitions use)
+        and that went unused for ``idle`` seconds at least; returns it, or None where
+        there is none. Schemas the registry was made with are never forgotten; a
+        forgotten ref may be registered again with the same content only."""
         with self._lock:
-            ref = next((r for r in self._added if r not in keep), None)
+            now = time.monotonic()
+            ref = next(
+                (r for r, t in self._added.items() if r not in keep and now - t >= idle), None
+            )
             if ref is None:
                 return None
             del self._added[ref]
@@ -205,7 +218,16 @@ class SchemaRegistry:
             gone = versions.pop(int(version))
             if not versions:
                 del self._by_name[name]
+            self._forgotten[ref] = gone.fingerprint
+            while len(self._forgotten) > FORGOTTEN_KEPT:
+                del self._forgotten[next(iter(self._forgotten))]
             return gone
+
+    def _touch(self, ref: str) -> None:
+        """Mark a schema registered under a cap as used now (the lock held)."""
+        if ref in self._added:
+            del self._added[ref]
+            self._added[ref] = time.monotonic()
 
     def get(self, ref: str, version: int | None = None) -> Schema:
         """A schema by ``"name@V"``, by ``(name, V)``, or the latest version of ``name``.
@@ -225,13 +247,15 @@ class SchemaRegistry:
                     expected=name if v is None else f"{name}@{v}",
                 )
             if v is None:
-                return versions[max(versions)]
-            if v not in versions:
+                v = max(versions)
+            elif v not in versions:
                 raise UnknownSchemaError(
                     f"unknown schema version {name}@{v}; registered versions: "
                     f"{', '.join(str(x) for x in sorted(versions))}",
                     expected=f"{name}@{v}",
                 )
+            if self._added:
+                self._touch(f"{name}@{v}")
             return versions[v]
 
     def names(self) -> list[str]:

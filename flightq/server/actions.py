@@ -150,6 +150,12 @@ def _check_schemas(ctx: ActionContext, req: CheckSchemas) -> CheckSchemasReply:
     )
 
 
+#: Seconds a schema registered at run time must go unused (not registered again, looked
+#: up by a declaration or a schema check) before a full registry may forget it: a client
+#: that registered one and declares its partition next is never cut in between.
+SCHEMA_IDLE_S = 60.0
+
+
 def _register_schema(ctx: ActionContext, req: RegisterSchema) -> SchemaRef:
     size = len(req.schema.encode("utf-8", "surrogatepass"))
     if size > MAX_SCHEMA_BYTES:
@@ -165,9 +171,10 @@ def _register_schema(ctx: ActionContext, req: RegisterSchema) -> SchemaRef:
             ctx.registry.register(s, max_schemas=MAX_SCHEMAS)
             break
         except ResourceExhaustedError:
-            # Full: the oldest schema a client registered that no partition uses makes
-            # room (a long-lived server whose runs bump versions is never cut off).
-            if ctx.registry.forget_oldest(ctx.store.schemas_used()) is None:
+            # Full: the least recently used schema a client registered that no partition
+            # uses, idle for SCHEMA_IDLE_S, makes room (a long-lived server whose runs
+            # register new versions is never cut off for good).
+            if ctx.registry.forget_oldest(ctx.store.schemas_used(), SCHEMA_IDLE_S) is None:
                 raise
         except SchemaError as e:
             raise SchemaMismatchError(str(e)) from e

@@ -24,7 +24,7 @@ from helpers_reliability import partition_state, plain_error, plain_put, put_com
 import flightq
 from flightq.protocol import Clear
 from flightq.schema import Schema
-from flightq.server import budget
+from flightq.server import actions, budget
 
 TEXT = "rollout_text@1"
 
@@ -223,7 +223,6 @@ def _schema_json(name: str, fields: int = 1) -> str:
 def test_registered_schemas_are_capped_in_size_and_count():
     with flightq.Server() as srv, flightq.connect(srv.location) as c:
         loc = srv.location
-        shipped = set(srv.registry.names())
         text = _schema_json("huge", fields=400)
         assert len(text) > budget.MAX_SCHEMA_BYTES
         with pytest.raises(fl.FlightError) as info:
@@ -240,8 +239,27 @@ def test_registered_schemas_are_capped_in_size_and_count():
         assert "one_more" not in srv.registry.names()
         action(loc, "register_schema", {"schema": _schema_json("s0")})  # identical: accepted
         assert action(loc, "health", {})["ok"]
-        # Once partitions no longer use them, the oldest registered make room, one each:
-        # a long-lived server whose runs register new versions is never cut off for good.
+        # A schema just used (here by its partition, dropped now) is kept a while: a
+        # client between registering and declaring is never cut off.
+        c.drop("p1")
+        c.drop("p0")
+        with pytest.raises(fl.FlightError) as info:
+            action(loc, "register_schema", {"schema": _schema_json("one_more")})
+        assert "its limit" in plain_error(info.value)[1]
+
+
+def test_a_full_registry_forgets_the_least_recently_used_schema_no_partition_uses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A long-lived server whose runs register new versions is never cut off for good.
+    monkeypatch.setattr(actions, "SCHEMA_IDLE_S", 0.0)
+    with flightq.Server() as srv, flightq.connect(srv.location) as c:
+        loc = srv.location
+        shipped = set(srv.registry.names())
+        room = budget.MAX_SCHEMAS - len(srv.registry)
+        for i in range(room):  # each used by a partition
+            action(loc, "register_schema", {"schema": _schema_json(f"s{i}")})
+            c.create_partition(f"p{i}", Schema.from_json(_schema_json(f"s{i}")), tasks=["t"])
         c.drop("p1")
         c.drop("p0")
         action(loc, "register_schema", {"schema": _schema_json("one_more")})
@@ -250,10 +268,25 @@ def test_registered_schemas_are_capped_in_size_and_count():
         assert {"one_more", "two_more"} <= names and not {"s0", "s1"} & names
         assert shipped <= names and {f"s{i}" for i in range(2, room)} <= names
         assert len(srv.registry) == budget.MAX_SCHEMAS
-        # A schema no partition uses goes before any in use: "one_more" now.
+        # Least recently used first: "one_more" registered again is used after "two_more".
+        action(loc, "register_schema", {"schema": _schema_json("one_more")})
         action(loc, "register_schema", {"schema": _schema_json("three_more")})
-        assert "one_more" not in srv.registry.names()
-        assert c.create_partition("p2", Schema.from_json(_schema_json("s2")), tasks=["t"]) is False
+        assert "two_more" not in srv.registry.names() and "one_more" in srv.registry.names()
+        # A forgotten ref comes back with its content only: released versions are immutable.
+        with pytest.raises(fl.FlightError) as info:
+            action(loc, "register_schema", {"schema": _schema_json("s0", fields=2)})
+        kind, msg = plain_error(info.value)
+        assert kind == "SchemaMismatchError" and "was registered with fingerprint" in msg, msg
+        action(loc, "register_schema", {"schema": _schema_json("s0")})
+        assert "s0" in srv.registry.names()
+        # A registration refused for its content forgets nothing to make room for it.
+        before = set(srv.registry.names())
+        broken = json.loads(_schema_json("s2"))
+        broken["version"], broken["fields"][0]["dtype"] = 2, "int32"  # breaks evolution
+        with pytest.raises(fl.FlightError) as info:
+            action(loc, "register_schema", {"schema": json.dumps(broken)})
+        assert plain_error(info.value)[0] == "SchemaMismatchError"
+        assert set(srv.registry.names()) == before
 
 
 def test_with_tokens_registering_a_schema_needs_a_token():
