@@ -105,6 +105,7 @@ class Requests:
         self._closed = False
         self._watchdog: threading.Thread | None = None
         self._sent = 0  # the number of the last request sent (its frame's "n")
+        self._abandoned = False  # an answer on the stream was refused after its call
         #: Requests answered on the stream (for tests and diagnostics).
         self.served = 0
 
@@ -202,6 +203,8 @@ class Requests:
         if self._closed or not self._lock.acquire(blocking=False):
             return None
         try:
+            if self._abandoned:
+                self._drop()
             wait = self._transport.timeout if timeout is None else timeout
             stream = self._open(wait)
             if stream is None:
@@ -268,9 +271,14 @@ class Requests:
     def abandon(self) -> None:
         """Close the stream after its answer to a request was refused by the caller (a
         read whose rows are not those asked for): nothing after it on the stream is
-        trusted; the next request opens another."""
-        with self._lock:
-            self._drop()
+        trusted; the next request opens another. Never waits: where another call uses
+        the stream now, the next call to take it closes it first."""
+        self._abandoned = True
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drop()
+            finally:
+                self._lock.release()
 
     # ------------------------------------------------------------------ the stream
 
@@ -327,6 +335,7 @@ class Requests:
 
     def _drop(self) -> None:
         """Close the stream (the lock held); the next request opens another."""
+        self._abandoned = False
         stream, self._stream = self._stream, None
         if stream is not None:
             with contextlib.suppress(Exception):

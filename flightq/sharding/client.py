@@ -491,9 +491,15 @@ class ShardedClient(Fanout):
         down: dict[int, UnavailableError] = {}
         taken: set[str] = set()  # the rows the claim's shards gave so far
 
+        def give_back(s: int, grant: ClaimGrant) -> None:
+            with contextlib.suppress(FlightqError):  # a shard that is gone ends it too
+                self._clients[s].transport.action(Nack(partition=partition, claim=grant.claim))
+
         def read(s: int, t: ClaimTicket, secs: float) -> list[pa.RecordBatch]:
-            # Held to what was asked, as a Client's claim is; a claim whose rows were taken
-            # (its grant came) joins `grants` before any check, so that they go back.
+            # Held to what was asked, as a Client's claim is. An answer refused or broken
+            # after its grant came (its rows were taken) has them given back at once,
+            # whether the claim fails or goes on with the other shards; only an answer
+            # taken whole joins `grants`.
             grant: list[ClaimGrant] = []
             got = self.transports[s].get(t, what, timeout=secs + 5.0)
             try:
@@ -504,7 +510,7 @@ class ShardedClient(Fanout):
                 claimed(ks, grant[0].deliveries, t.batch_size, what, taken)
             except BaseException:
                 if grant:
-                    grants.append((s, grant[0], []))
+                    give_back(s, grant[0])
                 raise
             grants.append((s, grant[0], ks))
             taken.update(ks)
@@ -565,8 +571,7 @@ class ShardedClient(Fanout):
             batch = self._decoded(merged, started, as_, copy, dev, sync)
         except BaseException:
             for s, grant, _ in grants:
-                with contextlib.suppress(FlightqError):  # a shard that is gone ends it too
-                    self._clients[s].transport.action(Nack(partition=partition, claim=grant.claim))
+                give_back(s, grant)
             raise
         now = time.monotonic()
         parts = tuple(

@@ -21,7 +21,7 @@ import pyarrow.flight as fl
 import pytest
 
 import flightq
-from flightq.errors import ClaimTimeoutError, ProtocolError
+from flightq.errors import ClaimTimeoutError, ProtocolError, UnavailableError
 from flightq.protocol import CLAIM_METADATA, PROTOCOL_VERSION, to_flight_error
 from flightq.sharding.router import Router
 
@@ -65,13 +65,15 @@ def _honest_get(ticket: dict[str, Any]) -> fl.FlightDataStream:
 
 
 class Shard(fl.FlightServerBase):
-    """Health, describe, sessions and nacks as flightq answers them; gets and claims
-    (DoGet) as ``get`` says; the nacks it was sent kept in ``nacks``."""
+    """Health, describe, sessions, acks and nacks as flightq answers them; gets and claims
+    (DoGet) as ``get`` says; the claims it was sent acks and nacks of kept in ``acks`` and
+    ``nacks``."""
 
     def __init__(self) -> None:
         super().__init__("grpc://127.0.0.1:0")
         self.get: Callable[[dict[str, Any]], fl.FlightDataStream] = _honest_get
         self.nacks: list[str] = []
+        self.acks: list[str] = []
 
     def do_action(self, context: Any, action: fl.Action) -> Iterator[bytes]:
         body = msgpack.unpackb(action.body.to_pybytes()) if action.body.size else {}
@@ -82,6 +84,9 @@ class Shard(fl.FlightServerBase):
         if action.type == "nack":
             self.nacks.append(body["claim"])
             return iter([msgpack.packb({"released": 0, "dead": 0})])
+        if action.type == "ack":
+            self.acks.append(body["claim"])
+            return iter([msgpack.packb({"acked": 0})])
         raise fl.FlightServerError(f"no {action.type} here")
 
     def do_get(self, context: Any, ticket: fl.Ticket) -> fl.FlightDataStream:
@@ -118,7 +123,7 @@ def sharded_fixture(shards: list[Shard]) -> Iterator[tuple[Any, list[list[str]]]
     yield c, keys
     c.close()
     for s in shards:
-        s.get, s.nacks = _honest_get, []
+        s.get, s.nacks, s.acks = _honest_get, [], []
 
 
 @pytest.mark.parametrize(
@@ -226,3 +231,29 @@ def test_two_shards_giving_one_claim_the_same_row_are_refused_and_both_given_bac
     with pytest.raises(ProtocolError, match="came in two answers of one claim"):
         c.claim("p", "train", 2, as_="numpy", timeout=2.0)
     assert (shards[0].nacks, shards[1].nacks) == (["ca"], ["cb"])
+
+
+def test_a_shard_whose_claim_answer_breaks_after_its_grant_gives_back_and_others_serve(
+    shards, sharded
+) -> None:
+    # A shard stopping mid-answer (its grant came, then the stream broke): its rows go
+    # back at once and the claim is served by the other shard, with none of the first's.
+    c, keys = sharded
+    a, b = keys[0], keys[1]
+
+    def broken(ticket: dict[str, Any]) -> fl.FlightDataStream:
+        rb = _rows(a[: ticket["batch_size"]], "ca")
+
+        def batches() -> Iterator[pa.RecordBatch]:
+            yield rb
+            raise to_flight_error(UnavailableError("the shard is stopping"))
+
+        return fl.GeneratorStream(rb.schema, batches())
+
+    shards[0].get = broken
+    shards[1].get = lambda t: _stream(_rows(b[: t["batch_size"]], "cb"))
+    batch = c.claim("p", "train", 2, as_="numpy", timeout=2.0)
+    assert batch.keys == b[:2] and [p.id for p in batch.claim.parts] == ["cb"]
+    assert shards[0].nacks == ["ca"] and shards[1].nacks == []
+    c.ack(batch)  # the shard that served it alone
+    assert (shards[0].acks, shards[1].acks) == ([], ["cb"])
