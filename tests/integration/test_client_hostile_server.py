@@ -10,7 +10,6 @@ the test says; it refuses the request stream, so every call goes per call.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,30 +18,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
+from helpers_hostile import DECLARED, HEALTH, serving
+from helpers_hostile import rows as _rows
 
 import flightq
 from flightq.errors import ProtocolError
 from flightq.protocol import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(120)
-
-TEXT = flightq.SchemaRegistry.default().get("rollout_text@1")
-HEALTH = {"ok": True, "protocol": PROTOCOL_VERSION, "partitions": 0, "shm": None}
-DECLARED = {
-    "partition": "p",
-    "schema": TEXT.canonical_json,
-    "schema_ref": TEXT.ref,
-    "fingerprint": TEXT.fingerprint,
-    "tasks": ["train"],
-    "group_size": None,
-    "max_rows": None,
-    "lease": 600.0,
-    "max_failures": 3,
-}
-
-
-def _rows(keys: list[str]) -> pa.RecordBatch:
-    return flightq.encode(TEXT, {"input_ids": [np.arange(3) for _ in keys]}, keys)
 
 
 class Liar(fl.FlightServerBase):
@@ -81,9 +64,8 @@ def server_fixture() -> Iterator[Liar]:
     # One server for the module, its answers set by each test: a server of its own per
     # test could take a port a closed one had, which gRPC's shared channels still know.
     server = Liar()
-    threading.Thread(target=server.serve, daemon=True).start()
-    yield server
-    server.shutdown()
+    with serving(server):
+        yield server
 
 
 @pytest.fixture(name="liar")

@@ -10,44 +10,22 @@ as flightq's server would, shard A as the test says. Neither takes the request s
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
-import numpy as np
 import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
+from helpers_hostile import DECLARED, HEALTH, serving
+from helpers_hostile import rows as _rows
 
 import flightq
 from flightq.errors import ClaimTimeoutError, ProtocolError, UnavailableError
-from flightq.protocol import CLAIM_METADATA, PROTOCOL_VERSION, to_flight_error
+from flightq.protocol import to_flight_error
 from flightq.sharding.router import Router
 
 pytestmark = pytest.mark.timeout(120)
-
-TEXT = flightq.SchemaRegistry.default().get("rollout_text@1")
-HEALTH = {"ok": True, "protocol": PROTOCOL_VERSION, "partitions": 0, "shm": None}
-DECLARED = {
-    "partition": "p",
-    "schema": TEXT.canonical_json,
-    "schema_ref": TEXT.ref,
-    "fingerprint": TEXT.fingerprint,
-    "tasks": ["train"],
-    "group_size": None,
-    "max_rows": None,
-    "lease": 600.0,
-    "max_failures": 3,
-}
-
-
-def _rows(keys: list[str], claim: str | None = None, deliveries: list[int] | None = None) -> Any:
-    rb = flightq.encode(TEXT, {"input_ids": [np.arange(3) for _ in keys]}, keys)
-    if claim is None:
-        return rb
-    grant = {"claim": claim, "lease": 30.0, "deliveries": deliveries or [1] * len(keys)}
-    return rb.replace_schema_metadata({**rb.schema.metadata, CLAIM_METADATA: msgpack.packb(grant)})
 
 
 def _stream(*batches: pa.RecordBatch) -> fl.FlightDataStream:
@@ -103,11 +81,8 @@ class Shard(fl.FlightServerBase):
 @pytest.fixture(name="shards", scope="module")
 def shards_fixture() -> Iterator[list[Shard]]:
     shards = [Shard(), Shard()]
-    for s in shards:
-        threading.Thread(target=s.serve, daemon=True).start()
-    yield shards
-    for s in shards:
-        s.shutdown()
+    with serving(*shards):
+        yield shards
 
 
 @pytest.fixture(name="sharded")

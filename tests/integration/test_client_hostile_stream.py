@@ -10,7 +10,6 @@ stream, greets as flightq's server does, and answers each request frame as the t
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,39 +18,21 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as fl
 import pytest
+from helpers_hostile import DECLARED, HEALTH, serving
+from helpers_hostile import rows as _rows
 
 import flightq
 from flightq.errors import ConflictError, NotFoundError, ProtocolError
 from flightq.frames import Frame, pack_frame, parse_frame
-from flightq.protocol import CLAIM_METADATA, PROTOCOL_VERSION, ErrorDetail, PutAck, PutCreated
+from flightq.protocol import ErrorDetail, PutAck, PutCreated
 from flightq.server.exchange import HELLO
 
 pytestmark = pytest.mark.timeout(120)
 
-TEXT = flightq.SchemaRegistry.default().get("rollout_text@1")
-HEALTH = {"ok": True, "protocol": PROTOCOL_VERSION, "partitions": 0, "shm": None}
-DECLARED = {
-    "partition": "p",
-    "schema": TEXT.canonical_json,
-    "schema_ref": TEXT.ref,
-    "fingerprint": TEXT.fingerprint,
-    "tasks": ["train"],
-    "group_size": None,
-    "max_rows": None,
-    "lease": 600.0,
-    "max_failures": 3,
-}
 
 #: What the liar answers a request with: the request's op, its parsed command and frame
 #: in, the answers' headers (with the body's batches, if any) out.
 Answer = Callable[[str, Any, Frame], list[tuple[dict[str, Any], list[pa.RecordBatch]]]]
-
-
-def _rows(keys: list[str], grant: dict[str, Any] | None = None) -> pa.RecordBatch:
-    rb = flightq.encode(TEXT, {"input_ids": [np.arange(3) for _ in keys]}, keys)
-    if grant is None:
-        return rb
-    return rb.replace_schema_metadata({**rb.schema.metadata, CLAIM_METADATA: msgpack.packb(grant)})
 
 
 def _acked(rows: int) -> dict[str, Any]:
@@ -127,9 +108,8 @@ class StreamLiar(fl.FlightServerBase):
 @pytest.fixture(name="server", scope="module")
 def server_fixture() -> Iterator[StreamLiar]:
     server = StreamLiar()
-    threading.Thread(target=server.serve, daemon=True).start()
-    yield server
-    server.shutdown()
+    with serving(server):
+        yield server
 
 
 @pytest.fixture(name="liar")
@@ -267,34 +247,33 @@ def test_an_answer_field_that_is_no_bytes_is_refused_typed(liar, server, where, 
     assert server.streams == opened + 1
 
 
-def test_an_answer_without_ok_error_or_retry_is_refused_and_closes_the_stream(liar, server) -> None:
+@pytest.mark.parametrize(
+    ("head", "raised", "match"),
+    [
+        ({"done": True}, ProtocolError, "neither 'ok', 'error' nor 'retry'"),
+        # A numbered server answers an error without a number only where it could not
+        # read the frame: the error stands, and nothing after it on that stream is taken.
+        (
+            {
+                "error": ErrorDetail.of(NotFoundError("unknown key 'a'", key="a")).to_wire(),
+                "n": None,  # sent without a number
+            },
+            NotFoundError,
+            "unknown key 'a'",
+        ),
+    ],
+    ids=["no-ok-error-or-retry", "an-error-naming-no-request"],
+)
+def test_an_answer_that_is_none_or_names_no_request_closes_the_stream(
+    liar, server, head: dict[str, Any], raised: type[Exception], match: str
+) -> None:
     def answer(op: str, cmd: Any, frame: Frame) -> list[Any]:
-        if op == "read":
-            return [({"done": True}, [])]
-        return _honest(op, cmd, frame)
+        return [(head, [])] if op == "read" else _honest(op, cmd, frame)
 
     c = liar(answer)
     c.describe("p")  # the stream is open
     opened = server.streams
-    with pytest.raises(ProtocolError, match="neither 'ok', 'error' nor 'retry'"):
-        c.get("p", ["a"], as_="numpy")
-    assert c.describe("p")["partition"] == "p"
-    assert server.streams == opened + 1
-
-
-def test_an_error_that_names_no_request_is_raised_and_closes_the_stream(liar, server) -> None:
-    # A numbered server answers an error without a number only where it could not read
-    # the frame: the error stands, and nothing after it on that stream is taken.
-    def answer(op: str, cmd: Any, frame: Frame) -> list[Any]:
-        if op == "read":
-            err = NotFoundError("unknown key 'a'", partition="p", key="a")
-            return [({"error": ErrorDetail.of(err).to_wire(), "n": None}, [])]
-        return _honest(op, cmd, frame)
-
-    c = liar(answer)
-    c.describe("p")  # the stream is open
-    opened = server.streams
-    with pytest.raises(NotFoundError, match="unknown key 'a'"):
+    with pytest.raises(raised, match=match):
         c.get("p", ["a"], as_="numpy")
     assert c.describe("p")["partition"] == "p"
     assert server.streams == opened + 1
