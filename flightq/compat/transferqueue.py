@@ -15,9 +15,11 @@ The calls take the same argument names and shapes as TransferQueue 0.1.11 (``ini
 results (:class:`KVBatchMeta`, TensorDicts, the ``kv_list`` map). Where flightq is
 stricter its rule stays, with its typed error: partitions have a declared schema (from
 ``init``'s configuration, never inferred from the first put), an undeclared field or a
-dtype drift is refused, rewriting a field a row has needs ``overwrite`` in the
-configuration, clearing or reading a key that is not there is a ``NotFoundError``, and
-token fields always come back as jagged nested tensors, whatever their lengths.
+dtype drift is refused, and reading a key that is not there is a
+:class:`KeysNotFoundError` (also the ``ValueError`` TransferQueue raises). Where
+TransferQueue is lenient and flightq can be too, it is: a rewrite of a field overwrites
+it (unless ``overwrite`` is false), listing an unknown partition answers ``{}``, and
+clearing leaves out keys that are not there.
 docs/migrating-from-transferqueue.md maps every call.
 
 The configuration is ``init``'s ``conf["flightq"]`` (a dict, or anything with
@@ -25,7 +27,9 @@ The configuration is ``init``'s ``conf["flightq"]`` (a dict, or anything with
 
 ``location``
     the server, ``grpc://host:port``; else the ``FLIGHTQ_LOCATION`` environment
-    variable; else ``init`` starts a server in this process (``close`` stops it).
+    variable; else ``init`` starts a server in this process (``close`` stops it) and sets
+    ``FLIGHTQ_LOCATION`` for the processes this one starts: every other process of the
+    job must be given the location, or it would serve rows of its own.
 ``schema``
     the ``"name@V"`` of every partition not named in ``partitions``.
 ``partitions``
@@ -35,7 +39,11 @@ The configuration is ``init``'s ``conf["flightq"]`` (a dict, or anything with
 ``schemas_dir``
     a folder of schemas (``schemas/<name>/v<N>.json``) to use instead of the shipped ones.
 ``overwrite``
-    let puts rewrite fields rows already have (default false: a ``ConflictError``).
+    let puts rewrite fields rows already have (default true, as TransferQueue; false
+    makes a rewrite a ``ConflictError``).
+
+A configuration of TransferQueue's own (``controller``, ``backend``, ... and no
+``flightq`` section) is refused with a ``ProtocolError`` saying what to add.
 
 Like TransferQueue's, the interface is module-level: :func:`init` sets up one
 :class:`TransferQueue` for the process and every call goes to it. Code that wants more
@@ -45,11 +53,13 @@ than one builds :class:`TransferQueue` objects itself; they have the same method
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
+import logging
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ..client.recent import Recent
@@ -58,8 +68,11 @@ from ..registry import SchemaRegistry
 from ..rows import is_tensordict
 from ..tensordicts import require_tensordict, to_tensordict
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "KVBatchMeta",
+    "KeysNotFoundError",
     "TransferQueue",
     "init",
     "close",
@@ -151,6 +164,95 @@ class KVBatchMeta:
             extra_info=self.extra_info,
         )
 
+    def reorder(self, indexes: Sequence[int]) -> None:
+        """Put the rows in the order of ``indexes`` (positions in this batch), in place.
+
+        Raises
+        ------
+        ValueError
+            If ``indexes`` is not a permutation of this batch's positions.
+        """
+        order = [int(i) for i in indexes]
+        if sorted(order) != list(range(self.size)):
+            raise ValueError(
+                f"reorder: {len(order)} indexes are not an order of this batch's {self.size} "
+                "rows (each position once)"
+            )
+        self.keys = [self.keys[i] for i in order]
+        self.tags = [self.tags[i] for i in order]
+
+    def chunk(self, chunks: int) -> list[KVBatchMeta]:
+        """This batch cut into ``chunks`` consecutive parts whose sizes differ by one at
+        most, the larger first (some empty where there are fewer rows than chunks), as a
+        data-parallel group splits a batch between its ranks.
+
+        Raises
+        ------
+        ValueError
+            If ``chunks`` is less than 1.
+        """
+        if chunks < 1:
+            raise ValueError(f"chunk: chunks must be >= 1, got {chunks}")
+        base, extra = divmod(self.size, chunks)
+        out, at = [], 0
+        for i in range(chunks):
+            end = at + base + (i < extra)
+            out.append(
+                KVBatchMeta(
+                    keys=self.keys[at:end],
+                    tags=self.tags[at:end],
+                    partition_id=self.partition_id,
+                    fields=self.fields,
+                    extra_info=self.extra_info,
+                )
+            )
+            at = end
+        return out
+
+    @classmethod
+    def concat(cls, data: Sequence[KVBatchMeta]) -> KVBatchMeta:
+        """The batches of ``data`` one after another (empty ones left out; none: an empty
+        batch), their ``extra_info`` merged.
+
+        Raises
+        ------
+        ValueError
+            If they name other partitions or fields, share a key, or give one
+            ``extra_info`` key different values.
+        """
+        parts = [m for m in data if m is not None and m.size > 0]
+        if not parts:
+            return cls()
+        first = parts[0]
+        extra: dict[str, Any] = {}
+        for m in parts:
+            if m.partition_id != first.partition_id:
+                raise ValueError(
+                    f"concat: partitions differ ({first.partition_id!r}, {m.partition_id!r})"
+                )
+            if m.fields is not None and set(m.fields) != set(first.fields or ()):
+                raise ValueError(f"concat: fields differ ({first.fields}, {m.fields})")
+            for k, v in (m.extra_info or {}).items():
+                if k in extra and extra[k] != v:
+                    raise ValueError(f"concat: extra_info {k!r} differs between batches")
+                extra[k] = v
+        return cls(
+            keys=[k for m in parts for k in m.keys],
+            tags=[t for m in parts for t in m.tags],
+            partition_id=first.partition_id,
+            fields=first.fields,
+            extra_info=extra,
+        )
+
+
+class KeysNotFoundError(NotFoundError, ValueError):
+    """A key or partition a call names is not there: flightq's :class:`NotFoundError`,
+    and the ``ValueError`` TransferQueue raises for it."""
+
+
+#: The sections a TransferQueue configuration has and flightq's does not read.
+_TQ_SECTIONS = ("controller", "backend", "storage", "client")
+
 
 def _section(conf: Any) -> dict[str, Any]:
     """``conf["flightq"]`` as a plain dict (conf may be an OmegaConf DictConfig)."""
@@ -167,10 +269,29 @@ def _section(conf: Any) -> dict[str, Any]:
         raise ProtocolError(
             f"init(conf): conf is a mapping with a 'flightq' section, got {type(conf).__name__}"
         )
+    if "flightq" not in conf and any(k in conf for k in _TQ_SECTIONS):
+        raise ProtocolError(
+            "init(conf): conf is TransferQueue's own configuration (sections "
+            f"{sorted(k for k in _TQ_SECTIONS if k in conf)}), with no 'flightq' section: give "
+            "conf['flightq'] with the server's 'location' and each partition's 'schema' "
+            "(docs/migrating-from-transferqueue.md)"
+        )
     section = conf.get("flightq", {})
     if not isinstance(section, Mapping):
         raise ProtocolError("init(conf): conf['flightq'] must be a mapping")
     return dict(section)
+
+
+@contextlib.contextmanager
+def _not_found() -> Iterator[None]:
+    """A :class:`NotFoundError` raised inside as a :class:`KeysNotFoundError` (also the
+    ``ValueError`` TransferQueue raises)."""
+    try:
+        yield
+    except NotFoundError as e:
+        if type(e) is not NotFoundError:
+            raise
+        raise KeysNotFoundError(*e.args, **e.attributes()) from e
 
 
 def _names(x: list[str] | str | None) -> list[str] | None:
@@ -194,12 +315,24 @@ class TransferQueue:
         if self.conf.get("schemas_dir"):
             registry = SchemaRegistry.from_dir(self.conf["schemas_dir"])
         self.registry = registry or SchemaRegistry.default()
-        self.overwrite = bool(self.conf.get("overwrite", False))
+        self.overwrite = bool(self.conf.get("overwrite", True))
         location = self.conf.get("location") or os.environ.get("FLIGHTQ_LOCATION")
         self.server: Any = None
+        self._exported = False
         if not location:
             self.server = flightq.Server(registry=self.registry).start()
             location = self.server.location
+            # Processes this one starts (workers of a launcher, multiprocessing) find it
+            # there; any other process must be given the location, or it would start a
+            # server of its own and see none of these rows.
+            os.environ["FLIGHTQ_LOCATION"] = location
+            self._exported = True
+            log.warning(
+                "flightq.compat.transferqueue: no location configured, so this process "
+                "serves the data itself at %s (FLIGHTQ_LOCATION set for the processes it "
+                "starts); give every other process this location",
+                location,
+            )
         self.location = str(location)
         try:
             self.client = flightq.connect(self.location, registry=self.registry)
@@ -347,7 +480,8 @@ class TransferQueue:
         field the rows have."""
         require_tensordict()
         ks = _names(keys) or []
-        batch = self.client.get(partition_id, ks, _names(select_fields), as_="torch")
+        with _not_found():
+            batch = self.client.get(partition_id, ks, _names(select_fields), as_="torch")
         return to_tensordict(batch, meta=False)  # no per-row key and tag objects to drop
 
     def kv_batch_get_by_meta(
@@ -371,18 +505,38 @@ class TransferQueue:
         return self.kv_batch_get(list(meta.keys), meta.partition_id, want)
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
-        """``{partition_id: {key: tags}}`` for one partition, or every one when None."""
+        """``{partition_id: {key: tags}}`` for one partition, or every one when None (a
+        partition that is not there: ``{}``, as TransferQueue answers)."""
         names = self.client.partitions() if partition_id is None else [partition_id]
-        return {p: {k: row["tags"] for k, row in self.client.list_keys(p).items()} for p in names}
+        out = {}
+        for p in names:
+            try:
+                out[p] = {k: row["tags"] for k, row in self.client.list_keys(p).items()}
+            except NotFoundError as e:
+                if type(e) is not NotFoundError or e.partition != p or e.key is not None:
+                    raise
+        return out
 
     def kv_clear(self, keys: list[str] | str, partition_id: str) -> None:
-        """Remove rows by key (an unknown key is a ``NotFoundError``; nothing changes)."""
-        self.client.clear(partition_id, _names(keys) or [])
+        """Remove rows by key; keys (or a partition) that are not there are left out, as
+        TransferQueue does."""
+        ks = _names(keys) or []
+        try:
+            self.client.clear(partition_id, ks)
+        except NotFoundError as e:
+            if type(e) is not NotFoundError or e.partition != partition_id:
+                raise
+            if e.key is None:  # the partition itself is not there: nothing to clear
+                return
+            held = self.client.list_keys(partition_id)
+            self.client.clear(partition_id, [k for k in ks if k in held])
 
     def close(self) -> None:
         """Close the connection, and stop the server ``init`` started, if any."""
         self.client.close()
         if self.server is not None:
+            if self._exported and os.environ.get("FLIGHTQ_LOCATION") == self.server.location:
+                del os.environ["FLIGHTQ_LOCATION"]
             self.server.stop()
             self.server = None
 

@@ -195,9 +195,11 @@ def test_kv_clear_removes_only_the_keys_named(api: Any, torch: Any, TensorDict: 
     assert list(api.kv_list(partition_id="p")["p"]) == keys[2:]
     api.kv_clear(keys="x2", partition_id="p")
     assert list(api.kv_list(partition_id="p")["p"]) == ["x3"]
-    # flightq is stricter than TransferQueue: clearing a key that is not there is an error.
-    with pytest.raises(flightq.NotFoundError, match="x0"):
-        api.kv_clear(keys="x0", partition_id="p")
+    # As TransferQueue: keys (or a partition) that are not there are left out.
+    api.kv_clear(keys=["x0", "x3", "never"], partition_id="p")
+    assert api.kv_list(partition_id="p") == {"p": {}}
+    api.kv_clear(keys="x3", partition_id="never_written")
+    assert api.kv_list(partition_id="never_written") == {}
 
 
 def test_a_put_to_a_partition_dropped_elsewhere_declares_it_again(
@@ -214,8 +216,12 @@ def test_a_put_to_a_partition_dropped_elsewhere_declares_it_again(
 
 def test_an_unknown_key_is_not_found(api: Any, torch: Any) -> None:
     api.kv_put(key="k", partition_id="p", fields={"input_ids": torch.tensor([1])})
-    with pytest.raises(flightq.NotFoundError, match="nonexistent"):
+    # flightq's NotFoundError, and the ValueError TransferQueue raises (caught as either).
+    with pytest.raises(ValueError, match="nonexistent") as info:
         api.kv_batch_get(keys="nonexistent", partition_id="p")
+    assert isinstance(info.value, flightq.NotFoundError) and info.value.key == "nonexistent"
+    with pytest.raises(ValueError, match="'elsewhere'"):
+        api.kv_batch_get(keys="k", partition_id="elsewhere")
 
 
 def test_flightq_rules_keep_their_typed_errors(tq: Any, torch: Any, TensorDict: Any) -> None:
@@ -226,8 +232,9 @@ def test_flightq_rules_keep_their_typed_errors(tq: Any, torch: Any, TensorDict: 
             key="e", partition_id="p", fields={"input_ids": torch.tensor([1], dtype=torch.int32)}
         )
     tq.kv_put(key="e", partition_id="p", fields={"input_ids": torch.tensor([1])})
-    with pytest.raises(flightq.ConflictError):
-        tq.kv_put(key="e", partition_id="p", fields={"input_ids": torch.tensor([2])})
+    # Rewriting a field overwrites, as in TransferQueue (`overwrite: false` refuses it).
+    tq.kv_put(key="e", partition_id="p", fields={"input_ids": torch.tensor([2])})
+    assert tq.kv_batch_get(keys="e", partition_id="p")["input_ids"][0].tolist() == [2]
     with pytest.raises(flightq.ShapeError, match="3 keys for a TensorDict of batch_size"):
         fields = TensorDict({"input_ids": torch.zeros(2, 1, dtype=torch.int64)}, batch_size=2)
         tq.kv_batch_put(keys=["a", "b", "c"], partition_id="p", fields=fields)
@@ -333,3 +340,96 @@ def test_processes_share_a_server_through_flightq_location(torch: Any, TensorDic
     assert meta.fields == ["input_ids", "prev_logprobs", "pixel_values"]
     assert [len(r) for r in every["prev_logprobs"].unbind()] == [3, 5, 2, 4]
     assert all(float(r[0].mean()) == 0.5 for r in every.get("pixel_values").tolist())
+
+
+def test_a_rewrite_is_refused_where_the_configuration_says_overwrite_false(
+    tmp_path: Path, torch: Any
+) -> None:
+    tq = pytest.importorskip("flightq.compat.transferqueue")
+    pytest.importorskip("tensordict")
+    conf = {"flightq": {"partitions": {"train": "rollout_text@1"}, "overwrite": False}}
+    q = tq.TransferQueue(conf)
+    try:
+        q.kv_put(key="a", partition_id="train", fields={"input_ids": torch.tensor([1, 2])})
+        with pytest.raises(flightq.ConflictError, match="already has column 'input_ids'"):
+            q.kv_put(key="a", partition_id="train", fields={"input_ids": torch.tensor([3, 4])})
+    finally:
+        q.close()
+
+
+def test_transferqueues_own_configuration_is_refused_naming_what_is_missing() -> None:
+    tq = pytest.importorskip("flightq.compat.transferqueue")
+    conf = {"controller": {"num_storage_units": 2}, "backend": {"storage_backend": "simple"}}
+    with pytest.raises(
+        flightq.ProtocolError, match=r"TransferQueue's own configuration .* no 'flightq' section"
+    ):
+        tq.TransferQueue(conf)
+
+
+def test_a_server_init_starts_is_found_by_the_processes_it_starts(torch: Any) -> None:
+    # Without a location, init serves the data in this process: the processes it starts
+    # find it through FLIGHTQ_LOCATION instead of each starting a server of its own.
+    import os
+    import subprocess
+    import sys
+
+    tq = pytest.importorskip("flightq.compat.transferqueue")
+    pytest.importorskip("tensordict")
+    assert "FLIGHTQ_LOCATION" not in os.environ
+    q = tq.TransferQueue({"flightq": {"partitions": {"train": "rollout_text@1"}}})
+    try:
+        assert os.environ["FLIGHTQ_LOCATION"] == q.location
+        q.kv_put(
+            key="a", partition_id="train", fields={"input_ids": torch.tensor([1])}, tag={"s": 1}
+        )
+        child = (
+            "import flightq.compat.transferqueue as tq\n"
+            "tq.init({'flightq': {'partitions': {'train': 'rollout_text@1'}}})\n"
+            "print(tq.kv_list(partition_id='train'))\n"
+            "tq.close()\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", child], capture_output=True, text=True, timeout=60, check=True
+        )
+        assert out.stdout.strip() == "{'train': {'a': {'s': 1}}}"
+    finally:
+        q.close()
+    assert "FLIGHTQ_LOCATION" not in os.environ
+
+
+def test_kv_batch_meta_chunks_reorders_and_concatenates_as_transferqueues() -> None:
+    tq = pytest.importorskip("flightq.compat.transferqueue")
+    keys = [f"k{i}" for i in range(5)]
+    meta = tq.KVBatchMeta(
+        keys=keys,
+        tags=[{"i": i} for i in range(5)],
+        partition_id="p",
+        fields=["a", "b"],
+        extra_info={"step": 3},
+    )
+    parts = meta.chunk(3)  # sizes 2, 2, 1: the larger first
+    assert [p.keys for p in parts] == [["k0", "k1"], ["k2", "k3"], ["k4"]]
+    assert all(p.partition_id == "p" and p.fields == ["a", "b"] for p in parts)
+    assert [len(p) for p in meta.chunk(7)] == [1, 1, 1, 1, 1, 0, 0]
+    with pytest.raises(ValueError, match="chunks must be >= 1"):
+        meta.chunk(0)
+    whole = tq.KVBatchMeta.concat([*parts, tq.KVBatchMeta()])
+    assert whole.keys == keys and whole.tags == meta.tags and whole.extra_info == {"step": 3}
+    assert tq.KVBatchMeta.concat([]).size == 0
+    whole.reorder([4, 3, 2, 1, 0])
+    assert whole.keys == keys[::-1] and whole.tags[0] == {"i": 4}
+    for bad in ([0, 1, 2, 3], [0, 0, 1, 2, 3], [0, 1, 2, 3, 5]):
+        with pytest.raises(ValueError, match="order of this batch"):
+            whole.reorder(bad)
+    other = tq.KVBatchMeta(keys=["z"], tags=[{}], partition_id="q", fields=["a", "b"])
+    with pytest.raises(ValueError, match="partitions differ"):
+        tq.KVBatchMeta.concat([meta, other])
+    fewer = tq.KVBatchMeta(keys=["z"], tags=[{}], partition_id="p", fields=["a"])
+    with pytest.raises(ValueError, match="fields differ"):
+        tq.KVBatchMeta.concat([meta, fewer])
+    with pytest.raises(ValueError, match="duplicate keys"):
+        tq.KVBatchMeta.concat([meta, meta])
+    clash = tq.KVBatchMeta(keys=["z"], tags=[{}], partition_id="p", fields=["b", "a"])
+    clash.extra_info = {"step": 4}
+    with pytest.raises(ValueError, match="extra_info 'step' differs"):
+        tq.KVBatchMeta.concat([meta, clash])
