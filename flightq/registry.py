@@ -14,6 +14,7 @@ ship with flightq. Nothing here is module state.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 import time
@@ -27,8 +28,9 @@ from .schema import Schema, parse_ref
 __all__ = ["SchemaRegistry", "check_evolution", "shipped_schema_dir"]
 
 #: Refs a registry forgot (:meth:`SchemaRegistry.forget_oldest`) whose fingerprints it
-#: keeps, so that one comes back with its content only.
-FORGOTTEN_KEPT = 4096
+#: keeps, so that one comes back with its content only: the latest 65 536, each by a
+#: 16-byte digest of its ref (a ref may be 32 KiB long), about 100 bytes an entry.
+FORGOTTEN_KEPT = 65536
 
 _VERSION_FILE = re.compile(r"^v([1-9][0-9]*)\.json$")
 
@@ -110,7 +112,7 @@ class SchemaRegistry:
         #: used, least recently first: those a full registry may forget (:meth:`forget_oldest`).
         self._added: dict[str, float] = {}
         #: Refs forgotten so, with their fingerprints: one may come back with its content only.
-        self._forgotten: dict[str, str] = {}
+        self._forgotten: dict[bytes, str] = {}
         for s in sorted(schemas or [], key=lambda s: (s.name, s.version)):
             self.register(s)
 
@@ -171,7 +173,8 @@ class SchemaRegistry:
         with self._lock:
             versions = self._by_name.get(schema.name, {})
             have = versions.get(schema.version)
-            known = self._forgotten.get(schema.ref) if have is None else have.fingerprint
+            forgotten = self._forgotten.get(_digest(schema.ref))
+            known = forgotten if have is None else have.fingerprint
             if known is not None and known != schema.fingerprint:
                 raise SchemaError(
                     f"{schema.ref} {'is already' if have else 'was'} registered with fingerprint "
@@ -218,7 +221,9 @@ class SchemaRegistry:
             gone = versions.pop(int(version))
             if not versions:
                 del self._by_name[name]
-            self._forgotten[ref] = gone.fingerprint
+            key = _digest(ref)
+            self._forgotten.pop(key, None)  # the latest forgotten last
+            self._forgotten[key] = gone.fingerprint
             while len(self._forgotten) > FORGOTTEN_KEPT:
                 del self._forgotten[next(iter(self._forgotten))]
             return gone
@@ -285,3 +290,8 @@ class SchemaRegistry:
         except (UnknownSchemaError, SchemaError):
             return False
         return True
+
+
+def _digest(ref: str) -> bytes:
+    """A forgotten ref's key: 16 bytes whatever its length."""
+    return hashlib.blake2b(ref.encode("utf-8", "surrogatepass"), digest_size=16).digest()

@@ -58,8 +58,10 @@ RETRY_OPEN_S = 10.0
 OPEN_S = 5.0
 #: Seconds between the watchdog's looks at the open request (deadline, idleness).
 _TICK_S = 0.1
-#: Seconds an answer may take beyond the call's timeout before the stream is cancelled.
-_MARGIN_S = 5.0
+#: Seconds an answer may take beyond the call's timeout before the stream is cancelled:
+#: the watchdog's ticks, no more, so that a call on the stream times out as its per-call
+#: twin does (a claim's timeout already carries the margin its server's wait needs).
+_MARGIN_S = 0.5
 _FOREIGN = (pa.ArrowException, fl.FlightError, OSError)
 #: No deadline (each answer is watched instead); the header the server counts it by
 #: (``flightq.server.limits.STREAM_HEADER``).

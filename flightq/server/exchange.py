@@ -167,8 +167,8 @@ def _handle(
             "record batch"
         )
     frame = parse_frame(chunk.app_metadata, what, check=True, limit=limit)
-    n = frame.header.get("n")
-    if n is not None:
+    if "n" in frame.header:
+        n = frame.header["n"]
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 2**63:
             raise ProtocolError(
                 f"{what}: a request's number 'n' must be an int in [0, 2**63), got "

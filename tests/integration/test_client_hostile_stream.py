@@ -10,6 +10,8 @@ stream, greets as flightq's server does, and answers each request frame as the t
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,7 +24,7 @@ from helpers_hostile import DECLARED, HEALTH, serving
 from helpers_hostile import rows as _rows
 
 import flightq
-from flightq.errors import ConflictError, NotFoundError, ProtocolError
+from flightq.errors import ConflictError, FlightqTimeoutError, NotFoundError, ProtocolError
 from flightq.frames import Frame, pack_frame, parse_frame
 from flightq.protocol import ErrorDetail, PutAck, PutCreated
 from flightq.server.exchange import HELLO
@@ -291,3 +293,27 @@ def test_a_claim_answered_on_the_stream_without_rows_is_a_protocol_error(liar) -
     assert c.get("p", ["a", "b"], as_="numpy").keys == ["a", "b"]
     with pytest.raises(ProtocolError, match="carries no rows, so no grant"):
         c.claim("p", "train", 2, as_="numpy", timeout=2.0)
+
+
+def test_a_request_never_answered_times_out_as_its_per_call_twin(liar) -> None:
+    # The stream is cancelled half a second past the call's timeout (5 s before), the
+    # call raising FlightqTimeoutError; the next request opens another stream.
+    release = threading.Event()
+
+    def answer(op: str, cmd: Any, frame: Frame) -> list[Any]:
+        if op == "read" and cmd["keys"] == ["stall"]:
+            release.wait(30)
+            return []
+        return _honest(op, cmd, frame)
+
+    c = liar(answer)
+    c.describe("p")  # the stream is open
+    try:
+        started = time.monotonic()
+        with pytest.raises(FlightqTimeoutError, match="no answer on the request stream"):
+            c.get("p", ["stall"], as_="numpy", timeout=1.0)
+        took = time.monotonic() - started
+        assert 1.0 <= took < 4.0, took  # 6 s and more with the margin of 5 s
+        assert c.get("p", ["b"], as_="numpy").keys == ["b"]
+    finally:
+        release.set()

@@ -516,7 +516,7 @@ def test_every_answer_echoes_its_requests_number_and_a_bad_number_is_refused(
         ]
         # Without a number (an older client), none is echoed.
         assert "n" not in ask(writer, reader, pack_frame({"op": "read", "cmd": get})).header
-        for bad in [-1, 2**63, "7", True, 1.5, [7]]:
+        for bad in [-1, 2**63, "7", True, 1.5, [7], None]:
             got = ask(writer, reader, raw_frame({"op": "read", "cmd": get, "n": bad}))
             assert "n" not in got.header
             kind, message = refusal(got)

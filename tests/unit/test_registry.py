@@ -301,3 +301,20 @@ def test_files_that_are_not_json_are_ignored(tmp_path: Path) -> None:
     (tmp_path / "demo" / "NOTES.md").write_text("not a schema")
     (tmp_path / "README.md").write_text("not a schema either")
     assert [s.ref for s in SchemaRegistry.from_dir(tmp_path)] == ["demo@1"]
+
+
+def test_forgotten_refs_are_kept_by_a_digest_and_come_back_with_their_content_only() -> None:
+    # A ref may be 32 KiB long (names have no length limit of their own): what the
+    # registry keeps of a forgotten one is 16 bytes of its digest, not the ref.
+    reg = SchemaRegistry()
+    names = [f"n{i}_" + "x" * 30_000 for i in range(8)]
+    for name in names:
+        reg.register(Schema.from_dict({**V1, "name": name}), max_schemas=4)
+        if len(reg) == 4:
+            assert reg.forget_oldest(set()) is not None
+    assert len(reg._forgotten) == 5 and all(len(k) == 16 for k in reg._forgotten)
+    changed = copy.deepcopy(V1)
+    changed["fields"][0]["dtype"] = "int32"
+    with pytest.raises(SchemaError, match=r"was registered with fingerprint"):
+        reg.register(Schema.from_dict({**changed, "name": names[0]}), max_schemas=16)
+    assert reg.register(Schema.from_dict({**V1, "name": names[0]}), max_schemas=16).name == names[0]
