@@ -322,17 +322,6 @@ class TransferQueue:
         if not location:
             self.server = flightq.Server(registry=self.registry).start()
             location = self.server.location
-            # Processes this one starts (workers of a launcher, multiprocessing) find it
-            # there; any other process must be given the location, or it would start a
-            # server of its own and see none of these rows.
-            os.environ["FLIGHTQ_LOCATION"] = location
-            self._exported = True
-            log.warning(
-                "flightq.compat.transferqueue: no location configured, so this process "
-                "serves the data itself at %s (FLIGHTQ_LOCATION set for the processes it "
-                "starts); give every other process this location",
-                location,
-            )
         self.location = str(location)
         try:
             self.client = flightq.connect(self.location, registry=self.registry)
@@ -340,6 +329,18 @@ class TransferQueue:
             if self.server is not None:
                 self.server.stop()
             raise
+        if self.server is not None:
+            # Processes this one starts (workers of a launcher, multiprocessing) find it
+            # there; any other process must be given the location, or it would start a
+            # server of its own and see none of these rows.
+            os.environ["FLIGHTQ_LOCATION"] = self.location
+            self._exported = True
+            log.warning(
+                "flightq.compat.transferqueue: no location configured, so this process "
+                "serves the data itself at %s (FLIGHTQ_LOCATION set for the processes it "
+                "starts); give every other process this location",
+                self.location,
+            )
         # The partitions this process declared, of those it used last.
         self._declared: Recent[str, bool] = Recent()
 
