@@ -33,7 +33,7 @@ import pyarrow.flight as fl
 from ..errors import FlightqError, ProtocolError, ResourceExhaustedError, UnavailableError
 from ..frames import MAX_FRAME_BYTES, STREAM_ACTIONS, pack_frame, parse_frame
 from ..protocol import ErrorDetail, PutAck, Ticket, parse_ticket
-from .metrics import Counters
+from .metrics import Counters, read_counter
 from .putplan import Stored
 from .store import suggest
 
@@ -48,7 +48,8 @@ _FRAME_SLACK = 64 << 10
 
 Put = Callable[[bytes, list[pa.RecordBatch], list[bytes | None], list[int] | None, Any], Stored]
 Answer = Callable[
-    [Ticket, Any, bool], tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[..., None] | None]
+    [Ticket, Any, bool],
+    tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[..., None] | None, int],
 ]
 Act = Callable[[str, bytes], bytes]
 
@@ -72,10 +73,10 @@ def serve_requests(
     ``put(command, batches, claims, blocks, context)`` stores a put (``claims``: each batch's
     media digests, as a DoPut batch's app metadata carries them; ``blocks``: the size of the
     copy each batch was read from, :attr:`~flightq.frames.Frame.blocks`) and returns its
-    rows; ``answer(ticket, context, count)`` gives a read's schema, batches and, for a
-    claim, what gives its rows back (``count=False``: the stream counts the bytes it
-    sends); ``act(type, body)`` runs an action of :data:`~flightq.frames.STREAM_ACTIONS`
-    and gives its reply's bytes.
+    rows; ``answer(ticket, context, count)`` gives a read's schema, batches, for a
+    claim what gives its rows back, and its row count (``count=False``: the stream
+    counts the read, its rows and its bytes once it sends them); ``act(type, body)``
+    runs an action of :data:`~flightq.frames.STREAM_ACTIONS` and gives its reply's bytes.
     ``watch`` marks the write of each answer as a wait on the client (:meth:`IdleWatch.reads
     <flightq.server.idle.IdleWatch.reads>`): a client that stops reading its answers has
     its connection cut; the wait for its next request is by design, cut only once the
@@ -207,7 +208,7 @@ def _handle(
     asked = frame.header.get("max")
     if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int)):
         raise ProtocolError(f"{what}: a read's 'max' must be an int, got {type(asked).__name__}")
-    schema, batches, undo = answer(t, context, False)
+    schema, batches, undo, rows = answer(t, context, False)
     try:
         limit = MAX_FRAME_BYTES - _FRAME_SLACK
         if asked is not None:
@@ -221,6 +222,9 @@ def _handle(
                 undo(False)  # never sent: back where they were, not a delivery
             retry = {"retry": past if reply is None else reply.size, **echo}
             return t.op, pack_frame(retry), None
+        # The read counts once its answer goes, as per call (one answered `retry` sent none).
+        counters.add(read_counter(t.op))
+        counters.add("rows_sent", rows)
         counters.add("bytes_sent", reply.size)
         return t.op, reply, undo
     except BaseException:

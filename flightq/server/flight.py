@@ -70,7 +70,7 @@ from .exchange import serve_requests
 from .idle import DEFAULT_IDLE_TIMEOUT, MIDDLEWARE_KEY, IdleWatch
 from .limits import DEFAULT_MAX_CALLS, DEFAULT_MAX_SESSIONS, LIMITS_KEY, CallLimits
 from .media import Answered, media_piece, prepare_answer
-from .metrics import Counters, call_kind
+from .metrics import Counters, call_kind, read_counter
 from .partition import Block, Partition, Row
 from .putplan import Stored
 from .staging import Staging
@@ -620,16 +620,17 @@ class Server(fl.FlightServerBase):
     def _do_get(
         self, ticket: Ticket, context: fl.ServerCallContext | None = None
     ) -> fl.FlightDataStream:
-        schema, batches, undo = self._answer(ticket, context)
+        schema, batches, undo, _ = self._answer(ticket, context)
         return self._send(context, schema, batches if undo is None else _undone(batches, undo))
 
     def _answer(
         self, t: Ticket, context: fl.ServerCallContext | None, count: bool = True
-    ) -> tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[..., None] | None]:
-        """A read's answer: its schema, its batches, and for a claim what gives the rows
-        back should the answer not reach the client (None for a get or a scan). The one
-        path of every read, per call (DoGet) or on the request stream (which counts the
-        bytes it sends itself: ``count=False``)."""
+    ) -> tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[..., None] | None, int]:
+        """A read's answer: its schema, its batches, for a claim what gives the rows back
+        should the answer not reach the client (None for a get or a scan), and how many
+        rows it holds. The one path of every read, per call (DoGet) or on the request
+        stream (which counts the read, its rows and its bytes itself once it sends them:
+        ``count=False``)."""
         if isinstance(t, GetTicket):
             t.check_parts()
             part, rows, names = self.store.rows_for_get(t.partition, t.keys, t.fields)
@@ -637,18 +638,18 @@ class Server(fl.FlightServerBase):
                 rows = self.part_cuts.rows(t, part, rows, names)
             wholes: list[Answered] = []
             schema, batches = self._assemble(t, part, rows, names, count, wholes)
-            return (*self._shm_reply(t, schema, batches, context, wholes), None)
+            return (*self._shm_reply(t, schema, batches, context, wholes), None, len(rows))
         if isinstance(t, ScanTicket):
             part, rows, names = self.store.scan(t.partition)
             wholes = []
             schema, batches = self._assemble(t, part, rows, names, count, wholes)
-            return (*self._shm_reply(t, schema, batches, context, wholes), None)
+            return (*self._shm_reply(t, schema, batches, context, wholes), None, len(rows))
         assert isinstance(t, ClaimTicket)
         return self._claim_answer(t, context, count)
 
     def _claim_answer(
         self, t: ClaimTicket, context: fl.ServerCallContext | None, count: bool
-    ) -> tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[..., None]]:
+    ) -> tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[..., None], int]:
         name, task = t.partition, t.task
         cancelled = context.is_cancelled if context is not None else None
         part, rows, names, lease = self.store.claim(
@@ -681,7 +682,8 @@ class Server(fl.FlightServerBase):
             raise
         # ``undo()``: the answer broke off on its way (a delivery, counted: a consumer that
         # dies reading a poison row must not get it for ever); ``undo(False)``: it never left.
-        return schema, batches, lambda sent=True: self.store.unclaim(name, lease, sent)
+        undo = lambda sent=True: self.store.unclaim(name, lease, sent)  # noqa: E731
+        return schema, batches, undo, len(rows)
 
     def _assemble(
         self,
@@ -693,10 +695,12 @@ class Server(fl.FlightServerBase):
         wholes: list[Answered] | None = None,
     ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
         """A read's answer: batches bounded for the socket (small slices copied together),
-        large and as stored over shm, where the consumer maps them; ``count``: their bytes
-        count as sent as they go; ``wholes``: see :func:`~.assemble.assemble`."""
-        self.counters.add({"get": "gets", "claim": "claims"}.get(t.op, "scans"))
-        self.counters.add("rows_sent", len(rows))
+        large and as stored over shm, where the consumer maps them; ``count``: the read
+        and its rows count now, its bytes as they go; ``wholes``: see
+        :func:`~.assemble.assemble`."""
+        if count:
+            self.counters.add(read_counter(t.op))
+            self.counters.add("rows_sent", len(rows))
         log.debug("%s of %d rows from %r", t.op, len(rows), t.partition)
         if not t.shm:
             schema, batches = assemble(part, rows, names, self.max_batch_bytes, coalesce=True)

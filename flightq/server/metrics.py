@@ -16,7 +16,7 @@ from typing import Any
 
 from ..protocol import ACTIONS
 
-__all__ = ["Counters", "COUNTERS", "LATENCY_BUCKETS", "call_kind"]
+__all__ = ["Counters", "COUNTERS", "LATENCY_BUCKETS", "call_kind", "read_counter"]
 
 #: Every counter, in the order the answer lists them.
 COUNTERS = (
@@ -61,6 +61,11 @@ LATENCY_BUCKETS = (
 
 #: The server's call handlers (``Server._guard``'s ``fn``), by the kind they serve.
 _KINDS = {"_do_put": "put", "_do_exchange": "exchange", "_info": "info"}
+
+
+def read_counter(op: str) -> str:
+    """The counter of a read of ``op`` (a ticket's): ``gets``, ``claims`` or ``scans``."""
+    return {"get": "gets", "claim": "claims"}.get(op, "scans")
 
 
 def call_kind(handler: str, args: Sequence[Any]) -> str | None:

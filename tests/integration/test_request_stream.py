@@ -529,6 +529,31 @@ def test_every_answer_echoes_its_requests_number_and_a_bad_number_is_refused(
         c.close()
 
 
+def test_a_read_the_stream_answers_retry_counts_nothing_sent(
+    server: flightq.Server, client: flightq.Client
+) -> None:
+    # The counters say what was sent: a read answered `retry` (it goes per call, where it
+    # is counted) sends no rows; one answered counts once, as per call.
+    client.create_partition("cnt", TEXT, tasks=["train"])
+    keys = text_keys(1, 3)
+    client.put("cnt", keys, text_columns(keys))
+    get = GetTicket(partition="cnt", keys=keys).to_wire()
+    c, writer, reader = open_stream(server.location)
+    try:
+        before = client.stats()["counters"]
+        for _ in range(20):
+            got = ask(writer, reader, pack_frame({"op": "read", "cmd": get, "max": 1}))
+            assert "retry" in got.header
+        after = client.stats()["counters"]
+        assert (after["gets"], after["rows_sent"]) == (before["gets"], before["rows_sent"])
+        assert "ok" in ask(writer, reader, pack_frame({"op": "read", "cmd": get})).header
+        sent = client.stats()["counters"]
+        assert (sent["gets"], sent["rows_sent"]) == (after["gets"] + 1, after["rows_sent"] + 3)
+        writer.done_writing()
+    finally:
+        c.close()
+
+
 def test_hostile_put_cannot_overfill_the_budget() -> None:
     with (
         flightq.Server(memory_budget=200_000) as srv,
