@@ -20,12 +20,17 @@ TIMEOUT = 4.0
 IDLE = 8.0
 
 
-def test_keepalive_is_a_quarter_of_the_timeout_between_1_and_20_seconds() -> None:
+def test_keepalive_and_reconnection_are_a_quarter_of_the_timeout_between_1_and_20_s() -> None:
     for timeout, ms in ((0.5, 1000), (4.0, 1000), (60.0, 15_000), (3600.0, 20_000)):
         opts = dict(keepalive_options(timeout))
         assert opts["grpc.keepalive_time_ms"] == opts["grpc.keepalive_timeout_ms"] == ms
         assert opts["grpc.keepalive_permit_without_calls"] == 0
         assert opts["grpc.http2.max_pings_without_data"] == 2
+        # A connection attempt lasts at most that quarter, and a client whose server went
+        # away tries again at least every max(quarter, 2 s) (gRPC: 20 s and 120 s).
+        assert opts["grpc.min_reconnect_backoff_ms"] == ms
+        assert opts["grpc.initial_reconnect_backoff_ms"] == min(ms, 1000)
+        assert opts["grpc.max_reconnect_backoff_ms"] == max(ms, 2000)
 
 
 def test_a_users_own_generic_options_win_over_the_keepalive_defaults() -> None:

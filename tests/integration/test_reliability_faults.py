@@ -141,6 +141,48 @@ def test_a_claim_its_caller_abandoned_stops_waiting_and_takes_no_rows():
         assert c.claim("p", "train", 1, timeout=TIMEOUT).keys == ["k0"]
 
 
+def test_calls_to_a_restarted_server_not_answering_yet_end_near_their_timeout() -> None:
+    # The server dies and comes back on its port, stalled (accepting connections, saying
+    # nothing): a call that opens a stream without a deadline (the request stream's)
+    # waited for gRPC's 20 s connection attempt (18 s of a 2 s timeout). Each call now
+    # ends within its timeout plus the documented greeting wait, typed; once the server
+    # runs, the client reaches it again by itself.
+    keys = ["a0", "a1"]
+    with cli_server() as (location, first):
+        port = location.rsplit(":", 1)[1]
+        c = flightq.connect(location, [TEXT], timeout=2.0)
+        try:
+            c.create_partition("p", TEXT, tasks=["train"])
+            c.put("p", keys, text_columns(keys))  # the request stream is open
+            c.ack(c.claim("p", "train", 2, as_="numpy"))
+            _killed(first)
+            with cli_server("--port", port) as (again, second):
+                assert again == location
+                with stopped(second):
+                    for name, call in {
+                        "create": lambda: c.create_partition("p", TEXT, tasks=["train"]),
+                        "put": lambda: c.put("p", ["b0"], text_columns(["b0"])),
+                        "stats": lambda: c.stats(),
+                    }.items():
+                        started = time.monotonic()
+                        with pytest.raises((flightq.FlightqTimeoutError, flightq.UnavailableError)):
+                            call()
+                        took = time.monotonic() - started
+                        # timeout 2 s + 0.5 s + a greeting's 5 s at most (18 s before)
+                        assert took < 10.0, (name, took)
+                deadline = time.monotonic() + TIMEOUT
+                while True:
+                    try:
+                        c.create_partition("p", TEXT, tasks=["train"])
+                        break
+                    except (flightq.FlightqTimeoutError, flightq.UnavailableError):
+                        assert time.monotonic() < deadline, "the client never came back"
+                        time.sleep(0.1)
+                assert c.put("p", ["b0"], text_columns(["b0"])) == 1
+        finally:
+            c.close()
+
+
 def test_store_claim_polls_its_cancellation_callable():
     store = Store()
     store.declare("p", flightq.SchemaRegistry.default().get(TEXT), ["train"], None)
