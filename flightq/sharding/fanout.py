@@ -33,8 +33,9 @@ DEFAULT_POLL = 0.05
 
 
 def at_shard(location: str, e: FlightqError) -> FlightqError:
-    """The same error class, its message prefixed with the shard's location."""
-    return type(e)(f"shard {location}: {e}")
+    """The same error class and attributes (``key``, ``partition``, ...), its message
+    prefixed with the shard's location."""
+    return type(e)(f"shard {location}: {e}", **e.attributes())
 
 
 class Fanout:
@@ -99,9 +100,11 @@ class Fanout:
         return out, errors
 
     def _error(self, errors: Sequence[tuple[int, FlightqError]], *notes: str) -> FlightqError:
-        """The first failure's class, naming its shard, then the other failures and notes."""
+        """The first failure's class and attributes, naming its shard, then the other
+        failures and notes."""
         parts = [f"shard {self.locations[t]}: {e}" for t, e in errors] + [n for n in notes if n]
-        return type(errors[0][1])("; ".join(parts))
+        first = errors[0][1]
+        return type(first)("; ".join(parts), **first.attributes())
 
     def _fan(self, calls: Mapping[int, Callable[[Client], T]]) -> dict[int, T]:
         """:meth:`_run`, raising the failures (see :meth:`_error`) after all finish."""

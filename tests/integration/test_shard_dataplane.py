@@ -156,8 +156,13 @@ def test_a_put_that_fails_on_one_shard_is_rolled_back_on_the_others(
     with pytest.raises(flightq.ConflictError, match=f"shard {bad}: .*rolled back"):
         sharded.put("rows", **put)
     assert sharded.stats()["rows"] == 1  # only the row that was there before
-    with pytest.raises(flightq.NotFoundError):
+    with pytest.raises(flightq.NotFoundError) as missing:
         sharded.get("rows", put["keys"][2:])
+    # The shard's error keeps what it names, beside the shard's location in its message.
+    assert missing.value.partition == "rows" and missing.value.key in put["keys"][2:]
+    with pytest.raises(flightq.ConflictError) as conflict:
+        sharded.put("rows", **put)
+    assert conflict.value.key == taken and conflict.value.partition == "rows"
     assert raw(sharded.get("rows", [taken], as_="numpy")["input_ids"][0]) == raw(
         text_columns([taken], seed=5)["input_ids"][0]
     )
