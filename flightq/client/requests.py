@@ -45,7 +45,7 @@ from ..protocol import (
     Ticket,
     from_flight_error,
 )
-from .transport import Acked, Transport, acknowledged, action_spec
+from .transport import Acked, Transport, acknowledged, action_spec, exchange_within
 
 __all__ = ["Requests", "IDLE_CLOSE_S", "OPEN_S", "RETRY_OPEN_S"]
 
@@ -84,6 +84,23 @@ class _Stream:
             self.writer.done_writing()
         with contextlib.suppress(Exception):
             self.writer.close()
+
+    def cancel(self) -> None:
+        """Cancel it and close it at once (not left for the collector to find)."""
+        with contextlib.suppress(Exception):
+            self.reader.cancel()
+        self.close()
+
+
+def _exchange(flight: fl.FlightClient, limit: float) -> _Stream | None:
+    """A request stream opened on ``flight`` within ``limit`` seconds, or None (refused, or
+    still opening then: :func:`~.transport.exchange_within`)."""
+    desc = fl.FlightDescriptor.for_command(RequestsCommand().to_wire())
+    try:
+        opened = exchange_within(flight, desc, _OPTIONS, limit)
+    except _FOREIGN:
+        return None
+    return None if opened is None else _Stream(*opened)
 
 
 class Requests:
@@ -285,29 +302,30 @@ class Requests:
     # ------------------------------------------------------------------ the stream
 
     def _open(self, wait: float) -> _Stream | None:
-        """The open stream, opened now if it is not (None: the server refuses it, or its
-        greeting did not come within ``wait`` seconds, 1 to :data:`OPEN_S`: a server
-        that stalls is then asked per call, with the call's own deadline)."""
+        """The open stream, opened now if it is not (None: the server refuses it, or it
+        did not open and greet within ``wait`` seconds, 1 to :data:`OPEN_S`: a server
+        that stalls, or a connection still being made to one, is then asked per call,
+        with the call's own deadline)."""
         if self._stream is not None:
             return self._stream
         now = time.monotonic()
         if now < self._refused_until:
             return None
-        desc = fl.FlightDescriptor.for_command(RequestsCommand().to_wire())
-        flight = self._transport.connection()
+        limit = min(max(wait, 1.0), OPEN_S)
+        opened = _exchange(self._transport.connection(), limit)
         greeted = threading.Lock()  # taken by the greeting or by the timer, whichever first
         timer: threading.Timer | None = None
-        opened: _Stream | None = None
         try:
-            writer, reader = flight.do_exchange(desc, options=_OPTIONS)
-            opened = _Stream(writer, reader)
+            if opened is None:
+                raise StopIteration
+            reader = opened.reader
 
             def too_late() -> None:
                 if greeted.acquire(blocking=False):
                     with contextlib.suppress(Exception):
                         reader.cancel()
 
-            timer = threading.Timer(min(max(wait, 1.0), OPEN_S), too_late)
+            timer = threading.Timer(max(0.0, now + limit - time.monotonic()), too_late)
             timer.daemon = True
             timer.start()
             hello = reader.read_chunk()
@@ -319,9 +337,7 @@ class Requests:
         except (*_FOREIGN, StopIteration, FlightqError, KeyError):
             self._refused_until = now + RETRY_OPEN_S
             if opened is not None:  # closed now, not left for the collector to find
-                with contextlib.suppress(Exception):
-                    opened.reader.cancel()
-                opened.close()
+                opened.cancel()
             return None
         finally:
             if timer is not None:

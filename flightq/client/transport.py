@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -75,10 +76,10 @@ def keepalive_options(timeout: float) -> list[tuple[str, int]]:
     client that pings more often than every 5 minutes without data with a GOAWAY
     ("too_many_pings"), which would end the session and its leases.
 
-    Reconnection is on the same scale: one connection attempt lasts at most that quarter
-    of the timeout (at least 1 s), and a client whose server went away tries again at
-    least every ``max(quarter, 2 s)``, so that it finds a restarted server within that
-    much of its return, whatever the outage lasted.
+    Reconnection is on the same scale: a client whose server went away tries again at
+    least every ``max(quarter, 2 s)``, so that it finds a restarted server within about
+    that much of its return, whatever the outage lasted (one attempt may still take
+    gRPC's 20 s, for a slow handshake).
 
     Parameters
     ----------
@@ -96,12 +97,10 @@ def keepalive_options(timeout: float) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", ms),
         ("grpc.keepalive_permit_without_calls", 0),
         ("grpc.http2.max_pings_without_data", 2),
-        # A connection attempt lasts at least the minimum backoff (gRPC's default 20 s:
-        # a call that opens a stream with no deadline, the request stream's, waited 18 s
-        # of a 2 s timeout on a restarted server not answering yet), and attempts back
-        # off up to the maximum (120 s by default: after a 30 s outage a client calling
-        # in a loop reached its restarted server 13.9 s late). Both on the same scale.
-        ("grpc.min_reconnect_backoff_ms", ms),
+        # Attempts to reconnect back off up to the maximum (gRPC's default 120 s: after
+        # a 30 s outage a client calling in a loop reached its restarted server 13.9 s
+        # late). One attempt keeps gRPC's 20 s at least (the minimum backoff), so that a
+        # slow handshake (a lost SYN, a busy or distant server) still connects.
         ("grpc.initial_reconnect_backoff_ms", min(ms, 1000)),
         ("grpc.max_reconnect_backoff_ms", max(ms, 2000)),
     ]
@@ -321,9 +320,14 @@ class Transport:
         """
         what = f"open a session on {self.location}"
         desc = fl.FlightDescriptor.for_command(SessionCommand(silence=silence).to_wire())
+        wait = self.timeout if timeout is None else timeout
+        started = time.monotonic()
         try:
             # No deadline: the stream lives as long as the client.
-            writer, reader = self._main.do_exchange(desc, options=fl.FlightCallOptions())
+            opened = exchange_within(self._main, desc, fl.FlightCallOptions(), wait)
+            if opened is None:
+                raise FlightqTimeoutError(f"{what}: timed out connecting to the server")
+            writer, reader = opened
             first: list[Any] = []
 
             def read() -> None:
@@ -336,7 +340,7 @@ class Transport:
 
             got = threading.Thread(target=read, name="flightq-session-open", daemon=True)
             got.start()
-            got.join(self.timeout if timeout is None else timeout)
+            got.join(max(0.0, started + wait - time.monotonic()))
             if first and isinstance(first[0], BaseException):
                 raise first[0]
         except _FOREIGN as e:
@@ -402,3 +406,53 @@ def acknowledged(rows: int, command: PutCommand, what: str, sent: int | None = N
 def with_scheme(location: str) -> str:
     """A location as Flight takes it: a bare ``host:port`` means ``grpc://host:port``."""
     return location if "://" in location else f"grpc://{location}"
+
+
+def exchange_within(
+    flight: fl.FlightClient,
+    descriptor: fl.FlightDescriptor,
+    options: fl.FlightCallOptions,
+    limit: float,
+) -> tuple[Any, Any] | None:
+    """``flight.do_exchange(descriptor)`` (writer, reader) within ``limit`` seconds, or None.
+
+    A DoExchange on a connection being made waits for gRPC's connection attempt, which
+    the call's deadline cannot bound for a stream that has none (20 s where the server
+    accepts connections and says nothing: restarting, stopped): it runs on a thread of its
+    own, which cancels and closes the stream should it open past ``limit``.
+
+    Raises
+    ------
+    pyarrow.flight.FlightError, pyarrow.ArrowException, OSError
+        What the DoExchange raised within ``limit``.
+    """
+    got: list[Any] = []
+    lock = threading.Lock()
+    late = False
+
+    def opening() -> None:
+        try:
+            opened: Any = flight.do_exchange(descriptor, options=options)
+        except _FOREIGN as e:
+            opened = e
+        with lock:
+            if not late:
+                got.append(opened)
+                return
+        if not isinstance(opened, BaseException):
+            writer, reader = opened
+            with contextlib.suppress(Exception):
+                reader.cancel()
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    thread = threading.Thread(target=opening, name="flightq-exchange-open", daemon=True)
+    thread.start()
+    thread.join(limit)
+    with lock:
+        if not got:
+            late = True
+            return None
+    if isinstance(got[0], BaseException):
+        raise got[0]
+    return got[0]

@@ -163,12 +163,15 @@ def test_calls_to_a_restarted_server_not_answering_yet_end_near_their_timeout() 
                         "create": lambda: c.create_partition("p", TEXT, tasks=["train"]),
                         "put": lambda: c.put("p", ["b0"], text_columns(["b0"])),
                         "stats": lambda: c.stats(),
+                        # its consumer session opens again (a stream without a deadline)
+                        "claim": lambda: c.claim("p", "train", 1, as_="numpy", timeout=1.0),
                     }.items():
                         started = time.monotonic()
                         with pytest.raises((flightq.FlightqTimeoutError, flightq.UnavailableError)):
                             call()
                         took = time.monotonic() - started
-                        # timeout 2 s + 0.5 s + a greeting's 5 s at most (18 s before)
+                        # timeout 2 s + 0.5 s + a greeting's 5 s at most (18 s before;
+                        # a claim's limit is its wait + 5 s: 11 s before)
                         assert took < 10.0, (name, took)
                 deadline = time.monotonic() + TIMEOUT
                 while True:
