@@ -233,16 +233,35 @@ class KVBatchMeta:
             if m.fields is not None and set(m.fields) != set(first.fields or ()):
                 raise ValueError(f"concat: fields differ ({first.fields}, {m.fields})")
             for k, v in (m.extra_info or {}).items():
-                if k in extra and extra[k] != v:
+                if k in extra and not _same(extra[k], v):
                     raise ValueError(f"concat: extra_info {k!r} differs between batches")
-                extra[k] = v
+                extra.setdefault(k, v)
         return cls(
             keys=[k for m in parts for k in m.keys],
             tags=[t for m in parts for t in m.tags],
             partition_id=first.partition_id,
             fields=first.fields,
-            extra_info=extra,
+            extra_info=extra or None,
         )
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two ``extra_info`` values are equal: of one type, and tensors and arrays
+    element by element (their ``==`` has no single truth value)."""
+    if type(a) is not type(b):
+        return False
+    if hasattr(a, "shape") and hasattr(a, "dtype"):  # a tensor or an array
+        import numpy as np
+
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    try:
+        return bool(a == b)
+    except Exception:  # an object whose comparison fails is no match
+        return False
+
+
+#: Times ``kv_clear`` lists the partition again, keys cleared by others meanwhile.
+_CLEAR_TRIES = 4
 
 
 class KeysNotFoundError(NotFoundError, ValueError):
@@ -318,7 +337,6 @@ class TransferQueue:
         self.overwrite = bool(self.conf.get("overwrite", True))
         location = self.conf.get("location") or os.environ.get("FLIGHTQ_LOCATION")
         self.server: Any = None
-        self._exported = False
         if not location:
             self.server = flightq.Server(registry=self.registry).start()
             location = self.server.location
@@ -329,18 +347,6 @@ class TransferQueue:
             if self.server is not None:
                 self.server.stop()
             raise
-        if self.server is not None:
-            # Processes this one starts (workers of a launcher, multiprocessing) find it
-            # there; any other process must be given the location, or it would start a
-            # server of its own and see none of these rows.
-            os.environ["FLIGHTQ_LOCATION"] = self.location
-            self._exported = True
-            log.warning(
-                "flightq.compat.transferqueue: no location configured, so this process "
-                "serves the data itself at %s (FLIGHTQ_LOCATION set for the processes it "
-                "starts); give every other process this location",
-                self.location,
-            )
         # The partitions this process declared, of those it used last.
         self._declared: Recent[str, bool] = Recent()
 
@@ -522,22 +528,31 @@ class TransferQueue:
         """Remove rows by key; keys (or a partition) that are not there are left out, as
         TransferQueue does."""
         ks = _names(keys) or []
-        try:
-            self.client.clear(partition_id, ks)
-        except NotFoundError as e:
-            if type(e) is not NotFoundError or e.partition != partition_id:
-                raise
-            if e.key is None:  # the partition itself is not there: nothing to clear
+        for _ in range(_CLEAR_TRIES):
+            try:
+                self.client.clear(partition_id, ks)
                 return
-            held = self.client.list_keys(partition_id)
-            self.client.clear(partition_id, [k for k in ks if k in held])
+            except NotFoundError as e:
+                if type(e) is not NotFoundError or e.partition != partition_id:
+                    raise
+                if e.key is None:  # the partition itself is not there: nothing to clear
+                    return
+            # Some are not there (never were, or another process cleared them meanwhile:
+            # the ranks of a data-parallel group clearing one step): the others only.
+            try:
+                held = self.client.list_keys(partition_id)
+            except NotFoundError as e:
+                if type(e) is not NotFoundError or e.partition != partition_id:
+                    raise
+                return  # dropped meanwhile
+            ks = [k for k in ks if k in held]
+        with _not_found():
+            self.client.clear(partition_id, ks)
 
     def close(self) -> None:
         """Close the connection, and stop the server ``init`` started, if any."""
         self.client.close()
         if self.server is not None:
-            if self._exported and os.environ.get("FLIGHTQ_LOCATION") == self.server.location:
-                del os.environ["FLIGHTQ_LOCATION"]
             self.server.stop()
             self.server = None
 
@@ -572,6 +587,17 @@ def init(conf: Any = None) -> dict[str, Any]:
     with _TQ_LOCK:
         if _TQ is None:
             _TQ = TransferQueue(conf)
+            if _TQ.server is not None:
+                # Processes this one starts (workers of a launcher, multiprocessing) find
+                # it there; any other process must be given the location, or it would
+                # start a server of its own and see none of these rows.
+                os.environ["FLIGHTQ_LOCATION"] = _TQ.location
+                log.warning(
+                    "flightq.compat.transferqueue: no location configured, so this process "
+                    "serves the data itself at %s (FLIGHTQ_LOCATION set for the processes "
+                    "it starts); give every other process this location",
+                    _TQ.location,
+                )
         return {**_TQ.conf, "location": _TQ.location}
 
 
@@ -581,6 +607,8 @@ def close() -> None:
     with _TQ_LOCK:
         tq, _TQ = _TQ, None
     if tq is not None:
+        if tq.server is not None and os.environ.get("FLIGHTQ_LOCATION") == tq.location:
+            del os.environ["FLIGHTQ_LOCATION"]  # the one init exported: gone with it
         tq.close()
 
 

@@ -376,10 +376,10 @@ def test_a_server_init_starts_is_found_by_the_processes_it_starts(torch: Any) ->
     tq = pytest.importorskip("flightq.compat.transferqueue")
     pytest.importorskip("tensordict")
     assert "FLIGHTQ_LOCATION" not in os.environ
-    q = tq.TransferQueue({"flightq": {"partitions": {"train": "rollout_text@1"}}})
+    conf = tq.init({"flightq": {"partitions": {"train": "rollout_text@1"}}})
     try:
-        assert os.environ["FLIGHTQ_LOCATION"] == q.location
-        q.kv_put(
+        assert os.environ["FLIGHTQ_LOCATION"] == conf["location"]
+        tq.kv_put(
             key="a", partition_id="train", fields={"input_ids": torch.tensor([1])}, tag={"s": 1}
         )
         child = (
@@ -392,9 +392,22 @@ def test_a_server_init_starts_is_found_by_the_processes_it_starts(torch: Any) ->
             [sys.executable, "-c", child], capture_output=True, text=True, timeout=60, check=True
         )
         assert out.stdout.strip() == "{'train': {'a': {'s': 1}}}"
+        # A TransferQueue built by hand meanwhile finds it through the variable too.
+        other = tq.TransferQueue({"flightq": {"partitions": {"train": "rollout_text@1"}}})
+        try:
+            assert other.location == conf["location"] and other.server is None
+        finally:
+            other.close()
     finally:
-        q.close()
+        tq.close()
     assert "FLIGHTQ_LOCATION" not in os.environ
+    # Built by hand without a location, it serves rows of its own and exports nothing:
+    # another object closing never takes away the server a second one uses.
+    mine = tq.TransferQueue({"flightq": {"partitions": {"train": "rollout_text@1"}}})
+    try:
+        assert mine.server is not None and "FLIGHTQ_LOCATION" not in os.environ
+    finally:
+        mine.close()
 
 
 def test_kv_batch_meta_chunks_reorders_and_concatenates_as_transferqueues() -> None:
@@ -433,3 +446,38 @@ def test_kv_batch_meta_chunks_reorders_and_concatenates_as_transferqueues() -> N
     clash.extra_info = {"step": 4}
     with pytest.raises(ValueError, match="extra_info 'step' differs"):
         tq.KVBatchMeta.concat([meta, clash])
+
+
+def test_kv_batch_meta_concat_compares_tensor_and_array_extra_info_by_value(torch: Any) -> None:
+    import numpy as np
+
+    tq = pytest.importorskip("flightq.compat.transferqueue")
+    for value in (torch.ones(3), np.ones(3)):
+        meta = tq.KVBatchMeta(
+            keys=["a", "b"], tags=[{}, {}], partition_id="p", extra_info={"w": value}
+        )
+        whole = tq.KVBatchMeta.concat(meta.chunk(2))
+        assert whole.keys == ["a", "b"] and (whole.extra_info["w"] == value).all()
+    one = tq.KVBatchMeta(keys=["a"], tags=[{}], partition_id="p", extra_info={"w": 1})
+    other = tq.KVBatchMeta(keys=["b"], tags=[{}], partition_id="p", extra_info={"w": 1.0})
+    with pytest.raises(ValueError, match="extra_info 'w' differs"):
+        tq.KVBatchMeta.concat([one, other])  # of two types, as TransferQueue holds
+    bare = tq.KVBatchMeta(keys=["a"], tags=[{}], partition_id="p", extra_info=None)
+    assert tq.KVBatchMeta.concat([bare]).extra_info is None
+
+
+def test_ranks_clearing_one_steps_keys_together_never_fail(api: Any, torch: Any) -> None:
+    # The ranks of a data-parallel group each clear the step's keys: whichever comes
+    # second finds some gone, and leaves them out.
+    import concurrent.futures
+
+    keys = [f"r{i}" for i in range(16)]
+    ids = torch.nested.nested_tensor([torch.arange(2)] * 16, layout=torch.jagged)
+    windows = [(keys * 2)[i * 4 : i * 4 + 10] for i in range(4)]  # each overlaps two others
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for _ in range(20):
+            api.kv_batch_put(keys=keys, partition_id="dp", fields={"input_ids": ids})
+            cleared = [pool.submit(api.kv_clear, w, "dp") for w in windows]
+            for f in cleared:
+                f.result(timeout=60)
+            assert api.kv_list(partition_id="dp") == {"dp": {}}
