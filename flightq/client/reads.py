@@ -305,9 +305,9 @@ class Reader:
         grant: list[ClaimGrant] | None,
     ) -> list[pa.RecordBatch] | None:
         """A read's record batches as the request stream answered it (a claim's grant
-        appended to ``grant``); None where it goes per call."""
-        if self.requests is None or not self.stream_max_bytes:
-            return None
+        appended to ``grant``); None where it goes per call. Only where :meth:`_small`
+        says the read goes on the stream."""
+        assert self.requests is not None
 
         def with_grant(got: Frame) -> list[pa.RecordBatch]:
             if grant is not None and not grant:

@@ -356,9 +356,7 @@ class Requests:
         self._abandoned = False
         stream, self._stream = self._stream, None
         if stream is not None:
-            with contextlib.suppress(Exception):
-                stream.reader.cancel()
-            stream.close()
+            stream.cancel()
 
     def _watch(self) -> None:
         """Cancel a request past its deadline; close the stream once idle, and end with it

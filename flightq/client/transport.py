@@ -423,8 +423,8 @@ def exchange_within(
 
     Raises
     ------
-    pyarrow.flight.FlightError, pyarrow.ArrowException, OSError
-        What the DoExchange raised within ``limit``.
+    Exception
+        What the DoExchange raised within ``limit`` (a Flight or Arrow error).
     """
     got: list[Any] = []
     lock = threading.Lock()
@@ -433,7 +433,7 @@ def exchange_within(
     def opening() -> None:
         try:
             opened: Any = flight.do_exchange(descriptor, options=options)
-        except _FOREIGN as e:
+        except Exception as e:  # handed to the caller, or dropped once it is too late
             opened = e
         with lock:
             if not late:

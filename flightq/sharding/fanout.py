@@ -35,7 +35,12 @@ DEFAULT_POLL = 0.05
 def at_shard(location: str, e: FlightqError) -> FlightqError:
     """The same error class and attributes (``key``, ``partition``, ...), its message
     prefixed with the shard's location."""
-    return type(e)(f"shard {location}: {e}", **e.attributes())
+    return _retold(e, f"shard {location}: {e}")
+
+
+def _retold(e: FlightqError, message: str) -> FlightqError:
+    """An error of ``e``'s class and attributes, saying ``message``."""
+    return type(e)(message, **e.attributes())
 
 
 class Fanout:
@@ -103,8 +108,7 @@ class Fanout:
         """The first failure's class and attributes, naming its shard, then the other
         failures and notes."""
         parts = [f"shard {self.locations[t]}: {e}" for t, e in errors] + [n for n in notes if n]
-        first = errors[0][1]
-        return type(first)("; ".join(parts), **first.attributes())
+        return _retold(errors[0][1], "; ".join(parts))
 
     def _fan(self, calls: Mapping[int, Callable[[Client], T]]) -> dict[int, T]:
         """:meth:`_run`, raising the failures (see :meth:`_error`) after all finish."""
