@@ -837,6 +837,9 @@ class Clear(Message):
     #: (those one put created: its :class:`PutCreated`'s ``groups``), skipping keys not
     #: held; None: every row named.
     groups: list[int] | None = _field(_optional(_span), None, omit=None)
+    #: Skip keys not held instead of refusing the clear (a key another process cleared
+    #: meanwhile): the keys held go, the rest are left out of ``cleared``.
+    missing_ok: bool = _field(_bool, False, omit=False)
 
 
 @dataclasses.dataclass(**_FROZEN)

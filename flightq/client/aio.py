@@ -132,9 +132,13 @@ class AsyncClient:
         """See :meth:`flightq.Client.describe`."""
         return await self._call(self.client.describe, partition)
 
-    async def clear(self, partition: str, keys: Sequence[str] | None = None) -> int:
+    async def clear(
+        self, partition: str, keys: Sequence[str] | None = None, *, missing_ok: bool = False
+    ) -> int:
         """See :meth:`flightq.Client.clear`."""
-        return await self._call(self.client.clear, partition, keys)
+        return await self._call(
+            functools.partial(self.client.clear, missing_ok=missing_ok), partition, keys
+        )
 
     async def reset(self, partition: str, task: str, keys: Sequence[str] | None = None) -> int:
         """See :meth:`flightq.Client.reset`."""

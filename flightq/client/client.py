@@ -579,8 +579,15 @@ class Client:
         """A partition's declaration (schema JSON, fingerprint, tasks, group size)."""
         return self._act(Describe(partition=partition)).to_dict()
 
-    def clear(self, partition: str, keys: Sequence[str] | None = None) -> int:
+    def clear(
+        self, partition: str, keys: Sequence[str] | None = None, *, missing_ok: bool = False
+    ) -> int:
         """Remove rows (all when ``keys`` is None); returns how many.
+
+        An unknown key refuses the clear (``NotFoundError`` naming it, nothing removed);
+        with ``missing_ok`` keys not held are skipped and the others removed, in one call
+        however many are missing (the ranks of a data-parallel group clearing one step's
+        keys together).
 
         Keys that one message cannot carry (past about 1 MiB of keys: a server refuses a
         message past its ``max_request_bytes``) go in several calls, in order, each key
@@ -589,7 +596,10 @@ class Client:
         leaves the calls before it done.
         """
         ks = None if keys is None else list(keys)
-        n = sum(int(self._act(Clear(partition=partition, keys=p)).cleared) for p in _parts(ks))
+        n = sum(
+            int(self._act(Clear(partition=partition, keys=p, missing_ok=missing_ok)).cleared)
+            for p in _parts(ks)
+        )
         if ks is None:
             self._forget_media(partition)  # it holds none now: send the next put's bare
         return n

@@ -165,15 +165,18 @@ class KVBatchMeta:
         )
 
     def reorder(self, indexes: Sequence[int]) -> None:
-        """Put the rows in the order of ``indexes`` (positions in this batch), in place.
+        """Put the rows in the order of ``indexes`` (positions in this batch, negative ones
+        counted from the end as Python's), in place.
 
         Raises
         ------
         ValueError
-            If ``indexes`` is not a permutation of this batch's positions.
+            If ``indexes`` is not a permutation of this batch's positions (``-1`` and the
+            last position name one row: both at once are refused, not a row twice).
         """
-        order = [int(i) for i in indexes]
-        if sorted(order) != list(range(self.size)):
+        n = self.size
+        order = [int(i) + n if -n <= int(i) < 0 else int(i) for i in indexes]
+        if sorted(order) != list(range(n)):
             raise ValueError(
                 f"reorder: {len(order)} indexes are not an order of this batch's {self.size} "
                 "rows (each position once)"
@@ -258,10 +261,6 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # an object whose comparison fails is no match
         return False
-
-
-#: Times ``kv_clear`` lists the partition again, keys cleared by others meanwhile.
-_CLEAR_TRIES = 4
 
 
 class KeysNotFoundError(NotFoundError, ValueError):
@@ -527,27 +526,14 @@ class TransferQueue:
     def kv_clear(self, keys: list[str] | str, partition_id: str) -> None:
         """Remove rows by key; keys (or a partition) that are not there are left out, as
         TransferQueue does."""
-        ks = _names(keys) or []
-        for _ in range(_CLEAR_TRIES):
-            try:
-                self.client.clear(partition_id, ks)
-                return
-            except NotFoundError as e:
-                if type(e) is not NotFoundError or e.partition != partition_id:
-                    raise
-                if e.key is None:  # the partition itself is not there: nothing to clear
-                    return
-            # Some are not there (never were, or another process cleared them meanwhile:
-            # the ranks of a data-parallel group clearing one step): the others only.
-            try:
-                held = self.client.list_keys(partition_id)
-            except NotFoundError as e:
-                if type(e) is not NotFoundError or e.partition != partition_id:
-                    raise
-                return  # dropped meanwhile
-            ks = [k for k in ks if k in held]
-        with _not_found():
-            self.client.clear(partition_id, ks)
+        # Keys not there (never were, or another process cleared them meanwhile: the
+        # ranks of a data-parallel group clearing one step) are skipped by the server.
+        try:
+            self.client.clear(partition_id, _names(keys) or [], missing_ok=True)
+        except NotFoundError as e:
+            if type(e) is not NotFoundError or e.partition != partition_id or e.key is not None:
+                raise
+            # the partition itself is not there: nothing to clear
 
     def close(self) -> None:
         """Close the connection, and stop the server ``init`` started, if any."""

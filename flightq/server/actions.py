@@ -201,7 +201,8 @@ def _describe(ctx: ActionContext, req: Describe) -> Declaration:
 
 
 def _clear(ctx: ActionContext, req: Clear) -> ClearReply:
-    return ClearReply(cleared=ctx.store.clear(req.partition, req.keys, req.put_id, req.groups))
+    cleared = ctx.store.clear(req.partition, req.keys, req.put_id, req.groups, req.missing_ok)
+    return ClearReply(cleared=cleared)
 
 
 def _reset(ctx: ActionContext, req: Reset) -> ResetReply:

@@ -750,6 +750,7 @@ class Store:
         keys: Sequence[str] | None,
         put_id: str | None = None,
         groups: Sequence[int] | None = None,
+        missing_ok: bool = False,
     ) -> int:
         """Remove rows (all when ``keys`` is None). Returns how many were removed. A
         cleared row counts as acknowledged: the leases holding it end for it. With
@@ -760,12 +761,14 @@ class Store:
         only the rows among ``keys`` whose creation number lies in ``[first, end)`` go:
         the rows that one put created, which no other put's row shares, whatever was put
         or cleared since. Keys not held are skipped: undoing a put never removes a row it
-        did not create, such as one a replay or a write-back only acknowledged.
+        did not create, such as one a replay or a write-back only acknowledged. With
+        ``missing_ok``, keys not held are skipped too (the others go).
 
         Raises
         ------
         NotFoundError
-            If a key is unknown, without ``groups`` (nothing is removed then).
+            If a key is unknown, without ``groups`` or ``missing_ok`` (nothing is removed
+            then), or the partition is.
         """
         with self._changed:
             p = self._get(name)
@@ -786,7 +789,7 @@ class Store:
                 p.progress.removed_all()
                 p.wrote(None)
             else:
-                if groups is None:
+                if groups is None and not missing_ok:
                     _known(p, keys)
                 gone = []
                 for k in keys:

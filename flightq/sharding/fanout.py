@@ -217,15 +217,22 @@ class Fanout:
         """The partition's declaration, from the first shard that answers."""
         return self._first(lambda c: c.describe(partition))
 
-    def clear(self, partition: str, keys: Sequence[str] | None = None) -> int:
+    def clear(
+        self, partition: str, keys: Sequence[str] | None = None, *, missing_ok: bool = False
+    ) -> int:
         """Remove rows (all when ``keys`` is None) on their shards; returns how many.
 
         With keys, each shard clears its rows atomically; an unknown key fails its own
-        shard's part (``NotFoundError`` naming the shard), not the others'.
+        shard's part (``NotFoundError`` naming the shard), not the others', unless
+        ``missing_ok`` (keys not held skipped, as :meth:`flightq.Client.clear`).
         """
         if keys is None:
             return sum(self._all(lambda c: c.clear(partition, None)))
-        return sum(self._by_shard(keys, lambda c, ks: c.clear(partition, ks)).values())
+        return sum(
+            self._by_shard(
+                keys, lambda c, ks: c.clear(partition, ks, missing_ok=missing_ok)
+            ).values()
+        )
 
     def reset(self, partition: str, task: str, keys: Sequence[str] | None = None) -> int:
         """Make rows claimable again for ``task`` (all when ``keys`` is None)."""

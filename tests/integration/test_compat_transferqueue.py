@@ -431,7 +431,10 @@ def test_kv_batch_meta_chunks_reorders_and_concatenates_as_transferqueues() -> N
     assert tq.KVBatchMeta.concat([]).size == 0
     whole.reorder([4, 3, 2, 1, 0])
     assert whole.keys == keys[::-1] and whole.tags[0] == {"i": 4}
-    for bad in ([0, 1, 2, 3], [0, 0, 1, 2, 3], [0, 1, 2, 3, 5]):
+    whole.reorder([-1, 1, 2, 3, -5])  # counted from the end, as Python's (and TQ's) indexes
+    assert whole.keys == ["k0", "k3", "k2", "k1", "k4"]
+    # -1 names the last row: with 4 too it is a row twice, refused (not two copies of it)
+    for bad in ([0, 1, 2, 3], [0, 0, 1, 2, 3], [0, 1, 2, 3, 5], [0, 1, 2, 4, -1], [-6, 1, 2, 3, 4]):
         with pytest.raises(ValueError, match="order of this batch"):
             whole.reorder(bad)
     other = tq.KVBatchMeta(keys=["z"], tags=[{}], partition_id="q", fields=["a", "b"])

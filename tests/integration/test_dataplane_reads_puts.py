@@ -244,6 +244,20 @@ def test_clear_of_an_unknown_key_clears_nothing(client, rows):
     assert client.clear("rows") == 3
 
 
+def test_clear_missing_ok_removes_the_keys_held_and_skips_the_rest(client, rows):
+    # as the ranks of a data-parallel group clearing one step's keys, each all of them
+    assert client.clear("rows", ["k0", "zz", "k0", "k1"], missing_ok=True) == 2
+    assert sorted(client.list_keys("rows")) == ["k2", "k3"]
+    assert client.clear("rows", ["k0", "k1"], missing_ok=True) == 0
+    assert client.clear("rows", [], missing_ok=True) == 0
+    with pytest.raises(flightq.NotFoundError, match=r"no row key 'k0'"):
+        client.clear("rows", ["k2", "k0"])  # without it, still all or nothing
+    assert sorted(client.list_keys("rows")) == ["k2", "k3"]
+    with pytest.raises(flightq.NotFoundError) as gone:
+        client.clear("nope", ["k2"], missing_ok=True)  # a partition is never skipped
+    assert gone.value.partition == "nope" and gone.value.key is None
+
+
 def test_overwrite_replaces_the_bytes_counted_in_stats(client, rows):
     _, _, lp = rows
     before = client.stats()["partitions"]["rows"]["bytes"]

@@ -67,6 +67,7 @@ def test_acks_nacks_clears_and_resets_take_the_stream_and_match_per_call(
             lambda c=c, b=first: c.ack(b),  # the other acknowledged
             lambda c=c, name=name: c.reset(name, "train", keys[2:4]),
             lambda c=c, name=name: c.clear(name, keys[6:]),
+            lambda c=c, name=name: c.clear(name, keys[5:], missing_ok=True),
         ]
         for step in steps:
             replies[name].append(step())
@@ -74,7 +75,7 @@ def test_acks_nacks_clears_and_resets_take_the_stream_and_match_per_call(
         assert c.requests.served == served + taken
         replies[name].append(_progress(c, name))
     assert replies["s"] == replies["p"]
-    assert replies["s"][:4] == [1, 1, 0, 2]
+    assert replies["s"][:5] == [1, 1, 0, 2, 1]
 
 
 def test_reads_of_rows_and_progress_take_the_stream_and_match_per_call(
@@ -139,6 +140,7 @@ def test_action_errors_on_the_stream_match_per_call_and_change_nothing(
     before = _progress(streamed, "e")
     cases = [
         lambda c: c.clear("e", [keys[0], "nope"]),  # one unknown key: nothing removed
+        lambda c: c.clear("gone", [keys[0]], missing_ok=True),  # the partition is unknown
         lambda c: c.reset("e", "nope"),
         lambda c: c.ack(claim, ["not-a-row-of-it"]),
         lambda c: c.nack(claim, [keys[3]]),  # a row of the partition, not of the claim

@@ -139,7 +139,10 @@ def test_clear_reset_and_stats_fan_out(sharded: flightq.ShardedClient) -> None:
     assert sharded.inspect("rows")["delivered"] == {"train": 8}
     assert sharded.reset("rows", "train") == 8  # the rows still delivered
     assert sharded.clear("rows", put["keys"][:2]) == 2
-    assert sharded.clear("rows") == 10
+    with pytest.raises(flightq.NotFoundError):
+        sharded.clear("rows", put["keys"][:2])  # gone
+    assert sharded.clear("rows", ["never", *put["keys"][:3]], missing_ok=True) == 1
+    assert sharded.clear("rows") == 9
     assert sharded.stats()["rows"] == 0
     assert sharded.partitions() == ["rows"]
 
