@@ -1059,14 +1059,17 @@ class Client:
             lease=lease,
             session=self._session.id(),
         )
+        started = time.monotonic()
         try:
             return self._claim(t, wait, as_, copy, dev, sync)
         except NotFoundError as e:
             if e.key is None or e.key != t.session:
                 raise
-            # The server no longer knows the session (it restarted): open another.
-            t = dataclasses.replace(t, session=self._session.reopen(e.key))
-            return self._claim(t, wait, as_, copy, dev, sync)
+            # The server no longer knows the session (it restarted, or the link dropped
+            # and it ended the session): open another, and claim with the wait left.
+            left = max(wait - (time.monotonic() - started), 0.0)
+            t = dataclasses.replace(t, session=self._session.reopen(e.key), timeout=left)
+            return self._claim(t, left, as_, copy, dev, sync)
 
     def _claim(
         self, t: ClaimTicket, wait: float, as_: str, copy: bool, dev: Any, sync: bool

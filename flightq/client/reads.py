@@ -32,6 +32,11 @@ from .recent import Recent
 from .requests import Requests
 from .transport import Transport
 
+#: A read the request stream gave back after more than this many seconds (it waited
+#: there) goes per call with the rest of its timeout, at least :data:`_LEAST_S`.
+_SPENT_S = 0.05
+_LEAST_S = 0.05
+
 __all__ = ["Reader", "RowSizes", "claim_grant", "distinct_nbytes", "received_on_device"]
 
 
@@ -239,9 +244,15 @@ class Reader:
         grant: list[ClaimGrant] | None = None,
     ) -> Batch:
         """A read as one stream, decoded (through shared memory where it applies), held
-        to what it asked for (:func:`answers`)."""
+        to what it asked for (:func:`answers`).
+
+        Where the request stream gives the read back (busy, too large, or broken while
+        it waited: the server restarted, the link dropped), it goes per call with what
+        is left of ``timeout`` (and of a claim's wait), so that it still ends near its
+        deadline."""
         t = self.routed(ticket)
         d = PartDecoder(as_, copy, most=asked_rows(ticket))
+        started = time.monotonic()
         answered = self._ask(t, what, timeout, grant) if self._small(t) else None
         if answered is not None:
             try:
@@ -270,6 +281,12 @@ class Reader:
                 assert self.requests is not None
                 self.requests.abandon()
                 raise
+        spent = time.monotonic() - started
+        if spent > _SPENT_S:
+            left = (self.transport.timeout if timeout is None else timeout) - spent
+            timeout = max(left, _LEAST_S)
+            if isinstance(t, ClaimTicket):
+                t = dataclasses.replace(t, timeout=max(t.timeout - spent, 0.0))
         route = ["shm" if t.shm else "socket"]
         self.read(t, what, timeout, decoder=d, grant=grant, route=route)
         return answers(ticket, self.decoded(ticket.partition, [d], route[0]), what)
