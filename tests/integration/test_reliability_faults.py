@@ -192,23 +192,26 @@ def test_a_claim_waiting_on_the_request_stream_when_the_link_drops_ends_near_its
     # running): the claim goes per call, and again under a new consumer session, each
     # with what is left of its wait, not the whole wait again (6.1 s before).
     wait, cut_at = 4.0, 2.0
-    with flightq.Server() as srv, relayed(srv.location) as relay:
-        with flightq.connect(relay.location, [TEXT], timeout=TIMEOUT) as c:
-            c.create_partition("p", TEXT, tasks=["train"])
-            c.put("p", ["a0", "a1"], text_columns(["a0", "a1"]))
-            c.ack(c.claim("p", "train", 2, as_="numpy"))  # the next claim takes the stream
-            cutter = threading.Timer(cut_at, relay.cut)
-            cutter.start()
-            started = time.monotonic()
-            try:
-                with pytest.raises(flightq.ClaimTimeoutError):
-                    c.claim("p", "train", 1, as_="numpy", timeout=wait)
-                took = time.monotonic() - started
-            finally:
-                cutter.join()
-            assert took < wait + 1.5, took
-            c.put("p", ["b0"], text_columns(["b0"]))
-            assert c.claim("p", "train", 1, as_="numpy", timeout=TIMEOUT).keys == ["b0"]
+    with (
+        flightq.Server() as srv,
+        relayed(srv.location) as relay,
+        flightq.connect(relay.location, [TEXT], timeout=TIMEOUT) as c,
+    ):
+        c.create_partition("p", TEXT, tasks=["train"])
+        c.put("p", ["a0", "a1"], text_columns(["a0", "a1"]))
+        c.ack(c.claim("p", "train", 2, as_="numpy"))  # the next claim takes the stream
+        cutter = threading.Timer(cut_at, relay.cut)
+        cutter.start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(flightq.ClaimTimeoutError):
+                c.claim("p", "train", 1, as_="numpy", timeout=wait)
+            took = time.monotonic() - started
+        finally:
+            cutter.join()
+        assert took < wait + 1.5, took
+        c.put("p", ["b0"], text_columns(["b0"]))
+        assert c.claim("p", "train", 1, as_="numpy", timeout=TIMEOUT).keys == ["b0"]
 
 
 def test_store_claim_polls_its_cancellation_callable():
