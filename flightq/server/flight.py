@@ -282,7 +282,7 @@ class Server(fl.FlightServerBase):
             pool = self._store_hold[1]  # shared by the servers of this process: the least
             pool.keep_bytes = min(pool.keep_bytes, self.shm_keep_bytes)
         self._shm_pool: _shm.SegmentPool | None = None
-        self._staging = Staging()
+        self._staging = Staging(idle=idle_timeout)
         self._shm_lock = threading.Lock()
         # Answers written into shared memory and not yet taken by their reader are held
         # by the server: the budget counts them (Store.held).
@@ -483,16 +483,22 @@ class Server(fl.FlightServerBase):
             raise
         name = cmd.partition
         pieces: list[Any] = []
-        # Bytes held before the pieces exist (a shared-memory copy's segment), counted.
-        advance = self.store.advance(name, cmd.timeout)
+        if staged is not None:  # the parts here wait while this one is on its way
+            self._staging.arrive(name, *staged)
+        advance: Any = None
         try:
             try:
+                # Bytes held before the pieces exist (a shared-memory copy's segment).
+                advance = self.store.advance(name, cmd.timeout)
                 incoming = source(cmd, f"put to {name!r}", advance)
                 self._put_pieces(cmd, incoming, context, pieces, advance)
             except BaseException as e:
                 if staged is not None:  # the other parts fail with it
                     self._staging.fail(name, staged[0], staged[2], e)
                 raise
+            finally:
+                if staged is not None:
+                    self._staging.left(name, staged[0], staged[1])
 
             stored: list[Any] = []
 
@@ -504,10 +510,12 @@ class Server(fl.FlightServerBase):
             if staged is None:
                 done = store(pieces)
             else:
-                done = self._staging.join(name, *staged, pieces, store, cmd.timeout)
+                cancelled = None if context is None else context.is_cancelled
+                done = self._staging.join(name, *staged, pieces, store, cmd.timeout, cancelled)
         finally:
             self.store.release(pieces)  # what was not stored counts no more
-            advance.release()
+            if advance is not None:
+                advance.release()
         self._prepare_answers(name, stored, cmd.shm is not None and self.shm_dir is not None)
         self.counters.add("rows_put", done.rows)
         log.debug("put of %d rows to %r (%d created)", done.rows, name, done.created)

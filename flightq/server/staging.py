@@ -7,11 +7,15 @@ server checks each stream's record batches as usual, then the stream's handler w
 until every part has arrived. The handler of the last part stores all of them in one step
 (in part order, so rows keep the client's order), and every part's handler answers with
 the same result or raises the same error. If a part fails, or does not arrive within the
-put's timeout (and :data:`GRACE_S`), every part fails and nothing is stored. A decided put
-is remembered for a while (:data:`_KEEP_S`, the latest :data:`MAX_DECIDED` of them), so a
-part that comes late fails at once instead of waiting; a retry draws a new ``stage``. What
-a decided put keeps is its result or its error's class and message: never the error
-itself, whose traceback would keep the failed part's record batches alive.
+put's timeout (and :data:`GRACE_S`), every part fails and nothing is stored. The parts
+that arrived wait no longer than the server's idle timeout once none is on its way (the
+missing ones never started: a client that stalls its put), nor once one of them lost its
+client. A decided put is remembered for a while (:data:`_KEEP_S`, the latest
+:data:`MAX_DECIDED` of them), so a part that comes late fails at once instead of waiting,
+and is never acknowledged with the put it missed (a stage used again stores nothing); a
+retry draws a new ``stage``. What a decided put keeps is its result or its error's class
+and message: never the error itself, whose traceback would keep the failed part's record
+batches alive.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import FlightqError, ProtocolError
+from ..errors import FlightqError, ProtocolError, UnavailableError
 from ..protocol import MAX_PUT_PARTS, PutCommand
 from .budget import MAX_NAME_CHARS
 from .putplan import Stored
@@ -46,6 +50,8 @@ _WAIT_S = 3600.0
 #: still on its way (waiting for room under the memory budget, from the same timeout)
 #: fails the put with its own error first, so the writer is told why.
 GRACE_S = 1.0
+#: Longest wait between two looks at the parts' clients and at the idle clock.
+_TICK_S = 1.0
 
 
 @dataclass
@@ -53,6 +59,10 @@ class _Put:
     parts: int
     key: tuple[str, str]  # (partition, stage)
     pieces: dict[int, list[Any]] = field(default_factory=dict)
+    #: Parts whose stream is being read now (they have not joined or failed yet).
+    coming: set[int] = field(default_factory=set)
+    #: When a part last started or ended its stream (the idle clock of the parts here).
+    active: float = field(default_factory=time.monotonic)
     done: bool = False
     committing: bool = False  # every part is here; only the commit decides now
     decided_at: float = 0.0
@@ -64,7 +74,10 @@ class _Put:
 class Staging:
     """The parts of puts arriving on parallel streams, keyed by partition and put id."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle: float | None = None) -> None:
+        #: Seconds the parts that arrived wait while no other part is on its way (None:
+        #: until the put's timeout).
+        self.idle = idle or None
         self._cond = threading.Condition()
         self._puts: dict[tuple[str, str], _Put] = {}  # (partition, stage)
         #: The decided ones among them, in the order they were decided.
@@ -109,6 +122,34 @@ class Staging:
         ):
             self.fail(partition, stage, parts, error)
 
+    def arrive(self, partition: str, stage: str, part: int, parts: int) -> None:
+        """A part's stream starts: while one is on its way, the parts that arrived wait
+        for it (up to the put's timeout).
+
+        Raises
+        ------
+        FlightqError
+            At once, if the put was decided already: its error, or a ``ProtocolError``
+            where it was stored without this part (its stage used again).
+        """
+        if len(partition) > MAX_NAME_CHARS:
+            return  # names no put that could be stored: its command fails further on
+        with self._cond:
+            p = self._entry(partition, stage, parts)
+            if p.done:
+                _raise_decided(p, f"put to {partition!r} in {parts} parts", part)
+            p.coming.add(part)
+            p.active = time.monotonic()
+
+    def left(self, partition: str, stage: str, part: int) -> None:
+        """A part's stream ended (read whole or failed; idempotent)."""
+        with self._cond:
+            p = self._puts.get((partition, stage))
+            if p is not None and part in p.coming:
+                p.coming.discard(part)
+                p.active = time.monotonic()
+                self._cond.notify_all()
+
     def fail(self, partition: str, stage: str, parts: int, error: BaseException) -> None:
         """A part could not be read or checked: the whole put fails, nothing is stored.
         A partition name longer than any partition's (:data:`MAX_NAME_CHARS`) names no
@@ -128,24 +169,32 @@ class Staging:
         pieces: list[Any],
         commit: Callable[[list[Any]], Stored],
         timeout: float,
+        cancelled: Callable[[], bool] | None = None,
     ) -> Stored:
         """Add one part's checked pieces; wait for the others; return what the put did
         (the same for every part).
 
         The last part to arrive runs ``commit`` on every part's pieces, in part order.
+        ``cancelled`` says whether this part's client went away (it fails the put).
 
         Raises
         ------
         FlightqError
             The error ``commit`` raised, or that another part failed with (the same for
-            every part); ``ProtocolError`` if parts disagree on their count or the others
-            did not arrive within ``timeout``.
+            every part); ``ProtocolError`` if parts disagree on their count, the others
+            did not arrive within ``timeout``, none was on its way for :attr:`idle`
+            seconds, or the put was stored without this part; ``UnavailableError`` if a
+            part's client went away before the put was decided.
         """
         what = f"put to {partition!r} in {parts} parts"
         deadline = time.monotonic() + timeout + GRACE_S
         with self._cond:
             p = self._entry(partition, stage, parts)
-            if not p.done and (p.parts != parts or part in p.pieces):
+            p.coming.discard(part)
+            p.active = time.monotonic()
+            if p.done:
+                _raise_decided(p, what, part)
+            if p.parts != parts or part in p.pieces:
                 unfit = ProtocolError(
                     f"{what}: part {part} does not fit the parts already here "
                     f"({sorted(p.pieces)} of {p.parts}); nothing was stored"
@@ -172,30 +221,47 @@ class Staging:
                 while not p.done:
                     # Once every part is here, the commit's answer is the answer, however
                     # long the store takes (it waits for space within the put's timeout).
-                    left = deadline - time.monotonic()
-                    if left <= 0 and not p.committing:
-                        self._decide(
-                            p,
-                            error=ProtocolError(
-                                f"{what}: {len(p.pieces)} arrived within "
-                                f"{timeout + GRACE_S:.3g} s; "
-                                "nothing was stored"
-                            ),
+                    now = time.monotonic()
+                    left = deadline - now
+                    stop = None if p.committing else self._stop(p, what, part, cancelled, now)
+                    if stop is None and left <= 0 and not p.committing:
+                        stop = ProtocolError(
+                            f"{what}: {len(p.pieces)} arrived within "
+                            f"{timeout + GRACE_S:.3g} s; nothing was stored"
                         )
+                    if stop is not None:
+                        self._decide(p, error=stop)
                         break
-                    self._cond.wait(min(left, _WAIT_S) if left > 0 else 1.0)
+                    wait = min(left, _WAIT_S) if left > 0 else 1.0
+                    if cancelled is not None or self.idle is not None:
+                        wait = min(wait, _TICK_S)
+                    self._cond.wait(wait)
             except BaseException as e:
                 # This part's handler is going away (interrupted, or a wait the platform
                 # refused): its put must never be committed later without it.
                 self._decide(p, error=ProtocolError(f"{what}: part {part} failed: {e!r}"))
                 raise
         if p.error is not None:
-            kind, message = p.error
-            if issubclass(kind, FlightqError):
-                raise kind(message)
-            raise ProtocolError(f"{what}: {message}")
+            _raise_decided(p, what, part)
         assert p.result is not None, "a put decided without an error has its result"
         return p.result
+
+    def _stop(
+        self, p: _Put, what: str, part: int, cancelled: Callable[[], bool] | None, now: float
+    ) -> FlightqError | None:
+        # With the lock held: why the parts here stop waiting now, if they do.
+        if cancelled is not None and cancelled():
+            return UnavailableError(
+                f"{what}: part {part}'s client went away before the put was stored; "
+                "nothing was stored"
+            )
+        if self.idle is not None and not p.coming and now - p.active > self.idle:
+            missing = sorted(set(range(p.parts)) - set(p.pieces))
+            return ProtocolError(
+                f"{what}: parts {missing} did not start within {self.idle:.3g} s of the "
+                "last part's stream (the server's idle_timeout); nothing was stored"
+            )
+        return None
 
     def staged(self) -> dict[str, int]:
         """Parts that arrived and wait for their put's other parts right now, per partition.
@@ -242,6 +308,20 @@ class Staging:
             p.pieces = {i: [] for i in p.pieces}
             self._decided[p.key] = p
             self._cond.notify_all()
+
+
+def _raise_decided(p: _Put, what: str, part: int) -> None:
+    """Raise what a decided put answers a part: its error, or where it was stored, a
+    ``ProtocolError`` for a part that was not among those stored."""
+    if p.error is None:
+        raise ProtocolError(
+            f"{what}: part {part} came after the put of its stage was stored without it "
+            "(a stage is used once; a retry draws a new one); nothing of it was stored"
+        )
+    kind, message = p.error
+    if issubclass(kind, FlightqError):
+        raise kind(message)
+    raise ProtocolError(f"{what}: {message}")
 
 
 def _kept(message: str) -> str:

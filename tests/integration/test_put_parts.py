@@ -6,6 +6,8 @@ never comes, fails the whole put: nothing is stored and the server keeps serving
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -83,11 +85,13 @@ def test_a_retried_put_in_parts_with_its_put_id_is_stored_once(client):
     assert client.stats()["partitions"]["p"]["rows"] == 12
 
 
-def _part(location: str, cmd: dict[str, object], rb: pa.RecordBatch) -> None:
+def _part(
+    location: str, cmd: dict[str, object], rb: pa.RecordBatch, timeout: float | None = None
+) -> None:
     c = fl.connect(location)
     try:
         desc = fl.FlightDescriptor.for_command(msgpack.packb(cmd))
-        writer, reader = c.do_put(desc, rb.schema)
+        writer, reader = c.do_put(desc, rb.schema, options=fl.FlightCallOptions(timeout=timeout))
         with writer:
             writer.write_batch(rb)
             writer.done_writing()
@@ -308,3 +312,121 @@ def test_a_refused_part_quoting_megabytes_is_answered_and_remembered_in_short(se
     assert kind is ProtocolError and "unknown key" in message and len(message) < 1100
     with pytest.raises(fl.FlightServerError, match="unknown key"):  # its late part
         _part(server.location, _cmd(stage="s9", part=1, parts=2), rb)
+
+
+def test_a_stage_used_again_is_refused_never_acknowledged_with_the_put_it_missed(server, client):
+    # A put in parts whose stage was stored already answered the next put of that stage
+    # with the first one's acknowledgement, and stored nothing of it.
+    first, second = text_keys(1, 4, prefix="a"), text_keys(1, 4, prefix="b")
+    _part(server.location, _cmd(stage="S", part=0, parts=1), _batch(client, first))
+    for cmd in (_cmd(stage="S", part=0, parts=1), _cmd(stage="S", part=1, parts=2)):
+        with pytest.raises(
+            fl.FlightServerError, match=r"ProtocolError: .*stored without it .*nothing of it"
+        ):
+            _part(server.location, cmd, _batch(client, second))
+    assert sorted(client.list_keys("p")) == sorted(first)
+
+
+def test_parts_wait_no_longer_than_the_idle_timeout_once_no_part_streams():
+    # A client that sends one part of two with a day's timeout and never the other held
+    # a data-call slot for that day; now the parts here wait idle_timeout once no other
+    # part's stream is open.
+    with (
+        flightq.Server(idle_timeout=1.0) as srv,
+        flightq.connect(srv.location, [TEXT], timeout=TIMEOUT) as c,
+    ):
+        c.create_partition("p", TEXT, tasks=["train"])
+        started = time.monotonic()
+        with pytest.raises(fl.FlightServerError, match=r"parts \[1\] did not start within 1 s"):
+            _part(
+                srv.location,
+                _cmd(stage="i", part=0, parts=2, timeout=86400.0),
+                _batch(c, text_keys(1, 4)),
+                timeout=WAIT_S,  # the call's own deadline: fails, never hangs, before
+            )
+        assert time.monotonic() - started < WAIT_S
+        assert c.stats()["partitions"]["p"]["staged_parts"] == 0
+
+
+def test_a_part_still_on_its_way_keeps_the_others_waiting_past_the_idle_timeout():
+    # The idle clock of the parts here runs only while no part's stream is open: part 1
+    # sends a batch every 1.6 s (each within the stream's own idle timeout of 3 s), 3.2 s
+    # in all after part 0 arrived, and the put is stored whole.
+    keys = text_keys(2, 4)
+    with (
+        flightq.Server(idle_timeout=3.0) as srv,
+        flightq.connect(srv.location, [TEXT], timeout=TIMEOUT) as c,
+    ):
+        c.create_partition("p", TEXT, tasks=["train"])
+        errors: list[BaseException] = []
+
+        def first() -> None:
+            try:
+                _part(
+                    srv.location,
+                    _cmd(stage="w", part=0, parts=2, timeout=30.0),
+                    _batch(c, keys[:4]),
+                )
+            except BaseException as e:
+                errors.append(e)
+
+        t = threading.Thread(target=first)
+        t.start()
+        stat_until(c, "p", "staged_parts", 1)
+        rb = _batch(c, keys[4:])
+        conn = fl.connect(srv.location)
+        try:
+            cmd = _cmd(stage="w", part=1, parts=2, timeout=30.0)
+            writer, reader = conn.do_put(
+                fl.FlightDescriptor.for_command(msgpack.packb(cmd)), rb.schema
+            )
+            with writer:
+                for i in range(2):
+                    time.sleep(1.6)
+                    writer.write_batch(rb.slice(2 * i, 2))
+                writer.done_writing()
+                reader.read()
+        finally:
+            conn.close()
+        t.join(WAIT_S)
+        assert not errors
+        assert c.list_keys("p") and sorted(c.list_keys("p")) == sorted(keys)
+
+
+def test_a_part_whose_client_went_away_fails_the_put_and_frees_its_slot(tmp_path):
+    # Its client killed while part 0 waits for part 1 (idle timeout off, the put's
+    # timeout a day): the part's handler sees its call cancelled and the put fails,
+    # instead of holding a data-call slot for the day.
+    script = tmp_path / "part.py"
+    script.write_text(
+        "import sys, msgpack, pyarrow as pa, pyarrow.flight as fl\n"
+        "rb = pa.ipc.open_stream(open(sys.argv[2], 'rb')).read_next_batch()\n"
+        "cmd = {'op': 'put', 'partition': 'p', 'timeout': 86400.0, 'rows': 4,\n"
+        "       'stage': 'gone', 'part': 0, 'parts': 2}\n"
+        "w, r = fl.connect(sys.argv[1]).do_put(\n"
+        "    fl.FlightDescriptor.for_command(msgpack.packb(cmd)), rb.schema)\n"
+        "w.write_batch(rb); w.done_writing(); r.read()\n"
+    )
+    with (
+        flightq.Server(idle_timeout=None, max_calls=2) as srv,
+        flightq.connect(srv.location, [TEXT], timeout=TIMEOUT) as c,
+    ):
+        c.create_partition("p", TEXT, tasks=["train"])
+        rb = _batch(c, text_keys(1, 4))
+        ipc = tmp_path / "rb.arrow"
+        with pa.ipc.new_stream(ipc, rb.schema) as w:
+            w.write_batch(rb)
+        proc = subprocess.Popen([sys.executable, str(script), srv.location, str(ipc)])
+        try:
+            stat_until(c, "p", "staged_parts", 1)
+        finally:
+            proc.kill()
+            proc.wait(WAIT_S)
+        stat_until(c, "p", "staged_parts", 0)
+        deadline = time.monotonic() + WAIT_S
+        while srv.limits.in_flight()[0]:  # the part's slot among the data calls is free
+            assert time.monotonic() < deadline, srv.limits.in_flight()
+            time.sleep(0.05)
+        assert (
+            c.put("p", text_keys(1, 4, prefix="x"), text_columns(text_keys(1, 4, prefix="x"))) == 4
+        )
