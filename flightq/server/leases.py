@@ -149,8 +149,9 @@ class Lease:
     #: Per key, which row it named when taken (the row's number in its partition, never
     #: reused): a row cleared and put again under the key is another row, not the lease's.
     born: tuple[int, ...] = ()
-    #: Rows the consumer gave back (``nack``): no longer its own, whatever ``ack`` says
-    #: later (a blanket ack of the claim must not swallow a row it handed on).
+    #: Rows the consumer gave back (``nack``) or acknowledged: no longer its own, whatever
+    #: ``ack`` says later (a blanket ack of the claim must not swallow a row it handed
+    #: on; an ack again of a row it acknowledged is no news).
     returned: set[str] = field(default_factory=set)
     #: Bytes the memory budget counts for it (:func:`lease_cost`, while it holds rows and
     #: once it ended), and when it ended (:func:`~flightq.server.budget.record_stamp`).
@@ -356,10 +357,10 @@ class Progress:
         self, lease: Lease, keys: Sequence[str] | None, born: Mapping[str, int]
     ) -> tuple[int, list[str]]:
         """Mark rows of ``lease`` done. A row the lease lost (expired) counts as acked too
-        while it waits ready; one taken by another claim, acked or dead since, is returned
-        as lost. A row the consumer gave back (:meth:`nack`), or cleared since (``born``
-        names the row each key holds now), is left alone. Returns (rows acked, rows
-        lost)."""
+        while it waits ready; one taken by another claim, acked by another or dead since,
+        is returned as lost (it will be, or was, processed twice). A row the consumer gave
+        back (:meth:`nack`) or acknowledged already, or cleared since (``born`` names the
+        row each key holds now), is left alone. Returns (rows acked, rows lost)."""
         st = self.tasks[lease.task]
         mine = dict(zip(lease.keys, lease.born, strict=True))
         acked, lost = 0, []
@@ -373,9 +374,10 @@ class Progress:
                 st.leased.pop(k, None)
                 st.failures.pop(k, None)
                 st.done.add(k)
+                lease.returned.add(k)  # counted in lease_cost: room for every key
                 acked += 1
-            elif k in st.deliveries and k not in st.done:
-                lost.append(k)  # another claim has it now, or it is dead
+            elif k in st.deliveries:
+                lost.append(k)  # another claim has it now or acked it, or it is dead
         self.settle(lease)
         if acked:
             # The rest of a group acked in part may be claimable now (a remnant).

@@ -371,6 +371,24 @@ def test_a_late_ack_after_another_claim_took_the_rows_names_them(client):
     assert _counts(client, "p") == {"delivered": 3, "acked": 3, "leased": 0, "dead": 0, "claims": 0}
 
 
+def test_a_late_ack_after_another_claim_acked_the_rows_names_them(client):
+    # The rows another claim took and acknowledged since were processed twice: the late
+    # ack said nothing of them before (0, no error), as a trainer whose DataLoader held
+    # a batch past its lease saw.
+    _declare(client, "p", 3, lease=0.3)
+    late = _claim(client, "p", 3)
+    other = _claim(client, "p", 2, lease=600.0)  # waits for the lease to run out
+    assert client.ack(other) == 2
+    with pytest.raises(flightq.LeaseExpiredError, match=r"rows 'k0', 'k1' were claimed") as e:
+        client.ack(late)
+    assert "1 rows were acknowledged" in str(e.value)  # k2: nobody took it
+    # Again: the rows it lost are named again, k2 (its own, acknowledged) is no news.
+    with pytest.raises(flightq.LeaseExpiredError, match=r"rows 'k0', 'k1' were .*; 0 rows"):
+        client.ack(late)
+    assert client.ack(late, ["k2"]) == 0
+    assert _counts(client, "p") == {"delivered": 3, "acked": 3, "leased": 0, "dead": 0, "claims": 0}
+
+
 def test_an_ack_never_acknowledges_a_row_put_again_under_a_cleared_key(client):
     keys = _declare(client, "p", 4, lease=0.3)
     got = _claim(client, "p", 2)
