@@ -15,7 +15,12 @@ With workers, build the loader with ``ds.loader(num_workers=N)``: each worker pr
 opens its own connection from the location (a live client is never pickled) and claims
 its share of ``max_batches``; the trainer's process acknowledges each batch when it asks
 the loader for the next, as without workers, so a trainer that dies loses nothing even
-from the batches its workers prefetched. Workers start by ``spawn``: gRPC's state does
+from the batches its workers prefetched. The workers claim under the trainer's process's
+consumer session, not their own: torch retires a worker whose share is done while the
+trainer may still hold its last batches (in the loader's reorder buffer), and a worker's
+own session would give them back as it ended, to be claimed and trained on a second time.
+A worker that dies leaves the batches it claimed and had not handed over leased to the
+trainer's session until their lease runs out (or the trainer's process ends). Workers start by ``spawn``: gRPC's state does
 not survive a fork (a forked worker's first call would hang), so a worker started by
 fork raises instead. Under a plain ``DataLoader(ds, batch_size=None, num_workers=N,
 multiprocessing_context="spawn")`` nobody in the trainer's process sees the batches go
@@ -151,6 +156,9 @@ class ClaimDataset(IterableDataset):
         self._held: collections.deque[Any] = collections.deque()
         #: Set on the copy a ClaimLoader's workers run: the trainer's process acks.
         self._main_acks = False
+        #: On that copy: the trainer's process's consumer session per server location,
+        #: which the workers claim under (:meth:`flightq.client.session.Session.borrow`).
+        self._sessions: dict[str, str] = {}
 
     # ------------------------------------------------------------------ iteration
 
@@ -278,6 +286,9 @@ class ClaimDataset(IterableDataset):
                 self._client = connect(self._where, self.schemas, **kw)
             else:
                 self._client = connect_sharded(self._where, self.schemas, **kw)
+            for c in _shards(self._client):
+                if c.location in self._sessions:  # a ClaimLoader's worker
+                    c.session.borrow(self._sessions[c.location])
         return self._client
 
     def _disconnect(self) -> None:
@@ -313,6 +324,11 @@ class ClaimDataset(IterableDataset):
             self._disconnect()
 
 
+def _shards(client: Client | ShardedClient) -> list[Client]:
+    """The one-server clients ``client`` claims through: itself, or a sharded client's."""
+    return list(client._clients) if isinstance(client, ShardedClient) else [client]
+
+
 class ClaimLoader(DataLoader):
     """A ``DataLoader`` whose workers claim and whose own process acknowledges: each
     batch when the next is asked for (:meth:`ClaimDataset.loader` builds one).
@@ -330,7 +346,10 @@ class ClaimLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         ds = self.owner
-        ds._connection()  # this process's, opened before the workers claim anything
+        # This process's connection and consumer session, opened before the workers
+        # claim anything: they claim under it (they go to the workers with the dataset).
+        workers: ClaimDataset = self.dataset  # type: ignore[assignment]
+        workers._sessions = {c.location: c.session.id() for c in _shards(ds._connection())}
         it = super().__iter__()
         try:
             while True:

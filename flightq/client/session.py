@@ -23,6 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from ..errors import NotFoundError
 from ..protocol import SessionBeat
 from .transport import Transport
 
@@ -95,6 +96,8 @@ class Session:
         self._stream: tuple[Any, Any] | None = None
         self._beater: _Beater | None = None
         self._id: str | None = None
+        #: Another process's session this client claims under (:meth:`borrow`).
+        self._borrowed: str | None = None
 
     @property
     def beating(self) -> bool:
@@ -112,17 +115,42 @@ class Session:
                     self._beater = _Beater(writer, beat_interval(reply.silence), self._write)
             return self._id
 
+    def borrow(self, session: str) -> None:
+        """Claim under ``session``, another process's open session, instead of one of
+        this client's own (closed if open): the leases of this client's claims then end
+        when that session ends. A DataLoader worker claims so for its trainer's process,
+        which holds the batches and acknowledges them: the worker's own end (torch retires
+        a worker whose share is done while the trainer still holds its last batches) must
+        not give them back."""
+        with self._lock:
+            self._close()
+            self._borrowed = self._id = session
+
     def reopen(self, stale: str, timeout: float | None = None) -> str:
         """A new session in place of ``stale`` (which the server no longer knows: it
         restarted, it found the session silent, or the stream broke); another thread's
-        new one is kept."""
+        new one is kept.
+
+        Raises
+        ------
+        NotFoundError
+            If ``stale`` is a session this client borrowed (:meth:`borrow`): it ended
+            with the process that opened it, whose batches these claims were for.
+        """
         with self._lock:
+            if self._borrowed is not None and stale == self._borrowed:
+                raise NotFoundError(
+                    f"the session {stale[:64]!r} this client claims under (borrowed from "
+                    "the process that acknowledges its batches) has ended: that process "
+                    "is gone or reconnected",
+                    key=stale[:64],
+                )
             if self._id == stale:
                 self._close()
         return self.id(timeout)
 
     def _close(self) -> None:
-        stream, self._stream, self._id = self._stream, None, None
+        stream, self._stream, self._id = self._stream, None, self._borrowed
         beater, self._beater = self._beater, None
         if beater is not None:
             beater.stop()

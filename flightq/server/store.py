@@ -904,6 +904,16 @@ class Store:
                 len(st.dead),
             )
 
+    def _session_open(self, name: str, session: str | None) -> None:
+        # With the lock held: refuse a claim under a session that is not open.
+        if session is not None and session not in self._sessions:
+            raise NotFoundError(
+                f"claim from {name!r}: session {session[:64]!r} is not open (the "
+                "connection that opened it is gone); open a new one",
+                key=session[:64],
+                partition=name,
+            )
+
     def open_session(self) -> str:
         """A new consumer session; its leases end when :meth:`end_session` is called."""
         sid = uuid.uuid4().hex
@@ -1003,13 +1013,7 @@ class Store:
             need = tuple(dict.fromkeys((*need, *wait_for)))
             for f in need:
                 p.schema[f]  # raises on an undeclared field
-            if session is not None and session not in self._sessions:
-                raise NotFoundError(
-                    f"claim from {name!r}: session {session[:64]!r} is not open (the "
-                    "connection that opened it is gone); open a new one",
-                    key=session[:64],
-                    partition=name,
-                )
+            self._session_open(name, session)
             waiter: _Waiter | None = None  # once it waits
             unpark: Callable[[], None] | None = None
             seen = (0, -1)  # the partition (its epoch) and its progress version last looked at
@@ -1029,6 +1033,9 @@ class Store:
                         complete = complete_keys(p, need)
                         picked = ready_rows(p.rows, g, p.progress.tasks[task], complete, batch_size)
                         if picked is not None:
+                            # The session may have ended while the claim waited: rows
+                            # taken under it now would stay leased to no one.
+                            self._session_open(name, session)
                             picked = grouped_by_media(p, picked)  # each image once
                             now = time.monotonic()
                             secs = p.lease if lease is None else lease

@@ -178,6 +178,30 @@ def test_a_worker_never_uses_a_client_made_before_it_started() -> None:
             next(iter(ds.loader(num_workers=1)))
 
 
+def test_a_retired_workers_batches_the_trainer_still_holds_are_never_delivered_again() -> None:
+    # Worker 1 starts late; worker 0 claims both batches, its next claim times out and
+    # torch retires it while its second batch waits in the trainer's reorder buffer (for
+    # worker 1's turn). Claimed under the worker's own session, that batch went back as
+    # the worker ended, worker 1 claimed it, and the trainer trained on it twice.
+    from helpers_torch_workers import slow_second_worker
+
+    from flightq.torch import ClaimDataset
+
+    keys = text_keys(1, 4)
+    with flightq.Server() as srv, flightq.connect(srv.location, timeout=TIMEOUT) as c:
+        c.create_partition("r", TEXT, tasks=["train"])
+        c.put("r", keys, text_columns(keys))
+        ds = ClaimDataset(srv.location, "r", "train", 2, timeout=1.0)
+        with ds:
+            seen = [
+                (tuple(b.keys), b.claim.deliveries)
+                for b in ds.loader(num_workers=2, worker_init_fn=slow_second_worker)
+            ]
+        assert sorted(k for ks, _ in seen for k in ks) == keys, seen  # each row once
+        assert all(d == (1, 1) for _, d in seen), seen
+        assert c.inspect("r")["acked"] == {"train": 4}
+
+
 _TRAINER = """
 import sys, time, flightq
 from flightq.torch import ClaimDataset

@@ -7,6 +7,7 @@ Time is passed in (``now``), so expiry is exact here; the integration tests
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -184,3 +185,38 @@ def test_an_unclaimed_lease_leaves_its_rows_where_they_were_and_uncounted():
     assert list(st.ready) == [keys[2], keys[0], keys[3], keys[1]]
     assert st.deliveries == {keys[0]: 1, keys[1]: 1} and st.redelivered == 0
     assert p.find(second.id) is second and not p.held(second, None)
+
+
+def test_a_claim_waiting_when_its_session_ends_takes_no_rows_under_it():
+    # A claim checked its session once, as it started: rows that came after the session
+    # ended (its consumer killed mid-wait) were leased to that session, which no longer
+    # ends them (with an infinite lease: never).
+    import threading
+
+    from helpers_store import TEXT as SCHEMA
+    from helpers_store import store_put
+
+    store = Store()
+    store.declare("p", SCHEMA, ["train"], None, lease=math.inf)
+    sid = store.open_session()
+    got: list[BaseException] = []
+
+    def waiting() -> None:
+        try:
+            store.claim("p", "train", 2, None, 30.0, session=sid)
+        except BaseException as e:
+            got.append(e)
+
+    t = threading.Thread(target=waiting)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not store._waiting.get("p"):  # the claim waits (past its session's first check)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    store.end_session(sid)
+    store_put(store, "p", ["a", "b"])
+    t.join(10)
+    assert not t.is_alive() and isinstance(got[0], flightq.NotFoundError), got
+    assert got[0].key == sid
+    _, rows, _, lease = store.claim("p", "train", 2, None, 0.0)  # both ready for others
+    assert [r.key for r in rows] == ["a", "b"] and lease.keys == ["a", "b"]
