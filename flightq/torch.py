@@ -22,8 +22,8 @@ own session would give them back as it ended, to be claimed and trained on a sec
 A worker that dies leaves the batches it claimed and had not handed over leased to the
 trainer's session until their lease runs out (or the trainer's process ends). Workers
 start by ``spawn``: gRPC's state does not survive a fork (a forked worker's first call
-would hang), so a worker started by fork raises instead. Under a plain ``DataLoader(ds, batch_size=None, num_workers=N,
-multiprocessing_context="spawn")`` nobody in the trainer's process sees the batches go
+would hang), so a worker started by fork raises instead. Under a plain
+``DataLoader(ds, batch_size=None, num_workers=N, multiprocessing_context="spawn")`` nobody in the trainer's process sees the batches go
 by, so a worker acknowledges a batch once the loader has asked it for
 ``prefetch_factor`` batches after it (by then the trainer has asked for the batch after
 that one), and the batches it still holds when its share is done.
