@@ -18,15 +18,16 @@ the loader for the next, as without workers, so a trainer that dies loses nothin
 from the batches its workers prefetched. The workers claim under the trainer's process's
 consumer session, not their own: torch retires a worker whose share is done while the
 trainer may still hold its last batches (in the loader's reorder buffer), and a worker's
-own session would give them back as it ended, to be claimed and trained on a second time.
-A worker that dies leaves the batches it claimed and had not handed over leased to the
-trainer's session until their lease runs out (or the trainer's process ends). Workers
-start by ``spawn``: gRPC's state does not survive a fork (a forked worker's first call
-would hang), so a worker started by fork raises instead. Under a plain
-``DataLoader(ds, batch_size=None, num_workers=N, multiprocessing_context="spawn")`` nobody in the trainer's process sees the batches go
-by, so a worker acknowledges a batch once the loader has asked it for
-``prefetch_factor`` batches after it (by then the trainer has asked for the batch after
-that one), and the batches it still holds when its share is done.
+own session would give them back as it ended, to be claimed and trained on a second
+time. A worker that dies leaves the batches it claimed and had not handed over leased to
+the trainer's session until their lease runs out (or the trainer's process ends).
+Workers start by ``spawn``: gRPC's state does not survive a fork (a forked worker's
+first call would hang), so a worker started by fork raises instead. Under a plain
+``DataLoader(ds, batch_size=None, num_workers=N, multiprocessing_context="spawn")``
+nobody in the trainer's process sees the batches go by, so a worker acknowledges a batch
+once the loader has asked it for ``prefetch_factor`` batches after it (by then the
+trainer has asked for the batch after that one), and the batches it still holds when its
+share is done.
 
 torch's default conversion of a loader's items walks a TensorDict row by row; pass
 ``collate_fn=flightq.torch.keep`` (or build the loader with :meth:`ClaimDataset.loader`)
