@@ -5,6 +5,13 @@ errors as the blocking client's. Calls run on a small thread pool owned by the c
 (Arrow Flight's Python client is blocking), so a generator's event loop keeps turning
 while a put streams or a claim waits.
 
+Cancelling a call (``asyncio.wait_for``, ``task.cancel()``) that has not started yet
+drops it; one already running goes on in its thread (the blocking call cannot be
+interrupted) until it ends, keeping that thread. A cancelled claim that then takes rows
+gives them back at once (``nack``, no failed delivery counted), so no rows stay leased to
+a caller that went away; a cancelled put may still be stored (retry it with its
+``put_id``).
+
 Examples
 --------
 >>> import asyncio, flightq, flightq.aio, numpy as np
@@ -21,6 +28,8 @@ Examples
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -90,6 +99,23 @@ class AsyncClient:
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    async def _claimed(self, fn: Callable[..., Batch], *args: Any, **kwargs: Any) -> Batch:
+        """``fn`` (a claim) on the pool; if the caller is cancelled while it runs, the
+        rows it takes once it ends are given back."""
+        running = self._pool.submit(fn, *args, **kwargs)
+        try:
+            return await asyncio.wrap_future(running)
+        except asyncio.CancelledError:
+            running.add_done_callback(self._give_back)
+            raise
+
+    def _give_back(self, done: concurrent.futures.Future[Batch]) -> None:
+        # On the pool's thread that ran the claim: nobody awaits its rows any more.
+        if done.cancelled() or done.exception() is not None:
+            return
+        with contextlib.suppress(Exception):  # the lease ends anyway
+            self.client.nack(done.result())
 
     async def health(self, timeout: float | None = None) -> dict[str, Any]:
         """See :meth:`flightq.Client.health`."""
@@ -245,8 +271,9 @@ class AsyncClient:
         lease: float | None = None,
     ) -> Batch:
         """See :meth:`flightq.Client.claim`. ``with batch:`` acks or gives back as there,
-        blocking the loop for that one call: ``await c.ack(batch)`` does not."""
-        return await self._call(
+        blocking the loop for that one call: ``await c.ack(batch)`` does not. Cancelled
+        while it waits, its rows are given back once it takes them."""
+        return await self._claimed(
             self.client.claim,
             partition,
             task,

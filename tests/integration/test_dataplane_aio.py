@@ -77,6 +77,31 @@ def test_an_awaited_claim_leaves_the_loop_free_to_put(server):
     assert run(main()).keys == keys
 
 
+def test_a_claim_cancelled_while_it_waits_gives_back_the_rows_it_takes(server):
+    # asyncio.wait_for cancels claims that wait; the rows put afterwards were taken by
+    # the cancelled claims' threads and stayed leased to nobody (until the lease ran out,
+    # each such return a failed delivery): now each gives them back once it takes them.
+    keys = text_keys(2, 4)
+
+    async def main():
+        async with await flightq.aio.connect(server.location, [TEXT], timeout=TIMEOUT) as c:
+            await c.create_partition("p", TEXT, tasks=["train"])
+            for _ in range(2):
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(c.claim("p", "train", 4, as_="numpy"), 0.3)
+            await stat_until_async(c, "p", "waiting", {"train": 2})  # still in their threads
+            await c.put("p", keys, text_columns(keys))
+            await stat_until_async(c, "p", "waiting", {"train": 0})
+            await stat_until_async(c, "p", "leased", {"train": 0})  # given back
+            got = await c.claim("p", "train", 8, as_="numpy", timeout=TIMEOUT)
+            assert sorted(got.keys) == sorted(keys)
+            assert await c.ack(got) == 8
+            return await c.inspect("p")
+
+    described = run(main())
+    assert described["dead"] == {"train": 0} and described["acked"] == {"train": 8}
+
+
 def test_async_errors_are_the_same_typed_errors(server):
     async def main():
         async with await flightq.aio.connect(server.location, [TEXT], timeout=TIMEOUT) as c:
