@@ -327,7 +327,7 @@ class ClaimDataset(IterableDataset):
 
 def _shards(client: Client | ShardedClient) -> list[Client]:
     """The one-server clients ``client`` claims through: itself, or a sharded client's."""
-    return list(client._clients) if isinstance(client, ShardedClient) else [client]
+    return list(client.shard_clients) if isinstance(client, ShardedClient) else [client]
 
 
 class ClaimLoader(DataLoader):

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.flight as fl
 
+from .. import forks
 from ..digest import split_claims
 from ..errors import FlightqError, FlightqTimeoutError, ProtocolError, UnavailableError
 from ..frames import STREAM_READS, Frame, pack_frame, parse_frame
@@ -219,6 +220,7 @@ class Requests:
         request, or that ``accept`` refuses (a :class:`ProtocolError`, a put's rows
         acknowledged wrongly) closes the stream: answers are taken in turn, so nothing
         after such an answer on it is trusted; the next request opens another."""
+        forks.check(what)  # an inherited stream's read would hang (no watchdog thread)
         if self._closed or not self._lock.acquire(blocking=False):
             return None
         try:

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.flight as fl
 
+from .. import forks
 from ..chunks import split_batch
 from ..digest import split_claims
 from ..errors import FlightqError, FlightqTimeoutError, ProtocolError
@@ -178,6 +179,7 @@ class Transport:
     # ------------------------------------------------------------------ connections
 
     def _open(self) -> fl.FlightClient:
+        forks.used()
         try:
             return fl.FlightClient(self.location, **self._kwargs)
         except _FOREIGN as e:
@@ -186,6 +188,7 @@ class Transport:
     def connection(self, i: int = 0) -> fl.FlightClient:
         """Connection ``i``: 0 is the main one, ``i >= 1`` the i-th extra one (opened now
         if it is not yet)."""
+        forks.check(f"a call to {self.location}")
         if i == 0:
             return self._main
         with self._lock:
@@ -195,6 +198,7 @@ class Transport:
 
     def options(self, timeout: float | None = None) -> fl.FlightCallOptions:
         """Call options with ``timeout`` seconds (None: the transport's default)."""
+        forks.check(f"a call to {self.location}")
         return fl.FlightCallOptions(timeout=self.timeout if timeout is None else timeout)
 
     # ------------------------------------------------------------------ calls
@@ -319,6 +323,7 @@ class Transport:
             The server's error, the transport's, or no session id.
         """
         what = f"open a session on {self.location}"
+        forks.check(what)
         desc = fl.FlightDescriptor.for_command(SessionCommand(silence=silence).to_wire())
         wait = self.timeout if timeout is None else timeout
         started = time.monotonic()

@@ -62,6 +62,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from .. import forks
 from ..client.recent import Recent
 from ..errors import EncodeError, MissingFieldError, NotFoundError, ProtocolError, ShapeError
 from ..registry import SchemaRegistry
@@ -569,6 +570,7 @@ def init(conf: Any = None) -> dict[str, Any]:
     SchemaError, UnavailableError
         If ``schemas_dir`` is invalid or the server cannot be reached.
     """
+    forks.check("flightq.compat.transferqueue.init")  # the inherited client would hang
     global _TQ
     with _TQ_LOCK:
         if _TQ is None:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.flight as fl
 
+from .. import forks
 from ..errors import (
     FlightqError,
     ProtocolError,
@@ -247,6 +248,7 @@ class Server(fl.FlightServerBase):
         self.store = Store(memory_budget)
         if restore is not None:
             self._restore(restore)
+        forks.used()  # a server in a process forked after gRPC was used would hang too
         try:
             super().__init__(location, **kwargs)
         except pa.ArrowException as e:

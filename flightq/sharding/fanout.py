@@ -75,6 +75,8 @@ class Fanout:
             raise at_shard(self.locations[len(self._clients)], e) from e
         #: Each shard's connections, in ``locations`` order.
         self.transports: list[Transport] = [c.transport for c in self._clients]
+        #: Each shard's client (its consumer session included), in ``locations`` order.
+        self.shard_clients: tuple[Client, ...] = tuple(self._clients)
         #: Pinned host buffers and copy streams of reads into CUDA tensors.
         self.pinned = PinnedPool()
         self._pool = ThreadPoolExecutor(max(4, 2 * len(self._clients)), "flightq-shard")
