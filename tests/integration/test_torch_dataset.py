@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections import Counter
 
 import numpy as np
@@ -200,6 +201,34 @@ def test_a_retired_workers_batches_the_trainer_still_holds_are_never_delivered_a
         assert sorted(k for ks, _ in seen for k in ks) == keys, seen  # each row once
         assert all(d == (1, 1) for _, d in seen), seen
         assert c.inspect("r")["acked"] == {"train": 4}
+
+
+def test_a_sharded_loaders_workers_claim_under_the_trainers_session_on_every_shard() -> None:
+    # Ending the trainer's sessions (its process gone) ends every lease, the batches the
+    # workers prefetched included, on both shards: the workers claimed under them.
+    from fixtures_shard import inproc_shards
+    from helpers_waiting import stat_until
+
+    from flightq.torch import ClaimDataset
+
+    keys = text_keys(4, 2)
+    with inproc_shards(2) as servers:
+        locations = [s.location for s in servers]
+        with flightq.connect_sharded(locations, [TEXT], timeout=TIMEOUT) as c:
+            c.create_partition("r", TEXT, tasks=["train"], group_size=2)
+            c.put("r", keys, text_columns(keys))
+            ds = ClaimDataset(locations, "r", "train", 2, timeout=1.0)
+            it = iter(ds.loader(num_workers=2, prefetch_factor=1))
+            assert len(next(it).keys) == 2
+            deadline = time.monotonic() + TIMEOUT
+            while c.inspect("r")["leased"]["train"] < 4:  # a worker's prefetched batch too
+                assert time.monotonic() < deadline, c.inspect("r")
+                time.sleep(0.05)
+            for shard in ds._connection().shard_clients:
+                shard.session.close()
+            stat_until(c, "r", "leased", {"train": 0})
+            del it
+            ds.nack()
 
 
 _TRAINER = """
