@@ -48,6 +48,7 @@ from ..cuda import decode_to_device, resolve_device
 from ..errors import (
     ClaimTimeoutError,
     FlightqError,
+    FlightqTimeoutError,
     LeaseExpiredError,
     NotFoundError,
     ProtocolError,
@@ -72,6 +73,11 @@ from .router import (
 )
 
 __all__ = ["ShardedClient", "connect_sharded"]
+
+#: The least time a claim's call to one shard gets, however near the claim's deadline.
+_LEAST_CALL_S = 1.0
+#: Seconds a shard that left a claim unanswered is asked last by the claims after it.
+SLOW_SHARD_S = 30.0
 
 
 def connect_sharded(
@@ -501,7 +507,11 @@ class ShardedClient(Fanout):
             # whether the claim fails or goes on with the other shards; only an answer
             # taken whole joins `grants`.
             grant: list[ClaimGrant] = []
-            got = self.transports[s].get(t, what, timeout=secs + 5.0)
+            # The shard answers within `secs`; the call gets a margin on top, but ends
+            # near the claim's own deadline: a shard that does not answer (stopped) is
+            # left out of this claim then, never holding it past its timeout.
+            limit = max(_LEAST_CALL_S, min(secs + 5.0, deadline - time.monotonic() + 1.0))
+            got = self.transports[s].get(t, what, timeout=limit)
             try:
                 bs = list(bounded(granted(got, grant, what), t.batch_size, what))
                 if not grant:
@@ -544,6 +554,10 @@ class ShardedClient(Fanout):
             except UnavailableError as e:
                 down[s] = e  # the other shards may still have enough
                 return 0
+            except FlightqTimeoutError as e:  # no answer in time: as one that is down
+                down[s] = UnavailableError(f"{e} (the shard did not answer in time)")
+                self._slow_until[s] = time.monotonic() + SLOW_SHARD_S
+                return 0
             except FlightqError as e:
                 raise at_shard(self.locations[s], e) from e
             got.append((s, bs))
@@ -559,6 +573,8 @@ class ShardedClient(Fanout):
 
         try:
             order = [(start + i) % n for i in range(n)]
+            now = time.monotonic()
+            order.sort(key=lambda s: self._slow_until[s] > now)  # stable: those last
             deadline = time.monotonic() + wait
             missing = gather(order, batch_size, unit, take, deadline, self.poll, after_sweep)
             if missing:

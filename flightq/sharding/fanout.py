@@ -83,6 +83,9 @@ class Fanout:
         # Per partition, for the partitions used last (a run may name one per step).
         self._decls: Recent[str, tuple[Schema, int | None]] = Recent()
         self._turn = itertools.count()
+        #: Per shard, until when (``time.monotonic()``) claims ask it last: it left a
+        #: claim unanswered (stopped, or too slow), so claims look at the others first.
+        self._slow_until: list[float] = [0.0] * len(self._clients)
 
     # ------------------------------------------------------------------ plumbing
 

@@ -129,3 +129,41 @@ def test_a_client_over_the_survivors_still_finds_their_rows(killed: dict[str, An
     with flightq.connect_sharded(survivors, [TEXT], timeout=FAST) as c:
         alive, _ = _split(killed["client"], put["keys"], dead)
         assert c.get("rows", alive, ["input_lengths"], as_="numpy").keys == alive
+
+
+def test_claims_skip_a_stopped_shard_within_their_timeout_and_ask_it_last() -> None:
+    # A shard that stops answering (SIGSTOP) while the other holds ready rows: a claim
+    # that asked it first failed with a bare FlightqTimeoutError 5 s into a 3 s claim,
+    # every other claim, and ClaimDataset's on_timeout missed it. Now it is left out of
+    # the claim near the claim's deadline, and asked last by the claims after it.
+    import signal
+    import time
+
+    wait = 3.0
+    with cli_shards(2) as shards:
+        locations = [loc for loc, _ in shards]
+        with flightq.connect_sharded(locations, [TEXT], timeout=wait) as c:
+            c.create_partition("rows", TEXT, tasks=["train"], group_size=2)
+            put = grouped_rows(24, 2)
+            c.put("rows", **put)
+            for _ in range(2):  # the consumer sessions open on both shards
+                c.ack(c.claim("rows", "train", 2, timeout=wait))
+            stopped = next(
+                i
+                for i, _ in enumerate(shards)
+                if any(c.router.shard_of(k) != i for k in put["keys"])
+            )
+            proc = shards[stopped][1]
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                took = []
+                for _ in range(4):  # the start shard rotates: the stopped one comes first
+                    started = time.monotonic()
+                    b = c.claim("rows", "train", 2, timeout=wait)
+                    took.append(time.monotonic() - started)
+                    assert all(c.router.shard_of(k) != stopped for k in b.keys)
+                    c.ack(b)
+                assert max(took) < wait + 1.5, took  # 5 s and an error before
+                assert sorted(took)[-2] < 1.0, took  # only the first asked it first
+            finally:
+                proc.send_signal(signal.SIGCONT)
