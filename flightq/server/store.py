@@ -46,8 +46,10 @@ from .budget import (
     MAX_TASKS,
     RECORDS_SHARE,
     RECORDS_SLACK,
+    REPLY_ENTRY_BYTES,
     Tally,
     declaration_cost,
+    row_overhead,
     shrunk,
 )
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskState
@@ -1172,9 +1174,17 @@ class Store:
         d["ready"] = {t: len(ready_rows(rows, g, st, None, None) or []) for t, st in tasks.items()}
         return d
 
-    def list_keys(self, name: str, keys: Sequence[str] | None) -> dict[str, Any]:
+    def list_keys(
+        self,
+        name: str,
+        keys: Sequence[str] | None,
+        hold: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
         """Rows' keys (all, in insertion order, when ``keys`` is None), their tags and the
-        fields each has, as the ``list_keys`` reply.
+        fields each has, as the ``list_keys`` reply. ``hold`` is told, before the reply is
+        built, about how many bytes it takes: what the budget counts for the rows' own
+        keys and tags and :data:`~flightq.server.budget.REPLY_ENTRY_BYTES` a row
+        (:mod:`flightq.server.replies`).
 
         Raises
         ------
@@ -1193,10 +1203,12 @@ class Store:
                 _known(p, keys)
                 rows = [p.rows[k] for k in keys]
                 _listable(p, rows)
+        if hold is not None:
+            per_row = REPLY_ENTRY_BYTES - row_overhead(len(p.tasks))
+            hold(sum(r.held for r in rows) + per_row * len(rows))
         tags = [dict(r.tags) for r in rows]
         cells = [r.cells for r in rows]
-        have = set().union(*cells)
-        names = [f.name for f in p.schema.fields if f.name in have]
+        names = _present(p, rows)
         index = {n: i for i, n in enumerate(names)}
         return {
             "keys": [r.key for r in rows],
