@@ -66,9 +66,16 @@ from ..protocol import (
 )
 from ..registry import SchemaRegistry
 from ..schema import Schema, diff_schemas
-from .budget import MAX_METADATA_BYTES, MAX_SCHEMA_BYTES, MAX_SCHEMAS
+from .budget import (
+    MAX_METADATA_BYTES,
+    MAX_SCHEMA_BYTES,
+    MAX_SCHEMAS,
+    REPLY_ENTRY_BYTES,
+    keys_size,
+)
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES
 from .metrics import Counters
+from .replies import Held
 from .staging import Staging
 from .store import Store
 
@@ -92,6 +99,14 @@ class ActionContext:
     peer: str | None = None
     #: The largest record batch a put through shared memory may carry; None: not said.
     shm_batch_bytes: int | None = None
+    #: The call's hold on the server's room for large replies: a handler whose reply may
+    #: be large holds its estimated bytes before building it; None: not bounded.
+    reply: Held | None = None
+
+    def hold(self, n: int, what: str) -> None:
+        """Hold ``n`` bytes of the reply about to be built (:mod:`.replies`)."""
+        if self.reply is not None:
+            self.reply.hold(n, what)
 
 
 #: A handler takes the context and the parsed request and returns the reply.
@@ -221,6 +236,8 @@ def _nack(ctx: ActionContext, req: Nack) -> NackReply:
 
 def _dead_letters(ctx: ActionContext, req: DeadLetters) -> DeadLettersReply:
     keys, why, deliveries, total = ctx.store.dead_letters(req.partition, req.task, req.limit)
+    # Lists of the store's strings so far: the reply's bytes are made once it is packed.
+    ctx.hold(keys_size(keys) + keys_size(why) + REPLY_ENTRY_BYTES * len(keys), "dead_letters")
     return DeadLettersReply(keys=keys, why=why, deliveries=deliveries, total=total)
 
 
@@ -238,6 +255,8 @@ def _abort_put(ctx: ActionContext, req: AbortPut) -> AbortPutReply:
 
 def _stats(ctx: ActionContext, req: Stats) -> StatsReply:
     # Parsed, not built field by field: a key the store adds and the protocol lacks fails.
+    # Each partition's entry takes less than its declaration counts (budget.REPLY_COPIES).
+    ctx.hold(ctx.store.declared(), "stats")
     stats = ctx.store.stats()
     staged = ctx.staging.staged()
     for name, p in stats["partitions"].items():
@@ -254,7 +273,9 @@ def _inspect(ctx: ActionContext, req: Inspect) -> PartitionStats:
 
 
 def _list_keys(ctx: ActionContext, req: ListKeys) -> KeysReply:
-    return KeysReply.parse(ctx.store.list_keys(req.partition, req.keys))
+    return KeysReply.parse(
+        ctx.store.list_keys(req.partition, req.keys, lambda n: ctx.hold(n, "list_keys"))
+    )
 
 
 def _snapshot(ctx: ActionContext, req: Snapshot) -> SnapshotReply:

@@ -45,6 +45,10 @@ __all__ = [
     "MAX_SCHEMA_BYTES",
     "MAX_SCHEMAS",
     "RECORDS_SHARE",
+    "REPLY_COPIES",
+    "REPLY_ENTRY_BYTES",
+    "STATS_NAMES",
+    "STATS_TASK_NAMES",
     "RETURNED_KEY_BYTES",
     "RECORDS_SLACK",
     "ROW_OVERHEAD",
@@ -121,13 +125,31 @@ PARTITION_OVERHEAD = 8192
 TASK_OVERHEAD = 2048
 
 
+#: Times a ``stats`` reply writes each task name of a partition (its tasks, and per task
+#: its delivered, acked, leased, dead and waiting counts) and the partition's name.
+STATS_TASK_NAMES = 6
+STATS_NAMES = 1
+#: Copies of a reply's bytes the server holds while it sends it: its msgpack bytes and
+#: gRPC's message.
+REPLY_COPIES = 2
+#: Bytes of a listed entry's Python objects in a reply (``list_keys``, ``dead_letters``)
+#: beyond its key and tags: its map of tags and list of fields, its slots in the reply's
+#: lists, its bytes packed (keys and tags are counted apart).
+REPLY_ENTRY_BYTES = 512
+
+
 def declaration_cost(name: str, tasks: Sequence[str]) -> int:
-    """Bytes the memory budget counts for a declared partition while it exists."""
+    """Bytes the memory budget counts for a declared partition while it exists: its
+    objects, its names as held, and its names as often as ``stats`` replies copy them
+    (:data:`STATS_TASK_NAMES` times a task name, in :data:`REPLY_COPIES` copies of the
+    reply), so that a ``stats`` reply never takes more than the declarations count
+    (:mod:`flightq.server.replies`)."""
+    copies = REPLY_COPIES * STATS_TASK_NAMES
     return (
         PARTITION_OVERHEAD
         + TASK_OVERHEAD * len(tasks)
-        + len(name.encode())
-        + sum(len(t.encode()) for t in tasks)
+        + (1 + REPLY_COPIES * STATS_NAMES) * len(name.encode())
+        + (1 + copies) * sum(len(t.encode()) for t in tasks)
     )
 
 

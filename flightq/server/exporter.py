@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ProtocolError
 from .metrics import COUNTERS
+from .replies import Held
 
 if TYPE_CHECKING:
     from .flight import Server
@@ -73,6 +74,16 @@ def collector(server: Server) -> Any:
 
     class _Collector:
         def collect(self) -> Iterator[Any]:
+            # A scrape writes every partition's and task's names, as a stats reply does:
+            # built within the room for large replies (flightq.server.replies).
+            held = Held(server.replies)
+            held.hold(server.store.declared(), "metrics")
+            try:
+                yield from self._collect()
+            finally:
+                held.release()
+
+        def _collect(self) -> Iterator[Any]:
             stats = server.store.stats()
             counters = server.counters.snapshot()
             rows = GaugeMetricFamily("flightq_rows", "Rows held", labels=["partition"])

@@ -74,6 +74,7 @@ from .media import Answered, media_piece, prepare_answer
 from .metrics import Counters, call_kind, read_counter
 from .partition import Block, Partition, Row
 from .putplan import Stored
+from .replies import Held, ReplyRoom
 from .staging import Staging
 from .store import Advance, Store, suggest
 
@@ -246,6 +247,8 @@ class Server(fl.FlightServerBase):
         kwargs["middleware"] = {**kwargs.get("middleware", {}), MIDDLEWARE_KEY: self.idle}
         self.registry = registry if registry is not None else SchemaRegistry.default()
         self.store = Store(memory_budget)
+        #: Large action replies being built and sent (:mod:`flightq.server.replies`).
+        self.replies = ReplyRoom.for_budget(memory_budget)
         if restore is not None:
             self._restore(restore)
         forks.used()  # a server in a process forked after gRPC was used would hang too
@@ -759,7 +762,7 @@ class Server(fl.FlightServerBase):
                 writer,
                 put=self._stream_put,
                 answer=self._answer,
-                act=lambda kind, body: self._do_action(fl.Action(kind, body)),
+                act=self._stream_act,
                 counters=self.counters,
                 closing=lambda: self.store.closing,
                 watch=lambda writes: self.idle.reads(context, writes),
@@ -1033,11 +1036,30 @@ class Server(fl.FlightServerBase):
 
     def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> Iterator[bytes]:
         self.idle.entered(context)
-        return iter([self._guard(self._do_action, action, context.peer())])
+        held = Held(self.replies)
+        try:
+            reply = self._guard(self._do_action, action, context.peer(), held)
+        except BaseException:
+            held.release()
+            raise
+        return _sent_then(reply, held.release)
 
-    def _do_action(self, action: fl.Action, peer: str | None = None) -> bytes:
+    def _stream_act(self, kind: str, body: bytes) -> bytes:
+        """An action on a request stream: its reply built within the room for large
+        replies, which it leaves once built (one past a frame is asked again per call)."""
+        held = Held(self.replies)
+        try:
+            return self._do_action(fl.Action(kind, body), None, held)
+        finally:
+            held.release()
+
+    def _do_action(
+        self, action: fl.Action, peer: str | None = None, held: Held | None = None
+    ) -> bytes:
         """One action: its body parsed with the action's request type, its handler's reply
-        as msgpack bytes (one Flight ``Result``)."""
+        as msgpack bytes (one Flight ``Result``). A handler whose reply may be large holds
+        its bytes in ``held`` (:mod:`flightq.server.replies`) until the caller lets go,
+        once the reply is sent."""
         spec = ACTIONS.get(action.type)
         if spec is None:
             name = action.type if len(action.type) <= 64 else action.type[:64] + "..."
@@ -1054,6 +1076,7 @@ class Server(fl.FlightServerBase):
             counters=self.counters,
             peer=peer,
             shm_batch_bytes=self.shm_put_batch_bytes,
+            reply=held,
         )
         reply = HANDLERS[action.type](context, request).to_wire()
         if len(reply) > MAX_ACTION_REPLY_BYTES:  # one gRPC message: past 2 GiB gRPC aborts
@@ -1158,6 +1181,15 @@ def _first_holds(
     for i, b in enumerate(batches):
         c = None if claims is None else claims[i]
         yield b, None if c is None else pa.py_buffer(c), block
+
+
+def _sent_then(reply: bytes, done: Callable[[], None]) -> Iterator[bytes]:
+    """An action's one result, then ``done()``: once gRPC has taken the result and asks
+    for the next, or when the call ends before (the generator closed)."""
+    try:
+        yield reply
+    finally:
+        done()
 
 
 def _stream(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> fl.FlightDataStream:

@@ -918,3 +918,43 @@ def test_caps_apply_to_new_partitions_and_a_put_past_what_declarations_leave_is_
         with pytest.raises(flightq.ResourceExhaustedError, match="declarations hold; split it"):
             c.put("p", ["big"], rows, timeout=30)
         assert time.monotonic() - t0 < 10  # refused at once, not after the timeout
+
+
+def test_a_large_reply_waits_for_room_and_is_refused_typed_while_small_ones_go_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Replies are built whole and held until sent; nothing bounded how many were built at
+    # once (8 stats of 122 MiB raised a 64 MiB-budget server's peak by 16.6 budgets). A
+    # large one now waits for room among those in flight; small ones never wait.
+    from flightq.server import replies
+
+    monkeypatch.setattr(replies, "REPLY_WAIT_S", 0.5)
+    text = flightq.SchemaRegistry.default().get(TEXT).canonical_json
+    tasks = [f"{t:02d}" + "\U0001f600" * 254 for t in range(64)]
+    with flightq.Server(memory_budget=16 * 2**20) as srv:
+        loc = srv.location
+        for name in ("big", "big2"):
+            action(loc, "declare", {"partition": name, "schema": text, "tasks": tasks})
+        action(loc, "declare", {"partition": "small", "schema": text})
+        assert plain_put(loc, put_command("small", rows=2), [text_batch(["a", "b"])])
+        assert srv.store.declared() > replies.SMALL_REPLY_BYTES  # stats is a large reply
+        room = srv.replies
+        room._take(room.capacity, "another reply", 1.0)  # the room is full meanwhile
+        try:
+            with pytest.raises(fl.FlightError) as e:
+                action(loc, "stats", {})
+            assert plain_error(e.value)[0] == "ResourceExhaustedError"
+            assert "stats: a reply of about" in str(e.value) and "found no room" in str(e.value)
+            # Ordinary replies go at once.
+            assert action(loc, "list_keys", {"partition": "small"})["keys"] == ["a", "b"]
+            assert action(loc, "describe", {"partition": "small"})["tasks"] == []
+            assert action(loc, "health", {})["ok"]
+        finally:
+            room._give(room.capacity)
+        # Once the room is free the same stats is answered, and gives its room back.
+        assert set(action(loc, "stats", {})["partitions"]) == {"big", "big2", "small"}
+        assert (room.used, room.replies) == (0, 0)
+        # A reply larger than the whole room is built alone, never refused for its size.
+        monkeypatch.setattr(room, "capacity", replies.SMALL_REPLY_BYTES)
+        assert set(action(loc, "stats", {})["partitions"]) == {"big", "big2", "small"}
+        assert (room.used, room.replies) == (0, 0)

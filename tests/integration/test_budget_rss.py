@@ -369,3 +369,78 @@ def test_control_messages_decode_within_the_cap_so_their_peak_stays_under_the_pr
             assert got == want, name
             assert action(loc, "health", {})["ok"], name
         assert _put(loc, "t", [text_batch(["end"])]) == {"rows": 1}
+
+
+def _concurrently(loc: str, kind: str, body: dict[str, object], n: int) -> set[object]:
+    """``n`` calls of action ``kind`` at once, each on its own connection; what each
+    answered (its reply's length, or the flightq class it was refused with)."""
+    import concurrent.futures
+
+    def one(_: int) -> object:
+        try:
+            got = action(
+                loc,
+                kind,
+                body,
+            )
+        except fl.FlightError as e:
+            return plain_error(e)[0]
+        return len(msgpack.packb(got))
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        return set(pool.map(one, range(n)))
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_stats_of_long_task_names_stay_under_the_promise():
+    # Partitions of 64 tasks of 256 four-byte characters, declared until refused: a stats
+    # reply writes each task name 6 times. Before, the budget counted each name once, so
+    # one reply took 1.9 budgets and 8 at once raised the peak by 16.6 budgets; now the
+    # declarations count the names as often as a reply copies them, and large replies are
+    # built within a quarter of the budget, or one at a time.
+    small = 16 * 2**20
+    text = flightq.SchemaRegistry.default().get(TEXT).canonical_json
+    with cli_server("--memory-budget", str(small)) as (loc, proc):
+        start = _rss(proc.pid)
+
+        def declare(i: int) -> None:
+            tasks = [f"{t:02d}" + "\U0001f600" * 254 for t in range(64)]
+            name = f"p{i:05d}" + "\U0001f600" * 250
+            action(loc, "declare", {"partition": name, "schema": text, "tasks": tasks})
+
+        declared, kind = _until_refused(declare, 1000)
+        assert kind == "ResourceExhaustedError" and declared > 4
+        got = _concurrently(loc, "stats", {}, 8)
+        peak = hwm_mib(proc.pid) * 2**20
+        print(
+            f"{declared} partitions, 8 stats at once: peak start + {(peak - start) / small:.2f} x B"
+        )
+        assert len(got) == 1 and all(isinstance(n, int) for n in got), got
+        assert peak <= start + FACTOR * small, (peak - start) / small
+        assert action(loc, "health", {})["ok"]
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_list_keys_of_large_tags_stay_under_the_promise():
+    # Rows of 60 KB of tags until the budget is full, then 16 list_keys of the partition at
+    # once: each reply copies every row's tags. Before, the peak rose by 8.65 budgets.
+    small = 16 * 2**20
+    with cli_server("--memory-budget", str(small)) as (loc, proc):
+        _declare(loc, "t", TEXT)
+        start = _rss(proc.pid)
+        tags = msgpack.packb({"t": "x" * 60_000})
+
+        def put(i: int) -> None:
+            keys = [f"k{i}_{j}" for j in range(8)]
+            _put(loc, "t", [with_tags(text_batch(keys), [tags] * 8)])
+
+        rows, kind = _until_refused(put, 1000)
+        assert kind == "ResourceExhaustedError" and rows > 4
+        got = _concurrently(loc, "list_keys", {"partition": "t"}, 16)
+        peak = hwm_mib(proc.pid) * 2**20
+        print(
+            f"{8 * rows} rows, 16 list_keys at once: peak start + {(peak - start) / small:.2f} x B"
+        )
+        assert len(got) == 1 and all(isinstance(n, int) for n in got), got
+        assert peak <= start + FACTOR * small, (peak - start) / small
+        assert action(loc, "health", {})["ok"]
