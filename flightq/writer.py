@@ -6,11 +6,21 @@ network. The queue is bounded (``max_pending`` puts): when the server takes puts
 slowly than they come, ``put`` blocks until there is room, or raises
 :class:`~flightq.WriterFullError` after its ``timeout``.
 
-Every put carries its own ``put_id``; a put that fails on the way (the server
-unreachable, a timeout) is retried with the same id, so a retry never stores a row twice.
-The first error that a retry does not fix stops the writer: it is raised by the next
-``put``, by ``flush()`` and by ``close()``, and the puts queued behind it are not sent
-(``writer.dropped`` counts them), so every put before it is stored and none after it.
+Every put carries its own ``put_id``. A put that fails for a reason that passes (the
+server unreachable or restarting, a timeout, the server's memory budget or row limit
+full with nothing cleared in time, the server busy) is sent again with the same id, so a
+retry never stores a row twice, backing off up to 2 s between tries, until ``retry_for``
+seconds (5 minutes by default) have passed since its first try. A put the server refuses
+for its content (``DTypeError``, ``ShapeError``, ``ConflictError``, an unknown
+partition...) is not retried. The first error that retries do not fix stops the writer:
+it is raised by the next ``put``, by ``flush()`` and by ``close()``, and the puts queued
+behind it are not sent, so every put before it is stored and none after it.
+
+No put the writer accepted is lost silently: each is acknowledged (``writer.puts``,
+``writer.rows``), or listed in ``writer.dropped_puts`` (known not stored: refused, or
+never sent) or in ``writer.unsure_puts`` (it may have been stored: its last try timed
+out, lost the server, or was cut off by ``close``). Each listed :class:`WriterPut` can be
+sent again (:meth:`WriterPut.send`) with its own ``put_id``, which stores nothing twice.
 
 The tensors a put names are read when the put is sent, not when it is queued: do not
 write into them until ``flush()`` returns (generators hand over fresh tensors per
@@ -20,12 +30,12 @@ Examples
 --------
 >>> import numpy as np, flightq
 >>> with flightq.Server() as srv, flightq.connect(srv.location) as c:
-...     c.create_partition("r", "rollout_text@1", tasks=["train"])
+...     _ = c.create_partition("r", "rollout_text@1", tasks=["train"])
 ...     with flightq.Writer(srv.location, "r", max_pending=4) as w:
 ...         for g in range(8):
 ...             _ = w.put([f"p{g}_g0"], {"input_ids": [np.arange(5)]})
-...     w.rows, c.inspect("r")["rows"]
-(8, 8)
+...     w.rows, c.inspect("r")["rows"], w.dropped_puts, w.unsure_puts
+(8, 8, [], [])
 """
 
 from __future__ import annotations
@@ -41,21 +51,74 @@ from typing import Any
 
 from .client.client import connect
 from .client.interface import DataPlane
-from .errors import FlightqTimeoutError, UnavailableError, WriterFullError
+from .errors import (
+    FlightqError,
+    FlightqTimeoutError,
+    ResourceExhaustedError,
+    UnavailableError,
+    WriterFullError,
+)
 
-__all__ = ["Writer"]
+__all__ = ["Writer", "WriterPut", "DEFAULT_RETRY_FOR"]
 
-#: Errors a put is retried after, with the same put id: the put may or may not have landed.
-RETRIED = (UnavailableError, FlightqTimeoutError)
+#: Seconds a put is retried for by default: a trainer's pause, a server's restart.
+DEFAULT_RETRY_FOR = 300.0
+#: The longest wait between two tries of a put.
+MAX_BACKOFF = 2.0
+#: Errors after which a put may have been stored: retried with the same put id.
+UNSURE = (UnavailableError, FlightqTimeoutError)
+#: How the server says a put found it full and waited in vain, or found it busy: room
+#: may come (a trainer clears, a call ends). Its other ResourceExhaustedErrors (a put
+#: past a size limit, larger than the whole budget) do not pass with time.
+_ROOM_MAY_COME = ("cleared within", "server busy")
 
 
-@dataclass(frozen=True)
-class _Put:
+@dataclass(frozen=True, eq=False)
+class WriterPut:
+    """A put a :class:`Writer` accepted, as it would send it.
+
+    Attributes
+    ----------
+    put_id:
+        The id every try of this put carried: sending it again with it stores nothing
+        twice (the server remembers the last 4096 put ids of a partition).
+    partition, keys, columns, tags, overwrite:
+        As given to :meth:`Writer.put`.
+    """
+
     put_id: str
+    partition: str
     keys: list[str]
     columns: Mapping[str, Any]
     tags: Sequence[Mapping[str, Any] | None] | None
     overwrite: bool
+
+    def send(self, client: DataPlane, timeout: float | None = None) -> int:
+        """Send this put with ``client`` under its own ``put_id``; returns the rows
+        acknowledged (as :meth:`flightq.Client.put`, whose errors it raises)."""
+        return int(
+            client.put(
+                self.partition,
+                self.keys,
+                self.columns,
+                self.tags,
+                overwrite=self.overwrite,
+                timeout=timeout,
+                put_id=self.put_id,
+            )
+        )
+
+
+def _retried(e: BaseException) -> bool:
+    if isinstance(e, UNSURE):
+        return True
+    return isinstance(e, ResourceExhaustedError) and any(s in str(e) for s in _ROOM_MAY_COME)
+
+
+def _may_be_stored(e: BaseException) -> bool:
+    # A timeout, a lost server, or the transport's own untyped failure (a call cancelled
+    # by close): the server may have stored the put. A typed refusal stored nothing.
+    return isinstance(e, UNSURE) or type(e) is FlightqError
 
 
 class Writer:
@@ -70,16 +133,31 @@ class Writer:
         Where the rows go.
     max_pending:
         Puts queued, not yet sent, at most: ``put`` blocks while the queue is full.
+    retry_for:
+        Seconds after a put's first try during which it is sent again (same put id) after
+        an error that may pass: the server unreachable, a timeout, the server full with
+        nothing cleared in time or busy. No try starts later; ``0`` never retries.
     retries:
-        Times a put is sent again after an error the server may not have seen the end
-        of (unreachable, timed out), with the same put id.
+        The most tries after the first, within ``retry_for``; None: no such limit.
     schemas, connect_kwargs:
         For :func:`flightq.connect` when ``target`` is a location.
+
+    Attributes
+    ----------
+    rows, puts:
+        Rows and puts the server acknowledged.
+    dropped_puts:
+        Puts known not stored: the one the server refused, and those queued behind the
+        error that stopped the writer (or cut off by :meth:`close`), in order.
+    unsure_puts:
+        Puts that may have been stored: the writer gave up on them after a timeout or a
+        lost server, or :meth:`close` cut them off in flight. Sending one again with its
+        ``put_id`` (:meth:`WriterPut.send`) is safe.
 
     Raises
     ------
     ValueError
-        If ``max_pending`` or ``retries`` is out of range.
+        If ``max_pending``, ``retry_for`` or ``retries`` is out of range.
     """
 
     def __init__(
@@ -88,14 +166,17 @@ class Writer:
         partition: str,
         *,
         max_pending: int = 8,
-        retries: int = 3,
+        retry_for: float = DEFAULT_RETRY_FOR,
+        retries: int | None = None,
         schemas: Sequence[str] = (),
         connect_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
-        if retries < 0:
-            raise ValueError(f"retries must be 0 or more, got {retries}")
+        if not retry_for >= 0:
+            raise ValueError(f"retry_for must be seconds, 0 or more, got {retry_for!r}")
+        if retries is not None and retries < 0:
+            raise ValueError(f"retries must be None, 0 or more, got {retries}")
         if isinstance(target, str):
             self._client: Any = connect(target, schemas, **dict(connect_kwargs or {}))
             self._owned = True
@@ -103,20 +184,27 @@ class Writer:
             self._client, self._owned = target, False
         self.partition = partition
         self.max_pending = max_pending
+        self.retry_for = float(retry_for)
         self.retries = retries
-        #: Rows and puts the server acknowledged; puts not sent after an error.
         self.rows = 0
         self.puts = 0
-        self.dropped = 0
+        self.dropped_puts: list[WriterPut] = []
+        self.unsure_puts: list[WriterPut] = []
         self._prefix = uuid.uuid4().hex[:16]
         self._seq = 0
-        self._queue: collections.deque[_Put] = collections.deque()
-        self._sending = 0  # puts taken off the queue and not finished
+        self._queue: collections.deque[WriterPut] = collections.deque()
+        self._sending: WriterPut | None = None  # taken off the queue, not finished
+        self._cut: WriterPut | None = None  # in flight when close gave up on it
         self._error: BaseException | None = None
         self._closed = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="flightq-writer", daemon=True)
         self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        """How many puts are known not stored (``len(dropped_puts)``)."""
+        return len(self.dropped_puts)
 
     # ------------------------------------------------------------------ the caller's side
 
@@ -163,7 +251,9 @@ class Writer:
                 self._cond.wait(left)
             self._seq += 1
             put_id = f"{self._prefix}-{self._seq}"
-            self._queue.append(_Put(put_id, list(keys), columns, tags, overwrite))
+            self._queue.append(
+                WriterPut(put_id, self.partition, list(keys), columns, tags, overwrite)
+            )
             self._cond.notify_all()
         return put_id
 
@@ -175,41 +265,48 @@ class Writer:
         FlightqError
             The error that stopped the writer (nothing after it was sent).
         FlightqTimeoutError
-            If puts are still queued after ``timeout`` seconds.
+            If puts are still queued after ``timeout`` seconds (they stay queued).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while (self._queue or self._sending) and self._error is None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise FlightqTimeoutError(
-                        f"writer to {self.partition!r}: {len(self._queue) + self._sending} "
-                        f"puts not stored after {timeout}s",
-                        partition=self.partition,
-                    )
-                self._cond.wait(left)
+            if not self._wait_sent(deadline):
+                raise FlightqTimeoutError(
+                    f"writer to {self.partition!r}: {self._unfinished()} puts not stored "
+                    f"after {timeout}s",
+                    partition=self.partition,
+                )
             if self._error is not None:
                 raise self._error
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush, stop the thread, and close the connection the writer opened.
+        """Send what is queued, stop the thread, and close the connection the writer
+        opened, all within ``timeout`` seconds (None: however long the puts take).
+
+        At the deadline the writer gives up: the queued puts go to ``dropped_puts``, the
+        one in flight to ``unsure_puts`` (its call is cancelled where the writer owns the
+        connection; otherwise its answer, when it comes, still counts it acknowledged).
 
         Raises
         ------
         FlightqError
             The error that stopped the writer, as :meth:`flush`.
+        FlightqTimeoutError
+            If puts were not stored by the deadline, naming the one that may have been.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            if not self._closed:
-                self.flush(timeout)
-        finally:
             with self._cond:
-                self._closed = True
+                self._closed = True  # the thread sends what is queued, then ends
                 self._cond.notify_all()
-            self._thread.join(timeout)
+                if not self._wait_sent(deadline):
+                    self._give_up(timeout)
+                if self._error is not None:
+                    raise self._error
+        finally:
+            self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if self._owned:
                 self._owned = False
-                self._client.close()
+                self._client.close()  # cancels a put still in flight
 
     def __enter__(self) -> Writer:
         return self
@@ -227,6 +324,41 @@ class Writer:
         if self._closed:
             raise ValueError(f"writer to {self.partition!r} is closed")
 
+    def _unfinished(self) -> int:
+        return len(self._queue) + (self._sending is not None)
+
+    def _wait_sent(self, deadline: float | None) -> bool:
+        # With the lock held: False if puts are still unfinished at the deadline.
+        while self._unfinished() and self._error is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._cond.wait(left)
+        return True
+
+    def _give_up(self, timeout: float | None) -> None:
+        # With the lock held, at close's deadline: nothing more is sent.
+        queued, flying = list(self._queue), self._sending
+        self._queue.clear()
+        self.dropped_puts.extend(queued)
+        shown = f"{len(queued)} queued puts were not sent (writer.dropped_puts)"
+        key = queued[0].keys[0] if queued and queued[0].keys else None
+        if flying is not None:
+            self._cut = flying
+            self.unsure_puts.append(flying)
+            key = flying.keys[0] if flying.keys else key
+            shown = (
+                f"put {flying.put_id!r} ({len(flying.keys)} rows) was in flight and may have "
+                "been stored (writer.unsure_puts: send it again with its put_id, which stores "
+                f"nothing twice); {shown}"
+            )
+        self._error = FlightqTimeoutError(
+            f"writer to {self.partition!r} closed after {timeout}s with puts not stored: {shown}",
+            key=key,
+            partition=self.partition,
+        )
+        self._cond.notify_all()
+
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
@@ -236,40 +368,47 @@ class Writer:
                     self._cond.wait()
                 if not self._queue:
                     return
-                item = self._queue.popleft()
-                self._sending = 1
+                item = self._sending = self._queue.popleft()
                 self._cond.notify_all()  # room for a blocked put
-            try:
-                rows = self._send(item)
-            except BaseException as e:
-                with self._cond:
-                    self._error = e
-                    self.dropped = len(self._queue)
-                    self._queue.clear()
-                    self._sending = 0
-                    self._cond.notify_all()
-                return
+            rows, error, unsure = self._send(item)
             with self._cond:
-                self.rows += rows
-                self.puts += 1
-                self._sending = 0
+                self._sending = None
+                if self._cut is item:  # close listed it unsure; only an ack says more
+                    self._cut = None
+                    if error is None:
+                        self.unsure_puts.remove(item)
+                if error is None:
+                    self.rows += rows
+                    self.puts += 1
+                elif self._error is None:
+                    (self.unsure_puts if unsure else self.dropped_puts).append(item)
+                    self.dropped_puts.extend(self._queue)
+                    self._queue.clear()
+                    self._error = error
                 self._cond.notify_all()
+                if error is not None:
+                    return
 
-    def _send(self, item: _Put) -> int:
-        for attempt in range(self.retries + 1):
+    def _send(self, item: WriterPut) -> tuple[int, BaseException | None, bool]:
+        """Send ``item``, retried while its error may pass; returns the rows acknowledged,
+        the error given up on, and whether it may have been stored."""
+        start, tries, unsure = time.monotonic(), 0, False
+        while True:
             try:
-                return int(
-                    self._client.put(
-                        self.partition,
-                        item.keys,
-                        item.columns,
-                        item.tags,
-                        overwrite=item.overwrite,
-                        put_id=item.put_id,
-                    )
-                )
-            except RETRIED:
-                if attempt == self.retries:
-                    raise
-                time.sleep(min(2.0, 0.1 * 2**attempt))
-        raise AssertionError("unreachable")  # pragma: no cover
+                return item.send(self._client), None, False
+            except Exception as e:
+                unsure = unsure or _may_be_stored(e)
+                left = self.retry_for - (time.monotonic() - start)
+                if (
+                    not _retried(e)
+                    or left <= 0
+                    or (self.retries is not None and tries >= self.retries)
+                ):
+                    return 0, e, unsure
+                error: BaseException = e
+            with self._cond:  # close can cut the wait short
+                if self._cut is not item:
+                    self._cond.wait(min(MAX_BACKOFF, 0.1 * 2**tries, left))
+                if self._cut is item:
+                    return 0, error, True
+            tries += 1

@@ -10,12 +10,13 @@ from collections.abc import Iterator
 
 
 class Relay:
-    """Listens on 127.0.0.1 (port 0) and relays every connection to ``port``;
-    :meth:`cut` closes the connections relayed so far (new ones are relayed again)."""
+    """Listens on 127.0.0.1 (``listen_port``, 0: a free one) and relays every connection
+    to ``port``; :meth:`cut` closes the connections relayed so far (new ones are relayed
+    again). A relay closed and another opened on its port is a server gone and back."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, listen_port: int = 0) -> None:
         self.port = port
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener = socket.create_server(("127.0.0.1", listen_port))
         self._listener.settimeout(0.2)
         self.location = f"grpc://127.0.0.1:{self._listener.getsockname()[1]}"
         self._lock = threading.Lock()

@@ -64,7 +64,14 @@ from typing import Any
 
 from .. import forks
 from ..client.recent import Recent
-from ..errors import EncodeError, MissingFieldError, NotFoundError, ProtocolError, ShapeError
+from ..errors import (
+    EncodeError,
+    FlightqError,
+    MissingFieldError,
+    NotFoundError,
+    ProtocolError,
+    ShapeError,
+)
 from ..registry import SchemaRegistry
 from ..rows import is_tensordict
 from ..tensordicts import require_tensordict, to_tensordict
@@ -424,7 +431,10 @@ class TransferQueue:
     ) -> KVBatchMeta:
         """Rows by key, all or nothing, in one put: ``fields`` a TensorDict whose batch
         dim is the rows (or a dict of per-row columns), ``tags`` one dict per key. Returns
-        the rows' :class:`KVBatchMeta` (their tags and every field they all have)."""
+        the rows' :class:`KVBatchMeta`: their tags and every field they all have, as the
+        server holds them after the put; where another process cleared the rows (or
+        dropped the partition) before they could be listed, the tags and fields this put
+        sent, since the put was stored all the same."""
         if data_parser is not None:
             raise ProtocolError(
                 "data_parser is not supported by flightq: parse references into tensors "
@@ -460,7 +470,31 @@ class TransferQueue:
             self._declared.pop(partition_id)
             self._ensure(partition_id)
             self.client.put(partition_id, keys, cols, tags, overwrite=self.overwrite)
-        return self._meta(partition_id, keys)
+        try:
+            return self._meta(partition_id, keys)
+        except NotFoundError:
+            # Stored, then cleared (or its partition dropped) by another process before
+            # they could be listed: the put still succeeded, described by what it sent.
+            return self._sent_meta(partition_id, keys, list(cols.keys()), tags)
+
+    def _sent_meta(
+        self,
+        partition_id: str,
+        keys: list[str],
+        sent: list[str],
+        tags: list[dict[str, Any]] | None,
+    ) -> KVBatchMeta:
+        try:
+            declared = self.registry.get(self._declaration(partition_id)["schema"]).fields
+            order = {f.name: i for i, f in enumerate(declared)}
+        except (FlightqError, TypeError, ValueError):  # not a ref held here: as sent
+            order = {}
+        return KVBatchMeta(
+            keys=keys,
+            tags=[dict(t or {}) for t in tags] if tags is not None else [{} for _ in keys],
+            partition_id=partition_id,
+            fields=sorted(sent, key=lambda f: order.get(f, len(order))),
+        )
 
     def _meta(self, partition_id: str, keys: list[str]) -> KVBatchMeta:
         listed = self.client.list_keys(partition_id, keys)

@@ -484,3 +484,31 @@ def test_ranks_clearing_one_steps_keys_together_never_fail(api: Any, torch: Any)
             for f in cleared:
                 f.result(timeout=60)
             assert api.kv_list(partition_id="dp") == {"dp": {}}
+
+
+@pytest.mark.parametrize("gone", ["cleared", "dropped"])
+def test_a_put_whose_rows_go_before_they_are_listed_still_succeeds(
+    api: Any, tq: Any, torch: Any, TensorDict: Any, monkeypatch: Any, gone: str
+) -> None:
+    # Another rank consumes (clears) what kv_list shows, or drops the step, between the
+    # put's store and its listing of the rows for the KVBatchMeta: the put stored them,
+    # so it returns, describing them by what it sent (tags as sent, fields in schema order).
+    client = tq._tq().client
+    listed = client.list_keys
+
+    def list_after_another_rank(partition: str, keys: Any = None) -> Any:
+        with flightq.connect(tq._tq().location) as other:
+            assert sorted(other.list_keys(partition)) == ["g0", "g1"]  # stored
+            other.clear(partition) if gone == "cleared" else other.drop(partition)
+        return listed(partition, keys)
+
+    monkeypatch.setattr(client, "list_keys", list_after_another_rank)
+    ids = torch.arange(6).view(2, 3)
+    fields = TensorDict({"attention_mask": torch.ones_like(ids), "input_ids": ids}, batch_size=2)
+    meta = api.kv_batch_put(
+        keys=["g0", "g1"], partition_id="race", fields=fields, tags=[{"v": 1}, None]
+    )
+    assert (meta.keys, meta.tags, meta.partition_id) == (["g0", "g1"], [{"v": 1}, {}], "race")
+    assert meta.fields == ["input_ids", "attention_mask"]
+    monkeypatch.undo()
+    assert api.kv_list(partition_id="race") in ({"race": {}}, {})
