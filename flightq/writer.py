@@ -49,6 +49,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import forks
 from .client.client import connect
 from .client.interface import DataPlane
 from .errors import (
@@ -230,7 +231,10 @@ class Writer:
             The error that stopped the writer, from an earlier put.
         ValueError
             If the writer is closed.
+        ProtocolError
+            In a process forked after the writer started (its thread is not there).
         """
+        forks.check(f"writer to {self.partition!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
@@ -267,6 +271,7 @@ class Writer:
         FlightqTimeoutError
             If puts are still queued after ``timeout`` seconds (they stay queued).
         """
+        forks.check(f"writer to {self.partition!r}")  # its thread is not in a fork
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             if not self._wait_sent(deadline):
@@ -293,6 +298,7 @@ class Writer:
         FlightqTimeoutError
             If puts were not stored by the deadline, naming the one that may have been.
         """
+        forks.check(f"writer to {self.partition!r}")  # its thread is not in a fork
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             with self._cond:

@@ -29,6 +29,7 @@ c = flightq.connect(srv.location, timeout=5.0)
 c.create_partition("r", "rollout_text@1", tasks=["train"])
 c.put("r", ["a"], {"input_ids": [np.arange(4)]})
 tq.init({"flightq": {"location": srv.location, "partitions": {"p": "rollout_text@1"}}})
+w = flightq.Writer(c, "r")
 pid = os.fork()
 if pid == 0:
     out = {}
@@ -38,6 +39,8 @@ if pid == 0:
         "connect": lambda: flightq.connect(srv.location, timeout=5.0),
         "server": lambda: flightq.Server(),
         "compat init": lambda: tq.init(),
+        "writer put": lambda: w.put(["b"], {"input_ids": [np.arange(4)]}),
+        "writer close": lambda: w.close(),
     }.items():
         started = time.monotonic()
         try:
@@ -49,6 +52,7 @@ if pid == 0:
     os._exit(0)
 _, status = os.waitpid(pid, 0)
 assert c.get("r", ["a"], as_="numpy").keys == ["a"]  # the parent serves on
+w.close()
 print(json.dumps({"child": status}), flush=True)
 """
 
@@ -83,7 +87,15 @@ def _run(script: str) -> list[dict[str, object]]:
 def test_every_call_in_a_process_forked_after_flightq_was_used_refuses_at_once() -> None:
     child, parent = _run(_AFTER)
     assert parent == {"child": 0}
-    assert set(child) == {"inherited get", "inherited claim", "connect", "server", "compat init"}
+    assert set(child) == {
+        "inherited get",
+        "inherited claim",
+        "connect",
+        "server",
+        "compat init",
+        "writer put",
+        "writer close",
+    }
     for name, (kind, took, *message) in child.items():
         assert kind == "ProtocolError", (name, kind, message)
         assert took < 1.0, (name, took)  # hung until killed before
