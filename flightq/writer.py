@@ -376,7 +376,10 @@ class Writer:
                     return
                 item = self._sending = self._queue.popleft()
                 self._cond.notify_all()  # room for a blocked put
-            rows, error, unsure = self._send(item)
+            try:
+                rows, error, unsure = self._send(item)
+            except BaseException as e:  # a bug of its own: never a silent, dead thread
+                rows, error, unsure = 0, e, True
             with self._cond:
                 self._sending = None
                 if self._cut is item:  # close listed it unsure; only an ack says more
@@ -414,7 +417,8 @@ class Writer:
                 error: BaseException = e
             with self._cond:  # close can cut the wait short
                 if self._cut is not item:
-                    self._cond.wait(min(MAX_BACKOFF, 0.1 * 2**tries, left))
+                    # 2**tries capped: a float past 2**1023 would overflow (an hour's tries)
+                    self._cond.wait(min(MAX_BACKOFF, 0.1 * 2 ** min(tries, 16), left))
                 if self._cut is item:
                     return 0, error, True
             tries += 1

@@ -8,7 +8,10 @@ which forks; the grandchild reports what each call did on stdout.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -72,16 +75,24 @@ print(json.dumps({"child": status}), flush=True)
 
 
 def _run(script: str) -> list[dict[str, object]]:
-    p = subprocess.run(
+    # Its own process group: a forked grandchild that hangs goes with it on a timeout.
+    p = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(script)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=4 * TIMEOUT,
         env=python_env(),
         cwd=str(ROOT),
+        start_new_session=True,
     )
-    assert p.returncode == 0, p.stderr
-    return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    try:
+        out, err = p.communicate(timeout=4 * TIMEOUT)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    assert p.returncode == 0, err
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
 def test_every_call_in_a_process_forked_after_flightq_was_used_refuses_at_once() -> None:

@@ -221,3 +221,23 @@ def test_close_keeps_one_deadline_and_lists_the_put_in_flight_as_unsure(owned: b
             assert p.send(c) == 2
         given.close()
         assert c.inspect("r")["rows"] == 2
+
+
+def test_a_put_retried_thousands_of_times_still_ends_listed(monkeypatch) -> None:
+    # The backoff's 0.1 * 2**tries overflowed a float past 1024 tries (an hour of 2 s
+    # waits; here in seconds, the waits made tiny): the thread died, the put was in
+    # neither list, and flush() without a timeout hung.
+    import flightq.writer as writer
+
+    monkeypatch.setattr(writer, "MAX_BACKOFF", 1e-4)
+    srv = flightq.Server().start()
+    with flightq.connect(srv.location, [TEXT], timeout=2.0) as c:
+        c.create_partition("p", TEXT)
+        srv.stop()  # gone for good: every try fails at once
+        w = writer.Writer(c, "p", retry_for=8.0)
+        keys, cols = _rows(1, "a")
+        w.put(keys, cols)
+        with pytest.raises(flightq.UnavailableError):
+            w.flush(timeout=TIMEOUT)
+        assert [p.keys for p in w.unsure_puts] == [keys] and not w.dropped_puts
+        assert not w._thread.is_alive()
