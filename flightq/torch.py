@@ -20,8 +20,9 @@ consumer session, not their own: torch retires a worker whose share is done whil
 trainer may still hold its last batches (in the loader's reorder buffer), and a worker's
 own session would give them back as it ended, to be claimed and trained on a second
 time. A worker that dies leaves the batches it claimed and had not handed over leased to
-the trainer's session until their lease runs out (or the trainer's process ends).
-Workers start by ``spawn``: gRPC's state does not survive a fork (a forked worker's
+the trainer's session until their lease runs out (or the trainer's process ends). A
+worker whose trainer's session ended (the link dropped, the server restarted) opens its
+own. Workers start by ``spawn``: gRPC's state does not survive a fork (a forked worker's
 first call would hang), so a worker started by fork raises instead. Under a plain
 ``DataLoader(ds, batch_size=None, num_workers=N, multiprocessing_context="spawn")``
 nobody in the trainer's process sees the batches go by, so a worker acknowledges a batch

@@ -23,7 +23,6 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..errors import NotFoundError
 from ..protocol import SessionBeat
 from .transport import Transport
 
@@ -106,8 +105,12 @@ class Session:
         return beater is not None and beater.alive
 
     def id(self, timeout: float | None = None) -> str:
-        """The session's id, opening the session if it is not open."""
+        """The session's id, opening the session if it is not open, or again where its
+        stream is known gone (its beats stopped: the server ended it, or the link)."""
         with self._lock:
+            beater = self._beater
+            if beater is not None and not beater.alive and self._borrowed is None:
+                self._close()
             if self._id is None:
                 writer, reader, reply = self._transport.session(timeout, self._silence)
                 self._stream, self._id = (writer, reader), reply.session
@@ -121,7 +124,9 @@ class Session:
         when that session ends. A DataLoader worker claims so for its trainer's process,
         which holds the batches and acknowledges them: the worker's own end (torch retires
         a worker whose share is done while the trainer still holds its last batches) must
-        not give them back."""
+        not give them back. Once the server no longer knows that session (its process
+        reconnected, or is gone), this client opens one of its own (:meth:`reopen`), as a
+        claim finds."""
         with self._lock:
             self._close()
             self._borrowed = self._id = session
@@ -129,22 +134,12 @@ class Session:
     def reopen(self, stale: str, timeout: float | None = None) -> str:
         """A new session in place of ``stale`` (which the server no longer knows: it
         restarted, it found the session silent, or the stream broke); another thread's
-        new one is kept.
-
-        Raises
-        ------
-        NotFoundError
-            If ``stale`` is a session this client borrowed (:meth:`borrow`): it ended
-            with the process that opened it, whose batches these claims were for.
-        """
+        new one is kept. A borrowed session (:meth:`borrow`) that ended is given up:
+        this client opens its own (the process it was borrowed from reconnected, or is
+        gone, in which case this one soon follows it)."""
         with self._lock:
             if self._borrowed is not None and stale == self._borrowed:
-                raise NotFoundError(
-                    f"the session {stale[:64]!r} this client claims under (borrowed from "
-                    "the process that acknowledges its batches) has ended: that process "
-                    "is gone or reconnected",
-                    key=stale[:64],
-                )
+                self._borrowed = None
             if self._id == stale:
                 self._close()
         return self.id(timeout)

@@ -231,6 +231,33 @@ def test_a_sharded_loaders_workers_claim_under_the_trainers_session_on_every_sha
             ds.nack()
 
 
+def test_a_loader_goes_on_after_the_trainers_session_ended_between_epochs() -> None:
+    # The link drops between epochs and the server ends the trainer's session: the
+    # trainer's process opens another, and a worker given the ended one opens its own,
+    # instead of every later epoch failing with NotFoundError.
+    from helpers_proxy import relayed
+
+    from flightq.torch import ClaimDataset
+
+    with flightq.Server() as srv, flightq.connect(srv.location, timeout=TIMEOUT) as c:
+        c.create_partition("r", TEXT, tasks=["train"])
+        first, second = text_keys(2, 1, "a"), text_keys(2, 1, "b")
+        c.put("r", first, text_columns(first))
+        with relayed(srv.location) as relay:
+            ds = ClaimDataset(relay.location, "r", "train", 1, timeout=2.0)
+            with ds:
+                assert sorted(k for b in ds.loader(num_workers=1) for k in b.keys) == first
+                ended = ds._connection().session.id()
+                relay.cut()
+                deadline = time.monotonic() + TIMEOUT
+                while ended in srv.store._sessions:  # until the server ended it
+                    assert time.monotonic() < deadline, "the server kept the session"
+                    time.sleep(0.05)
+                c.put("r", second, text_columns(second))
+                assert sorted(k for b in ds.loader(num_workers=1) for k in b.keys) == second
+        assert c.inspect("r")["acked"] == {"train": 4}
+
+
 _TRAINER = """
 import sys, time, flightq
 from flightq.torch import ClaimDataset
