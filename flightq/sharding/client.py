@@ -74,8 +74,8 @@ from .router import (
 
 __all__ = ["ShardedClient", "connect_sharded"]
 
-#: The least time a claim's call to one shard gets, however near the claim's deadline.
-_LEAST_CALL_S = 1.0
+#: Seconds a claim's call to one shard may take past the shard's own wait.
+_MARGIN_S = 5.0
 #: Seconds a shard that left a claim unanswered is asked last by the claims after it.
 SLOW_SHARD_S = 30.0
 
@@ -507,11 +507,12 @@ class ShardedClient(Fanout):
             # whether the claim fails or goes on with the other shards; only an answer
             # taken whole joins `grants`.
             grant: list[ClaimGrant] = []
-            # The shard answers within `secs`; the call gets a margin on top, but ends
-            # near the claim's own deadline: a shard that does not answer (stopped) is
-            # left out of this claim then, never holding it past its timeout.
-            limit = max(_LEAST_CALL_S, min(secs + 5.0, deadline - time.monotonic() + 1.0))
-            got = self.transports[s].get(t, what, timeout=limit)
+            # The shard answers within `secs`; the call's deadline, a margin on top, also
+            # bounds the answer's transfer (a large one over a slow link), so it is not
+            # cut to the claim's own deadline: a shard that does not answer at all
+            # (stopped) holds a claim up to the margin past its wait, once, and is then
+            # asked last (SLOW_SHARD_S).
+            got = self.transports[s].get(t, what, timeout=secs + _MARGIN_S)
             try:
                 bs = list(bounded(granted(got, grant, what), t.batch_size, what))
                 if not grant:
