@@ -45,6 +45,8 @@ class ReplyRoom:
         #: Bytes held by large replies now, and how many they are.
         self.used = 0
         self.replies = 0
+        #: Large replies waiting for room now.
+        self.waiting = 0
 
     @classmethod
     def for_budget(cls, memory_budget: int | None) -> ReplyRoom:
@@ -67,7 +69,11 @@ class ReplyRoom:
                         expected=self.capacity,
                         actual=self.used + n,
                     )
-                self._changed.wait(left)
+                self.waiting += 1
+                try:
+                    self._changed.wait(left)
+                finally:
+                    self.waiting -= 1
             self.used += n
             self.replies += 1
 

@@ -65,6 +65,7 @@ from .readiness import (
     maybe_remnant,
     ready_rows,
 )
+from .replies import SMALL_REPLY_BYTES
 
 __all__ = ["Store"]
 
@@ -1193,19 +1194,31 @@ class Store:
 
         The rows are picked under the store's lock, their tags and fields read outside it
         (a put replaces a row, with new maps of cells and tags, and never edits one), so
-        that listing a large partition stops no other call.
+        that listing a large partition stops no other call. Where the reply must wait for
+        room, it waits holding no row (a row cleared meanwhile would keep its data alive,
+        no longer counted), and picks them again once it has room.
         """
-        with self._lock:
-            p = self._get(name)
-            if keys is None:
-                rows = list(p.rows.values())
-            else:
+
+        def pick() -> tuple[Partition, list[Row]]:
+            with self._lock:
+                p = self._get(name)
+                if keys is None:
+                    return p, list(p.rows.values())
                 _known(p, keys)
                 rows = [p.rows[k] for k in keys]
                 _listable(p, rows)
+                return p, rows
+
+        p, rows = pick()
         if hold is not None:
             per_row = REPLY_ENTRY_BYTES - row_overhead(len(p.tasks))
-            hold(sum(r.held for r in rows) + per_row * len(rows))
+            n = sum(r.held for r in rows) + per_row * len(rows)
+            if n > SMALL_REPLY_BYTES:  # it may wait
+                del p, rows
+                hold(n)
+                p, rows = pick()
+            else:
+                hold(n)
         tags = [dict(r.tags) for r in rows]
         cells = [r.cells for r in rows]
         names = _present(p, rows)

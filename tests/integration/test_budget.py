@@ -958,3 +958,44 @@ def test_a_large_reply_waits_for_room_and_is_refused_typed_while_small_ones_go_a
         monkeypatch.setattr(room, "capacity", replies.SMALL_REPLY_BYTES)
         assert set(action(loc, "stats", {})["partitions"]) == {"big", "big2", "small"}
         assert (room.used, room.replies) == (0, 0)
+
+
+def test_a_list_keys_waiting_for_room_holds_no_row_a_clear_frees() -> None:
+    # list_keys picked its rows, then waited for room among large replies holding them:
+    # rows cleared meanwhile kept their record batches alive, no longer counted, while
+    # the budget took new puts. It now waits holding none and picks them again.
+    import gc
+    import weakref
+
+    with flightq.Server(memory_budget=64 * 2**20) as srv:
+        loc = srv.location
+        text = flightq.SchemaRegistry.default().get(TEXT).canonical_json
+        action(loc, "declare", {"partition": "p", "schema": text})
+        keys = [f"k{i}" for i in range(200)]  # 200 rows of 6 KiB tags: a large reply
+        assert plain_put(
+            loc,
+            put_command("p", rows=200),
+            [with_tags(text_batch(keys), [msgpack.packb({"t": "x" * 6000})] * 200)],
+        )
+        row = srv.store.partition("p").rows["k0"]
+        piece = weakref.ref(next(iter(row.cells.values()))[0])
+        del row
+        room = srv.replies
+        room._take(room.capacity, "another reply", 1.0)  # the room is full meanwhile
+        listed: dict[str, object] = {}
+        t = threading.Thread(
+            target=lambda: listed.update(action(loc, "list_keys", {"partition": "p"}))
+        )
+        t.start()
+        try:
+            deadline = time.monotonic() + 10
+            while not room.waiting:  # list_keys has picked its rows and waits for room
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert action(loc, "clear", {"partition": "p"})["cleared"] == 200
+            gc.collect()
+            assert piece() is None, "a cleared row's data is kept alive by a waiting list_keys"
+        finally:
+            room._give(room.capacity)
+            t.join(10)
+        assert listed["keys"] == []  # picked again once it had room: none left
