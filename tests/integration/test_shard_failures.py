@@ -147,7 +147,7 @@ def test_claims_skip_a_stopped_shard_within_their_timeout_and_ask_it_last() -> N
             put = grouped_rows(24, 2)
             c.put("rows", **put)
             for _ in range(2):  # the consumer sessions open on both shards
-                c.ack(c.claim("rows", "train", 2, timeout=wait))
+                c.ack(c.claim("rows", "train", 2, timeout=wait, as_="numpy"))
             stopped = next(
                 i
                 for i, _ in enumerate(shards)
@@ -159,7 +159,7 @@ def test_claims_skip_a_stopped_shard_within_their_timeout_and_ask_it_last() -> N
                 took = []
                 for _ in range(4):  # the start shard rotates: the stopped one comes first
                     started = time.monotonic()
-                    b = c.claim("rows", "train", 2, timeout=wait)
+                    b = c.claim("rows", "train", 2, timeout=wait, as_="numpy")
                     took.append(time.monotonic() - started)
                     assert all(c.router.shard_of(k) != stopped for k in b.keys)
                     c.ack(b)
