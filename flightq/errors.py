@@ -212,6 +212,19 @@ class ResourceExhaustedError(FlightqError, RuntimeError):
     Not a ``MemoryError``: this process has memory; the server refused to hold more.
     """
 
+    @property
+    def busy(self) -> bool:
+        """Refused for want of call slots ("server busy", the server's ``max_calls``):
+        the call may go through once another ends."""
+        return "server busy" in str(self)
+
+    @property
+    def room_may_come(self) -> bool:
+        """Refused for a while only: the server busy, or full (memory budget, row limit)
+        with nothing cleared within the call's wait, where a consumer's clear makes room;
+        not a request past a size limit, which no wait lifts."""
+        return self.busy or "cleared within" in str(self)
+
 
 class UnauthenticatedError(FlightqError, PermissionError):
     """The request carries no valid credentials."""

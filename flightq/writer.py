@@ -68,10 +68,6 @@ DEFAULT_RETRY_FOR = 300.0
 MAX_BACKOFF = 2.0
 #: Errors after which a put may have been stored: retried with the same put id.
 UNSURE = (UnavailableError, FlightqTimeoutError)
-#: How the server says a put found it full and waited in vain, or found it busy: room
-#: may come (a trainer clears, a call ends). Its other ResourceExhaustedErrors (a put
-#: past a size limit, larger than the whole budget) do not pass with time.
-_ROOM_MAY_COME = ("cleared within", "server busy")
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,7 +109,7 @@ class WriterPut:
 def _retried(e: BaseException) -> bool:
     if isinstance(e, UNSURE):
         return True
-    return isinstance(e, ResourceExhaustedError) and any(s in str(e) for s in _ROOM_MAY_COME)
+    return isinstance(e, ResourceExhaustedError) and e.room_may_come
 
 
 def _may_be_stored(e: BaseException) -> bool:

@@ -90,7 +90,7 @@ def _crowded(reader: Reader, e: ResourceExhaustedError) -> bool:
     server (``max_calls``, "server busy"): the get then runs again as one stream, and the
     client's next gets for :data:`CROWDED_SECONDS` travel as one too, so that many
     consumers' parallel streams do not turn a busy server's slots into failed gets."""
-    if "server busy" not in str(e):
+    if not e.busy:
         return False
     reader.crowded_until = time.monotonic() + CROWDED_SECONDS
     return True

@@ -188,7 +188,6 @@ class Transport:
     def connection(self, i: int = 0) -> fl.FlightClient:
         """Connection ``i``: 0 is the main one, ``i >= 1`` the i-th extra one (opened now
         if it is not yet)."""
-        forks.check(f"a call to {self.location}")
         if i == 0:
             return self._main
         with self._lock:
@@ -197,7 +196,8 @@ class Transport:
             return self._extra[i - 1]
 
     def options(self, timeout: float | None = None) -> fl.FlightCallOptions:
-        """Call options with ``timeout`` seconds (None: the transport's default)."""
+        """Call options with ``timeout`` seconds (None: the transport's default). Every
+        call takes them: refused here in a process forked after flightq was used."""
         forks.check(f"a call to {self.location}")
         return fl.FlightCallOptions(timeout=self.timeout if timeout is None else timeout)
 
