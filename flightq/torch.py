@@ -290,8 +290,12 @@ class ClaimDataset(IterableDataset):
                 self._client = connect_sharded(self._where, self.schemas, **kw)
             for c in _shards(self._client):
                 if c.location in self._sessions:  # a ClaimLoader's worker
-                    c.session.borrow(self._sessions[c.location])
+                    c.session.borrow(self._sessions[c.location], self._trainer_alive)
         return self._client
+
+    def _trainer_alive(self) -> bool:
+        """Whether the process that started this worker still lives (its parent)."""
+        return os.getppid() == self._parent
 
     def _disconnect(self) -> None:
         client, self._client = self._client, None

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
 
+from ..errors import NotFoundError
 from ..protocol import SessionBeat
 from .transport import Transport
 
@@ -95,8 +97,10 @@ class Session:
         self._stream: tuple[Any, Any] | None = None
         self._beater: _Beater | None = None
         self._id: str | None = None
-        #: Another process's session this client claims under (:meth:`borrow`).
+        #: Another process's session this client claims under (:meth:`borrow`), and
+        #: whether that process still lives (None: not asked).
         self._borrowed: str | None = None
+        self._owner_alive: Callable[[], bool] | None = None
 
     @property
     def beating(self) -> bool:
@@ -118,27 +122,41 @@ class Session:
                     self._beater = _Beater(writer, beat_interval(reply.silence), self._write)
             return self._id
 
-    def borrow(self, session: str) -> None:
+    def borrow(self, session: str, owner_alive: Callable[[], bool] | None = None) -> None:
         """Claim under ``session``, another process's open session, instead of one of
         this client's own (closed if open): the leases of this client's claims then end
         when that session ends. A DataLoader worker claims so for its trainer's process,
         which holds the batches and acknowledges them: the worker's own end (torch retires
         a worker whose share is done while the trainer still holds its last batches) must
         not give them back. Once the server no longer knows that session (its process
-        reconnected, or is gone), this client opens one of its own (:meth:`reopen`), as a
-        claim finds."""
+        reconnected), this client opens one of its own (:meth:`reopen`), as a claim finds;
+        not where ``owner_alive()`` says that process is gone (an orphan claims nothing
+        more)."""
         with self._lock:
             self._close()
             self._borrowed = self._id = session
+            self._owner_alive = owner_alive
 
     def reopen(self, stale: str, timeout: float | None = None) -> str:
         """A new session in place of ``stale`` (which the server no longer knows: it
         restarted, it found the session silent, or the stream broke); another thread's
         new one is kept. A borrowed session (:meth:`borrow`) that ended is given up:
-        this client opens its own (the process it was borrowed from reconnected, or is
-        gone, in which case this one soon follows it)."""
+        this client opens its own (the process it was borrowed from reconnected).
+
+        Raises
+        ------
+        NotFoundError
+            If ``stale`` is a borrowed session whose process is gone (``owner_alive``).
+        """
         with self._lock:
             if self._borrowed is not None and stale == self._borrowed:
+                alive = self._owner_alive
+                if alive is not None and not alive():
+                    raise NotFoundError(
+                        f"the session {stale[:64]!r} this client claims under ended with "
+                        "the process it was borrowed from; nothing more is claimed for it",
+                        key=stale[:64],
+                    )
                 self._borrowed = None
             if self._id == stale:
                 self._close()
