@@ -13,7 +13,7 @@ import os
 
 from .errors import ProtocolError
 
-__all__ = ["check", "used"]
+__all__ = ["check", "forked", "used"]
 
 #: The process that used Arrow Flight first (None: none did yet).
 _used_in: int | None = None
@@ -37,6 +37,11 @@ def used() -> None:
     check("connect")
     if _used_in is None:
         _used_in = os.getpid()
+
+
+def forked() -> bool:
+    """Whether this process was forked after its parent used Arrow Flight."""
+    return _forked
 
 
 def check(what: str) -> None:
