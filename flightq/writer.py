@@ -22,6 +22,10 @@ never sent) or in ``writer.unsure_puts`` (it may have been stored: its last try 
 out, lost the server, or was cut off by ``close``). Each listed :class:`WriterPut` can be
 sent again (:meth:`WriterPut.send`) with its own ``put_id``, which stores nothing twice.
 
+A writer still open when its process exits is closed then: what it queued is sent,
+within 30 s in all (:data:`flightq.exiting.EXIT_FLUSH_S`), and what is not sent by then
+is logged as an error. Close it yourself to know.
+
 The tensors a put names are read when the put is sent, not when it is queued: do not
 write into them until ``flush()`` returns (generators hand over fresh tensors per
 rollout, which is what this is for).
@@ -49,7 +53,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import forks
+from . import exiting, forks
 from .client.client import connect
 from .client.interface import DataPlane
 from .errors import (
@@ -197,6 +201,7 @@ class Writer:
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="flightq-writer", daemon=True)
         self._thread.start()
+        exiting.writer_open(self)  # what it queued is sent at exit if it is not closed
 
     @property
     def dropped(self) -> int:
@@ -305,6 +310,7 @@ class Writer:
                 if self._error is not None:
                     raise self._error
         finally:
+            exiting.writer_closed(self)
             self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if self._owned:
                 self._owned = False

@@ -16,7 +16,6 @@ True
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import itertools
 import json
@@ -26,14 +25,13 @@ import signal
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from .. import forks
+from .. import exiting, forks
 from ..errors import (
     FlightqError,
     ProtocolError,
@@ -110,28 +108,6 @@ _MAX_BEAT_BYTES = 64
 #: sends faster waits for its stream to be read (gRPC's flow control holds it back), and
 #: costs the server at most 100 reads a second.
 MIN_BEAT_GAP = 0.01
-#: Seconds a process's exit waits for each of its servers still serving to stop.
-EXIT_STOP_S = 5.0
-
-#: The servers this process constructed and has not stopped.
-_serving: weakref.WeakSet[Server] = weakref.WeakSet()
-
-
-def _stop_at_exit() -> None:
-    # A server still serving at exit hangs the process or aborts it. Arrow's own exit
-    # hook shuts it down with no deadline, which waits forever on a call that does not
-    # end by itself (a consumer session, a client's request stream); and a server left
-    # serving into the interpreter's finalization aborts now and then ("terminate called
-    # without an active exception", exit 134): a gRPC thread calling into a handler finds
-    # the interpreter gone and is unwound through C++. This runs before both (atexit
-    # runs its hooks last registered first, before finalization, every thread running).
-    if forks.forked():
-        return  # gRPC's state stayed in the parent: stopping here would hang
-    for server in list(_serving):
-        try:
-            server.stop(EXIT_STOP_S)
-        except Exception:  # the next server still stops
-            log.exception("flightq server on %s did not stop at exit", server.location)
 
 
 #: Without a memory budget, bytes of shared-memory answers that may wait for their reader
@@ -159,7 +135,7 @@ class Server(fl.FlightServerBase):
     """A flightq server: partitions of rollout rows in memory, served over Arrow Flight.
 
     Stop it with :meth:`stop` or a ``with`` block; one still serving when its process
-    exits is stopped then, within :data:`EXIT_STOP_S` seconds.
+    exits is stopped then (within :data:`flightq.exiting.EXIT_STOP_S` seconds).
 
     Parameters
     ----------
@@ -285,9 +261,7 @@ class Server(fl.FlightServerBase):
             super().__init__(location, **kwargs)
         except pa.ArrowException as e:
             raise _listen_error(location, e) from e
-        _serving.add(self)
-        atexit.unregister(_stop_at_exit)  # after Arrow's exit hook, so before it
-        atexit.register(_stop_at_exit)
+        exiting.server_serving(self)  # stopped at exit, before Arrow's own exit hook
         self.idle.port = self.port
         self.max_batch_bytes = max_batch_bytes
         self.max_put_batch_bytes = max_put_batch_bytes
@@ -394,7 +368,7 @@ class Server(fl.FlightServerBase):
 
     def _finish(self, deadline: float) -> None:
         # Once Flight's shutdown returned: no call runs that needs what goes here.
-        _serving.discard(self)
+        exiting.server_stopped(self)
         thread = self._thread
         if thread is not None:
             thread.join(timeout=deadline)

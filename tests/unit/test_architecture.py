@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rows", "draft", "sink", "encode", "chunks", "validation"),
     ("columns", "batch", "tensordicts", "media", "workloads"),
     ("protocol", "frames"),
-    ("shm", "cuda", "auth", "memory", "forks"),
+    ("shm", "cuda", "auth", "memory", "forks", "exiting"),
     ("server", "client"),
     ("sharding",),
     ("cli", "tools", "demo", "ray", "aio", "compat", "torch", "writer", ""),

@@ -1,7 +1,9 @@
-"""A process that ends with a server still serving exits, at once and with status 0.
+"""A process that ends with flightq still open exits with status 0, at once, losing
+nothing a writer accepted.
 
-Before, Arrow's own exit hook shut such a server down with no deadline: a call that does
-not end by itself (a consumer session, a client's request stream) held the process
+A Writer left open lost the puts it had queued and not sent (its thread is a daemon).
+Arrow's own exit hook shut a server left serving down with no deadline: a call that
+does not end by itself (a consumer session, a client's request stream) held the process
 forever; and a server left serving into the interpreter's finalization aborted the
 process now and then ("terminate called without an active exception", status 134).
 
@@ -20,6 +22,8 @@ import time
 
 import pytest
 from fixtures_dataplane import ROOT, TIMEOUT, python_env
+
+import flightq
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -70,9 +74,40 @@ print("returning", flush=True)
 """
 
 
-def _exit(script: str) -> tuple[int, float, str]:
+# A generator that queues puts to a server of another process and returns, never closing
+# its writer; the server's location comes as argv[1].
+_WRITER = """
+import sys
+import numpy as np
+import flightq
+
+c = flightq.connect(sys.argv[1], timeout=5.0)
+w = flightq.Writer(c, "w", max_pending=64)
+for k in range(40):
+    w.put([f"k{k}"], {"input_ids": [np.arange(200_000)]})
+print("returning", flush=True)
+"""
+
+# The same, its server gone: the exit waits no longer than EXIT_FLUSH_S and says so.
+_WRITER_LOST = """
+import sys
+import numpy as np
+import flightq, flightq.exiting
+
+flightq.exiting.EXIT_FLUSH_S = 1.0
+srv = flightq.Server().start()
+c = flightq.connect(srv.location, timeout=5.0)
+c.create_partition("w", "rollout_text@1", tasks=["train"])
+srv.stop()
+w = flightq.Writer(c, "w")
+w.put(["k0"], {"input_ids": [np.arange(4)]})
+print("returning", flush=True)
+"""
+
+
+def _exit(script: str, *args: str) -> tuple[int, float, str]:
     p = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(script)],
+        [sys.executable, "-c", textwrap.dedent(script), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -110,3 +145,20 @@ def test_a_process_leaving_its_server_session_writer_and_compat_open_exits_clean
     for _ in range(4):
         rc, _took, err = _exit(_OPEN)
         assert rc == 0, (rc, err[-2000:])
+
+
+def test_a_writer_left_open_sends_what_it_queued_before_its_process_exits(
+    server: flightq.Server, client: flightq.Client
+) -> None:
+    client.create_partition("w", "rollout_text@1", tasks=["train"])
+    rc, _took, err = _exit(_WRITER, server.location)
+    assert rc == 0, (rc, err[-2000:])
+    assert len(client.list_keys("w")) == 40  # 31 before: the queued puts were lost
+
+
+def test_a_writer_left_open_whose_server_is_gone_ends_its_exit_within_the_bound() -> None:
+    rc, took, err = _exit(_WRITER_LOST)
+    assert rc == 0, (rc, err[-2000:])
+    assert took < 1.0 + TIMEOUT / 4, took
+    assert "a writer was not closed before exit: writer to 'w'" in err, err[-2000:]
+    assert "k0" in err or "not stored" in err, err[-2000:]
