@@ -361,7 +361,7 @@ class Writer:
                 f"nothing twice); {shown}"
             )
         self._error = FlightqTimeoutError(
-            f"writer to {self.partition!r} closed after {timeout}s with puts not stored: {shown}",
+            f"writer to {self.partition!r} closed after {timeout:g}s with puts not stored: {shown}",
             key=key,
             partition=self.partition,
         )

@@ -261,7 +261,6 @@ class Server(fl.FlightServerBase):
             super().__init__(location, **kwargs)
         except pa.ArrowException as e:
             raise _listen_error(location, e) from e
-        exiting.server_serving(self)  # stopped at exit, before Arrow's own exit hook
         self.idle.port = self.port
         self.max_batch_bytes = max_batch_bytes
         self.max_put_batch_bytes = max_put_batch_bytes
@@ -295,9 +294,11 @@ class Server(fl.FlightServerBase):
         self._shm_pool: _shm.SegmentPool | None = None
         self._staging = Staging(idle=idle_timeout)
         self._shm_lock = threading.Lock()
+        self._stop_lock = threading.Lock()
         # Answers written into shared memory and not yet taken by their reader are held
         # by the server: the budget counts them (Store.held).
         self.store.unread = self._unread_answers
+        exiting.server_serving(self)  # stopped at exit, before Arrow's own exit hook
 
     @property
     def location(self) -> str:
@@ -346,12 +347,13 @@ class Server(fl.FlightServerBase):
         """
         self.store.close()
         self.idle.hurry(deadline / 2)  # a stream its client stalled would hold shutdown
-        if self._stopper is None:
-            log.info("flightq server on %s stopping", self.location)
-            self._stopper = threading.Thread(
-                target=self.shutdown, name="flightq-shutdown", daemon=True
-            )
-            self._stopper.start()
+        with self._stop_lock:  # stop() from two threads (one at exit): one shutdown
+            if self._stopper is None:
+                log.info("flightq server on %s stopping", self.location)
+                self._stopper = threading.Thread(
+                    target=self.shutdown, name="flightq-shutdown", daemon=True
+                )
+                self._stopper.start()
         self._stopper.join(timeout=deadline)
         if self._stopper.is_alive():
             # Its segments and watchdog go once the last call has ended, not never.

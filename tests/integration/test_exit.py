@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from fixtures_dataplane import ROOT, TIMEOUT, python_env
@@ -162,3 +163,134 @@ def test_a_writer_left_open_whose_server_is_gone_ends_its_exit_within_the_bound(
     assert took < 1.0 + TIMEOUT / 4, took
     assert "a writer was not closed before exit: writer to 'w'" in err, err[-2000:]
     assert "k0" in err or "not stored" in err, err[-2000:]
+
+
+# A server whose answer stream its client stalled, with idle_timeout off (never cut):
+# Arrow's exit hook waited for it forever.
+_STALLED = """
+import threading, time
+import numpy as np, pyarrow.flight as fl
+import flightq
+from flightq.protocol import GetTicket
+
+srv = flightq.Server(idle_timeout=None, max_batch_bytes=1 << 20).start()
+c = flightq.connect(srv.location, timeout=30.0)
+c.create_partition("r", "rollout_text@1", tasks=["train"])
+keys = [f"k{i}" for i in range(64)]
+for k in keys:
+    c.put("r", [k], {"input_ids": [np.arange(1 << 17)]})  # 1 MiB each
+read = threading.Event()
+
+def stall():
+    r = fl.connect(srv.location).do_get(fl.Ticket(GetTicket(partition="r", keys=keys).to_wire()))
+    r.read_chunk()
+    read.set()
+    time.sleep(3600)
+
+threading.Thread(target=stall, daemon=True).start()
+read.wait(30)
+print("returning", flush=True)
+"""
+
+# Many servers, each with a consumer session open: they stop side by side (one after
+# another, the last ones ran out of the bound now and then; a guard).
+_MANY = """
+import numpy as np
+import flightq
+
+servers = [flightq.Server().start() for _ in range(16)]
+clients = [flightq.connect(s.location, timeout=5.0) for s in servers]
+for c in clients:
+    c.create_partition("r", "rollout_text@1", tasks=["train"])
+    c.put("r", ["a"], {"input_ids": [np.arange(4)]})
+    c.claim("r", "train", 1, as_="numpy", timeout=5.0)
+print("returning", flush=True)
+"""
+
+# The application's own exit hook, registered after its writer, still puts through it,
+# although a writer made later moved nothing.
+_USER_HOOK = """
+import atexit
+import numpy as np
+import flightq
+
+srv = flightq.Server().start()
+c = flightq.connect(srv.location, timeout=5.0)
+c.create_partition("w", "rollout_text@1", tasks=["train"])
+w = flightq.Writer(c, "w")
+
+def last():
+    w.put(["last"], {"input_ids": [np.arange(4)]})
+    w.close(5)
+    print("stored", len(c.list_keys("w")), flush=True)
+
+atexit.register(last)
+flightq.Writer(c, "w").close()
+w.put(["k0"], {"input_ids": [np.arange(4)]})
+print("returning", flush=True)
+"""
+
+# Generators started by multiprocessing with forkserver (which flightq's docs advise)
+# end with os._exit: no atexit hook runs there.
+_MP_CHILD = """
+import multiprocessing as mp
+import numpy as np
+import flightq
+
+def generate(location):
+    w = flightq.Writer(flightq.connect(location, timeout=10.0), "w", max_pending=64)
+    for k in range(40):
+        w.put([f"k{k}"], {"input_ids": [np.arange(200_000)]})
+
+if __name__ == "__main__":
+    with flightq.Server() as srv, flightq.connect(srv.location) as c:
+        c.create_partition("w", "rollout_text@1", tasks=["train"])
+        p = mp.get_context("forkserver").Process(target=generate, args=(srv.location,))
+        p.start()
+        p.join(60)
+        print("stored", p.exitcode, len(c.list_keys("w")), flush=True)
+    print("returning", flush=True)
+"""
+
+
+def test_a_server_whose_stream_never_ends_is_left_after_the_bound_and_named() -> None:
+    rc, took, err = _exit(_STALLED)
+    assert rc == 0, (rc, err[-2000:])  # held until killed before (-999)
+    assert took < 5.0 + TIMEOUT / 4, took
+    assert "did not stop within 5s at exit" in err, err[-2000:]
+
+
+def test_many_servers_with_open_sessions_stop_side_by_side_at_exit() -> None:
+    for _ in range(2):
+        rc, _took, err = _exit(_MANY)
+        assert rc == 0, (rc, err[-2000:])  # one after another, the last ran out of time
+        assert "did not stop" not in err, err[-2000:]
+
+
+def test_the_applications_exit_hook_registered_after_its_writer_still_puts_through_it(
+    tmp_path: Path,
+) -> None:
+    out = _output(_USER_HOOK, tmp_path)
+    assert out.splitlines()[-1] == "stored 2", out  # the writer was closed before it
+
+
+def test_a_forkserver_childs_open_writer_sends_what_it_queued(tmp_path: Path) -> None:
+    out = _output(_MP_CHILD, tmp_path)
+    assert "stored 0 40" in out, out  # 2 of 40 before: the child ends with os._exit
+
+
+def _output(script: str, where: Path) -> str:
+    # A file: a forkserver child imports its target from the main module's file.
+    path = where / "main.py"
+    path.write_text(textwrap.dedent(script))
+    p = subprocess.run(
+        [sys.executable, str(path)],
+        capture_output=True,
+        text=True,
+        env=python_env(),
+        cwd=str(ROOT),
+        timeout=4 * TIMEOUT,
+        start_new_session=True,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout
