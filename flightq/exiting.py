@@ -55,28 +55,33 @@ log = logging.getLogger("flightq")
 # Open writers and serving servers (weakly: a thread of theirs keeps each alive anyway).
 _writers: weakref.WeakSet[Any] = weakref.WeakSet()
 _servers: weakref.WeakSet[Any] = weakref.WeakSet()
+_lock = threading.Lock()  # a thread may open a writer while the hook lists them
 #: The process the hook ran in (a forked child runs its own).
 _ran_in: int | None = None
 
 
 def writer_open(writer: Any) -> None:
     """``writer`` (with ``close(timeout)``) is closed at exit unless closed before."""
-    _writers.add(writer)
+    with _lock:
+        _writers.add(writer)
 
 
 def server_serving(server: Any) -> None:
     """``server`` (with ``stop(deadline)``) is stopped at exit unless stopped before."""
-    _servers.add(server)
+    with _lock:
+        _servers.add(server)
 
 
 def writer_closed(writer: Any) -> None:
     """``writer`` needs nothing more at exit."""
-    _writers.discard(writer)
+    with _lock:
+        _writers.discard(writer)
 
 
 def server_stopped(server: Any) -> None:
     """``server`` needs nothing more at exit."""
-    _servers.discard(server)
+    with _lock:
+        _servers.discard(server)
 
 
 def _at_exit() -> None:
@@ -92,7 +97,9 @@ def _at_exit() -> None:
 
 def _close_writers() -> None:
     deadline = time.monotonic() + EXIT_FLUSH_S
-    for writer in list(_writers):
+    with _lock:
+        writers = list(_writers)
+    for writer in writers:
         try:
             writer.close(max(0.0, deadline - time.monotonic()))
         except BaseException as e:  # the next one still goes; the loss is named
@@ -108,7 +115,8 @@ def _close_writers() -> None:
 
 
 def _stop_servers() -> None:
-    servers = list(_servers)
+    with _lock:
+        servers = list(_servers)
     if not servers:
         return
     stopped: dict[int, bool] = {}
