@@ -1,14 +1,17 @@
 """What a process still has open of flightq when it exits: its writers' queued puts are
-sent, then its servers stop.
+sent, then its clients close, then its servers stop.
 
 A :class:`~flightq.Writer` left open at exit would lose the puts it accepted and had not
 sent yet (its thread is a daemon: the interpreter does not wait for it). A
 :class:`~flightq.Server` still serving would hang the process (Arrow's own exit hook
 shuts it down with no deadline, which waits forever on a call that does not end by
 itself: a consumer session, a client's request stream) or, now and then, abort it in
-the interpreter's finalization ("terminate called without an active exception"). One
-exit hook does both, writers first (they may be sending to a server of this process),
-each step within a bound, the servers stopping side by side. It is registered once, at
+the interpreter's finalization ("terminate called without an active exception"). A
+call of an application's daemon thread that fails in Arrow once the interpreter is
+finalized crashes the process (a segfault): closed clients end the calls in flight while
+the interpreter still runs, and refuse later ones in Python. One exit hook does it all,
+writers first (they may be sending to a server of this process), each step within a
+bound, the clients closing and the servers stopping side by side. It is registered once, at
 import, after Arrow's (``weakref.finalize``'s), so it runs before it and after any hook
 the application registers later (atexit runs its hooks last registered first, before
 finalization, every thread still running), and it runs too where a process that
@@ -16,7 +19,7 @@ finalization, every thread still running), and it runs too where a process that
 after its finalizers). A server that does not stop within the bound is logged and left
 out of Arrow's hook, so that the exit goes on.
 
-A process forked after its parent used flightq does neither: gRPC's state stayed in the
+A process forked after its parent used flightq does none of it: gRPC's state stayed in the
 parent. Nothing runs on ``os._exit``, SIGKILL or a signal without a handler, and Python
 waits for the application's non-daemon threads (a claim in a thread pool) before any
 exit hook.
@@ -39,6 +42,8 @@ from . import forks
 __all__ = [
     "EXIT_FLUSH_S",
     "EXIT_STOP_S",
+    "client_closed",
+    "client_open",
     "server_serving",
     "server_stopped",
     "writer_closed",
@@ -55,6 +60,7 @@ log = logging.getLogger("flightq")
 # Open writers and serving servers (weakly: a thread of theirs keeps each alive anyway).
 _writers: weakref.WeakSet[Any] = weakref.WeakSet()
 _servers: weakref.WeakSet[Any] = weakref.WeakSet()
+_clients: weakref.WeakSet[Any] = weakref.WeakSet()
 _lock = threading.Lock()  # a thread may open a writer while the hook lists them
 #: The process the hook ran in (a forked child runs its own).
 _ran_in: int | None = None
@@ -70,6 +76,18 @@ def server_serving(server: Any) -> None:
     """``server`` (with ``stop(deadline)``) is stopped at exit unless stopped before."""
     with _lock:
         _servers.add(server)
+
+
+def client_open(client: Any) -> None:
+    """``client`` (with ``close()``) is closed at exit unless closed before."""
+    with _lock:
+        _clients.add(client)
+
+
+def client_closed(client: Any) -> None:
+    """``client`` needs nothing more at exit."""
+    with _lock:
+        _clients.discard(client)
 
 
 def writer_closed(writer: Any) -> None:
@@ -91,8 +109,20 @@ def _at_exit() -> None:
     _ran_in = os.getpid()
     try:
         _close_writers()
-    finally:  # a Ctrl-C while writers send: the servers still stop
-        _stop_servers()
+    finally:  # a Ctrl-C while writers send: the rest still goes
+        try:
+            _close_clients()
+        finally:
+            _stop_servers()
+
+
+def _close_clients() -> None:
+    # A call that fails in Arrow while the interpreter finalizes crashes the process (an
+    # application's daemon thread still calling, at exit): closed now, a call in flight
+    # ends while the interpreter still runs, and a later one is refused in Python.
+    with _lock:
+        clients = list(_clients)
+    _side_by_side("close", [c.close for c in clients], EXIT_STOP_S)
 
 
 def _close_writers() -> None:
@@ -117,27 +147,9 @@ def _close_writers() -> None:
 def _stop_servers() -> None:
     with _lock:
         servers = list(_servers)
-    if not servers:
-        return
-    stopped: dict[int, bool] = {}
-
-    def stop(i: int, server: Any) -> None:
-        try:
-            stopped[i] = bool(server.stop(EXIT_STOP_S))
-        except Exception:
-            log.exception("flightq: a server did not stop at exit")
-
-    threads = [
-        threading.Thread(target=stop, args=(i, s), name="flightq-exit-stop", daemon=True)
-        for i, s in enumerate(servers)
-    ]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + EXIT_STOP_S + 1.0
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    for i, server in enumerate(servers):
-        if not stopped.get(i):
+    done = _side_by_side("stop", [lambda s=s: s.stop(EXIT_STOP_S) for s in servers], EXIT_STOP_S)
+    for server, ok in zip(servers, done, strict=True):
+        if not ok:
             log.error(
                 "flightq: the server on %s did not stop within %gs at exit (a call that does "
                 "not end by itself: a stream its client stalled with idle_timeout off); the "
@@ -146,6 +158,29 @@ def _stop_servers() -> None:
                 EXIT_STOP_S,
             )
             _leave_out_of_arrows_hook(server)
+
+
+def _side_by_side(what: str, calls: list[Any], bound: float) -> list[bool]:
+    """Run ``calls`` each on a thread of its own; per call, whether it returned a true
+    value (None counts) within ``bound`` seconds and a second."""
+    done: dict[int, bool] = {}
+
+    def run(i: int, call: Any) -> None:
+        try:
+            done[i] = call() is not False
+        except Exception:
+            log.exception("flightq: %s at exit failed", what)
+
+    threads = [
+        threading.Thread(target=run, args=(i, c), name=f"flightq-exit-{what}", daemon=True)
+        for i, c in enumerate(calls)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + bound + 1.0
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return [done.get(i, False) for i in range(len(calls))]
 
 
 def _leave_out_of_arrows_hook(server: Any) -> None:

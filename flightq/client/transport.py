@@ -174,6 +174,7 @@ class Transport:
         self._kwargs = flight_kwargs
         self._lock = threading.Lock()
         self._extra: list[fl.FlightClient] = []
+        self._closed = False
         self._main = self._open()
 
     # ------------------------------------------------------------------ connections
@@ -195,10 +196,19 @@ class Transport:
                 self._extra.append(self._open())
             return self._extra[i - 1]
 
+    def _check(self, what: str) -> None:
+        # Refused here, in Python: a call on a closed connection would fail in Arrow, and
+        # one failing there while the interpreter finalizes (a daemon thread's, at exit)
+        # crashes the process.
+        forks.check(what)
+        if self._closed:
+            raise FlightqError(f"{what}: the client is closed")
+
     def options(self, timeout: float | None = None) -> fl.FlightCallOptions:
         """Call options with ``timeout`` seconds (None: the transport's default). Every
-        call takes them: refused here in a process forked after flightq was used."""
-        forks.check(f"a call to {self.location}")
+        call takes them: refused here in a process forked after flightq was used, and once
+        the client is closed."""
+        self._check(f"a call to {self.location}")
         return fl.FlightCallOptions(timeout=self.timeout if timeout is None else timeout)
 
     # ------------------------------------------------------------------ calls
@@ -323,7 +333,7 @@ class Transport:
             The server's error, the transport's, or no session id.
         """
         what = f"open a session on {self.location}"
-        forks.check(what)
+        self._check(what)
         desc = fl.FlightDescriptor.for_command(SessionCommand(silence=silence).to_wire())
         wait = self.timeout if timeout is None else timeout
         started = time.monotonic()
@@ -385,6 +395,7 @@ class Transport:
     def close(self) -> None:
         """Close every connection; errors on the way are ignored."""
         with self._lock:
+            self._closed = True
             flights, self._extra = [self._main, *self._extra], []
         for flight in flights:
             with contextlib.suppress(*_FOREIGN):
