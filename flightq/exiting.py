@@ -52,12 +52,14 @@ __all__ = [
 
 #: Seconds a process's exit waits, in all, for the puts its open writers queued.
 EXIT_FLUSH_S = 30.0
-#: Seconds a process's exit waits, in all, for its servers still serving to stop.
+#: Seconds a process's exit waits, in all, for its open clients to close, and as long for
+#: its servers still serving to stop.
 EXIT_STOP_S = 5.0
 
 log = logging.getLogger("flightq")
 
-# Open writers and serving servers (weakly: a thread of theirs keeps each alive anyway).
+# Open writers and clients, serving servers (weakly: a writer's or a server's thread keeps
+# it alive anyway; a client no one holds any more is left as it is).
 _writers: weakref.WeakSet[Any] = weakref.WeakSet()
 _servers: weakref.WeakSet[Any] = weakref.WeakSet()
 _clients: weakref.WeakSet[Any] = weakref.WeakSet()

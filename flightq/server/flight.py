@@ -108,8 +108,6 @@ _MAX_BEAT_BYTES = 64
 #: sends faster waits for its stream to be read (gRPC's flow control holds it back), and
 #: costs the server at most 100 reads a second.
 MIN_BEAT_GAP = 0.01
-
-
 #: Without a memory budget, bytes of shared-memory answers that may wait for their reader
 #: at once (under a budget they count in it); past it a read is answered over the socket.
 MAX_UNREAD_ANSWER_BYTES = 4 * 2**30
