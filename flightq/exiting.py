@@ -1,17 +1,14 @@
 """What a process still has open of flightq when it exits: its writers' queued puts are
-sent, then its clients close, then its servers stop.
+sent, then its servers stop.
 
 A :class:`~flightq.Writer` left open at exit would lose the puts it accepted and had not
 sent yet (its thread is a daemon: the interpreter does not wait for it). A
 :class:`~flightq.Server` still serving would hang the process (Arrow's own exit hook
 shuts it down with no deadline, which waits forever on a call that does not end by
 itself: a consumer session, a client's request stream) or, now and then, abort it in
-the interpreter's finalization ("terminate called without an active exception"). A
-call of an application's daemon thread that fails in Arrow once the interpreter is
-finalized crashes the process (a segfault): closed clients end the calls in flight while
-the interpreter still runs, and refuse later ones in Python. One exit hook does it all,
-writers first (they may be sending to a server of this process), each step within a
-bound, the clients closing and the servers stopping side by side. It is registered once, at
+the interpreter's finalization ("terminate called without an active exception"). One
+exit hook does both, writers first (they may be sending to a server of this process),
+each step within a bound, the servers stopping side by side. It is registered once, at
 import, after Arrow's (``weakref.finalize``'s), so it runs before it and after any hook
 the application registers later (atexit runs its hooks last registered first, before
 finalization, every thread still running), and it runs too where a process that
@@ -19,10 +16,12 @@ finalization, every thread still running), and it runs too where a process that
 after its finalizers). A server that does not stop within the bound is logged and left
 out of Arrow's hook, so that the exit goes on.
 
-A process forked after its parent used flightq does none of it: gRPC's state stayed in the
+A process forked after its parent used flightq does neither: gRPC's state stayed in the
 parent. Nothing runs on ``os._exit``, SIGKILL or a signal without a handler, and Python
 waits for the application's non-daemon threads (a claim in a thread pool) before any
-exit hook.
+exit hook. An application's daemon thread that is inside a Flight call when the
+interpreter finalizes can still crash the process in Arrow (a segfault): stop such
+threads, or close their clients, before returning.
 """
 
 from __future__ import annotations
@@ -42,8 +41,6 @@ from . import forks
 __all__ = [
     "EXIT_FLUSH_S",
     "EXIT_STOP_S",
-    "client_closed",
-    "client_open",
     "server_serving",
     "server_stopped",
     "writer_closed",
@@ -52,17 +49,14 @@ __all__ = [
 
 #: Seconds a process's exit waits, in all, for the puts its open writers queued.
 EXIT_FLUSH_S = 30.0
-#: Seconds a process's exit waits, in all, for its open clients to close, and as long for
-#: its servers still serving to stop.
+#: Seconds a process's exit waits, in all, for its servers still serving to stop.
 EXIT_STOP_S = 5.0
 
 log = logging.getLogger("flightq")
 
-# Open writers and clients, serving servers (weakly: a writer's or a server's thread keeps
-# it alive anyway; a client no one holds any more is left as it is).
+# Open writers and serving servers (weakly: a thread of theirs keeps each alive anyway).
 _writers: weakref.WeakSet[Any] = weakref.WeakSet()
 _servers: weakref.WeakSet[Any] = weakref.WeakSet()
-_clients: weakref.WeakSet[Any] = weakref.WeakSet()
 _lock = threading.Lock()  # a thread may open a writer while the hook lists them
 #: The process the hook ran in (a forked child runs its own).
 _ran_in: int | None = None
@@ -78,18 +72,6 @@ def server_serving(server: Any) -> None:
     """``server`` (with ``stop(deadline)``) is stopped at exit unless stopped before."""
     with _lock:
         _servers.add(server)
-
-
-def client_open(client: Any) -> None:
-    """``client`` (with ``close()``) is closed at exit unless closed before."""
-    with _lock:
-        _clients.add(client)
-
-
-def client_closed(client: Any) -> None:
-    """``client`` needs nothing more at exit."""
-    with _lock:
-        _clients.discard(client)
 
 
 def writer_closed(writer: Any) -> None:
@@ -111,20 +93,8 @@ def _at_exit() -> None:
     _ran_in = os.getpid()
     try:
         _close_writers()
-    finally:  # a Ctrl-C while writers send: the rest still goes
-        try:
-            _close_clients()
-        finally:
-            _stop_servers()
-
-
-def _close_clients() -> None:
-    # A call that fails in Arrow while the interpreter finalizes crashes the process (an
-    # application's daemon thread still calling, at exit): closed now, a call in flight
-    # ends while the interpreter still runs, and a later one is refused in Python.
-    with _lock:
-        clients = list(_clients)
-    _side_by_side("close", [c.close for c in clients], EXIT_STOP_S)
+    finally:  # a Ctrl-C while writers send: the servers still stop
+        _stop_servers()
 
 
 def _close_writers() -> None:

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
 
-from .. import exiting
 from ..batch import Batch, Claim, check_as
 from ..chunks import encode_chunks
 from ..cuda import PinnedPool, resolve_device, stage
@@ -395,7 +394,6 @@ class Client:
             self._segments = ClientSegments(self.shm_dir)
         if keep_freed_memory and self.shm_dir is None:
             _keep_freed_memory()
-        exiting.client_open(self)  # closed at exit, after the writers that may use it
 
     # ------------------------------------------------------------------ settings
 
@@ -1214,7 +1212,6 @@ class Client:
     def close(self) -> None:
         """Close the connection. Rows this client claimed and did not acknowledge are
         ready again for other consumers."""
-        exiting.client_closed(self)
         self._requests.close()
         self._session.close()
         if self._segments is not None:

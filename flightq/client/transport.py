@@ -197,9 +197,8 @@ class Transport:
             return self._extra[i - 1]
 
     def _check(self, what: str) -> None:
-        # Refused here, in Python: a call on a closed connection would fail in Arrow, and
-        # one failing there while the interpreter finalizes (a daemon thread's, at exit)
-        # crashes the process.
+        # Refused here, typed, before Arrow: its own refusal of a closed connection comes
+        # back as an untyped ArrowInvalid.
         forks.check(what)
         if self._closed:
             raise FlightqError(f"{what}: the client is closed")
