@@ -119,9 +119,25 @@ def _close_writers() -> None:
 def _stop_servers() -> None:
     with _lock:
         servers = list(_servers)
-    done = _side_by_side("stop", [lambda s=s: s.stop(EXIT_STOP_S) for s in servers], EXIT_STOP_S)
-    for server, ok in zip(servers, done, strict=True):
-        if not ok:
+    stopped: dict[int, bool] = {}
+
+    def stop(i: int, server: Any) -> None:
+        try:
+            stopped[i] = bool(server.stop(EXIT_STOP_S))
+        except Exception:
+            log.exception("flightq: a server's stop at exit failed")
+
+    threads = [
+        threading.Thread(target=stop, args=(i, s), name="flightq-exit-stop", daemon=True)
+        for i, s in enumerate(servers)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + EXIT_STOP_S + 1.0
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    for i, server in enumerate(servers):
+        if not stopped.get(i):
             log.error(
                 "flightq: the server on %s did not stop within %gs at exit (a call that does "
                 "not end by itself: a stream its client stalled with idle_timeout off); the "
@@ -130,29 +146,6 @@ def _stop_servers() -> None:
                 EXIT_STOP_S,
             )
             _leave_out_of_arrows_hook(server)
-
-
-def _side_by_side(what: str, calls: list[Any], bound: float) -> list[bool]:
-    """Run ``calls`` each on a thread of its own; per call, whether it returned a true
-    value (None counts) within ``bound`` seconds and a second."""
-    done: dict[int, bool] = {}
-
-    def run(i: int, call: Any) -> None:
-        try:
-            done[i] = call() is not False
-        except Exception:
-            log.exception("flightq: %s at exit failed", what)
-
-    threads = [
-        threading.Thread(target=run, args=(i, c), name=f"flightq-exit-{what}", daemon=True)
-        for i, c in enumerate(calls)
-    ]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + bound + 1.0
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    return [done.get(i, False) for i in range(len(calls))]
 
 
 def _leave_out_of_arrows_hook(server: Any) -> None:
