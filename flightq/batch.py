@@ -274,9 +274,12 @@ class _TagValues:
     immutable, so a shallow copy shares them safely), ``values`` (their bytes)."""
 
     def __init__(self, col: pa.Array, keys: list[str]) -> None:
-        seen: dict[bytes, int] = {}  # each distinct value's number, in order of first use
-        picks = [-1 if b is None else seen.setdefault(b, len(seen)) for b in col.to_pylist()]
-        values = list(seen)
+        # Each distinct value numbered in order of first use, in Arrow (half the time of
+        # a dict in Python over a W3 step's 512 rows).
+        coded = col.dictionary_encode()
+        idx = coded.indices
+        picks: list[int] = (idx.fill_null(-1) if idx.null_count else idx).to_numpy().tolist()
+        values: list[bytes] = coded.dictionary.to_pylist()
         maps: list[dict[str, Any]] = []
         for j, b in enumerate(values):
             try:

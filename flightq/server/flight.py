@@ -1199,11 +1199,16 @@ def _sent_then(reply: bytes, done: Callable[[], None]) -> Iterator[bytes]:
         done()
 
 
+#: How answers are written: Arrow's defaults, made once (left out, pyarrow reads two
+#: environment variables per answer to make them).
+_IPC = pa.ipc.IpcWriteOptions()
+
+
 def _stream(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> fl.FlightDataStream:
     # A reader-backed stream writes media dictionaries (and replaces them between stored
     # batches); a dictionary shared by consecutive batches is sent once. A batch serving
     # part of a stored batch carries a dictionary already cut to its rows (assemble).
-    return fl.RecordBatchStream(pa.RecordBatchReader.from_batches(schema, batches))
+    return fl.RecordBatchStream(pa.RecordBatchReader.from_batches(schema, batches), _IPC)
 
 
 def _undone(

@@ -1385,7 +1385,9 @@ def _present(p: Partition, rows: Sequence[Row]) -> list[str]:
     Gathered a slice of :data:`PRESENT_SLICE` rows at a time, so that other threads run
     between slices, and only until every declared field was seen (usually the first row)."""
     declared = len(p.schema.fields)
-    present: set[str] = set()
+    present: set[str] = set(rows[0].cells) if rows else set()
+    if len(present) >= declared:  # the first row has them all: the common case
+        return [f.name for f in p.schema.fields]
     for i in range(0, len(rows), PRESENT_SLICE):
         present.update(*map(_CELLS, rows[i : i + PRESENT_SLICE]))
         if len(present) >= declared:

@@ -896,6 +896,28 @@ def test_tags_that_are_not_msgpack_maps_are_refused_naming_the_row() -> None:
             _ = flightq.decode(bad_msgpack, as_=as_).tags
 
 
+def test_many_rows_tags_decode_per_row_and_a_bad_value_names_its_first_row() -> None:
+    # Past a few rows each distinct tag value is decoded once: rows without tags get {},
+    # rows sharing bytes get maps of their own, a bad value names the first row using it.
+    n = 20
+    keys = [f"r{i}" for i in range(n)]
+    ids = [np.arange(3) for _ in range(n)]
+    tags = [None if i % 5 == 0 else {"g": i // 4} for i in range(n)]
+    rb = flightq.encode(shipped(TEXT), {"input_ids": ids}, keys)
+    col = pa.array([None if t is None else msgpack.packb(t) for t in tags], pa.binary())
+    rb = replace_column(rb, "__tags__", col)
+    for as_ in OUTPUTS:
+        got = flightq.decode(rb, as_=as_).tags
+        assert got == [{} if t is None else t for t in tags]
+        got[1]["g"] = -1  # one row's map is its own
+        assert got[2] == {"g": 0}
+    bad = col.to_pylist()
+    bad[13] = bad[17] = b"\xc1"
+    rb_bad = replace_column(rb, "__tags__", pa.array(bad, pa.binary()))
+    with pytest.raises(DecodeError, match=r"tags of row 'r13' are not valid msgpack"):
+        _ = flightq.decode(rb_bad).tags
+
+
 def test_a_media_row_with_more_shapes_than_segments_is_named_before_a_null_row() -> None:
     # Row 0 has one segment and two shapes, row 1 is null but keeps a segment: the first
     # fault in row order is the one named.
