@@ -25,6 +25,7 @@ from .codecs import Raw, Zstd
 from .draft import draft_schema
 from .encode import encode
 from .errors import (
+    ClaimCancelledError,
     ClaimTimeoutError,
     ConflictError,
     DecodeError,
@@ -115,6 +116,7 @@ __all__ = [
     "ShardedClient",
     "connect",
     "connect_sharded",
+    "ClaimCancelledError",
     "ClaimTimeoutError",
     "ConflictError",
     "LeaseExpiredError",

@@ -43,6 +43,7 @@ __all__ = [
     "ConflictError",
     "LeaseExpiredError",
     "ClaimTimeoutError",
+    "ClaimCancelledError",
     "WriterFullError",
     "FlightqTimeoutError",
     "UnavailableError",
@@ -195,6 +196,11 @@ class ClaimTimeoutError(FlightqTimeoutError):
     """Not enough rows became ready for a claim before its timeout."""
 
 
+class ClaimCancelledError(FlightqError):
+    """A waiting claim was stopped by its caller (``Client.cancel_claim`` naming its
+    ``call_id``, or an asyncio claim cancelled); it took no rows."""
+
+
 class WriterFullError(FlightqTimeoutError):
     """A :class:`flightq.Writer`'s queue stayed full for the whole timeout of a ``put``:
     the server takes puts more slowly than they come. Raised in the caller, never sent
@@ -257,6 +263,7 @@ ERROR_CLASSES: dict[str, type[FlightqError]] = {
         LeaseExpiredError,
         FlightqTimeoutError,
         ClaimTimeoutError,
+        ClaimCancelledError,
         UnavailableError,
         ResourceExhaustedError,
         UnauthenticatedError,

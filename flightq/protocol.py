@@ -64,6 +64,8 @@ __all__ = [
     "Ack",
     "AckReply",
     "Nack",
+    "CancelClaim",
+    "CancelClaimReply",
     "NackReply",
     "DeadLetters",
     "DeadLettersReply",
@@ -559,7 +561,8 @@ class GetTicket(Message):
 @dataclasses.dataclass(**_FROZEN)
 class ClaimTicket(Message):
     """The next ``batch_size`` ready rows for ``task``, waiting up to ``timeout`` seconds,
-    leased for ``lease`` seconds (the partition's when None) or until ``session`` ends."""
+    leased for ``lease`` seconds (the partition's when None) or until ``session`` ends;
+    ``call``, the caller's name for it, lets ``cancel_claim`` stop it while it waits."""
 
     WHAT: ClassVar[str] = "claim ticket"
     partition: str = _field(_str())
@@ -571,6 +574,7 @@ class ClaimTicket(Message):
     shm: bool = _field(_bool, False, omit=False)
     lease: float | None = _field(_optional(_seconds(inf=True, positive=True)), None, omit=None)
     session: str | None = _field(_optional(_str(64)), None, omit=None)
+    call: str | None = _field(_optional(_str(64)), None, omit=None)
     op: str = _field(_const("claim"), "claim")
 
 
@@ -901,6 +905,23 @@ class NackReply(Message):
 
 
 @dataclasses.dataclass(**_FROZEN)
+class CancelClaim(Message):
+    """Stop the claim that named itself ``call`` (its ticket's ``call``) while it waits:
+    it takes no rows and fails ``ClaimCancelledError``. A claim not waiting yet is
+    refused when it comes; one that took its rows already goes on (nack them)."""
+
+    WHAT: ClassVar[str] = "cancel_claim"
+    partition: str = _field(_str())
+    call: str = _field(_str(64))
+
+
+@dataclasses.dataclass(**_FROZEN)
+class CancelClaimReply(Message):
+    WHAT: ClassVar[str] = "cancel_claim result"
+    cancelled: int = _field(_int(0))
+
+
+@dataclasses.dataclass(**_FROZEN)
 class DeadLetters(Message):
     """The rows of a task given up on (failed deliveries reached ``max_failures``)."""
 
@@ -1125,6 +1146,9 @@ ACTIONS: dict[str, ActionSpec] = {
     "reset": ActionSpec("make rows claimable again for a task (keys null: all)", Reset, ResetReply),
     "ack": ActionSpec("the consumer is done with rows of a claim", Ack, AckReply),
     "nack": ActionSpec("give rows of a claim back to be claimed again", Nack, NackReply),
+    "cancel_claim": ActionSpec(
+        "stop a waiting claim by the name its caller gave it", CancelClaim, CancelClaimReply
+    ),
     "dead_letters": ActionSpec("the rows of a task given up on", DeadLetters, DeadLettersReply),
     "drop": ActionSpec("remove a partition and its rows", Drop, DropReply),
     "abort_put": ActionSpec("fail a put sent in parts, none stored", AbortPut, AbortPutReply),

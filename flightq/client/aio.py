@@ -6,11 +6,14 @@ errors as the blocking client's. Calls run on a small thread pool owned by the c
 while a put streams or a claim waits.
 
 Cancelling a call (``asyncio.wait_for``, ``task.cancel()``) that has not started yet
-drops it; one already running goes on in its thread (the blocking call cannot be
-interrupted) until it ends, keeping that thread. A cancelled claim that then takes rows
-gives them back at once (``nack``, no failed delivery counted), so no rows stay leased to
-a caller that went away; a cancelled put may still be stored (retry it with its
-``put_id``).
+drops it. A claim cancelled while it waits is stopped on the server
+(:meth:`flightq.Client.cancel_claim`, sent on a thread of its own): its thread is free
+again at once, and a loop that polls with ``wait_for(c.claim(...), t)`` never runs out of
+threads. Any other call already running goes on in its thread (the blocking call cannot
+be interrupted) until it ends, keeping that thread. A cancelled claim that took its rows
+before the cancel came gives them back at once (``nack``, no failed delivery counted), so
+no rows stay leased to a caller that went away; a cancelled put may still be stored
+(retry it with its ``put_id``).
 
 Examples
 --------
@@ -31,6 +34,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -95,20 +99,37 @@ class AsyncClient:
     def __init__(self, client: DataPlane, pool: ThreadPoolExecutor | None = None) -> None:
         self.client = client
         self._pool = pool or ThreadPoolExecutor(max_workers=4, thread_name_prefix="flightq-aio")
+        # Cancels of waiting claims: never queued behind the calls that fill the pool.
+        self._cancels = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flightq-aio-cancel")
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
-    async def _claimed(self, fn: Callable[..., Batch], *args: Any, **kwargs: Any) -> Batch:
-        """``fn`` (a claim) on the pool; if the caller is cancelled while it runs, the
-        rows it takes once it ends are given back."""
-        running = self._pool.submit(fn, *args, **kwargs)
+    async def _claimed(
+        self,
+        fn: Callable[..., Batch],
+        partition: str,
+        *args: Any,
+        call_id: str | None = None,
+        **kwargs: Any,
+    ) -> Batch:
+        """``fn`` (a claim from ``partition``) on the pool, under ``call_id`` (a name of
+        its own when None); if the caller is cancelled while it runs, the server is told
+        to stop it, and the rows it took, if it took any before that, are given back."""
+        call = uuid.uuid4().hex if call_id is None else call_id
+        running = self._pool.submit(fn, partition, *args, call_id=call, **kwargs)
         try:
             return await asyncio.wrap_future(running)
         except asyncio.CancelledError:
+            if not running.cancelled():  # it started: stop its wait on the server
+                self._cancels.submit(self._cancel, partition, call)
             running.add_done_callback(self._give_back)
             raise
+
+    def _cancel(self, partition: str, call: str) -> None:
+        with contextlib.suppress(Exception):  # the claim fails or ends by itself anyway
+            self.client.cancel_claim(partition, call)
 
     def _give_back(self, done: concurrent.futures.Future[Batch]) -> None:
         # On the pool's thread that ran the claim: nobody awaits its rows any more.
@@ -269,16 +290,20 @@ class AsyncClient:
         device: Any = None,
         sync: bool = True,
         lease: float | None = None,
+        call_id: str | None = None,
     ) -> Batch:
         """See :meth:`flightq.Client.claim`. ``with batch:`` acks or gives back as there,
         blocking the loop for that one call: ``await c.ack(batch)`` does not. Cancelled
-        while it waits, its rows are given back once it takes them."""
+        while it waits, it is stopped on the server and its thread is free at once; rows
+        it took before the cancel came are given back. ``call_id``: its name (one is
+        made for it when None)."""
         return await self._claimed(
             self.client.claim,
             partition,
             task,
             batch_size,
             fields,
+            call_id=call_id,
             wait_for=wait_for,
             timeout=timeout,
             as_=as_,
@@ -287,6 +312,10 @@ class AsyncClient:
             sync=sync,
             lease=lease,
         )
+
+    async def cancel_claim(self, partition: str, call_id: str) -> int:
+        """See :meth:`flightq.Client.cancel_claim`."""
+        return await self._call(self.client.cancel_claim, partition, call_id)
 
     async def ack(self, claim: Claim | Batch, keys: Sequence[str] | None = None) -> int:
         """See :meth:`flightq.Client.ack`."""
@@ -316,6 +345,7 @@ class AsyncClient:
         """Close the connection and the thread pool."""
         self.client.close()
         self._pool.shutdown(wait=False)
+        self._cancels.shutdown(wait=False)
 
     async def __aenter__(self) -> AsyncClient:
         return self

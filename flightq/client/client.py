@@ -57,6 +57,7 @@ from ..protocol import (
     MIN_SILENCE,
     PROTOCOL_VERSION,
     Ack,
+    CancelClaim,
     CheckSchemas,
     ClaimGrant,
     ClaimTicket,
@@ -1015,6 +1016,7 @@ class Client:
         device: Any = None,
         sync: bool = True,
         lease: float | None = None,
+        call_id: str | None = None,
     ) -> Batch:
         """Block until ``batch_size`` rows are ready for ``task``, lease them, return them.
 
@@ -1036,10 +1038,16 @@ class Client:
         raised. ``device`` and ``sync`` as for :meth:`get` (a bad device, or
         ``as_='torch'`` without torch, is refused before anything is claimed).
 
+        ``call_id`` names this claim (at most 64 characters, one of its own per claim:
+        ``uuid.uuid4().hex``) so that another thread can stop it while it waits,
+        :meth:`cancel_claim`; the asyncio client names each of its claims so.
+
         Raises
         ------
         ClaimTimeoutError
             (also a ``TimeoutError``) if not enough rows are ready within ``timeout``.
+        ClaimCancelledError
+            If :meth:`cancel_claim` named ``call_id`` before rows were taken.
         DeviceError
             If ``device`` cannot be used here; nothing is claimed.
         DecodeError
@@ -1058,6 +1066,7 @@ class Client:
             timeout=wait,
             lease=lease,
             session=self._session.id(),
+            call=call_id,
         )
         started = time.monotonic()
         try:
@@ -1178,6 +1187,16 @@ class Client:
             reply = self._act(Nack(partition=c.partition, claim=c.id, keys=p, failed=failed))
             given += int(reply.released) + int(reply.dead)
         return given
+
+    def cancel_claim(self, partition: str, call_id: str) -> int:
+        """Stop the claim from ``partition`` that was given ``call_id`` (:meth:`claim`)
+        while it waits: it fails :class:`~flightq.ClaimCancelledError` in its thread at
+        once, taking no rows; one whose request has not reached the server yet is
+        refused when it does (within a minute). Returns 1 where a waiting claim
+        stopped, 0 where none waited (its rows may be taken already: give them back
+        with :meth:`nack`). Sent per call, never behind the claim on its stream."""
+        reply = self._transport.action(CancelClaim(partition=partition, call=call_id))
+        return int(reply.cancelled)
 
     def dead_letters(self, partition: str, task: str, limit: int = 1000) -> dict[str, Any]:
         """The rows of ``task`` given up on: ``{"keys", "why", "deliveries", "total"}``,

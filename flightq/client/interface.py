@@ -183,7 +183,10 @@ class DataPlane(Protocol):
         device: Any = None,
         sync: bool = True,
         lease: float | None = None,
+        call_id: str | None = None,
     ) -> Batch: ...
+
+    def cancel_claim(self, partition: str, call_id: str) -> int: ...
 
     def ack(self, claim: Claim | Batch, keys: Sequence[str] | None = None) -> int: ...
 

@@ -34,6 +34,8 @@ from ..protocol import (
     AbortPutReply,
     Ack,
     AckReply,
+    CancelClaim,
+    CancelClaimReply,
     CheckSchemas,
     CheckSchemasReply,
     Clear,
@@ -234,6 +236,10 @@ def _nack(ctx: ActionContext, req: Nack) -> NackReply:
     return NackReply(released=released, dead=dead)
 
 
+def _cancel_claim(ctx: ActionContext, req: CancelClaim) -> CancelClaimReply:
+    return CancelClaimReply(cancelled=ctx.store.cancel_claim(req.partition, req.call))
+
+
 def _dead_letters(ctx: ActionContext, req: DeadLetters) -> DeadLettersReply:
     keys, why, deliveries, total = ctx.store.dead_letters(req.partition, req.task, req.limit)
     # Lists of the store's strings so far: the reply's bytes are made once it is packed.
@@ -299,6 +305,7 @@ HANDLERS: dict[str, Handler] = {
     "reset": _reset,
     "ack": _ack,
     "nack": _nack,
+    "cancel_claim": _cancel_claim,
     "dead_letters": _dead_letters,
     "drop": _drop,
     "abort_put": _abort_put,

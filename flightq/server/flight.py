@@ -683,6 +683,7 @@ class Server(fl.FlightServerBase):
             t.lease,
             t.session,
             park=lambda: self.limits.park(context),
+            call=t.call,
         )
         try:
             wholes: list[Answered] = []

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import (
+    ClaimCancelledError,
     ClaimTimeoutError,
     ConflictError,
     FlightqError,
@@ -90,6 +91,11 @@ class Store:
         #: one (a put wakes only those its partition's ready rows may serve).
         self._waiting: dict[str, dict[str, int]] = {}
         self._claims: dict[str, dict[_Waiter, None]] = {}
+        #: Waiting claims by the name their caller gave them (``call``), and the names a
+        #: cancel came for before their claim waited (oldest first, bounded by count and
+        #: age: each is a string of at most 64 characters).
+        self._calls: dict[str, _Waiter] = {}
+        self._cancelled: dict[str, float] = {}
         #: Puts waiting for room (memory budget, row limit) right now: partition -> count.
         self._waiting_puts: dict[str, int] = {}
         #: Consumer sessions open right now (:meth:`open_session`).
@@ -970,6 +976,7 @@ class Store:
         lease: float | None = None,
         session: str | None = None,
         park: Callable[[], Callable[[], None] | None] | None = None,
+        call: str | None = None,
     ) -> tuple[Partition, list[Row], list[str], Lease]:
         """Wait for ``batch_size`` ready rows, lease them to ``task``, return them.
 
@@ -982,12 +989,17 @@ class Store:
         (e.g. ``ServerCallContext.is_cancelled``) is polled while waiting: a claim its
         caller abandoned stops waiting and takes no rows. ``park()`` is called once the
         claim must wait (it may refuse, raising) and returns what is called when it stops
-        waiting (or None).
+        waiting (or None). ``call``: the caller's name for the claim, which
+        :meth:`cancel_claim` names to stop it.
 
         Raises
         ------
         ClaimTimeoutError
             If not enough rows become ready within ``timeout`` seconds.
+        ClaimCancelledError
+            If :meth:`cancel_claim` named ``call`` while the claim waited, or before. A
+            claim of the same name coming while another waits (its caller's retry) takes
+            the name over.
         FlightqTimeoutError
             If ``cancelled()`` turns true while waiting.
         UnavailableError
@@ -1018,12 +1030,16 @@ class Store:
             for f in need:
                 p.schema[f]  # raises on an undeclared field
             self._session_open(name, session)
+            if call is not None:
+                self._call_free(name, call)
             waiter: _Waiter | None = None  # once it waits
             unpark: Callable[[], None] | None = None
             seen = (0, -1)  # the partition (its epoch) and its progress version last looked at
             try:
                 while True:
                     self._check_open(f"claim from {name!r}")
+                    if waiter is not None and waiter.cancelled:
+                        raise _cancelled_claim(name, task)
                     if cancelled is not None and cancelled():
                         raise FlightqTimeoutError(
                             f"claim from {name!r} for task {task!r} was cancelled by its "
@@ -1061,7 +1077,12 @@ class Store:
                         )
                     if waiter is None:
                         unpark = park() if park is not None else None
-                        waiter = _Waiter(threading.Condition(self._lock), task, batch_size, need)
+                        waiter = _Waiter(
+                            threading.Condition(self._lock), task, batch_size, need, name
+                        )
+                        waiter.call = call
+                        if call is not None:
+                            self._calls[call] = waiter
                         self._claims.setdefault(name, {})[waiter] = None
                         tasks = self._waiting.setdefault(name, {})
                         tasks[task] = tasks.get(task, 0) + 1
@@ -1075,7 +1096,37 @@ class Store:
                 if unpark is not None:
                     unpark()
 
+    def cancel_claim(self, name: str, call: str) -> int:
+        """Stop the claim on partition ``name`` that its caller named ``call``: one waiting
+        now wakes and fails :class:`ClaimCancelledError` (returns 1); else the name is
+        kept (:data:`_CANCELS_KEPT` names, :data:`_CANCEL_KEPT_S` seconds), so that a
+        claim arriving after its cancel is refused at once (returns 0). A claim that took
+        its rows already is left alone: its caller gives them back."""
+        with self._lock:
+            waiter = self._calls.get(call)
+            if waiter is not None and waiter.partition == name:
+                waiter.cancelled = True
+                waiter.changed.notify()
+                return 1
+            now = time.monotonic()
+            kept = self._cancelled
+            kept.pop(call, None)
+            kept[call] = now
+            for old, at in list(kept.items()):
+                if len(kept) <= _CANCELS_KEPT and now - at < _CANCEL_KEPT_S:
+                    break
+                del kept[old]
+            return 0
+
+    def _call_free(self, name: str, call: str) -> None:
+        """Refuse a claim named ``call`` whose cancel came before it. With the lock."""
+        at = self._cancelled.pop(call, None)
+        if at is not None and time.monotonic() - at < _CANCEL_KEPT_S:
+            raise _cancelled_claim(name, None)
+
     def _stop_waiting(self, name: str, waiter: _Waiter) -> None:
+        if waiter.call is not None and self._calls.get(waiter.call) is waiter:
+            del self._calls[waiter.call]
         claims = self._claims[name]
         del claims[waiter]
         if not claims:
@@ -1240,12 +1291,35 @@ class _Waiter:
     """A claim waiting for rows, woken through ``changed`` (a condition on the store's
     lock); equal only to itself."""
 
-    __slots__ = ("batch_size", "changed", "need", "task")
+    __slots__ = ("batch_size", "call", "cancelled", "changed", "need", "partition", "task")
 
     def __init__(
-        self, changed: threading.Condition, task: str, batch_size: int, need: tuple[str, ...]
+        self,
+        changed: threading.Condition,
+        task: str,
+        batch_size: int,
+        need: tuple[str, ...],
+        partition: str = "",
     ) -> None:
         self.changed, self.task, self.batch_size, self.need = changed, task, batch_size, need
+        self.partition = partition
+        #: The caller's name for the claim (None: none), and whether a cancel named it.
+        self.call: str | None = None
+        self.cancelled = False
+
+
+#: Names of claims cancelled before they waited, kept for a claim arriving after its
+#: cancel: at most this many, for at most this many seconds.
+_CANCELS_KEPT = 1024
+_CANCEL_KEPT_S = 60.0
+
+
+def _cancelled_claim(name: str, task: str | None) -> ClaimCancelledError:
+    of = "" if task is None else f" for task {task!r}"
+    return ClaimCancelledError(
+        f"claim from {name!r}{of} was cancelled by its caller; no rows were taken",
+        partition=name,
+    )
 
 
 #: Most names an error lists: other partitions are never listed wholesale (they may be

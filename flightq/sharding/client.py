@@ -451,6 +451,7 @@ class ShardedClient(Fanout):
         device: Any = None,
         sync: bool = True,
         lease: float | None = None,
+        call_id: str | None = None,
     ) -> Batch:
         """Take ``batch_size`` ready rows for ``task``, whole groups, from one or more shards.
 
@@ -462,10 +463,14 @@ class ShardedClient(Fanout):
         all again, until ``timeout``. Rows of one group always come from one shard; rows
         of one shard come in its creation order, shards in the order they answered. A
         shard that cannot be reached is skipped while the others have enough rows; once
-        they do not, the claim fails at once with ``UnavailableError``.
+        they do not, the claim fails at once with ``UnavailableError``. ``call_id`` names
+        the claim on every shard, for :meth:`cancel_claim`.
 
         Raises
         ------
+        ClaimCancelledError
+            If :meth:`cancel_claim` named ``call_id``; rows gathered meanwhile are given
+            back.
         ClaimTimeoutError
             If not enough rows become ready within ``timeout``; rows gathered meanwhile
             are made claimable again first.
@@ -540,6 +545,7 @@ class ShardedClient(Fanout):
                     wait_for=w,
                     lease=lease,
                     session=self._clients[s].session.id(),
+                    call=call_id,
                 )
                 try:
                     bs = read(s, t, secs)
@@ -677,6 +683,19 @@ class ShardedClient(Fanout):
             self._clients[self._shard(p)].nack(p, ks, failed=failed)
             for p, ks in self._parts(claim, keys)
         )
+
+    def cancel_claim(self, partition: str, call_id: str) -> int:
+        """Stop the claim given ``call_id`` on every shard (see
+        :meth:`flightq.Client.cancel_claim`); a shard that cannot be reached is left out.
+        Returns how many shards had it waiting."""
+
+        def one(c: Client) -> int:
+            try:
+                return c.cancel_claim(partition, call_id)
+            except UnavailableError:
+                return 0
+
+        return sum(self._all(one))
 
     def dead_letters(self, partition: str, task: str, limit: int = 1000) -> dict[str, Any]:
         """The dead letters of every shard, up to ``limit`` in all (see

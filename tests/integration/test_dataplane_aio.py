@@ -77,10 +77,36 @@ def test_an_awaited_claim_leaves_the_loop_free_to_put(server):
     assert run(main()).keys == keys
 
 
-def test_a_claim_cancelled_while_it_waits_gives_back_the_rows_it_takes(server):
-    # asyncio.wait_for cancels claims that wait; the rows put afterwards were taken by
-    # the cancelled claims' threads and stayed leased to nobody (until the lease ran out,
-    # each such return a failed delivery): now each gives them back once it takes them.
+def test_claims_cancelled_while_they_wait_stop_on_the_server_and_free_their_threads(server):
+    # asyncio.wait_for cancels claims that wait; each went on waiting in its pool thread
+    # for its whole timeout, so that after four of them (the pool's threads) a put waited
+    # 19.8 s. Now each cancelled claim is stopped on the server at once.
+    keys = text_keys(2, 4)
+
+    async def main():
+        async with await flightq.aio.connect(server.location, [TEXT], timeout=TIMEOUT) as c:
+            await c.create_partition("p", TEXT, tasks=["train"])
+            for _ in range(6):  # more than the pool's 4 threads
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(c.claim("p", "train", 4, timeout=50), 0.3)
+            await stat_until_async(c, "p", "waiting", {"train": 0})
+            await asyncio.wait_for(c.put("p", keys, text_columns(keys)), TIMEOUT / 2)
+            got = await c.claim("p", "train", 8, as_="numpy", timeout=TIMEOUT)
+            assert sorted(got.keys) == sorted(keys)
+            assert got.claim.deliveries == (1,) * 8  # no cancelled claim took them
+            assert await c.ack(got) == 8
+            return await c.inspect("p")
+
+    described = run(main())
+    assert described["delivered"] == {"train": 8} and described["acked"] == {"train": 8}
+
+
+def test_a_claim_whose_cancel_never_reaches_the_server_gives_back_the_rows_it_takes(
+    server, monkeypatch
+):
+    # The cancel lost on its way (the link dropped as it went): the claim goes on
+    # waiting in its thread, and the rows it then takes are given back at once.
+    monkeypatch.setattr(flightq.aio.AsyncClient, "_cancel", lambda self, p, call: None)
     keys = text_keys(2, 4)
 
     async def main():

@@ -349,6 +349,7 @@ EXAMPLES: list[Message] = [
     ClaimTicket(
         partition="p", task="t", batch_size=2, timeout=1.0, lease=float("inf"), session="s1"
     ),
+    ClaimTicket(partition="p", task="t", batch_size=1, timeout=1.0, call="c" * 64),
     protocol.ClaimGrant(claim="c1", lease=30.0, deliveries=[1, 2]),
     protocol.SessionCommand(),
     protocol.SessionCommand(silence=15.0),
@@ -361,6 +362,8 @@ EXAMPLES: list[Message] = [
     protocol.AckReply(acked=2, lost=["k1"]),
     protocol.Nack(partition="p", claim="c1", keys=["k0"], failed=True),
     protocol.NackReply(released=1, dead=1),
+    protocol.CancelClaim(partition="p", call="9f1c"),
+    protocol.CancelClaimReply(cancelled=1),
     protocol.DeadLetters(partition="p", task="train", limit=10),
     protocol.DeadLettersReply(keys=["k0"], why=["failed"], deliveries=[3], total=1),
     ScanTicket(partition="p"),

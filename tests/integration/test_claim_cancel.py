@@ -1,0 +1,177 @@
+"""Stopping a waiting claim by the name its caller gave it (``call_id``, ``cancel_claim``).
+
+A claim blocks its thread until rows come or its timeout passes; before ``cancel_claim``
+a caller that gave up on one (an asyncio ``wait_for``, a trainer shutting down) could
+not free that thread, and four cancelled asyncio claims held every thread of the client's
+pool for their whole timeout (a put after them waited 19.8 s). Real servers on loopback,
+the cancel sent from the flightq client and from plain ``pyarrow.flight``.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+import msgpack
+import numpy as np
+import pyarrow.flight as fl
+import pytest
+from fixtures_dataplane import TEXT, TIMEOUT, client_fixture, server_fixture  # noqa: F401
+from fixtures_shard import inproc_shards
+from helpers_waiting import stat_until
+
+import flightq
+from flightq.protocol import ClaimTicket
+
+pytestmark = pytest.mark.timeout(60)
+
+#: A claim's wait in these tests: far longer than any test, so that only a cancel ends it.
+LONG = 50.0
+
+
+def _put(c: Any, keys: list[str]) -> None:
+    c.put("p", keys, {"input_ids": [np.arange(3) for _ in keys]})
+
+
+def _claim_in_thread(c: Any, call: str, n: int = 1) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["batch"] = c.claim("p", "train", n, as_="numpy", timeout=LONG, call_id=call)
+        except BaseException as e:  # the test looks at it
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_a_waiting_claim_cancelled_from_another_thread_fails_typed_and_takes_no_rows(client):
+    client.create_partition("p", TEXT, tasks=["train"])
+    call = uuid.uuid4().hex
+    t, out = _claim_in_thread(client, call)
+    stat_until(client, "p", "waiting", {"train": 1})
+    assert client.cancel_claim("p", call) == 1
+    t.join(TIMEOUT)
+    assert not t.is_alive(), "the cancelled claim still waits"
+    e = out.get("error")
+    assert isinstance(e, flightq.ClaimCancelledError), out
+    assert e.partition == "p"
+    assert "cancelled by its caller; no rows were taken" in str(e)
+    stat_until(client, "p", "waiting", {"train": 0})
+    _put(client, ["k0"])  # a row put after the cancel is the next claim's, first delivery
+    got = client.claim("p", "train", 1, as_="numpy", timeout=TIMEOUT)
+    assert got.keys == ["k0"] and got.claim.deliveries == (1,)
+    assert client.cancel_claim("p", call) == 0  # nothing waits under that name now
+
+
+def test_a_cancel_that_comes_before_its_claim_refuses_the_claim_at_once(client):
+    client.create_partition("p", TEXT, tasks=["train"])
+    call = uuid.uuid4().hex
+    assert client.cancel_claim("p", call) == 0
+    _put(client, ["k0"])  # even with rows ready: the caller gave up on this claim
+    with pytest.raises(flightq.ClaimCancelledError, match=r"cancelled by its caller"):
+        client.claim("p", "train", 1, as_="numpy", timeout=LONG, call_id=call)
+    # The name is used up: the same name claims again (a caller's retry after the cancel).
+    again = client.claim("p", "train", 1, as_="numpy", timeout=TIMEOUT, call_id=call)
+    assert again.keys == ["k0"] and again.claim.deliveries == (1,)
+
+
+def test_a_cancel_after_the_claim_took_its_rows_leaves_them_with_it(client):
+    client.create_partition("p", TEXT, tasks=["train"])
+    _put(client, ["k0", "k1"])
+    call = uuid.uuid4().hex
+    got = client.claim("p", "train", 2, as_="numpy", timeout=TIMEOUT, call_id=call)
+    assert client.cancel_claim("p", call) == 0
+    assert client.inspect("p")["leased"] == {"train": 2}
+    assert client.ack(got) == 2
+
+
+def test_a_cancel_names_the_partition_of_its_claim(client):
+    client.create_partition("p", TEXT, tasks=["train"])
+    client.create_partition("q", TEXT, tasks=["train"])
+    call = uuid.uuid4().hex
+    t, out = _claim_in_thread(client, call)
+    stat_until(client, "p", "waiting", {"train": 1})
+    assert client.cancel_claim("q", call) == 0  # another partition's: left waiting
+    assert client.inspect("p")["waiting"] == {"train": 1}
+    assert client.cancel_claim("p", call) == 1
+    t.join(TIMEOUT)
+    assert isinstance(out.get("error"), flightq.ClaimCancelledError), out
+
+
+def test_a_sharded_claim_waiting_on_its_shards_is_cancelled_on_each():
+    with inproc_shards(2) as servers:
+        locations = [s.location for s in servers]
+        with flightq.connect_sharded(locations, [TEXT], timeout=TIMEOUT) as c:
+            c.create_partition("p", TEXT, tasks=["train"])
+            call = uuid.uuid4().hex
+            t, out = _claim_in_thread(c, call, n=2)
+            stat_until(c.shard_clients[0], "p", "waiting", {"train": 1})
+            # The claim waits on one shard at a time; every shard hears the cancel.
+            assert c.cancel_claim("p", call) in (0, 1)
+            t.join(TIMEOUT)
+            assert not t.is_alive(), "the cancelled sharded claim still waits"
+            assert isinstance(out.get("error"), flightq.ClaimCancelledError), out
+            for s in c.shard_clients:
+                assert s.inspect("p")["waiting"] == {"train": 0}
+                assert s.inspect("p")["leased"] == {"train": 0}
+
+
+def test_a_per_call_claim_from_plain_flight_is_cancelled_by_the_action(client):
+    client.create_partition("p", TEXT, tasks=["train"])
+    ticket = ClaimTicket(partition="p", task="train", batch_size=1, timeout=LONG, call="c1")
+    out: dict[str, Any] = {}
+    with fl.connect(client.location) as plain:
+
+        def run() -> None:
+            try:
+                plain.do_get(fl.Ticket(ticket.to_wire())).read_all()
+            except fl.FlightError as e:
+                out["error"] = e
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        stat_until(client, "p", "waiting", {"train": 1})
+        body = msgpack.packb({"partition": "p", "call": "c1"})
+        reply = list(plain.do_action(fl.Action("cancel_claim", body)))
+        t.join(TIMEOUT)
+    assert msgpack.unpackb(reply[0].body.to_pybytes()) == {"cancelled": 1}
+    assert "ClaimCancelledError" in str(out.get("error")), out
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"partition": "p"}, r"cancel_claim: missing 'call'"),
+        ({"partition": "p", "call": "x" * 65}, r"'call'"),
+        ({"partition": "p", "call": 7}, r"'call'"),
+        ({"partition": "p", "call": "c", "extra": 1}, r"extra"),
+    ],
+)
+def test_a_malformed_cancel_is_refused_typed_and_the_server_serves_on(client, body, message):
+    client.create_partition("p", TEXT, tasks=["train"])
+    with fl.connect(client.location) as plain, pytest.raises(fl.FlightError, match=message) as e:
+        list(plain.do_action(fl.Action("cancel_claim", msgpack.packb(body))))
+    assert "ProtocolError" in str(e.value)
+    _put(client, ["k0"])
+    assert client.claim("p", "train", 1, as_="numpy", timeout=TIMEOUT).keys == ["k0"]
+
+
+def test_cancels_for_claims_that_never_come_are_forgotten_oldest_first(client):
+    # Each cancel of a name no claim waits under is kept for a claim that may still
+    # come; a client sending thousands keeps the server's memory of them bounded (1024).
+    client.create_partition("p", TEXT, tasks=["train"])
+    with fl.connect(client.location) as plain:
+        for i in range(1100):
+            body = msgpack.packb({"partition": "p", "call": f"n{i}"})
+            list(plain.do_action(fl.Action("cancel_claim", body)))
+    _put(client, ["k0", "k1"])
+    # The first names were forgotten: a claim under one of them goes through...
+    first = client.claim("p", "train", 1, as_="numpy", timeout=TIMEOUT, call_id="n0")
+    assert first.keys == ["k0"]
+    # ...and the latest is still refused.
+    with pytest.raises(flightq.ClaimCancelledError):
+        client.claim("p", "train", 1, as_="numpy", timeout=TIMEOUT, call_id="n1099")
