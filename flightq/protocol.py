@@ -574,7 +574,7 @@ class ClaimTicket(Message):
     shm: bool = _field(_bool, False, omit=False)
     lease: float | None = _field(_optional(_seconds(inf=True, positive=True)), None, omit=None)
     session: str | None = _field(_optional(_str(64)), None, omit=None)
-    call: str | None = _field(_optional(_str(64)), None, omit=None)
+    call: str | None = _field(_optional(_str(64, nonempty=True)), None, omit=None)
     op: str = _field(_const("claim"), "claim")
 
 
@@ -912,7 +912,7 @@ class CancelClaim(Message):
 
     WHAT: ClassVar[str] = "cancel_claim"
     partition: str = _field(_str())
-    call: str = _field(_str(64))
+    call: str = _field(_str(64, nonempty=True))
 
 
 @dataclasses.dataclass(**_FROZEN)

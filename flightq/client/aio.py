@@ -122,9 +122,10 @@ class AsyncClient:
         try:
             return await asyncio.wrap_future(running)
         except asyncio.CancelledError:
-            if not running.cancelled():  # it started: stop its wait on the server
-                self._cancels.submit(self._cancel, partition, call)
             running.add_done_callback(self._give_back)
+            if not running.cancelled():  # it started: stop its wait on the server
+                with contextlib.suppress(RuntimeError):  # closed: the claim ends with it
+                    self._cancels.submit(self._cancel, partition, call)
             raise
 
     def _cancel(self, partition: str, call: str) -> None:

@@ -1038,7 +1038,7 @@ class Client:
         raised. ``device`` and ``sync`` as for :meth:`get` (a bad device, or
         ``as_='torch'`` without torch, is refused before anything is claimed).
 
-        ``call_id`` names this claim (at most 64 characters, one of its own per claim:
+        ``call_id`` names this claim (1 to 64 characters, one of its own per claim:
         ``uuid.uuid4().hex``) so that another thread can stop it while it waits,
         :meth:`cancel_claim`; the asyncio client names each of its claims so.
 
@@ -1191,10 +1191,17 @@ class Client:
     def cancel_claim(self, partition: str, call_id: str) -> int:
         """Stop the claim from ``partition`` that was given ``call_id`` (:meth:`claim`)
         while it waits: it fails :class:`~flightq.ClaimCancelledError` in its thread at
-        once, taking no rows; one whose request has not reached the server yet is
-        refused when it does (within a minute). Returns 1 where a waiting claim
-        stopped, 0 where none waited (its rows may be taken already: give them back
-        with :meth:`nack`). Sent per call, never behind the claim on its stream."""
+        once, taking no rows; one whose request has not reached the server yet (or is
+        asked again after a broken stream) is refused when it does, within a minute.
+        Returns 1 where a waiting claim stopped, 0 where none waited (its rows may be
+        taken already: give them back with :meth:`nack`). Sent per call, never behind
+        the claim on its stream.
+
+        Raises
+        ------
+        NotFoundError
+            If there is no partition ``partition``.
+        """
         reply = self._transport.action(CancelClaim(partition=partition, call=call_id))
         return int(reply.cancelled)
 

@@ -91,11 +91,12 @@ class Store:
         #: one (a put wakes only those its partition's ready rows may serve).
         self._waiting: dict[str, dict[str, int]] = {}
         self._claims: dict[str, dict[_Waiter, None]] = {}
-        #: Waiting claims by the name their caller gave them (``call``), and the names a
-        #: cancel came for before their claim waited (oldest first, bounded by count and
-        #: age: each is a string of at most 64 characters).
-        self._calls: dict[str, _Waiter] = {}
-        self._cancelled: dict[str, float] = {}
+        #: Waiting claims by partition and the name their caller gave them (``call``;
+        #: several: a stale one whose stream broke and its retry), and the names cancels
+        #: came for (oldest first, bounded by count and age, for a claim still on its way;
+        #: each a name of at most 64 characters under a partition that exists).
+        self._calls: dict[tuple[str, str], dict[_Waiter, None]] = {}
+        self._cancelled: dict[tuple[str, str], float] = {}
         #: Puts waiting for room (memory budget, row limit) right now: partition -> count.
         self._waiting_puts: dict[str, int] = {}
         #: Consumer sessions open right now (:meth:`open_session`).
@@ -998,8 +999,8 @@ class Store:
             If not enough rows become ready within ``timeout`` seconds.
         ClaimCancelledError
             If :meth:`cancel_claim` named ``call`` while the claim waited, or before. A
-            claim of the same name coming while another waits (its caller's retry) takes
-            the name over.
+            claim of the same name coming while another waits (its caller's retry) waits
+            beside it, and a cancel stops both.
         FlightqTimeoutError
             If ``cancelled()`` turns true while waiting.
         UnavailableError
@@ -1077,12 +1078,10 @@ class Store:
                         )
                     if waiter is None:
                         unpark = park() if park is not None else None
-                        waiter = _Waiter(
-                            threading.Condition(self._lock), task, batch_size, need, name
-                        )
+                        waiter = _Waiter(threading.Condition(self._lock), task, batch_size, need)
                         waiter.call = call
                         if call is not None:
-                            self._calls[call] = waiter
+                            self._calls.setdefault((name, call), {})[waiter] = None
                         self._claims.setdefault(name, {})[waiter] = None
                         tasks = self._waiting.setdefault(name, {})
                         tasks[task] = tasks.get(task, 0) + 1
@@ -1097,36 +1096,48 @@ class Store:
                     unpark()
 
     def cancel_claim(self, name: str, call: str) -> int:
-        """Stop the claim on partition ``name`` that its caller named ``call``: one waiting
-        now wakes and fails :class:`ClaimCancelledError` (returns 1); else the name is
-        kept (:data:`_CANCELS_KEPT` names, :data:`_CANCEL_KEPT_S` seconds), so that a
-        claim arriving after its cancel is refused at once (returns 0). A claim that took
-        its rows already is left alone: its caller gives them back."""
+        """Stop the claims on partition ``name`` that their caller named ``call``: those
+        waiting now wake and fail :class:`ClaimCancelledError` (returns 1; 0 where none
+        waited), and the name is kept (:data:`_CANCELS_KEPT` names, :data:`_CANCEL_KEPT_S`
+        seconds), so that a claim of that name arriving after its cancel (a retry of one
+        whose stream broke) is refused at once. A claim that took its rows already is
+        left alone: its caller gives them back.
+
+        Raises
+        ------
+        NotFoundError
+            If there is no partition ``name``.
+        """
         with self._lock:
-            waiter = self._calls.get(call)
-            if waiter is not None and waiter.partition == name:
+            self._get(name)  # an unknown partition: NotFoundError (and no name kept)
+            key = (name, call)
+            waiters = self._calls.get(key, {})
+            for waiter in waiters:  # a stale one (its stream broke) and its retry alike
                 waiter.cancelled = True
                 waiter.changed.notify()
-                return 1
+            # Kept even where one waited: a retry of it may still be on its way.
             now = time.monotonic()
             kept = self._cancelled
-            kept.pop(call, None)
-            kept[call] = now
+            kept.pop(key, None)
+            kept[key] = now
             for old, at in list(kept.items()):
                 if len(kept) <= _CANCELS_KEPT and now - at < _CANCEL_KEPT_S:
                     break
                 del kept[old]
-            return 0
+            return 1 if waiters else 0
 
     def _call_free(self, name: str, call: str) -> None:
         """Refuse a claim named ``call`` whose cancel came before it. With the lock."""
-        at = self._cancelled.pop(call, None)
+        at = self._cancelled.pop((name, call), None)
         if at is not None and time.monotonic() - at < _CANCEL_KEPT_S:
             raise _cancelled_claim(name, None)
 
     def _stop_waiting(self, name: str, waiter: _Waiter) -> None:
-        if waiter.call is not None and self._calls.get(waiter.call) is waiter:
-            del self._calls[waiter.call]
+        if waiter.call is not None:
+            same = self._calls.get((name, waiter.call), {})
+            same.pop(waiter, None)
+            if not same:
+                self._calls.pop((name, waiter.call), None)
         claims = self._claims[name]
         del claims[waiter]
         if not claims:
@@ -1291,18 +1302,12 @@ class _Waiter:
     """A claim waiting for rows, woken through ``changed`` (a condition on the store's
     lock); equal only to itself."""
 
-    __slots__ = ("batch_size", "call", "cancelled", "changed", "need", "partition", "task")
+    __slots__ = ("batch_size", "call", "cancelled", "changed", "need", "task")
 
     def __init__(
-        self,
-        changed: threading.Condition,
-        task: str,
-        batch_size: int,
-        need: tuple[str, ...],
-        partition: str = "",
+        self, changed: threading.Condition, task: str, batch_size: int, need: tuple[str, ...]
     ) -> None:
         self.changed, self.task, self.batch_size, self.need = changed, task, batch_size, need
-        self.partition = partition
         #: The caller's name for the claim (None: none), and whether a cancel named it.
         self.call: str | None = None
         self.cancelled = False

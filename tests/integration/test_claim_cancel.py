@@ -19,6 +19,7 @@ import pyarrow.flight as fl
 import pytest
 from fixtures_dataplane import TEXT, TIMEOUT, client_fixture, server_fixture  # noqa: F401
 from fixtures_shard import inproc_shards
+from helpers_proxy import relayed
 from helpers_waiting import stat_until
 
 import flightq
@@ -34,12 +35,14 @@ def _put(c: Any, keys: list[str]) -> None:
     c.put("p", keys, {"input_ids": [np.arange(3) for _ in keys]})
 
 
-def _claim_in_thread(c: Any, call: str, n: int = 1) -> tuple[threading.Thread, dict[str, Any]]:
+def _claim_in_thread(
+    c: Any, call: str, n: int = 1, partition: str = "p"
+) -> tuple[threading.Thread, dict[str, Any]]:
     out: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            out["batch"] = c.claim("p", "train", n, as_="numpy", timeout=LONG, call_id=call)
+            out["batch"] = c.claim(partition, "train", n, as_="numpy", timeout=LONG, call_id=call)
         except BaseException as e:  # the test looks at it
             out["error"] = e
 
@@ -89,17 +92,60 @@ def test_a_cancel_after_the_claim_took_its_rows_leaves_them_with_it(client):
     assert client.ack(got) == 2
 
 
-def test_a_cancel_names_the_partition_of_its_claim(client):
+def test_claim_names_belong_to_their_partition(client):
+    # Names were the server's alone: a claim of the same name waiting on another
+    # partition took the name over (the cancel of the first missed it, which then waited
+    # its whole timeout), and a cancel naming another partition refused a later claim.
     client.create_partition("p", TEXT, tasks=["train"])
     client.create_partition("q", TEXT, tasks=["train"])
-    call = uuid.uuid4().hex
-    t, out = _claim_in_thread(client, call)
+    tp, outp = _claim_in_thread(client, "step-7", partition="p")
     stat_until(client, "p", "waiting", {"train": 1})
-    assert client.cancel_claim("q", call) == 0  # another partition's: left waiting
-    assert client.inspect("p")["waiting"] == {"train": 1}
-    assert client.cancel_claim("p", call) == 1
-    t.join(TIMEOUT)
-    assert isinstance(out.get("error"), flightq.ClaimCancelledError), out
+    tq, outq = _claim_in_thread(client, "step-7", partition="q")
+    stat_until(client, "q", "waiting", {"train": 1})
+    assert client.cancel_claim("p", "step-7") == 1
+    tp.join(TIMEOUT)
+    assert isinstance(outp.get("error"), flightq.ClaimCancelledError), outp
+    assert client.inspect("q")["waiting"] == {"train": 1}  # q's claim of that name waits on
+    assert client.cancel_claim("q", "other") == 0
+    _put(client, ["k0"])
+    # Not refused: the cancel of "other" named q.
+    got = client.claim("p", "train", 1, as_="numpy", timeout=TIMEOUT, call_id="other")
+    assert got.keys == ["k0"]
+    assert client.cancel_claim("q", "step-7") == 1
+    tq.join(TIMEOUT)
+    assert isinstance(outq.get("error"), flightq.ClaimCancelledError), outq
+    with pytest.raises(flightq.NotFoundError, match=r"unknown partition 'zz'"):
+        client.cancel_claim("zz", "step-7")
+
+
+def test_a_cancel_coming_while_the_claim_is_retried_after_a_dropped_link_stops_it():
+    # The link drops under a claim waiting on the request stream; the client asks again
+    # per call under the same name while the server still holds the first (it has not
+    # seen the stream go). A cancel then stopped the stale claim alone, answering 1,
+    # and the retry waited its whole timeout, or took rows a second later, leased to a
+    # caller told "stopped, no rows taken" (a helper's probe, 5 of 5 runs).
+    with (
+        flightq.Server() as srv,
+        flightq.connect(srv.location, [TEXT], timeout=TIMEOUT) as direct,
+        relayed(srv.location) as relay,
+        flightq.connect(relay.location, [TEXT], timeout=TIMEOUT) as c,
+    ):
+        direct.create_partition("p", TEXT, tasks=["train"])
+        _put(c, ["a0"])
+        c.ack(c.claim("p", "train", 1, as_="numpy"))  # the next claim takes the stream
+        call = uuid.uuid4().hex
+        t, out = _claim_in_thread(c, call)
+        stat_until(direct, "p", "waiting", {"train": 1})
+        relay.cut()
+        direct.cancel_claim("p", call)
+        _put(direct, ["b0"])
+        t.join(TIMEOUT)
+        assert not t.is_alive(), "the claim still waits"
+        assert isinstance(out.get("error"), flightq.ClaimCancelledError), out
+        stat_until(direct, "p", "waiting", {"train": 0})
+        assert direct.inspect("p")["leased"] == {"train": 0}
+        got = direct.claim("p", "train", 1, as_="numpy", timeout=TIMEOUT)
+        assert got.keys == ["b0"] and got.claim.deliveries == (1,)
 
 
 def test_a_sharded_claim_waiting_on_its_shards_is_cancelled_on_each():
@@ -148,6 +194,7 @@ def test_a_per_call_claim_from_plain_flight_is_cancelled_by_the_action(client):
         ({"partition": "p"}, r"cancel_claim: missing 'call'"),
         ({"partition": "p", "call": "x" * 65}, r"'call'"),
         ({"partition": "p", "call": 7}, r"'call'"),
+        ({"partition": "p", "call": ""}, r"'call' must be a non-empty string"),
         ({"partition": "p", "call": "c", "extra": 1}, r"extra"),
     ],
 )

@@ -128,6 +128,23 @@ def test_a_claim_whose_cancel_never_reaches_the_server_gives_back_the_rows_it_ta
     assert described["dead"] == {"train": 0} and described["acked"] == {"train": 8}
 
 
+def test_a_claim_cancelled_after_its_client_closed_ends_cancelled(server):
+    # The usual shutdown order (leave `async with`, then cancel the tasks left): the
+    # cancel could not be sent, and the task raised RuntimeError ("cannot schedule new
+    # futures after shutdown") instead of CancelledError.
+    async def main():
+        c = await flightq.aio.connect(server.location, [TEXT], timeout=TIMEOUT)
+        await c.create_partition("p", TEXT, tasks=["train"])
+        task = asyncio.ensure_future(c.claim("p", "train", 1, as_="numpy", timeout=5))
+        await stat_until_async(c, "p", "waiting", {"train": 1})
+        await c.close()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(main())
+
+
 def test_async_errors_are_the_same_typed_errors(server):
     async def main():
         async with await flightq.aio.connect(server.location, [TEXT], timeout=TIMEOUT) as c:
