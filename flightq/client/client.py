@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
@@ -323,6 +324,52 @@ def redeclared(refused: FlightqError, describe: Callable[[], _D | None]) -> _D:
 _EVERY = 1 << 62
 
 
+class NamedClaims:
+    """The claims a client has waiting under a name of their caller's (``call_id``), so
+    that closing the client stops them on the server instead of leaving their threads
+    waiting for their whole timeout (an asyncio program leaving ``async with`` with a
+    claim pending took that claim's timeout to exit)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[int, tuple[str, str]] = {}  # one entry per claim in flight
+        self._next = itertools.count()
+
+    @contextlib.contextmanager
+    def held(self, partition: str, call: str | None) -> Iterator[None]:
+        """Around a claim named ``call`` (nothing when None)."""
+        if call is None:
+            yield
+            return
+        with self._lock:
+            n = next(self._next)
+            self._held[n] = (partition, call)
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._held[n]
+
+    def stop(self, transport: Transport) -> int:
+        """Cancel every claim held now through ``transport`` (each per call, errors
+        ignored: a server gone stops nothing and the claim fails with it); returns how
+        many were cancelled while they waited."""
+        with self._lock:
+            named = set(self._held.values())
+        stopped = 0
+        for partition, call in named:
+            with contextlib.suppress(FlightqError):
+                reply = transport.action(
+                    CancelClaim(partition=partition, call=call), timeout=_STOP_S
+                )
+                stopped += int(reply.cancelled)
+        return stopped
+
+
+#: Seconds each cancel of a named claim may take when its client closes.
+_STOP_S = 5.0
+
+
 class Client:
     """A connection to one flightq server. Thread-safe; use one per process.
 
@@ -369,6 +416,8 @@ class Client:
         # Per partition (the partitions used last: a run may name one per step).
         self._schemas: Recent[str, Schema] = Recent()
         self._lock = threading.Lock()
+        #: Claims waiting under a name (``call_id``), stopped when the client closes.
+        self.named = NamedClaims()
         #: Pinned host buffers and copy streams for CUDA tensors (empty until first used).
         self._pinned = PinnedPool()
         #: Hints and digests of media tensors put, and per partition the media sent to it.
@@ -1069,16 +1118,17 @@ class Client:
             call=call_id,
         )
         started = time.monotonic()
-        try:
-            return self._claim(t, wait, as_, copy, dev, sync)
-        except NotFoundError as e:
-            if e.key is None or e.key != t.session:
-                raise
-            # The server no longer knows the session (it restarted, or the link dropped
-            # and it ended the session): open another, and claim with the wait left.
-            left = max(wait - (time.monotonic() - started), 0.0)
-            t = dataclasses.replace(t, session=self._session.reopen(e.key), timeout=left)
-            return self._claim(t, left, as_, copy, dev, sync)
+        with self.named.held(partition, call_id):
+            try:
+                return self._claim(t, wait, as_, copy, dev, sync)
+            except NotFoundError as e:
+                if e.key is None or e.key != t.session:
+                    raise
+                # The server no longer knows the session (it restarted, or the link
+                # dropped and it ended the session): open another, claim with the wait left.
+                left = max(wait - (time.monotonic() - started), 0.0)
+                t = dataclasses.replace(t, session=self._session.reopen(e.key), timeout=left)
+                return self._claim(t, left, as_, copy, dev, sync)
 
     def _claim(
         self, t: ClaimTicket, wait: float, as_: str, copy: bool, dev: Any, sync: bool
@@ -1237,7 +1287,10 @@ class Client:
 
     def close(self) -> None:
         """Close the connection. Rows this client claimed and did not acknowledge are
-        ready again for other consumers."""
+        ready again for other consumers; a claim of this client still waiting in another
+        thread under a name (``call_id``; the asyncio client names all of its claims) is
+        stopped and fails :class:`~flightq.ClaimCancelledError`."""
+        self.named.stop(self._transport)
         self._requests.close()
         self._session.close()
         if self._segments is not None:

@@ -583,7 +583,10 @@ class ShardedClient(Fanout):
             now = time.monotonic()
             order.sort(key=lambda s: self._slow_until[s] > now)  # stable: those last
             deadline = time.monotonic() + wait
-            missing = gather(order, batch_size, unit, take, deadline, self.poll, after_sweep)
+            with contextlib.ExitStack() as named:  # closing the client stops the claim
+                for c in self._clients:
+                    named.enter_context(c.named.held(partition, call_id))
+                missing = gather(order, batch_size, unit, take, deadline, self.poll, after_sweep)
             if missing:
                 raise ClaimTimeoutError(
                     f"claim of {batch_size} rows for task {task!r} from partition "

@@ -222,3 +222,31 @@ def test_cancels_for_claims_that_never_come_are_forgotten_oldest_first(client):
     # ...and the latest is still refused.
     with pytest.raises(flightq.ClaimCancelledError):
         client.claim("p", "train", 1, as_="numpy", timeout=TIMEOUT, call_id="n1099")
+
+
+def test_closing_the_client_stops_its_named_claims_waiting_in_other_threads(server):
+    # close() returned at once and left such a claim waiting out its whole timeout.
+    c = flightq.connect(server.location, [TEXT], timeout=TIMEOUT)
+    c.create_partition("p", TEXT, tasks=["train"])
+    t, out = _claim_in_thread(c, uuid.uuid4().hex)
+    with flightq.connect(server.location, [TEXT], timeout=TIMEOUT) as watcher:
+        stat_until(watcher, "p", "waiting", {"train": 1})
+        c.close()
+        t.join(TIMEOUT)
+        assert not t.is_alive(), "the claim still waits after its client closed"
+        assert isinstance(out.get("error"), flightq.ClaimCancelledError), out
+        assert watcher.inspect("p")["waiting"] == {"train": 0}
+
+
+def test_closing_a_sharded_client_stops_its_named_claim_on_every_shard():
+    with inproc_shards(2) as servers:
+        locations = [s.location for s in servers]
+        c = flightq.connect_sharded(locations, [TEXT], timeout=TIMEOUT)
+        c.create_partition("p", TEXT, tasks=["train"])
+        t, out = _claim_in_thread(c, uuid.uuid4().hex, n=2)
+        with flightq.connect(locations[0], [TEXT], timeout=TIMEOUT) as watcher:
+            stat_until(watcher, "p", "waiting", {"train": 1})
+            c.close()
+            t.join(TIMEOUT)
+        assert not t.is_alive(), "the sharded claim still waits after its client closed"
+        assert isinstance(out.get("error"), flightq.ClaimCancelledError), out

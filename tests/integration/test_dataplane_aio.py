@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -143,6 +146,31 @@ def test_a_claim_cancelled_after_its_client_closed_ends_cancelled(server):
             await task
 
     run(main())
+
+
+def test_a_program_leaving_async_with_while_a_claim_waits_exits_at_once(server):
+    # asyncio.run cancelled the pending claim after the client closed; the claim went on
+    # in its pool thread, and the interpreter waited for that thread at exit: the
+    # claim's whole timeout (15 s of 15, measured), however long.
+    script = f"""
+import asyncio, flightq.aio
+async def main():
+    async with await flightq.aio.connect({server.location!r}, [{TEXT!r}]) as c:
+        asyncio.ensure_future(c.claim("p", "train", 1, as_="numpy", timeout=120))
+        while (await c.inspect("p"))["waiting"] != {{"train": 1}}:
+            await asyncio.sleep(0.01)
+asyncio.run(main())
+print("returning", flush=True)
+"""
+    with flightq.connect(server.location, [TEXT], timeout=TIMEOUT) as c:
+        c.create_partition("p", TEXT, tasks=["train"])
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=100
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 0 and "returning" in done.stdout, done.stderr[-2000:]
+    assert took < 60, f"the process took {took:.1f} s to exit (its claim waits 120 s)"
 
 
 def test_async_errors_are_the_same_typed_errors(server):
