@@ -906,13 +906,15 @@ class NackReply(Message):
 
 @dataclasses.dataclass(**_FROZEN)
 class CancelClaim(Message):
-    """Stop the claim that named itself ``call`` (its ticket's ``call``) while it waits:
-    it takes no rows and fails ``ClaimCancelledError``. A claim not waiting yet is
-    refused when it comes; one that took its rows already goes on (nack them)."""
+    """Stop the claims that named themselves ``call`` (their ticket's ``call``) while they
+    wait, those under consumer session ``session`` only where given: each takes no rows
+    and fails ``ClaimCancelledError``. A claim not waiting yet is refused when it comes;
+    one that took its rows already goes on (nack them)."""
 
     WHAT: ClassVar[str] = "cancel_claim"
     partition: str = _field(_str())
     call: str = _field(_str(64, nonempty=True))
+    session: str | None = _field(_optional(_str(64)), None, omit=None)
 
 
 @dataclasses.dataclass(**_FROZEN)

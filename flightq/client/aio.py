@@ -34,11 +34,13 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..errors import FlightqError, UnavailableError
 from ..registry import SchemaRegistry
 from ..schema import Schema
 from .client import DEFAULT_TIMEOUT
@@ -101,6 +103,7 @@ class AsyncClient:
         self._pool = pool or ThreadPoolExecutor(max_workers=4, thread_name_prefix="flightq-aio")
         # Cancels of waiting claims: never queued behind the calls that fill the pool.
         self._cancels = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flightq-aio-cancel")
+        self._closing = False
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -121,6 +124,10 @@ class AsyncClient:
         running = self._pool.submit(fn, partition, *args, call_id=call, **kwargs)
         try:
             return await asyncio.wrap_future(running)
+        except FlightqError:
+            if self._closing and call_id is None:  # stopped by close(), or refused after it
+                raise asyncio.CancelledError from None
+            raise
         except asyncio.CancelledError:
             running.add_done_callback(self._give_back)
             if not running.cancelled():  # it started: stop its wait on the server
@@ -129,8 +136,14 @@ class AsyncClient:
             raise
 
     def _cancel(self, partition: str, call: str) -> None:
-        with contextlib.suppress(Exception):  # the claim fails or ends by itself anyway
-            self.client.cancel_claim(partition, call)
+        for _ in range(3):  # a connection the link dropped fails once; gRPC reconnects
+            try:
+                self.client.cancel_claim(partition, call)
+                return
+            except UnavailableError:
+                time.sleep(0.2)
+            except Exception:  # the claim fails or ends by itself anyway
+                return
 
     def _give_back(self, done: concurrent.futures.Future[Batch]) -> None:
         # On the pool's thread that ran the claim: nobody awaits its rows any more.
@@ -343,8 +356,11 @@ class AsyncClient:
         return await self._call(self.client.partitions)
 
     async def close(self) -> None:
-        """Close the connection and the thread pool."""
-        self.client.close()
+        """Close the connection and the thread pool. Claims still waiting are stopped on
+        the server and end cancelled; the blocking close (up to 5 s against a stalled
+        server) runs off the loop."""
+        self._closing = True
+        await asyncio.to_thread(self.client.close)
         self._pool.shutdown(wait=False)
         self._cancels.shutdown(wait=False)
 

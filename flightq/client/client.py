@@ -31,11 +31,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
 
+from .. import forks
 from ..batch import Batch, Claim, check_as
 from ..chunks import encode_chunks
 from ..cuda import PinnedPool, resolve_device, stage
 from ..digest import DigestCache, KnownMedia, MediaRefs
 from ..errors import (
+    ClaimCancelledError,
     DTypeError,
     FlightqError,
     LeaseExpiredError,
@@ -334,14 +336,29 @@ class NamedClaims:
         self._lock = threading.Lock()
         self._held: dict[int, tuple[str, str]] = {}  # one entry per claim in flight
         self._next = itertools.count()
+        self._closed = False
+        self._stopped = threading.Event()  # the first stop's cancels ended
+        #: Names cancel_claim was called for while a claim of them was held (a claim
+        #: asked again under a new session is then refused here: the server keeps a
+        #: cancel per session).
+        self._cancelled: set[tuple[str, str]] = set()
 
     @contextlib.contextmanager
     def held(self, partition: str, call: str | None) -> Iterator[None]:
-        """Around a claim named ``call`` (nothing when None)."""
+        """Around a claim named ``call`` (nothing when None). Refused once :meth:`stop`
+        began: a claim named after it looked would wait on, never cancelled.
+
+        Raises
+        ------
+        FlightqError
+            The client is closed.
+        """
         if call is None:
             yield
             return
         with self._lock:
+            if self._closed:
+                raise FlightqError(f"claim from {partition!r}: the client is closed")
             n = next(self._next)
             self._held[n] = (partition, call)
         try:
@@ -349,25 +366,68 @@ class NamedClaims:
         finally:
             with self._lock:
                 del self._held[n]
+                if (partition, call) not in self._held.values():
+                    self._cancelled.discard((partition, call))
 
-    def stop(self, transport: Transport) -> int:
-        """Cancel every claim held now through ``transport`` (each per call, errors
-        ignored: a server gone stops nothing and the claim fails with it); returns how
-        many were cancelled while they waited."""
+    def cancelled(self, partition: str, call: str) -> None:
+        """``cancel_claim`` was called for ``call``: a claim of it held now is not asked
+        again (:meth:`check`)."""
         with self._lock:
-            named = set(self._held.values())
-        stopped = 0
-        for partition, call in named:
-            with contextlib.suppress(FlightqError):
-                reply = transport.action(
-                    CancelClaim(partition=partition, call=call), timeout=_STOP_S
+            if (partition, call) in self._held.values():
+                self._cancelled.add((partition, call))
+
+    def check(self, partition: str, call: str | None) -> None:
+        """Before a held claim is asked again.
+
+        Raises
+        ------
+        ClaimCancelledError
+            ``cancel_claim`` named it meanwhile.
+        """
+        with self._lock:
+            if call is not None and (partition, call) in self._cancelled:
+                raise ClaimCancelledError(
+                    f"claim from {partition!r} was cancelled by its caller; no rows were taken",
+                    partition=partition,
                 )
-                stopped += int(reply.cancelled)
-        return stopped
+
+    def stop(self, transport: Transport, session: str | None, deadline: float) -> None:
+        """Cancel every claim held now, under ``session`` (the client's), through
+        ``transport``: side by side, each within ``deadline`` (``time.monotonic()``),
+        errors ignored (a server gone stops nothing, and the claim fails with it); later
+        named claims are refused. A second caller waits for the first one's cancels."""
+        with self._lock:
+            first, self._closed = not self._closed, True
+            named = set(self._held.values())
+        if not first:
+            self._stopped.wait(max(0.0, deadline - time.monotonic()))
+            return
+
+        def cancel(partition: str, call: str) -> None:
+            left = deadline - time.monotonic()
+            if left > 0:
+                with contextlib.suppress(FlightqError):
+                    transport.action(
+                        CancelClaim(partition=partition, call=call, session=session),
+                        timeout=left,
+                    )
+
+        # Threads of their own, not daemons (one inside a Flight call when the
+        # interpreter finalizes can crash it): each ends within the deadline.
+        threads = [threading.Thread(target=cancel, args=k, name="flightq-cancel") for k in named]
+        for t, k in zip(threads, named, strict=True):
+            try:
+                t.start()
+            except RuntimeError:  # no new threads (the interpreter is shutting down)
+                cancel(*k)
+        for t in threads:
+            if t.ident is not None:
+                t.join(max(0.0, deadline - time.monotonic()))
+        self._stopped.set()
 
 
-#: Seconds each cancel of a named claim may take when its client closes.
-_STOP_S = 5.0
+#: Seconds the cancels of a client's named claims may take in all when it closes.
+STOP_S = 5.0
 
 
 class Client:
@@ -1127,6 +1187,7 @@ class Client:
                 # The server no longer knows the session (it restarted, or the link
                 # dropped and it ended the session): open another, claim with the wait left.
                 left = max(wait - (time.monotonic() - started), 0.0)
+                self.named.check(partition, call_id)  # not asked again once cancelled
                 t = dataclasses.replace(t, session=self._session.reopen(e.key), timeout=left)
                 return self._claim(t, left, as_, copy, dev, sync)
 
@@ -1239,8 +1300,9 @@ class Client:
         return given
 
     def cancel_claim(self, partition: str, call_id: str) -> int:
-        """Stop the claim from ``partition`` that was given ``call_id`` (:meth:`claim`)
-        while it waits: it fails :class:`~flightq.ClaimCancelledError` in its thread at
+        """Stop this client's claim from ``partition`` that was given ``call_id``
+        (:meth:`claim`; claims of other clients under that name are left alone) while it
+        waits: it fails :class:`~flightq.ClaimCancelledError` in its thread at
         once, taking no rows; one whose request has not reached the server yet (or is
         asked again after a broken stream) is refused when it does, within a minute.
         Returns 1 where a waiting claim stopped, 0 where none waited (its rows may be
@@ -1252,8 +1314,9 @@ class Client:
         NotFoundError
             If there is no partition ``partition``.
         """
-        reply = self._transport.action(CancelClaim(partition=partition, call=call_id))
-        return int(reply.cancelled)
+        self.named.cancelled(partition, call_id)
+        request = CancelClaim(partition=partition, call=call_id, session=self._session.id())
+        return int(self._transport.action(request).cancelled)
 
     def dead_letters(self, partition: str, task: str, limit: int = 1000) -> dict[str, Any]:
         """The rows of ``task`` given up on: ``{"keys", "why", "deliveries", "total"}``,
@@ -1290,7 +1353,12 @@ class Client:
         ready again for other consumers; a claim of this client still waiting in another
         thread under a name (``call_id``; the asyncio client names all of its claims) is
         stopped and fails :class:`~flightq.ClaimCancelledError`."""
-        self.named.stop(self._transport)
+        if forks.forked():
+            # Its connections are the parent's: closing them would break the parent's
+            # calls on them (its request stream timed out). Refused from now on.
+            self._transport.close()
+            return
+        stop_named(self, time.monotonic() + STOP_S)
         self._requests.close()
         self._session.close()
         if self._segments is not None:
@@ -1302,6 +1370,13 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def stop_named(client: Client, deadline: float) -> None:
+    """Cancel ``client``'s named claims still waiting (within ``deadline``,
+    ``time.monotonic()``), and refuse its named claims from then on: the first step of
+    :meth:`Client.close` (a sharded client takes it on every shard at once)."""
+    client.named.stop(client._transport, client._session.current(), deadline)
 
 
 def _keys(keys: Sequence[str] | None) -> list[str] | None:

@@ -108,6 +108,11 @@ class Session:
         beater = self._beater
         return beater is not None and beater.alive
 
+    def current(self) -> str | None:
+        """The id of the session open now, without opening one (None: none is)."""
+        with self._lock:
+            return self._id
+
     def id(self, timeout: float | None = None) -> str:
         """The session's id, opening the session if it is not open, or again where its
         stream is known gone (its beats stopped: the server ended it, or the link)."""

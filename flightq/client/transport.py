@@ -396,6 +396,8 @@ class Transport:
         with self._lock:
             self._closed = True
             flights, self._extra = [self._main, *self._extra], []
+        if forks.forked():  # gRPC's state did not survive the fork: closing it hangs
+            return
         for flight in flights:
             with contextlib.suppress(*_FOREIGN):
                 flight.close()

@@ -237,7 +237,7 @@ def _nack(ctx: ActionContext, req: Nack) -> NackReply:
 
 
 def _cancel_claim(ctx: ActionContext, req: CancelClaim) -> CancelClaimReply:
-    return CancelClaimReply(cancelled=ctx.store.cancel_claim(req.partition, req.call))
+    return CancelClaimReply(cancelled=ctx.store.cancel_claim(req.partition, req.call, req.session))
 
 
 def _dead_letters(ctx: ActionContext, req: DeadLetters) -> DeadLettersReply:

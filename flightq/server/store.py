@@ -96,7 +96,7 @@ class Store:
         #: came for (oldest first, bounded by count and age, for a claim still on its way;
         #: each a name of at most 64 characters under a partition that exists).
         self._calls: dict[tuple[str, str], dict[_Waiter, None]] = {}
-        self._cancelled: dict[tuple[str, str], float] = {}
+        self._cancelled: dict[tuple[str, str, str | None], float] = {}
         #: Puts waiting for room (memory budget, row limit) right now: partition -> count.
         self._waiting_puts: dict[str, int] = {}
         #: Consumer sessions open right now (:meth:`open_session`).
@@ -1032,7 +1032,7 @@ class Store:
                 p.schema[f]  # raises on an undeclared field
             self._session_open(name, session)
             if call is not None:
-                self._call_free(name, call)
+                self._call_free(name, call, session)
             waiter: _Waiter | None = None  # once it waits
             unpark: Callable[[], None] | None = None
             seen = (0, -1)  # the partition (its epoch) and its progress version last looked at
@@ -1079,7 +1079,7 @@ class Store:
                     if waiter is None:
                         unpark = park() if park is not None else None
                         waiter = _Waiter(threading.Condition(self._lock), task, batch_size, need)
-                        waiter.call = call
+                        waiter.call, waiter.session = call, session
                         if call is not None:
                             self._calls.setdefault((name, call), {})[waiter] = None
                         self._claims.setdefault(name, {})[waiter] = None
@@ -1095,10 +1095,11 @@ class Store:
                 if unpark is not None:
                     unpark()
 
-    def cancel_claim(self, name: str, call: str) -> int:
-        """Stop the claims on partition ``name`` that their caller named ``call``: those
-        waiting now wake and fail :class:`ClaimCancelledError` (returns 1; 0 where none
-        waited), and the name is kept (:data:`_CANCELS_KEPT` names, :data:`_CANCEL_KEPT_S`
+    def cancel_claim(self, name: str, call: str, session: str | None = None) -> int:
+        """Stop the claims on partition ``name`` that their caller named ``call`` (under
+        consumer session ``session`` only, where given): those waiting now wake and fail
+        :class:`ClaimCancelledError` (returns 1; 0 where none waited), and the name is
+        kept (:data:`_CANCELS_KEPT` names, :data:`_CANCEL_KEPT_S`
         seconds), so that a claim of that name arriving after its cancel (a retry of one
         whose stream broke) is refused at once. A claim that took its rows already is
         left alone: its caller gives them back.
@@ -1110,14 +1111,18 @@ class Store:
         """
         with self._lock:
             self._get(name)  # an unknown partition: NotFoundError (and no name kept)
-            key = (name, call)
-            waiters = self._calls.get(key, {})
+            waiters = [
+                w
+                for w in self._calls.get((name, call), {})
+                if session is None or w.session == session
+            ]
             for waiter in waiters:  # a stale one (its stream broke) and its retry alike
                 waiter.cancelled = True
                 waiter.changed.notify()
             # Kept even where one waited: a retry of it may still be on its way.
             now = time.monotonic()
             kept = self._cancelled
+            key = (name, call, session)
             kept.pop(key, None)
             kept[key] = now
             for old, at in list(kept.items()):
@@ -1126,11 +1131,14 @@ class Store:
                 del kept[old]
             return 1 if waiters else 0
 
-    def _call_free(self, name: str, call: str) -> None:
-        """Refuse a claim named ``call`` whose cancel came before it. With the lock."""
-        at = self._cancelled.pop((name, call), None)
-        if at is not None and time.monotonic() - at < _CANCEL_KEPT_S:
-            raise _cancelled_claim(name, None)
+    def _call_free(self, name: str, call: str, session: str | None) -> None:
+        """Refuse a claim named ``call`` (under ``session``) whose cancel came before it:
+        one naming its session, or none. With the lock."""
+        now = time.monotonic()
+        for key in {(name, call, session), (name, call, None)}:
+            at = self._cancelled.pop(key, None)
+            if at is not None and now - at < _CANCEL_KEPT_S:
+                raise _cancelled_claim(name, None)
 
     def _stop_waiting(self, name: str, waiter: _Waiter) -> None:
         if waiter.call is not None:
@@ -1302,14 +1310,16 @@ class _Waiter:
     """A claim waiting for rows, woken through ``changed`` (a condition on the store's
     lock); equal only to itself."""
 
-    __slots__ = ("batch_size", "call", "cancelled", "changed", "need", "task")
+    __slots__ = ("batch_size", "call", "cancelled", "changed", "need", "session", "task")
 
     def __init__(
         self, changed: threading.Condition, task: str, batch_size: int, need: tuple[str, ...]
     ) -> None:
         self.changed, self.task, self.batch_size, self.need = changed, task, batch_size, need
-        #: The caller's name for the claim (None: none), and whether a cancel named it.
+        #: The caller's name for the claim (None: none), its consumer session, and
+        #: whether a cancel named it.
         self.call: str | None = None
+        self.session: str | None = None
         self.cancelled = False
 
 

@@ -9,12 +9,22 @@ in front of its message (with every other failing shard listed). The control cal
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ..client.client import DEFAULT_MAX_BATCH_BYTES, DEFAULT_TIMEOUT, Client, resolve_schemas
+from .. import forks
+from ..client.client import (
+    DEFAULT_MAX_BATCH_BYTES,
+    DEFAULT_TIMEOUT,
+    STOP_S,
+    Client,
+    resolve_schemas,
+    stop_named,
+)
 from ..client.recent import Recent
 from ..client.transport import Transport
 from ..cuda import PinnedPool
@@ -304,7 +314,14 @@ class Fanout:
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
-        """Close every shard's connection."""
+        """Close every shard's connection, once every shard's named claims still waiting
+        were cancelled side by side (a stalled shard would delay the others' cancels)."""
+        deadline = time.monotonic() + STOP_S
+        if not forks.forked():  # (in a forked child, each client's close touches nothing)
+            with contextlib.suppress(RuntimeError):  # closed before: its pool is gone
+                self._run(
+                    {s: (lambda c: stop_named(c, deadline)) for s in range(len(self._clients))}
+                )
         for c in self._clients:
             c.close()
         pool = getattr(self, "_pool", None)

@@ -9,7 +9,9 @@ the cancel sent from the flightq client and from plain ``pyarrow.flight``.
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -17,12 +19,19 @@ import msgpack
 import numpy as np
 import pyarrow.flight as fl
 import pytest
-from fixtures_dataplane import TEXT, TIMEOUT, client_fixture, server_fixture  # noqa: F401
+from fixtures_dataplane import (  # noqa: F401
+    TEXT,
+    TIMEOUT,
+    cli_server,
+    client_fixture,
+    server_fixture,
+)
 from fixtures_shard import inproc_shards
 from helpers_proxy import relayed
 from helpers_waiting import stat_until
 
 import flightq
+from flightq.client.client import STOP_S
 from flightq.protocol import ClaimTicket
 
 pytestmark = pytest.mark.timeout(60)
@@ -137,7 +146,14 @@ def test_a_cancel_coming_while_the_claim_is_retried_after_a_dropped_link_stops_i
         t, out = _claim_in_thread(c, call)
         stat_until(direct, "p", "waiting", {"train": 1})
         relay.cut()
-        direct.cancel_claim("p", call)
+        for _ in range(3):  # the cut connection fails the first call; gRPC then reconnects
+            try:
+                c.cancel_claim("p", call)
+                break
+            except flightq.UnavailableError:
+                time.sleep(0.2)
+        else:
+            pytest.fail("cancel_claim never got through the relay")
         _put(direct, ["b0"])
         t.join(TIMEOUT)
         assert not t.is_alive(), "the claim still waits"
@@ -250,3 +266,48 @@ def test_closing_a_sharded_client_stops_its_named_claim_on_every_shard():
             t.join(TIMEOUT)
         assert not t.is_alive(), "the sharded claim still waits after its client closed"
         assert isinstance(out.get("error"), flightq.ClaimCancelledError), out
+
+
+def test_a_client_cancels_and_closes_only_its_own_claims_of_a_name(server):
+    # Names were the partition's: a rank's close (or cancel) stopped another rank's claim
+    # of the same name and kept that name refused for a minute.
+    with (
+        flightq.connect(server.location, [TEXT], timeout=TIMEOUT) as b,
+        flightq.connect(server.location, [TEXT], timeout=TIMEOUT) as watcher,
+    ):
+        a = flightq.connect(server.location, [TEXT], timeout=TIMEOUT)
+        watcher.create_partition("p", TEXT, tasks=["train"])
+        ta, outa = _claim_in_thread(a, "step-1")
+        tb, outb = _claim_in_thread(b, "step-1")
+        stat_until(watcher, "p", "waiting", {"train": 2})
+        a.close()
+        ta.join(TIMEOUT)
+        assert isinstance(outa.get("error"), flightq.ClaimCancelledError), outa
+        stat_until(watcher, "p", "waiting", {"train": 1})  # b's claim waits on
+        assert tb.is_alive()
+        assert watcher.cancel_claim("p", "step-1") == 0  # the watcher's own: none
+        assert b.cancel_claim("p", "step-1") == 1
+        tb.join(TIMEOUT)
+        assert isinstance(outb.get("error"), flightq.ClaimCancelledError), outb
+        _put(watcher, ["k0"])
+        assert b.claim("p", "train", 1, as_="numpy", timeout=TIMEOUT).keys == ["k0"]
+
+
+def test_closing_a_client_of_a_stalled_server_stops_its_claims_within_one_bound():
+    # Each named claim's cancel waited its own 5 s in turn: 15 s for three claims.
+    with cli_server() as (location, proc):
+        c = flightq.connect(location, [TEXT], timeout=TIMEOUT)
+        c.create_partition("p", TEXT, tasks=["train"])
+        threads = [_claim_in_thread(c, uuid.uuid4().hex) for _ in range(3)]
+        stat_until(c, "p", "waiting", {"train": 3})
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            c.close()
+            took = time.monotonic() - started
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        for t, _ in threads:
+            t.join(TIMEOUT)
+        assert took < 3 * STOP_S - 1, f"close took {took:.1f} s"
+        assert all(isinstance(out.get("error"), flightq.FlightqError) for _, out in threads)

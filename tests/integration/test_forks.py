@@ -51,6 +51,9 @@ if pid == 0:
             out[name] = ["ok", 0.0]
         except Exception as e:
             out[name] = [type(e).__name__, round(time.monotonic() - started, 3), str(e)]
+    started = time.monotonic()
+    c.close()  # hung in Arrow's close of the inherited connection before
+    out["client close"] = ["ok", round(time.monotonic() - started, 3)]
     print(json.dumps(out), flush=True)
     os._exit(0)
 _, status = os.waitpid(pid, 0)
@@ -98,6 +101,8 @@ def _run(script: str) -> list[dict[str, object]]:
 def test_every_call_in_a_process_forked_after_flightq_was_used_refuses_at_once() -> None:
     child, parent = _run(_AFTER)
     assert parent == {"child": 0}
+    kind, took = child.pop("client close")
+    assert kind == "ok" and took < 1.0, (kind, took)
     assert set(child) == {
         "inherited get",
         "inherited claim",
