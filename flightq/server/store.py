@@ -1099,10 +1099,10 @@ class Store:
         """Stop the claims on partition ``name`` that their caller named ``call`` (under
         consumer session ``session`` only, where given): those waiting now wake and fail
         :class:`ClaimCancelledError` (returns 1; 0 where none waited), and the name is
-        kept (:data:`_CANCELS_KEPT` names, :data:`_CANCEL_KEPT_S`
-        seconds), so that a claim of that name arriving after its cancel (a retry of one
-        whose stream broke) is refused at once. A claim that took its rows already is
-        left alone: its caller gives them back.
+        kept (:data:`_CANCELS_KEPT` names, :data:`_CANCEL_KEPT_S` seconds), so that a claim
+        of that name arriving after its cancel (late, or a retry of one whose stream
+        broke) is refused at once. A claim that took its rows already is left alone: its
+        caller gives them back.
 
         Raises
         ------
@@ -1323,8 +1323,8 @@ class _Waiter:
         self.cancelled = False
 
 
-#: Names of claims cancelled before they waited, kept for a claim arriving after its
-#: cancel: at most this many, for at most this many seconds.
+#: Names cancelled, kept for a claim of them arriving after its cancel: at most this
+#: many, for at most this many seconds.
 _CANCELS_KEPT = 1024
 _CANCEL_KEPT_S = 60.0
 

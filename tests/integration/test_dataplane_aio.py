@@ -91,7 +91,7 @@ def test_claims_cancelled_while_they_wait_stop_on_the_server_and_free_their_thre
             await c.create_partition("p", TEXT, tasks=["train"])
             for _ in range(6):  # more than the pool's 4 threads
                 with pytest.raises(asyncio.TimeoutError):
-                    await asyncio.wait_for(c.claim("p", "train", 4, timeout=50), 0.3)
+                    await asyncio.wait_for(c.claim("p", "train", 4, as_="numpy", timeout=50), 0.3)
             await stat_until_async(c, "p", "waiting", {"train": 0})
             await asyncio.wait_for(c.put("p", keys, text_columns(keys)), TIMEOUT / 2)
             got = await c.claim("p", "train", 8, as_="numpy", timeout=TIMEOUT)
