@@ -328,8 +328,12 @@ class AsyncClient:
         )
 
     async def cancel_claim(self, partition: str, call_id: str) -> int:
-        """See :meth:`flightq.Client.cancel_claim`."""
-        return await self._call(self.client.cancel_claim, partition, call_id)
+        """See :meth:`flightq.Client.cancel_claim` (on the thread of the cancels, never
+        queued behind the waiting claims that may fill the pool)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._cancels, self.client.cancel_claim, partition, call_id
+        )
 
     async def ack(self, claim: Claim | Batch, keys: Sequence[str] | None = None) -> int:
         """See :meth:`flightq.Client.ack`."""

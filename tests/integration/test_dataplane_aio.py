@@ -20,7 +20,7 @@ from fixtures_dataplane import (
     text_columns,
     text_keys,
 )
-from helpers_waiting import stat_until_async
+from helpers_waiting import stat_until, stat_until_async
 
 import flightq
 import flightq.aio
@@ -102,6 +102,29 @@ def test_claims_cancelled_while_they_wait_stop_on_the_server_and_free_their_thre
 
     described = run(main())
     assert described["delivered"] == {"train": 8} and described["acked"] == {"train": 8}
+
+
+def test_an_explicit_cancel_is_not_queued_behind_the_claims_filling_the_pool(server):
+    # cancel_claim ran on the pool, whose threads the waiting claims held: it waited
+    # behind them for their whole timeout.
+    async def main():
+        async with await flightq.aio.connect(server.location, [TEXT], timeout=TIMEOUT) as c:
+            await c.create_partition("p", TEXT, tasks=["train"])
+            names = [f"c{i}" for i in range(4)]  # the pool's 4 threads
+            claims = [
+                asyncio.ensure_future(c.claim("p", "train", 1, as_="numpy", timeout=50, call_id=n))
+                for n in names
+            ]
+            # (The pool is full: the stats come from a client of their own.)
+            with flightq.connect(server.location, [TEXT], timeout=TIMEOUT) as watcher:
+                await asyncio.to_thread(stat_until, watcher, "p", "waiting", {"train": 4})
+            for n in names:
+                assert await asyncio.wait_for(c.cancel_claim("p", n), TIMEOUT / 2) == 1
+            for claim in claims:
+                with pytest.raises(flightq.ClaimCancelledError):
+                    await claim
+
+    run(main())
 
 
 def test_a_claim_whose_cancel_never_reaches_the_server_gives_back_the_rows_it_takes(
