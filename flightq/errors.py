@@ -200,6 +200,15 @@ class ClaimCancelledError(FlightqError):
     """A waiting claim was stopped by its caller (``Client.cancel_claim`` naming its
     ``call_id``, or an asyncio claim cancelled); it took no rows."""
 
+    @classmethod
+    def of(cls, partition: str, task: str | None = None) -> ClaimCancelledError:
+        """The error of a claim from ``partition`` (for ``task``) its caller cancelled."""
+        of = "" if task is None else f" for task {task!r}"
+        return cls(
+            f"claim from {partition!r}{of} was cancelled by its caller; no rows were taken",
+            partition=partition,
+        )
+
 
 class WriterFullError(FlightqTimeoutError):
     """A :class:`flightq.Writer`'s queue stayed full for the whole timeout of a ``put``:

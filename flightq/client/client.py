@@ -386,10 +386,7 @@ class NamedClaims:
         """
         with self._lock:
             if call is not None and (partition, call) in self._cancelled:
-                raise ClaimCancelledError(
-                    f"claim from {partition!r} was cancelled by its caller; no rows were taken",
-                    partition=partition,
-                )
+                raise ClaimCancelledError.of(partition)
 
     def stop(self, transport: Transport, session: str | None, deadline: float) -> None:
         """Cancel every claim held now, under ``session`` (the client's), through

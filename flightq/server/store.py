@@ -1040,7 +1040,7 @@ class Store:
                 while True:
                     self._check_open(f"claim from {name!r}")
                     if waiter is not None and waiter.cancelled:
-                        raise _cancelled_claim(name, task)
+                        raise ClaimCancelledError.of(name, task)
                     if cancelled is not None and cancelled():
                         raise FlightqTimeoutError(
                             f"claim from {name!r} for task {task!r} was cancelled by its "
@@ -1078,8 +1078,9 @@ class Store:
                         )
                     if waiter is None:
                         unpark = park() if park is not None else None
-                        waiter = _Waiter(threading.Condition(self._lock), task, batch_size, need)
-                        waiter.call, waiter.session = call, session
+                        waiter = _Waiter(
+                            threading.Condition(self._lock), task, batch_size, need, call, session
+                        )
                         if call is not None:
                             self._calls.setdefault((name, call), {})[waiter] = None
                         self._claims.setdefault(name, {})[waiter] = None
@@ -1138,7 +1139,7 @@ class Store:
         for key in {(name, call, session), (name, call, None)}:
             at = self._cancelled.pop(key, None)
             if at is not None and now - at < _CANCEL_KEPT_S:
-                raise _cancelled_claim(name, None)
+                raise ClaimCancelledError.of(name)
 
     def _stop_waiting(self, name: str, waiter: _Waiter) -> None:
         if waiter.call is not None:
@@ -1313,13 +1314,18 @@ class _Waiter:
     __slots__ = ("batch_size", "call", "cancelled", "changed", "need", "session", "task")
 
     def __init__(
-        self, changed: threading.Condition, task: str, batch_size: int, need: tuple[str, ...]
+        self,
+        changed: threading.Condition,
+        task: str,
+        batch_size: int,
+        need: tuple[str, ...],
+        call: str | None = None,
+        session: str | None = None,
     ) -> None:
         self.changed, self.task, self.batch_size, self.need = changed, task, batch_size, need
         #: The caller's name for the claim (None: none), its consumer session, and
         #: whether a cancel named it.
-        self.call: str | None = None
-        self.session: str | None = None
+        self.call, self.session = call, session
         self.cancelled = False
 
 
@@ -1327,14 +1333,6 @@ class _Waiter:
 #: many, for at most this many seconds.
 _CANCELS_KEPT = 1024
 _CANCEL_KEPT_S = 60.0
-
-
-def _cancelled_claim(name: str, task: str | None) -> ClaimCancelledError:
-    of = "" if task is None else f" for task {task!r}"
-    return ClaimCancelledError(
-        f"claim from {name!r}{of} was cancelled by its caller; no rows were taken",
-        partition=name,
-    )
 
 
 #: Most names an error lists: other partitions are never listed wholesale (they may be
