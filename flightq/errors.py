@@ -25,6 +25,8 @@ from typing import Any
 
 __all__ = [
     "ATTRIBUTES",
+    "RETRY_BUSY",
+    "RETRY_FULL",
     "FlightqError",
     "SchemaError",
     "SchemaMismatchError",
@@ -55,7 +57,11 @@ __all__ = [
 
 
 #: The structured attributes an error may carry (``None`` where one does not apply).
-ATTRIBUTES = ("field", "key", "expected", "actual", "partition")
+ATTRIBUTES = ("field", "key", "expected", "actual", "partition", "retry")
+
+#: Values of :attr:`FlightqError.retry`: why the same call may pass later, unchanged.
+RETRY_BUSY = "busy"  # the server's call slots are taken: one frees when a call ends
+RETRY_FULL = "full"  # the memory budget or a row limit is reached: a consumer's clear frees room
 
 
 class FlightqError(Exception):
@@ -74,6 +80,11 @@ class FlightqError(Exception):
         list, a count), as plain values that travel over the wire.
     partition:
         The partition the call was about.
+    retry:
+        Where the refusal lasts a while only and the same call may pass later, why:
+        ``"busy"`` (the server's call slots are taken), ``"full"`` (its memory budget or
+        a partition's row limit is reached, and nothing was cleared within the call's
+        wait); ``None`` where waiting changes nothing.
     """
 
     field: str | None
@@ -81,6 +92,7 @@ class FlightqError(Exception):
     expected: Any
     actual: Any
     partition: str | None
+    retry: str | None
 
     def __init__(
         self,
@@ -90,6 +102,7 @@ class FlightqError(Exception):
         expected: Any = None,
         actual: Any = None,
         partition: str | None = None,
+        retry: str | None = None,
     ) -> None:
         super().__init__(*args)
         self.field = field
@@ -97,6 +110,7 @@ class FlightqError(Exception):
         self.expected = expected
         self.actual = actual
         self.partition = partition
+        self.retry = retry
 
     def attributes(self) -> dict[str, Any]:
         """The structured attributes that are set (not ``None``)."""
@@ -230,15 +244,15 @@ class ResourceExhaustedError(FlightqError, RuntimeError):
     @property
     def busy(self) -> bool:
         """Refused for want of call slots ("server busy", the server's ``max_calls``):
-        the call may go through once another ends."""
-        return "server busy" in str(self)
+        the call may go through once another ends (``retry == "busy"``)."""
+        return self.retry == RETRY_BUSY
 
     @property
     def room_may_come(self) -> bool:
         """Refused for a while only: the server busy, or full (memory budget, row limit)
         with nothing cleared within the call's wait, where a consumer's clear makes room;
-        not a request past a size limit, which no wait lifts."""
-        return self.busy or "cleared within" in str(self)
+        not a request past a size limit, which no wait lifts (``retry`` is set)."""
+        return self.retry is not None
 
 
 class UnauthenticatedError(FlightqError, PermissionError):

@@ -122,7 +122,7 @@ __all__ = [
     "cut_message",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 #: Largest answer from its server a client parses (bytes). What a server takes is its
 #: own cap, ``Server(max_request_bytes=...)`` (:mod:`flightq.msgcheck`).
@@ -1177,6 +1177,7 @@ class ErrorDetail(Message):
     expected: Any = _field(_any, None, omit=None)
     actual: Any = _field(_any, None, omit=None)
     partition: str | None = _field(_optional(_str()), None, omit=None)
+    retry: str | None = _field(_optional(_str(16)), None, omit=None)
 
     @classmethod
     def of(cls, e: FlightqError) -> ErrorDetail:

@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -327,10 +328,10 @@ _EVERY = 1 << 62
 
 
 class NamedClaims:
-    """The claims a client has waiting under a name of their caller's (``call_id``), so
-    that closing the client stops them on the server instead of leaving their threads
-    waiting for their whole timeout (an asyncio program leaving ``async with`` with a
-    claim pending took that claim's timeout to exit)."""
+    """The claims a client has waiting, each under its name (its caller's ``call_id``, or
+    one the client made), so that closing the client stops them on the server instead of
+    leaving their threads waiting for their whole timeout (an asyncio program leaving
+    ``async with`` with a claim pending took that claim's timeout to exit)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -1146,7 +1147,8 @@ class Client:
 
         ``call_id`` names this claim (1 to 64 characters, one of its own per claim:
         ``uuid.uuid4().hex``) so that another thread can stop it while it waits,
-        :meth:`cancel_claim`; the asyncio client names each of its claims so.
+        :meth:`cancel_claim`. A claim given no name gets one of the client's own, so that
+        :meth:`close` stops it too.
 
         Raises
         ------
@@ -1163,6 +1165,9 @@ class Client:
         if dev is None:
             check_as(as_)
         wait = self.timeout if timeout is None else timeout
+        # Every claim is named (unguessably where its caller gave no name), so that closing
+        # the client stops it on the server whatever thread waits in it.
+        call = uuid.uuid4().hex if call_id is None else call_id
         t = ClaimTicket(
             partition=partition,
             task=task,
@@ -1172,10 +1177,10 @@ class Client:
             timeout=wait,
             lease=lease,
             session=self._session.id(),
-            call=call_id,
+            call=call,
         )
         started = time.monotonic()
-        with self.named.held(partition, call_id):
+        with self.named.held(partition, call):
             try:
                 return self._claim(t, wait, as_, copy, dev, sync)
             except NotFoundError as e:
@@ -1184,7 +1189,7 @@ class Client:
                 # The server no longer knows the session (it restarted, or the link
                 # dropped and it ended the session): open another, claim with the wait left.
                 left = max(wait - (time.monotonic() - started), 0.0)
-                self.named.check(partition, call_id)  # not asked again once cancelled
+                self.named.check(partition, call)  # not asked again once cancelled
                 t = dataclasses.replace(t, session=self._session.reopen(e.key), timeout=left)
                 return self._claim(t, left, as_, copy, dev, sync)
 
@@ -1348,8 +1353,7 @@ class Client:
     def close(self) -> None:
         """Close the connection. Rows this client claimed and did not acknowledge are
         ready again for other consumers; a claim of this client still waiting in another
-        thread under a name (``call_id``; the asyncio client names all of its claims) is
-        stopped and fails :class:`~flightq.ClaimCancelledError`."""
+        thread is stopped and fails :class:`~flightq.ClaimCancelledError`."""
         if forks.forked():
             # Its connections are the parent's: closing them would break the parent's
             # calls on them (its request stream timed out). Refused from now on.

@@ -35,7 +35,7 @@ from typing import Any
 
 import pyarrow.flight as fl
 
-from ..errors import ProtocolError, ResourceExhaustedError
+from ..errors import RETRY_BUSY, ProtocolError, ResourceExhaustedError
 from ..protocol import to_flight_error
 
 __all__ = ["CallLimits", "DEFAULT_MAX_CALLS", "DEFAULT_MAX_SESSIONS", "LIMITS_KEY", "STREAM_HEADER"]
@@ -194,4 +194,5 @@ def _busy(n: int, limit: int, what: str) -> ResourceExhaustedError:
         f"or serve with a larger --{option.replace('_', '-')}",
         expected=limit,
         actual=n,
+        retry=RETRY_BUSY,
     )

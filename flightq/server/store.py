@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import (
+    RETRY_FULL,
     ClaimCancelledError,
     ClaimTimeoutError,
     ConflictError,
@@ -584,6 +585,7 @@ class Store:
                     expected=limit,
                     actual=len(p.rows) + new,
                     partition=name,
+                    retry=RETRY_FULL,
                 )
             self._wait_for_room(name, left)
             waited = True
@@ -630,6 +632,7 @@ class Store:
                     expected=budget,
                     actual=held + declared + leased + need,
                     partition=name,
+                    retry=RETRY_FULL,
                 )
             self._wait_for_room(name, left)
             waited = True

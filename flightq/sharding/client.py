@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -464,7 +465,8 @@ class ShardedClient(Fanout):
         of one shard come in its creation order, shards in the order they answered. A
         shard that cannot be reached is skipped while the others have enough rows; once
         they do not, the claim fails at once with ``UnavailableError``. ``call_id`` names
-        the claim on every shard, for :meth:`cancel_claim`.
+        the claim on every shard, for :meth:`cancel_claim` (one of the client's own where
+        None: closing the client stops the claim either way).
 
         Raises
         ------
@@ -493,6 +495,7 @@ class ShardedClient(Fanout):
             )
         n = len(self._clients)
         start = next(self._turn) % n
+        call = uuid.uuid4().hex if call_id is None else call_id  # closing stops it (Client.claim)
         got: list[tuple[int, list[pa.RecordBatch]]] = []
         grants: list[tuple[int, ClaimGrant, list[str]]] = []
         f, w = None if fields is None else list(fields), list(wait_for)
@@ -545,7 +548,7 @@ class ShardedClient(Fanout):
                     wait_for=w,
                     lease=lease,
                     session=self._clients[s].session.id(),
-                    call=call_id,
+                    call=call,
                 )
                 try:
                     bs = read(s, t, secs)
@@ -585,7 +588,7 @@ class ShardedClient(Fanout):
             deadline = time.monotonic() + wait
             with contextlib.ExitStack() as named:  # closing the client stops the claim
                 for c in self._clients:
-                    named.enter_context(c.named.held(partition, call_id))
+                    named.enter_context(c.named.held(partition, call))
                 missing = gather(order, batch_size, unit, take, deadline, self.poll, after_sweep)
             if missing:
                 raise ClaimTimeoutError(

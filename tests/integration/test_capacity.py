@@ -65,10 +65,13 @@ def test_partition_row_limit_makes_a_put_wait_for_clears_then_fail_typed() -> No
         with pytest.raises(flightq.ConflictError, match="max_rows 2, got 3"):
             c.create_partition("p", "rollout_text@1", tasks=["train"], max_rows=3)
         c.put("p", *_rows("a", 2, s=10))
-        with pytest.raises(flightq.ResourceExhaustedError, match="2-row limit"):
+        with pytest.raises(flightq.ResourceExhaustedError, match="2-row limit") as full:
             c.put("p", *_rows("b", 1, s=10), timeout=0.3)
-        with pytest.raises(flightq.ResourceExhaustedError, match="more than the partition's"):
+        # Typed, not read from the message: full for now, a consumer's clear makes room.
+        assert full.value.retry == "full" and full.value.room_may_come and not full.value.busy
+        with pytest.raises(flightq.ResourceExhaustedError, match="more than the partition's") as e:
             c.put("p", *_rows("c", 3, s=10))
+        assert e.value.retry is None and not e.value.room_may_come  # no wait lifts it
         # writing a column back onto existing rows creates none: not limited
         c.put("p", ["a0"], {"prev_logprobs": [np.zeros(10, dtype=np.float32)]})
         done: list[int] = []

@@ -45,7 +45,7 @@ def _put(c: Any, keys: list[str]) -> None:
 
 
 def _claim_in_thread(
-    c: Any, call: str, n: int = 1, partition: str = "p"
+    c: Any, call: str | None, n: int = 1, partition: str = "p"
 ) -> tuple[threading.Thread, dict[str, Any]]:
     out: dict[str, Any] = {}
 
@@ -240,11 +240,20 @@ def test_cancels_for_claims_that_never_come_are_forgotten_oldest_first(client):
         client.claim("p", "train", 1, as_="numpy", timeout=TIMEOUT, call_id="n1099")
 
 
-def test_closing_the_client_stops_its_named_claims_waiting_in_other_threads(server):
-    # close() returned at once and left such a claim waiting out its whole timeout.
+#: A claim named by its caller, and one not (the client names it: protocol 2).
+NAMES = [
+    pytest.param(lambda: uuid.uuid4().hex, id="named"),
+    pytest.param(lambda: None, id="unnamed"),
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_closing_the_client_stops_its_claims_waiting_in_other_threads(server, name):
+    # close() returned at once and left such a claim waiting out its whole timeout (an
+    # unnamed one until protocol 2, where the client names every claim).
     c = flightq.connect(server.location, [TEXT], timeout=TIMEOUT)
     c.create_partition("p", TEXT, tasks=["train"])
-    t, out = _claim_in_thread(c, uuid.uuid4().hex)
+    t, out = _claim_in_thread(c, name())
     with flightq.connect(server.location, [TEXT], timeout=TIMEOUT) as watcher:
         stat_until(watcher, "p", "waiting", {"train": 1})
         c.close()
@@ -254,12 +263,13 @@ def test_closing_the_client_stops_its_named_claims_waiting_in_other_threads(serv
         assert watcher.inspect("p")["waiting"] == {"train": 0}
 
 
-def test_closing_a_sharded_client_stops_its_named_claim_on_every_shard():
+@pytest.mark.parametrize("name", NAMES)
+def test_closing_a_sharded_client_stops_its_claim_on_every_shard(name):
     with inproc_shards(2) as servers:
         locations = [s.location for s in servers]
         c = flightq.connect_sharded(locations, [TEXT], timeout=TIMEOUT)
         c.create_partition("p", TEXT, tasks=["train"])
-        t, out = _claim_in_thread(c, uuid.uuid4().hex, n=2)
+        t, out = _claim_in_thread(c, name(), n=2)
         with flightq.connect(locations[0], [TEXT], timeout=TIMEOUT) as watcher:
             stat_until(watcher, "p", "waiting", {"train": 1})
             c.close()
@@ -298,7 +308,7 @@ def test_closing_a_client_of_a_stalled_server_stops_its_claims_within_one_bound(
     with cli_server() as (location, proc):
         c = flightq.connect(location, [TEXT], timeout=TIMEOUT)
         c.create_partition("p", TEXT, tasks=["train"])
-        threads = [_claim_in_thread(c, uuid.uuid4().hex) for _ in range(3)]
+        threads = [_claim_in_thread(c, call) for call in (uuid.uuid4().hex, None, None)]
         stat_until(c, "p", "waiting", {"train": 3})
         proc.send_signal(signal.SIGSTOP)
         try:

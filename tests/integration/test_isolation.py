@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import msgpack
 import numpy as np
 import pyarrow.flight as fl
 import pytest
@@ -129,12 +130,15 @@ def test_over_max_calls_a_call_is_refused_typed_and_the_server_serves_after() ->
                 assert c.stats()["partitions"]["p"]["rows"] == 0
                 with pytest.raises(
                     flightq.ResourceExhaustedError, match=r"server busy: 2 calls in flight"
-                ):
+                ) as busy:
                     c.get("p", ["a"] * 17, as_="numpy")  # a data call (DoGet): refused
+                assert busy.value.retry == "busy" and busy.value.busy and busy.value.room_may_come
             with pytest.raises(fl.FlightError) as info:
                 plain_put(srv.location, put_command("p", rows=1), [text_batch(["x"])])
             kind, message = plain_error(info.value)
             assert kind == "ResourceExhaustedError" and "max_calls=2" in message
+            # A plain Flight client reads why it may retry from the detail, not the text.
+            assert msgpack.unpackb(info.value.extra_info)["retry"] == "busy"
         finally:
             for client, writer in stalled:
                 with contextlib.suppress(fl.FlightError):  # refused: 0 of the rows announced

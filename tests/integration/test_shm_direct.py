@@ -318,11 +318,13 @@ def test_the_segment_a_put_is_copied_into_is_counted_before_the_copy(shm_dir):
         read = _counters(srv.location)["shm_direct_bytes"]
         assert read > 0
         srv.store.memory_budget = one + one // 2  # room for half a put more
-        with pytest.raises(flightq.ResourceExhaustedError, match="no space was cleared"):
+        with pytest.raises(flightq.ResourceExhaustedError, match="no space was cleared") as e:
             c.put("p", [f"{k}+" for k in step.keys], step.columns, tags=step.tags, timeout=0.3)
+        assert e.value.retry == "full"  # a consumer's clear makes room
         srv.store.memory_budget = one // 2  # not even one put
-        with pytest.raises(flightq.ResourceExhaustedError, match="whole memory budget"):
+        with pytest.raises(flightq.ResourceExhaustedError, match="whole memory budget") as e:
             c.put("p", [f"{k}-" for k in step.keys], step.columns, tags=step.tags, timeout=0.3)
+        assert e.value.retry is None  # no wait lifts it
         assert _counters(srv.location)["shm_direct_bytes"] == read  # nothing was read
         assert srv.store.held() == one and _rows(srv.location) == step.rows
         srv.store.memory_budget = srv.store.counted() + one  # room for one put more

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -474,6 +475,7 @@ EXAMPLES: list[Message] = [
         actual=[4, 2],
         partition="p",
     ),
+    ErrorDetail(type="ResourceExhaustedError", message="m", retry="full"),
 ]
 
 
@@ -498,6 +500,24 @@ def test_an_error_detail_brings_back_the_same_error():
     back = ErrorDetail.parse(ErrorDetail.of(e).to_wire()).error()
     assert type(back) is flightq.ShapeError and str(back) == "bad"
     assert back.attributes() == e.attributes()
+
+
+def test_whether_a_refusal_may_pass_later_travels_typed_not_read_from_its_message():
+    def back(e: flightq.FlightqError) -> flightq.FlightqError:
+        return ErrorDetail.parse(ErrorDetail.of(e).to_wire()).error()
+
+    busy = back(flightq.ResourceExhaustedError("any words", retry="busy"))
+    assert busy.retry == "busy" and busy.busy and busy.room_may_come
+    full = back(flightq.ResourceExhaustedError("any words", retry="full"))
+    assert full.retry == "full" and full.room_may_come and not full.busy
+    # The words of a message decide nothing.
+    worded = back(flightq.ResourceExhaustedError("server busy; no rows were cleared within 1s"))
+    assert worded.retry is None and not worded.room_may_come and not worded.busy
+    assert "retry" not in msgpack.unpackb(ErrorDetail.of(worded).to_wire())  # omitted
+    with pytest.raises(ProtocolError, match="retry"):
+        ErrorDetail.parse({"type": "ResourceExhaustedError", "message": "m", "retry": "x" * 17})
+    # Pickled (Ray, multiprocessing) with it.
+    assert pickle.loads(pickle.dumps(full)).retry == "full"
 
 
 @pytest.mark.parametrize(
