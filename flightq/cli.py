@@ -261,6 +261,15 @@ def _parser() -> argparse.ArgumentParser:
         "client reconnects on its next call; consumer sessions are never cut; 0: never; "
         "Linux only (default 60)",
     )
+    sv.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="on SIGTERM or SIGINT, how long calls in flight may take to end (a stream its "
+        "client stalls is cut after half of it, or --idle-timeout if shorter); past it the "
+        "process exits without them (default 10)",
+    )
     sv.add_argument("--snapshot-dir", help="directory the snapshot action writes into")
     sv.add_argument("--restore", help="a snapshot directory to load before serving")
     sv.add_argument("--tls-cert", help="PEM certificate: serve grpc+tls:// (with --tls-key)")

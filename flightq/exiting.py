@@ -86,6 +86,14 @@ def server_stopped(server: Any) -> None:
         _servers.discard(server)
 
 
+def server_left(server: Any) -> None:
+    """``server`` did not stop within its caller's deadline and its caller gave up on it:
+    the exit waits for it no more (neither this hook nor Arrow's, which would wait for a
+    call that never ends with no deadline)."""
+    server_stopped(server)
+    _leave_out_of_arrows_hook(server)
+
+
 def _at_exit() -> None:
     global _ran_in
     if forks.forked() or _ran_in == os.getpid():

@@ -1328,6 +1328,10 @@ def serve_forever(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=getattr(logging, level), stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
     )
+    stop_s = getattr(args, "stop_timeout", None)
+    stop_s = 10.0 if stop_s is None else stop_s
+    if not 0 <= stop_s < float("inf"):
+        raise ProtocolError(f"--stop-timeout must be seconds >= 0, got {stop_s!r}", actual=stop_s)
     registry = SchemaRegistry.from_dir(args.schemas) if args.schemas else None
     host = args.host
     if ":" in host and not host.startswith("["):
@@ -1389,5 +1393,14 @@ def serve_forever(args: argparse.Namespace) -> int:
     # Waking often lets this thread run the handler, else it would wait forever.
     while not stop.wait(0.2):
         pass
-    server.stop()
+    if not server.stop(stop_s):
+        # Waiting again at exit would only add the exit hook's bound to what was waited.
+        log.error(
+            "flightq serve: the server on %s did not stop within %gs (a call that does not "
+            "end by itself: a stream its client stalled with --idle-timeout 0); exiting "
+            "without waiting for it",
+            server.location,
+            stop_s,
+        )
+        exiting.server_left(server)
     return 0

@@ -26,6 +26,7 @@ import pytest
 from fixtures_dataplane import ROOT, TIMEOUT, python_env
 
 import flightq
+from flightq.exiting import EXIT_STOP_S
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -193,6 +194,41 @@ read.wait(30)
 print("returning", flush=True)
 """
 
+# `flightq serve` (its foreground loop, in this process) with a reader that stalls.
+_SERVE_STALLED = """
+import argparse, contextlib, os, signal, sys, threading, time
+import numpy as np, pyarrow.flight as fl
+import flightq
+from flightq import exiting
+from flightq.protocol import GetTicket
+from flightq.server.flight import serve_forever
+
+def stall():
+    while not exiting._servers:
+        time.sleep(0.05)
+    (srv,) = exiting._servers
+    while srv.port == 0:
+        time.sleep(0.05)
+    c = flightq.connect(srv.location, timeout=30.0)
+    c.create_partition("r", "rollout_text@1", tasks=["train"])
+    keys = [f"k{i}" for i in range(64)]
+    for k in keys:
+        c.put("r", [k], {"input_ids": [np.arange(1 << 17)]})  # 1 MiB each
+    r = fl.connect(srv.location).do_get(fl.Ticket(GetTicket(partition="r", keys=keys).to_wire()))
+    r.read_chunk()
+    print("returning", file=sys.__stdout__, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(3600)
+
+threading.Thread(target=stall, daemon=True).start()
+args = argparse.Namespace(
+    host="127.0.0.1", port=0, schemas=None, memory_budget=None, idle_timeout=0,
+    stop_timeout=1.0, max_batch_bytes=1 << 20,
+)
+with contextlib.redirect_stdout(sys.stderr):  # its startup line: stdout is the test's
+    serve_forever(args)
+"""
+
 # Many servers, each with a consumer session open: they stop side by side (one after
 # another, the last ones ran out of the bound now and then; a guard).
 _MANY = """
@@ -259,6 +295,31 @@ def test_a_server_whose_stream_never_ends_is_left_after_the_bound_and_named() ->
     assert rc == 0, (rc, err[-2000:])  # held until killed before (-999)
     assert took < 5.0 + TIMEOUT / 4, took
     assert "did not stop within 5s at exit" in err, err[-2000:]
+
+
+def test_flightq_serve_whose_stop_ran_out_exits_without_waiting_again() -> None:
+    # `flightq serve` gave up on a call after --stop-timeout, and its exit hook then
+    # waited its own 5 s more for the same call. The stalled reader is in the server's
+    # process, where the idle watch cuts no connection (as where it cannot cut: not Linux).
+    rc, took, err = _exit(_SERVE_STALLED)
+    assert rc == 0, (rc, err[-2000:])
+    assert "did not stop within 1s" in err and "exiting without waiting" in err, err[-2000:]
+    assert "at exit" not in err, err[-2000:]  # the exit hook no longer waits for it
+    assert took < 1 + EXIT_STOP_S - 1, took  # 6 s and more before
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_flightq_serve_refuses_a_stop_timeout_that_is_not_seconds(value: str) -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "flightq.cli", "serve", "--port", "0", "--stop-timeout", value],
+        capture_output=True,
+        text=True,
+        env=python_env(),
+        cwd=str(ROOT),
+        timeout=TIMEOUT,
+    )
+    assert p.returncode == 2 and "--stop-timeout must be seconds >= 0" in p.stderr, p.stderr
+    assert "listening" not in p.stdout  # refused before it serves
 
 
 def test_many_servers_with_open_sessions_stop_side_by_side_at_exit() -> None:
