@@ -60,7 +60,7 @@ __all__ = [
 ATTRIBUTES = ("field", "key", "expected", "actual", "partition", "retry")
 
 #: Values of :attr:`FlightqError.retry`: why the same call may pass later, unchanged.
-RETRY_BUSY = "busy"  # the server's call slots are taken: one frees when a call ends
+RETRY_BUSY = "busy"  # other calls in flight hold the server's call slots or reply room
 RETRY_FULL = "full"  # the memory budget or a row limit is reached: a consumer's clear frees room
 
 
@@ -82,9 +82,10 @@ class FlightqError(Exception):
         The partition the call was about.
     retry:
         Where the refusal lasts a while only and the same call may pass later, why:
-        ``"busy"`` (the server's call slots are taken), ``"full"`` (its memory budget or
-        a partition's row limit is reached, and nothing was cleared within the call's
-        wait); ``None`` where waiting changes nothing.
+        ``"busy"`` (other calls in flight hold the server's call slots, or its room for
+        large replies), ``"full"`` (its memory budget or a partition's row limit is
+        reached, and nothing was cleared within the call's wait); ``None`` where waiting
+        changes nothing.
     """
 
     field: str | None
@@ -212,7 +213,8 @@ class ClaimTimeoutError(FlightqTimeoutError):
 
 class ClaimCancelledError(FlightqError):
     """A waiting claim was stopped by its caller (``Client.cancel_claim`` naming its
-    ``call_id``, or an asyncio claim cancelled); it took no rows."""
+    ``call_id``, an asyncio claim cancelled, or its client closed while it waited); it
+    took no rows."""
 
     @classmethod
     def of(cls, partition: str, task: str | None = None) -> ClaimCancelledError:

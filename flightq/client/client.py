@@ -982,7 +982,12 @@ class Client:
         Several batches (one schema) travel in one DoPut and are stored all or nothing.
         """
         batches = [batch] if isinstance(batch, pa.RecordBatch) else list(batch)
-        return self._put(partition, batches, None, overwrite, timeout, put_id)
+        try:  # a copy of the list: a put in parts lets go of each batch once sent
+            return self._put(partition, list(batches), None, overwrite, timeout, put_id)
+        except Crowded:
+            # As put(): its parallel streams found the server's call slots taken and
+            # nothing was stored; once more, as one stream.
+            return self._put(partition, batches, None, overwrite, timeout, put_id)
 
     def _put(
         self,

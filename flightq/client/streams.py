@@ -152,7 +152,7 @@ def put_parts(
                 transport.action(AbortPut(partition=cmd.partition, stage=stage, parts=len(groups)))
             wait(futures)
             if isinstance(first, ResourceExhaustedError) and _crowded(reader, first):
-                raise Crowded(str(first)) from first
+                raise Crowded(str(first), **first.attributes()) from first
             raise first
     rows, created = futures[0].result()  # every part is answered alike
     return acknowledged(rows, cmd, f"put to {cmd.partition!r}", total), created

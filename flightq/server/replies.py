@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 
-from ..errors import ResourceExhaustedError
+from ..errors import RETRY_BUSY, ResourceExhaustedError
 
 __all__ = ["SMALL_REPLY_BYTES", "UNBUDGETED_ROOM_BYTES", "REPLY_WAIT_S", "ReplyRoom", "Held"]
 
@@ -68,6 +68,7 @@ class ReplyRoom:
                         "try again, or ask for less per call",
                         expected=self.capacity,
                         actual=self.used + n,
+                        retry=RETRY_BUSY,
                     )
                 self.waiting += 1
                 try:

@@ -69,6 +69,9 @@ class _Put:
     result: Stored | None = None
     #: The error's class and message (the error itself would keep its frames alive).
     error: tuple[type[BaseException], str] | None = None
+    #: Its structured attributes of plain scalars (``retry`` among them: every part's
+    #: caller learns whether the put may pass later).
+    attrs: dict[str, Any] = field(default_factory=dict)
 
 
 class Staging:
@@ -304,6 +307,7 @@ class Staging:
         if not p.done:
             p.done, p.result = True, result
             p.error = None if error is None else (type(error), _kept(str(error)))
+            p.attrs = _plain(error)
             p.decided_at = time.monotonic()
             p.pieces = {i: [] for i in p.pieces}
             self._decided[p.key] = p
@@ -320,8 +324,20 @@ def _raise_decided(p: _Put, what: str, part: int) -> None:
         )
     kind, message = p.error
     if issubclass(kind, FlightqError):
-        raise kind(message)
+        raise kind(message, **p.attrs)
     raise ProtocolError(f"{what}: {message}")
+
+
+def _plain(error: BaseException | None) -> dict[str, Any]:
+    """``error``'s structured attributes that are plain scalars (strings cut as messages
+    are), as a decided put keeps them."""
+    if not isinstance(error, FlightqError):
+        return {}
+    return {
+        a: _kept(v) if isinstance(v, str) else v
+        for a, v in error.attributes().items()
+        if isinstance(v, (str, int, float, bool))
+    }
 
 
 def _kept(message: str) -> str:

@@ -15,6 +15,7 @@ import pytest
 from helpers_reliability import plain_error, plain_put, put_command, text_batch
 
 import flightq
+from flightq.chunks import encode_chunks
 from flightq.protocol import SessionCommand
 
 TEXT = "rollout_text@1"
@@ -200,9 +201,14 @@ def test_a_parallel_get_whose_streams_find_the_server_busy_runs_as_one_stream() 
             assert _busy_refusals(c) == again  # one stream at once: nothing refused
 
 
-def test_a_parallel_put_whose_streams_find_the_server_busy_is_sent_again_as_one_stream() -> None:
+@pytest.mark.parametrize("how", ["put", "put_batch"])
+def test_a_parallel_put_whose_streams_find_the_server_busy_is_sent_again_as_one_stream(
+    how: str,
+) -> None:
     # As above for a put over 4 DoPut streams (4 MiB batches): the refused parts are
-    # aborted, nothing is stored twice, and the put goes again as one stream.
+    # aborted, nothing is stored twice, and the put goes again as one stream (put_batch
+    # raised the streams' refusal instead, without its `retry`: a sharded put, which
+    # puts record batches on each shard, and a Writer over it gave up).
     with (
         flightq.Server(max_calls=2) as srv,
         flightq.connect(
@@ -218,7 +224,12 @@ def test_a_parallel_put_whose_streams_find_the_server_busy_is_sent_again_as_one_
         assert c.put("p", _KEYS[:4], {"input_ids": _IDS[:4]}).route == "streams=2"
         with _one_slot_held(srv):
             before = _busy_refusals(c)
-            got = c.put("p", _KEYS, {"input_ids": _IDS}, overwrite=True)
+            if how == "put":
+                got = c.put("p", _KEYS, {"input_ids": _IDS}, overwrite=True)
+            else:
+                schema = flightq.SchemaRegistry.default().get(TEXT)
+                batches = encode_chunks(schema, {"input_ids": _IDS}, _KEYS, max_bytes=4 * 2**20)
+                got = c.put_batch("p", batches, overwrite=True)
             assert got == 8 and got.route == "socket"
             assert _busy_refusals(c) > before
             assert c.stats()["partitions"]["p"]["rows"] == 8

@@ -140,6 +140,22 @@ def test_a_part_the_server_refuses_fails_every_part_with_its_error(server, clien
     assert p["rows"] == 0 and p["staged_parts"] == 0
 
 
+def test_a_put_in_parts_refused_for_room_says_so_to_every_part_typed(server, client):
+    # Kept as class and message only, the decided error lost its attributes: the row
+    # limit's refusal reached the caller without `retry`, and a Writer gave up on puts it
+    # would have waited out.
+    client.create_partition("m", TEXT, tasks=["train"], max_rows=4)
+    keys, cols = _rows(4)
+    client.put("m", keys, cols)
+    more = [f"{k}+" for k in keys]
+    with pytest.raises(flightq.ResourceExhaustedError, match="4-row limit") as info:
+        client.put("m", more, text_columns(more), timeout=0.5)
+    assert info.value.retry == "full" and info.value.room_may_come
+    assert info.value.partition == "m"
+    (kept,) = [p for p in server._staging._decided.values() if p.error is not None]
+    assert kept.attrs["retry"] == "full"  # what every part's caller is answered with
+
+
 def test_an_aborted_put_wakes_its_waiting_parts(server, client):
     rb = _batch(client, text_keys(1, 4))
     errors: list[BaseException] = []
