@@ -704,4 +704,11 @@ def _jagged(p: Packed, ragged: list[Any]) -> Any:
             break
     else:
         ragged.append(offsets)
-    return torch.nested.nested_tensor_from_jagged(p.values, offsets)
+    if len(offsets) < 2:
+        return torch.nested.nested_tensor_from_jagged(p.values, offsets)
+    # Its shortest and longest row told: torch otherwise takes the values' whole length for
+    # the longest, and to_padded_tensor() pads every row to the batch's total tokens.
+    lengths = offsets[1:] - offsets[:-1]
+    return torch.nested.nested_tensor_from_jagged(
+        p.values, offsets, min_seqlen=int(lengths.min()), max_seqlen=int(lengths.max())
+    )

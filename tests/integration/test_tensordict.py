@@ -49,6 +49,11 @@ def test_a_tensordict_put_round_trips_with_jagged_token_fields(client, torch, td
     assert [r.tolist() for r in ids.unbind()] == [r.tolist() for r in _ids(torch).unbind()]
     assert out["input_lengths"].tolist() == list(LENS)
     assert list(out["__key__"]) == KEYS and list(out["__tags__"]) == [{}] * G
+    # Padded to its longest row (5), not to the batch's 14 tokens: the tensor knows its
+    # rows' lengths, as torch.nested.as_nested_tensor's does.
+    assert ids.to_padded_tensor(0).shape == (G, max(LENS))
+    padded = torch.nested.as_nested_tensor(list(_ids(torch).unbind()), layout=torch.jagged)
+    assert torch.equal(ids.to_padded_tensor(-1), padded.to_padded_tensor(-1))
 
 
 def test_jagged_values_are_the_received_buffers(client, torch) -> None:
@@ -60,6 +65,7 @@ def test_jagged_values_are_the_received_buffers(client, torch) -> None:
     flat, cu = col.packed()
     assert nt.values().data_ptr() == flat.data_ptr() == b["input_ids"][0].data_ptr()
     assert nt.offsets().tolist() == cu.tolist() == [0, 3, 8, 10, 14]
+    assert nt.to_padded_tensor(0).shape == (G, 5)  # the longest row, not 14
 
 
 def test_a_token_column_packs_as_flash_attention_varlen_takes_it(client, torch) -> None:
