@@ -63,17 +63,19 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .. import forks
+from ..batch import Batch
 from ..client.recent import Recent
 from ..errors import (
     EncodeError,
-    FlightqError,
     MissingFieldError,
     NotFoundError,
     ProtocolError,
     ShapeError,
+    UnknownSchemaError,
 )
 from ..registry import SchemaRegistry
 from ..rows import is_tensordict
+from ..tensor import is_torch
 from ..tensordicts import require_tensordict, to_tensordict
 
 log = logging.getLogger(__name__)
@@ -256,12 +258,35 @@ class KVBatchMeta:
         )
 
 
+def _plain_tags(tags: Any) -> Any:
+    """A row's tags with numpy scalars and one-element tensors as the Python values they
+    hold (TransferQueue pickles what msgpack cannot carry; flightq's tags are msgpack)."""
+    if not isinstance(tags, Mapping):
+        return tags  # refused by the put, naming the row
+    return {k: _plain(v) for k, v in tags.items()}
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, Mapping):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    item = getattr(v, "item", None)
+    if item is not None and getattr(v, "shape", None) == () and callable(item):
+        return item()  # a numpy scalar, a 0-d array or tensor
+    return v
+
+
 def _same(a: Any, b: Any) -> bool:
     """Whether two ``extra_info`` values are equal: of one type, and tensors and arrays
     element by element (their ``==`` has no single truth value)."""
     if type(a) is not type(b):
         return False
-    if hasattr(a, "shape") and hasattr(a, "dtype"):  # a tensor or an array
+    if is_torch(a):  # any dtype and device (numpy knows no bfloat16, nor CUDA memory)
+        import torch
+
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.cpu(), b.cpu()))
+    if hasattr(a, "shape") and hasattr(a, "dtype"):  # an array
         import numpy as np
 
         return bool(np.array_equal(np.asarray(a), np.asarray(b)))
@@ -375,7 +400,24 @@ class TransferQueue:
     def _ensure(self, partition_id: str) -> None:
         if self._declared.get(partition_id):  # a use: a busy partition stays known
             return
-        d = self._declaration(partition_id)
+        try:
+            d = self._declaration(partition_id)
+        except NotFoundError:
+            # Not declared here (a worker's bare init(), as TransferQueue's joins the
+            # job): the partition another process declared on the server serves as is.
+            try:
+                self.client.describe(partition_id)
+            except NotFoundError:
+                raise NotFoundError(
+                    f"partition {partition_id!r} has no schema: the server has no such "
+                    "partition, and init's conf['flightq'] declares none for it "
+                    f"(['partitions'][{partition_id!r}] or a default ['schema']); flightq "
+                    "never infers a schema from the first put (`flightq schema draft` "
+                    "writes one from a sample)",
+                    partition=partition_id,
+                ) from None
+            self._declared[partition_id] = True
+            return
         self.client.create_partition(
             partition_id,
             d["schema"],
@@ -460,6 +502,8 @@ class TransferQueue:
             )
         self._ensure(partition_id)
         cols = {} if fields is None else fields
+        if tags is not None:
+            tags = [_plain_tags(t) for t in tags]
         try:
             self.client.put(partition_id, keys, cols, tags, overwrite=self.overwrite)
         except NotFoundError as e:
@@ -484,16 +528,11 @@ class TransferQueue:
         sent: list[str],
         tags: list[dict[str, Any]] | None,
     ) -> KVBatchMeta:
-        try:
-            declared = self.registry.get(self._declaration(partition_id)["schema"]).fields
-            order = {f.name: i for i, f in enumerate(declared)}
-        except (FlightqError, TypeError, ValueError):  # not a ref held here: as sent
-            order = {}
         return KVBatchMeta(
             keys=keys,
             tags=[dict(t or {}) for t in tags] if tags is not None else [{} for _ in keys],
             partition_id=partition_id,
-            fields=sorted(sent, key=lambda f: order.get(f, len(order))),
+            fields=sorted(sent),  # by name, as TransferQueue lists them
         )
 
     def _meta(self, partition_id: str, keys: list[str]) -> KVBatchMeta:
@@ -506,7 +545,7 @@ class TransferQueue:
             keys=keys,
             tags=[r["tags"] for r in rows],
             partition_id=partition_id,
-            fields=every,
+            fields=sorted(every),  # by name, as TransferQueue lists them
         )
 
     # ------------------------------------------------------------------ gets
@@ -519,11 +558,30 @@ class TransferQueue:
     ) -> Any:
         """Rows by key as a TensorDict (batch dim = rows), with ``select_fields`` or every
         field the rows have."""
-        require_tensordict()
+        td = require_tensordict()
         ks = _names(keys) or []
+        want = _names(select_fields)
+
+        def read(fields: list[str] | None) -> tuple[Batch, Any]:
+            batch = self.client.get(partition_id, ks, fields, as_="torch")
+            return batch, to_tensordict(batch, meta=False)  # no per-row keys and tags
+
         with _not_found():
-            batch = self.client.get(partition_id, ks, _names(select_fields), as_="torch")
-        return to_tensordict(batch, meta=False)  # no per-row key and tag objects to drop
+            try:
+                batch, out = read(want)
+            except (MissingFieldError, UnknownSchemaError) as e:
+                if e.partition is not None and e.partition != partition_id:
+                    raise
+                # As TransferQueue reads: only the fields every row has (of those asked;
+                # a name no row has, declared or not, is left out).
+                every = self._meta(partition_id, ks).fields or []
+                want = [f for f in every if want is None or f in want]
+                if not want:
+                    return td.TensorDict({}, batch_size=[0])  # TransferQueue's empty read
+                batch, out = read(want)
+        if not batch.fields:
+            return td.TensorDict({}, batch_size=[0])
+        return out.select(*sorted(batch.fields))  # TransferQueue orders fields by name
 
     def kv_batch_get_by_meta(
         self, meta: KVBatchMeta, select_fields: list[str] | str | None = None

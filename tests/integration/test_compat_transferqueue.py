@@ -113,7 +113,7 @@ def test_kv_batch_put_then_get_every_row(api: Any, torch: Any, TensorDict: Any) 
     meta = api.kv_batch_put(
         keys=keys, partition_id="p", fields=fields, tags=[{"idx": i} for i in range(4)]
     )
-    assert meta.fields == ["input_ids", "attention_mask"] and len(meta) == 4
+    assert meta.fields == ["attention_mask", "input_ids"] and len(meta) == 4  # by name, as TQ
     got = api.kv_batch_get(keys=keys, partition_id="p")
     assert _rows(got["input_ids"]) == ids.tolist()
     assert _rows(got["attention_mask"]) == [[1, 1, 1]] * 4
@@ -142,8 +142,52 @@ def test_a_later_put_adds_fields_to_existing_keys(api: Any, torch: Any, TensorDi
     assert both.fields == ["input_ids"]
     got = api.kv_batch_get(keys="c1", partition_id="p")
     assert _rows(got["response"]) == [[5, 6]]
-    with pytest.raises(flightq.MissingFieldError, match="'response' is missing in 1 of 2"):
-        api.kv_batch_get(keys=keys, partition_id="p")
+    # As TransferQueue reads rows that differ: the fields every row has.
+    assert list(api.kv_batch_get(keys=keys, partition_id="p").keys()) == ["input_ids"]
+
+
+def test_select_fields_leaves_out_what_not_every_row_has(
+    api: Any, torch: Any, TensorDict: Any
+) -> None:
+    # verl asks for values, ref_log_prob and rollout_log_probs, then looks at which came
+    # back: flightq raised for a field no row had (GRPO without a critic writes no values).
+    ids = TensorDict({"input_ids": torch.tensor([[1, 2], [3, 4]])}, batch_size=2)
+    api.kv_batch_put(keys=["s0", "s1"], partition_id="p", fields=ids)
+    resp = TensorDict({"response": torch.tensor([[7]])}, batch_size=1)
+    api.kv_batch_put(keys=["s1"], partition_id="p", fields=resp)
+    asked = ["response", "input_ids", "score", "not_declared"]
+    got = api.kv_batch_get(keys=["s0", "s1"], partition_id="p", select_fields=asked)
+    assert list(got.keys()) == ["input_ids"] and _rows(got["input_ids"]) == [[1, 2], [3, 4]]
+    none = api.kv_batch_get(keys=["s0", "s1"], partition_id="p", select_fields=["score"])
+    assert none.batch_size == torch.Size([0]) and list(none.keys()) == []  # as TransferQueue
+    with pytest.raises(ValueError, match="no row key 'nope'"):  # unknown keys still refused
+        api.kv_batch_get(keys=["s0", "nope"], partition_id="p", select_fields=asked)
+
+
+def test_fields_are_listed_and_read_in_name_order(api: Any, torch: Any, TensorDict: Any) -> None:
+    fields = TensorDict(
+        {
+            "score": torch.ones(1),
+            "input_ids": torch.tensor([[1, 2]]),
+            "data": torch.ones(1, 2, dtype=torch.int64),
+        },
+        batch_size=1,
+    )
+    meta = api.kv_batch_put(keys=["o0"], partition_id="p", fields=fields)
+    assert meta.fields == ["data", "input_ids", "score"]
+    assert list(api.kv_batch_get(keys=["o0"], partition_id="p").keys()) == meta.fields
+
+
+def test_numpy_and_tensor_scalars_in_tags_are_kept_as_their_values(api: Any, torch: Any) -> None:
+    import numpy as np
+
+    tag = {"step": np.int64(7), "score": torch.tensor(0.5), "seen": (np.bool_(True), 2)}
+    api.kv_put(key="t0", partition_id="p", fields={"input_ids": torch.tensor([1])}, tag=tag)
+    assert api.kv_list(partition_id="p")["p"]["t0"] == {
+        "step": 7,
+        "score": 0.5,
+        "seen": [True, 2],
+    }
 
 
 def test_select_fields_takes_a_name_or_a_list(api: Any, torch: Any, TensorDict: Any) -> None:
@@ -248,6 +292,16 @@ def test_a_partition_without_a_declared_schema_is_refused(tmp_path: Path, torch:
         q.kv_put(key="a", partition_id="train", fields={"input_ids": torch.tensor([1, 2])})
         with pytest.raises(flightq.NotFoundError, match="partition 'other' has no schema"):
             q.kv_put(key="a", partition_id="other", fields={"input_ids": torch.tensor([1])})
+        # A worker's bare init(), as TransferQueue's joins the job: the partition the
+        # server has serves as declared there (its puts raised "has no schema" before).
+        worker = tq.TransferQueue({"flightq": {"location": q.location}})
+        try:
+            worker.kv_put(key="b", partition_id="train", fields={"input_ids": torch.tensor([3])})
+            assert sorted(worker.kv_list("train")["train"]) == ["a", "b"]
+            with pytest.raises(flightq.NotFoundError, match="server has no such partition"):
+                worker.kv_put(key="c", partition_id="other", fields={"input_ids": torch.ones(1)})
+        finally:
+            worker.close()
     finally:
         q.close()
 
@@ -279,7 +333,7 @@ def test_a_multimodal_step_round_trips_with_write_back(
     meta = tq.kv_batch_put(
         keys=keys, partition_id="rl", fields=TensorDict({"input_ids": lp}, batch_size=[g])
     )
-    assert meta.fields == ["input_ids", "data", "score", "pixel_values"]
+    assert meta.fields == ["data", "input_ids", "pixel_values", "score"]
     assert meta.tags == [{"weight_version": 3}] * g
     every = tq.kv_batch_get_by_meta(meta)
     assert _rows(every["input_ids"]) == [[-1] * n for n in (3, 5, 2, 4)]
@@ -337,7 +391,7 @@ def test_processes_share_a_server_through_flightq_location(torch: Any, TensorDic
             every = q.kv_batch_get_by_meta(meta)
         finally:
             q.close()
-    assert meta.fields == ["input_ids", "prev_logprobs", "pixel_values"]
+    assert meta.fields == ["input_ids", "pixel_values", "prev_logprobs"]
     assert [len(r) for r in every["prev_logprobs"].unbind()] == [3, 5, 2, 4]
     assert all(float(r[0].mean()) == 0.5 for r in every.get("pixel_values").tolist())
 
@@ -455,7 +509,9 @@ def test_kv_batch_meta_concat_compares_tensor_and_array_extra_info_by_value(torc
     import numpy as np
 
     tq = pytest.importorskip("flightq.compat.transferqueue")
-    for value in (torch.ones(3), np.ones(3)):
+    # bfloat16 and tensors that need grad: numpy takes neither (concat raised TypeError).
+    grad = torch.ones(3, requires_grad=True)
+    for value in (torch.ones(3), np.ones(3), torch.ones(3, dtype=torch.bfloat16), grad):
         meta = tq.KVBatchMeta(
             keys=["a", "b"], tags=[{}, {}], partition_id="p", extra_info={"w": value}
         )
@@ -509,6 +565,6 @@ def test_a_put_whose_rows_go_before_they_are_listed_still_succeeds(
         keys=["g0", "g1"], partition_id="race", fields=fields, tags=[{"v": 1}, None]
     )
     assert (meta.keys, meta.tags, meta.partition_id) == (["g0", "g1"], [{"v": 1}, {}], "race")
-    assert meta.fields == ["input_ids", "attention_mask"]
+    assert meta.fields == ["attention_mask", "input_ids"]
     monkeypatch.undo()
     assert api.kv_list(partition_id="race") in ({"race": {}}, {})
