@@ -53,7 +53,9 @@ than one builds :class:`TransferQueue` objects itself; they have the same method
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import logging
@@ -736,6 +738,28 @@ def kv_clear(keys: list[str] | str, partition_id: str) -> None:
     _tq().kv_clear(keys, partition_id)
 
 
+#: Threads the async calls of a process run on: their own, so that the event loop's
+#: default executor (asyncio.to_thread, run_in_executor(None, ...)), which an
+#: application's own blocking work shares, never queues behind the data plane's calls.
+ASYNC_THREADS = 16
+_POOL: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+_POOL_LOCK = threading.Lock()  # not _TQ_LOCK: init holds that while it connects
+
+
+async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on the compat's own threads, in the caller's context."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():  # a child's pool is its own
+            _POOL = (
+                os.getpid(),
+                concurrent.futures.ThreadPoolExecutor(ASYNC_THREADS, "flightq-tq"),
+            )
+        pool = _POOL[1]
+    ctx = contextvars.copy_context()
+    return await asyncio.get_running_loop().run_in_executor(pool, ctx.run, fn, *args)
+
+
 async def async_kv_put(
     key: str,
     partition_id: str,
@@ -744,7 +768,7 @@ async def async_kv_put(
     data_parser: Callable[[Any], Any] | None = None,
 ) -> KVBatchMeta:
     """:func:`kv_put` without blocking the event loop."""
-    return await asyncio.to_thread(kv_put, key, partition_id, fields, tag, data_parser)
+    return await _off_loop(kv_put, key, partition_id, fields, tag, data_parser)
 
 
 async def async_kv_batch_put(
@@ -755,28 +779,28 @@ async def async_kv_batch_put(
     data_parser: Callable[[Any], Any] | None = None,
 ) -> KVBatchMeta:
     """:func:`kv_batch_put` without blocking the event loop."""
-    return await asyncio.to_thread(kv_batch_put, keys, partition_id, fields, tags, data_parser)
+    return await _off_loop(kv_batch_put, keys, partition_id, fields, tags, data_parser)
 
 
 async def async_kv_batch_get(
     keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None
 ) -> Any:
     """:func:`kv_batch_get` without blocking the event loop."""
-    return await asyncio.to_thread(kv_batch_get, keys, partition_id, select_fields)
+    return await _off_loop(kv_batch_get, keys, partition_id, select_fields)
 
 
 async def async_kv_batch_get_by_meta(
     meta: KVBatchMeta, select_fields: list[str] | str | None = None
 ) -> Any:
     """:func:`kv_batch_get_by_meta` without blocking the event loop."""
-    return await asyncio.to_thread(kv_batch_get_by_meta, meta, select_fields)
+    return await _off_loop(kv_batch_get_by_meta, meta, select_fields)
 
 
 async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, Any]]:
     """:func:`kv_list` without blocking the event loop."""
-    return await asyncio.to_thread(kv_list, partition_id)
+    return await _off_loop(kv_list, partition_id)
 
 
 async def async_kv_clear(keys: list[str] | str, partition_id: str) -> None:
     """:func:`kv_clear` without blocking the event loop."""
-    await asyncio.to_thread(kv_clear, keys, partition_id)
+    await _off_loop(kv_clear, keys, partition_id)

@@ -464,6 +464,30 @@ def test_a_server_init_starts_is_found_by_the_processes_it_starts(torch: Any) ->
         mine.close()
 
 
+def test_async_calls_never_queue_behind_the_event_loops_own_executor(tq: Any, torch: Any) -> None:
+    # They ran on the loop's default executor (asyncio.to_thread), which an application's
+    # own blocking work shares: behind it they waited, and it behind them.
+    import concurrent.futures
+    import threading
+
+    release = threading.Event()
+
+    async def main() -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(2))
+        held = [asyncio.to_thread(release.wait, 60) for _ in range(2)]  # both its threads
+        waiting = asyncio.gather(*held)
+        try:
+            put = tq.async_kv_put(key="x", partition_id="p", fields={"score": torch.ones(())})
+            await asyncio.wait_for(put, 30)
+            return await asyncio.wait_for(tq.async_kv_list(partition_id="p"), 30)
+        finally:
+            release.set()
+            await waiting
+
+    assert list(asyncio.run(main())["p"]) == ["x"]
+
+
 def test_kv_batch_meta_chunks_reorders_and_concatenates_as_transferqueues() -> None:
     tq = pytest.importorskip("flightq.compat.transferqueue")
     keys = [f"k{i}" for i in range(5)]
