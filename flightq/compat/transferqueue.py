@@ -77,6 +77,7 @@ from ..errors import (
 )
 from ..registry import SchemaRegistry
 from ..rows import is_tensordict
+from ..schema import Field
 from ..tensor import is_torch
 from ..tensordicts import require_tensordict, to_tensordict
 
@@ -258,6 +259,18 @@ class KVBatchMeta:
             fields=first.fields,
             extra_info=extra or None,
         )
+
+
+def _ragged_later(f: Field) -> bool:
+    """Whether a tensor field's rows vary in one dim, not their first: a TensorDict of
+    flightq's holds such rows one by one, TransferQueue's as one jagged tensor."""
+    shape = f.shape
+    return (
+        f.role == "tensor"
+        and shape is not None
+        and shape[0] is not None
+        and (shape.count(None) == 1)
+    )
 
 
 def _plain_tags(tags: Any) -> Any:
@@ -566,7 +579,15 @@ class TransferQueue:
 
         def read(fields: list[str] | None) -> tuple[Batch, Any]:
             batch = self.client.get(partition_id, ks, fields, as_="torch")
-            return batch, to_tensordict(batch, meta=False)  # no per-row keys and tags
+            out = to_tensordict(batch, meta=False)  # no per-row keys and tags
+            for name in batch.fields:
+                if _ragged_later(batch.schema[name]) and len(batch):
+                    # As TransferQueue's: one jagged tensor (a copy; flightq's TensorDict
+                    # holds the rows as they are), e.g. mrope position ids of shape [3, L].
+                    import torch
+
+                    out[name] = torch.nested.as_nested_tensor(batch[name], layout=torch.jagged)
+            return batch, out
 
         with _not_found():
             try:

@@ -464,6 +464,36 @@ def test_a_server_init_starts_is_found_by_the_processes_it_starts(torch: Any) ->
         mine.close()
 
 
+def test_a_tensor_ragged_in_a_later_dim_reads_as_one_jagged_tensor(
+    tmp_path: Path, torch: Any, TensorDict: Any
+) -> None:
+    # Multimodal rotary position ids, [3, L] per row: flightq's TensorDict holds them row by
+    # row, TransferQueue's as one jagged tensor (code calling to_padded_tensor on them broke).
+    import flightq.compat.transferqueue as tq
+
+    schema = flightq.Schema(
+        "mrope",
+        1,
+        [
+            flightq.Field("input_ids", "int64", "token", [None]),
+            flightq.Field("position_ids", "int64", "tensor", [3, None]),
+        ],
+    )
+    (tmp_path / "mrope").mkdir()
+    (tmp_path / "mrope" / "v1.json").write_text(schema.to_json())
+    q = tq.TransferQueue({"flightq": {"schema": "mrope@1", "schemas_dir": str(tmp_path)}})
+    try:
+        rows = [torch.arange(3 * n).reshape(3, n) for n in (2, 5, 3)]
+        ids = [torch.arange(n) for n in (2, 5, 3)]
+        q.kv_batch_put(["a", "b", "c"], "p", {"input_ids": ids, "position_ids": rows})
+        got = q.kv_batch_get(["a", "b", "c"], "p")["position_ids"]
+        assert got.is_nested and got.layout == torch.jagged
+        assert [r.tolist() for r in got.unbind()] == [r.tolist() for r in rows]
+        assert got.to_padded_tensor(0).shape == (3, 3, 5)
+    finally:
+        q.close()
+
+
 def test_async_calls_never_queue_behind_the_event_loops_own_executor(tq: Any, torch: Any) -> None:
     # They ran on the loop's default executor (asyncio.to_thread), which an application's
     # own blocking work shares: behind it they waited, and it behind them.
