@@ -60,6 +60,7 @@ import copy
 import dataclasses
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -689,6 +690,15 @@ def init(conf: Any = None) -> dict[str, Any]:
     global _TQ
     with _TQ_LOCK:
         if _TQ is None:
+            located = _section(conf).get("location") or os.environ.get("FLIGHTQ_LOCATION")
+            if not located and _in_ray_worker():
+                raise ProtocolError(
+                    "init() in a Ray worker with no location: it would serve rows of its own "
+                    "that no other process sees (a Ray actor does not inherit the driver's "
+                    "environment). Pass the driver's location: "
+                    "runtime_env={'env_vars': {'FLIGHTQ_LOCATION': location}}, or "
+                    "conf['flightq']['location']"
+                )
             _TQ = TransferQueue(conf)
             if _TQ.server is not None:
                 # Processes this one starts (workers of a launcher, multiprocessing) find
@@ -702,6 +712,21 @@ def init(conf: Any = None) -> dict[str, Any]:
                     _TQ.location,
                 )
         return {**_TQ.conf, "location": _TQ.location}
+
+
+def _in_ray_worker() -> bool:
+    """Whether this process is a Ray task's or actor's (not a driver's); Ray is not
+    imported here where the application has not."""
+    ray = sys.modules.get("ray")
+    if ray is None:
+        return False
+    try:
+        if not ray.is_initialized():
+            return False
+        ctx = ray.get_runtime_context()
+        return ctx.get_actor_id() is not None or ctx.get_task_id() is not None
+    except Exception:  # another Ray's API: not known to be a worker
+        return False
 
 
 def close() -> None:

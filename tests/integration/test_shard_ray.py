@@ -94,3 +94,33 @@ def test_a_shard_actor_with_memory_cap_0_sets_none(local_ray: None) -> None:
         (actor,) = shards.actors
         pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
         assert data_limit(pid) is None and ray.get(actor.memory_cap.remote()) is None
+
+
+def test_a_bare_transferqueue_init_in_a_ray_actor_without_a_location_is_refused(
+    local_ray: None,
+) -> None:
+    # A Ray actor does not inherit the driver's environment: its bare init() started a
+    # server of its own, and the rows it put were seen by no other process.
+    pytest.importorskip("torch", reason="the compat layer reads TensorDicts (needs torch)")
+
+    @ray.remote(num_cpus=0.1)
+    class Worker:
+        def init(self, location: str | None) -> str:
+            os.environ.pop("FLIGHTQ_LOCATION", None)
+            if location is not None:
+                os.environ["FLIGHTQ_LOCATION"] = location
+            import flightq.compat.transferqueue as tq
+
+            try:
+                return str(tq.init()["location"])
+            except flightq.ProtocolError as e:
+                return f"refused: {e}"
+            finally:
+                tq.close()
+
+    with flightq.Server() as srv:
+        w = Worker.remote()  # type: ignore[attr-defined]
+        refused = ray.get(w.init.remote(None), timeout=60)
+        assert refused.startswith("refused: init() in a Ray worker with no location"), refused
+        assert ray.get(w.init.remote(srv.location), timeout=60) == srv.location
+        ray.kill(w)
