@@ -706,9 +706,6 @@ def _jagged(p: Packed, ragged: list[Any]) -> Any:
         ragged.append(offsets)
     if len(offsets) < 2:
         return torch.nested.nested_tensor_from_jagged(p.values, offsets)
-    # Its shortest and longest row told: torch otherwise takes the values' whole length for
-    # the longest, and to_padded_tensor() pads every row to the batch's total tokens.
-    lengths = offsets[1:] - offsets[:-1]
-    return torch.nested.nested_tensor_from_jagged(
-        p.values, offsets, min_seqlen=int(lengths.min()), max_seqlen=int(lengths.max())
-    )
+    # Its longest row told (known here, read from no device): torch otherwise takes the
+    # values' whole length, and to_padded_tensor() pads every row to the batch's tokens.
+    return torch.nested.nested_tensor_from_jagged(p.values, offsets, max_seqlen=p.max_len)

@@ -118,7 +118,7 @@ class KVBatchMeta:
     partition_id:
         The partition.
     fields:
-        The fields every one of these rows has, in schema order.
+        The fields every one of these rows has, by name (as TransferQueue lists them).
     extra_info:
         Batch-level information (flightq puts none; kept for code that reads it).
 
@@ -262,6 +262,32 @@ class KVBatchMeta:
         )
 
 
+def _jagged_later(batch: Batch, names: list[str], out: Any) -> None:
+    """Set ``out[name]`` to one jagged tensor ragged on the dim ``name``'s schema leaves
+    free (a copy: flightq's own TensorDict holds such rows one by one), as TransferQueue
+    gives it: mrope position ids of shape ``[3, L]`` come as ``(N, 3, j)``, their values
+    ``(3, total)``, whatever the rows' lengths (``as_nested_tensor`` picks the ragged dim
+    from the data: the 3 where every row has one length). Fields of one row length share
+    one offsets tensor, so they combine."""
+    import torch
+
+    shared: list[Any] = []
+    for name in names:
+        rows = batch[name]
+        r = list(batch.schema[name].shape or ()).index(None)
+        lengths = torch.tensor([int(x.shape[r]) for x in rows], dtype=torch.int64)
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        offsets = next((o for o in shared if torch.equal(o, offsets)), offsets)
+        if not any(o is offsets for o in shared):
+            shared.append(offsets)
+        out[name] = torch.nested.nested_tensor_from_jagged(
+            torch.cat(rows, dim=r),
+            offsets,
+            jagged_dim=r + 1,
+            max_seqlen=int(lengths.max()),
+        )
+
+
 def _ragged_later(f: Field) -> bool:
     """Whether a tensor field's rows vary in one dim, not their first: a TensorDict of
     flightq's holds such rows one by one, TransferQueue's as one jagged tensor."""
@@ -275,8 +301,9 @@ def _ragged_later(f: Field) -> bool:
 
 
 def _plain_tags(tags: Any) -> Any:
-    """A row's tags with numpy scalars and one-element tensors as the Python values they
-    hold (TransferQueue pickles what msgpack cannot carry; flightq's tags are msgpack)."""
+    """A row's tags with numpy scalars and 0-d arrays and tensors as the Python values they
+    hold (TransferQueue pickles what msgpack cannot carry; flightq's tags are msgpack: an
+    array or tensor of more elements is refused by the put, naming the row)."""
     if not isinstance(tags, Mapping):
         return tags  # refused by the put, naming the row
     return {k: _plain(v) for k, v in tags.items()}
@@ -301,7 +328,10 @@ def _same(a: Any, b: Any) -> bool:
     if is_torch(a):  # any dtype and device (numpy knows no bfloat16, nor CUDA memory)
         import torch
 
-        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.cpu(), b.cpu()))
+        try:
+            return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.cpu(), b.cpu()))
+        except Exception:  # a nested or meta tensor: no match where it cannot compare
+            return False
     if hasattr(a, "shape") and hasattr(a, "dtype"):  # an array
         import numpy as np
 
@@ -551,6 +581,12 @@ class TransferQueue:
             fields=sorted(sent),  # by name, as TransferQueue lists them
         )
 
+    def _every(self, partition_id: str, keys: list[str]) -> list[str]:
+        """The fields every row of ``keys`` has (a key may repeat), by name."""
+        listed = self.client.list_keys(partition_id, keys)
+        rows = [listed[k]["fields"] for k in dict.fromkeys(keys)]
+        return sorted(set(rows[0]).intersection(*rows[1:])) if rows else []
+
     def _meta(self, partition_id: str, keys: list[str]) -> KVBatchMeta:
         listed = self.client.list_keys(partition_id, keys)
         rows = [listed[k] for k in keys]
@@ -581,13 +617,9 @@ class TransferQueue:
         def read(fields: list[str] | None) -> tuple[Batch, Any]:
             batch = self.client.get(partition_id, ks, fields, as_="torch")
             out = to_tensordict(batch, meta=False)  # no per-row keys and tags
-            for name in batch.fields:
-                if _ragged_later(batch.schema[name]) and len(batch):
-                    # As TransferQueue's: one jagged tensor (a copy; flightq's TensorDict
-                    # holds the rows as they are), e.g. mrope position ids of shape [3, L].
-                    import torch
-
-                    out[name] = torch.nested.as_nested_tensor(batch[name], layout=torch.jagged)
+            later = [n for n in batch.fields if _ragged_later(batch.schema[n])]
+            if later and len(batch):
+                _jagged_later(batch, later, out)
             return batch, out
 
         with _not_found():
@@ -598,7 +630,15 @@ class TransferQueue:
                     raise
                 # As TransferQueue reads: only the fields every row has (of those asked;
                 # a name no row has, declared or not, is left out).
-                every = self._meta(partition_id, ks).fields or []
+                every = self._every(partition_id, ks)
+                if not every:
+                    raise MissingFieldError(
+                        f"kv_batch_get from {partition_id!r}: no field is present in every "
+                        f"row of the {len(ks)} keys (a row holds tags alone, or its fields "
+                        "are not written yet); TransferQueue raises too ('Some fields are "
+                        "not ready')",
+                        partition=partition_id,
+                    ) from e
                 want = [f for f in every if want is None or f in want]
                 if not want:
                     return td.TensorDict({}, batch_size=[0])  # TransferQueue's empty read

@@ -162,6 +162,13 @@ def test_select_fields_leaves_out_what_not_every_row_has(
     assert none.batch_size == torch.Size([0]) and list(none.keys()) == []  # as TransferQueue
     with pytest.raises(ValueError, match="no row key 'nope'"):  # unknown keys still refused
         api.kv_batch_get(keys=["s0", "nope"], partition_id="p", select_fields=asked)
+    # A key may repeat, as in a plain read.
+    again = api.kv_batch_get(keys=["s1", "s0", "s1"], partition_id="p", select_fields=asked)
+    assert _rows(again["input_ids"]) == [[3, 4], [1, 2], [3, 4]]
+    # A row holding tags alone: no field is in every row, as TransferQueue's "not ready".
+    api.kv_batch_put(keys=["s2"], partition_id="p", tags=[{"status": "pending"}])
+    with pytest.raises(flightq.MissingFieldError, match="no field is present in every row"):
+        api.kv_batch_get(keys=["s0", "s2"], partition_id="p")
 
 
 def test_fields_are_listed_and_read_in_name_order(api: Any, torch: Any, TensorDict: Any) -> None:
@@ -477,6 +484,7 @@ def test_a_tensor_ragged_in_a_later_dim_reads_as_one_jagged_tensor(
         [
             flightq.Field("input_ids", "int64", "token", [None]),
             flightq.Field("position_ids", "int64", "tensor", [3, None]),
+            flightq.Field("position_bias", "int64", "tensor", [3, None], required=False),
         ],
     )
     (tmp_path / "mrope").mkdir()
@@ -490,6 +498,19 @@ def test_a_tensor_ragged_in_a_later_dim_reads_as_one_jagged_tensor(
         assert got.is_nested and got.layout == torch.jagged
         assert [r.tolist() for r in got.unbind()] == [r.tolist() for r in rows]
         assert got.to_padded_tensor(0).shape == (3, 3, 5)
+        assert got.values().shape == (3, 10)  # ragged on L, the channels whole
+        # Ragged on L whatever the lengths: one row, rows of one length (torch's own
+        # as_nested_tensor makes the 3 ragged there).
+        q.kv_batch_put(["d", "e"], "p", {"input_ids": ids[:2], "position_ids": [rows[0]] * 2})
+        for keys in (["a"], ["d", "e"]):
+            one = q.kv_batch_get(keys, "p")["position_ids"]
+            assert one.values().shape == (3, 2 * len(keys)) and one.select(1, 0).is_nested
+        # Two such fields of one read share their ragged dim: they combine.
+        q.kv_batch_put(["a", "b", "c"], "p", {"position_bias": rows})
+        both = q.kv_batch_get(["a", "b", "c"], "p")
+        assert (both["position_ids"] + both["position_bias"]).values().tolist() == (
+            2 * torch.cat(rows, dim=1)
+        ).tolist()
     finally:
         q.close()
 
