@@ -74,7 +74,6 @@ from ..errors import (
     NotFoundError,
     ProtocolError,
     ShapeError,
-    UnknownSchemaError,
 )
 from ..registry import SchemaRegistry
 from ..rows import is_tensordict
@@ -297,6 +296,43 @@ def _ragged_later(f: Field) -> bool:
         and shape is not None
         and shape[0] is not None
         and (shape.count(None) == 1)
+    )
+
+
+#: The prefix of the tag keys that carry a row's non-tensor fields (a ``uid``, a
+#: ``raw_prompt``, a ``reward_model`` dict): TransferQueue stores any object as a field,
+#: a flightq schema declares tensors only; the compat keeps such values in the row's tags
+#: (msgpack), lists them as fields and hides them from the tags it shows.
+_OBJECT = "__tq_field__:"
+
+
+def _objects(tags: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The non-tensor fields every row's tags carry."""
+    if not tags:
+        return []
+    names = [{k[len(_OBJECT) :] for k in t if k.startswith(_OBJECT)} for t in tags]
+    return sorted(names[0].intersection(*names[1:]))
+
+
+def _every_row(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The fields (tensor and non-tensor) every row of a ``list_keys`` answer has."""
+    if not rows:
+        return []
+    tensors = set(rows[0]["fields"]).intersection(*(r["fields"] for r in rows[1:]))
+    return sorted(tensors | set(_objects([r["tags"] for r in rows])))
+
+
+def _user_tags(tags: Mapping[str, Any]) -> dict[str, Any]:
+    """A row's tags as its writers gave them (without its non-tensor fields)."""
+    return {k: v for k, v in tags.items() if not k.startswith(_OBJECT)}
+
+
+def _tensors(values: Sequence[Any]) -> bool:
+    """Whether a column's values are tensors or numbers (a tensor field's), not objects."""
+    import numpy as np
+
+    return bool(values) and all(
+        is_torch(v) or isinstance(v, (np.ndarray, np.generic, int, float, bool)) for v in values
     )
 
 
@@ -547,9 +583,15 @@ class TransferQueue:
                 actual=len(tags),
             )
         self._ensure(partition_id)
-        cols = {} if fields is None else fields
+        cols, objects = self._split(partition_id, len(keys), {} if fields is None else fields)
         if tags is not None:
             tags = [_plain_tags(t) for t in tags]
+        sent_tags = tags
+        if objects:  # carried in the rows' tags, beside the caller's
+            tags = [dict(t or {}) for t in tags] if tags is not None else [{} for _ in keys]
+            for name, values in objects.items():
+                for t, v in zip(tags, values, strict=True):
+                    t[_OBJECT + name] = _plain(v)
         try:
             self.client.put(partition_id, keys, cols, tags, overwrite=self.overwrite)
         except NotFoundError as e:
@@ -565,7 +607,39 @@ class TransferQueue:
         except NotFoundError:
             # Stored, then cleared (or its partition dropped) by another process before
             # they could be listed: the put still succeeded, described by what it sent.
-            return self._sent_meta(partition_id, keys, list(cols.keys()), tags)
+            sent = [*cols.keys(), *objects]
+            return self._sent_meta(partition_id, keys, sent, sent_tags)
+
+    def _split(self, partition_id: str, n: int, fields: Any) -> tuple[Any, dict[str, list[Any]]]:
+        """``fields`` less their non-tensor entries under names the partition's schema
+        does not declare (strings, dicts, a ``NonTensorStack``), and those entries as
+        ``{name: one value per row}``: they travel in the rows' tags (:data:`_OBJECT`). A
+        tensor under an undeclared name stays, for the put to refuse naming it."""
+        schema = self.client._partition_schema(partition_id)
+        if is_tensordict(fields):
+            entries = list(fields.keys())  # iterating a TensorDict walks its rows
+            names = [k for k in entries if isinstance(k, str) and k not in schema]
+            objects = {k: fields.get(k) for k in names if not is_torch(fields.get(k))}
+            objects = {k: v for k, v in objects.items() if hasattr(v, "tolist")}
+            if not objects:
+                return fields, {}
+            return fields.exclude(*objects), {k: list(v.tolist()) for k, v in objects.items()}
+        if not isinstance(fields, Mapping):
+            return fields, {}
+        objects = {
+            k: list(v)
+            for k, v in fields.items()
+            if k not in schema and isinstance(v, (list, tuple)) and not _tensors(v)
+        }
+        for k, v in objects.items():
+            if len(v) != n:
+                raise ShapeError(
+                    f"kv_batch_put: field {k!r} has {len(v)} values for {n} keys",
+                    field=k,
+                    expected=n,
+                    actual=len(v),
+                )
+        return {k: v for k, v in fields.items() if k not in objects}, objects
 
     def _sent_meta(
         self,
@@ -582,22 +656,19 @@ class TransferQueue:
         )
 
     def _every(self, partition_id: str, keys: list[str]) -> list[str]:
-        """The fields every row of ``keys`` has (a key may repeat), by name."""
+        """The fields every row of ``keys`` has (a key may repeat; non-tensor fields
+        included), by name."""
         listed = self.client.list_keys(partition_id, keys)
-        rows = [listed[k]["fields"] for k in dict.fromkeys(keys)]
-        return sorted(set(rows[0]).intersection(*rows[1:])) if rows else []
+        return _every_row([listed[k] for k in dict.fromkeys(keys)])
 
     def _meta(self, partition_id: str, keys: list[str]) -> KVBatchMeta:
         listed = self.client.list_keys(partition_id, keys)
         rows = [listed[k] for k in keys]
-        every = (
-            [f for f in rows[0]["fields"] if all(f in r["fields"] for r in rows)] if rows else []
-        )
         return KVBatchMeta(
             keys=keys,
-            tags=[r["tags"] for r in rows],
+            tags=[_user_tags(r["tags"]) for r in rows],
             partition_id=partition_id,
-            fields=sorted(every),  # by name, as TransferQueue lists them
+            fields=_every_row(rows),  # by name, as TransferQueue lists them
         )
 
     # ------------------------------------------------------------------ gets
@@ -609,7 +680,8 @@ class TransferQueue:
         select_fields: list[str] | str | None = None,
     ) -> Any:
         """Rows by key as a TensorDict (batch dim = rows), with ``select_fields`` or every
-        field the rows have."""
+        field the rows have: of those, the fields every row has (tensor fields, and the
+        non-tensor ones their tags carry), in name order."""
         td = require_tensordict()
         ks = _names(keys) or []
         want = _names(select_fields)
@@ -623,29 +695,33 @@ class TransferQueue:
             return batch, out
 
         with _not_found():
+            schema = self.client._partition_schema(partition_id)
+            # Names the schema does not declare can only be non-tensor fields (tags).
+            tensors = None if want is None else [f for f in want if f in schema]
             try:
-                batch, out = read(want)
-            except (MissingFieldError, UnknownSchemaError) as e:
+                batch, out = read(tensors)
+            except MissingFieldError as e:
                 if e.partition is not None and e.partition != partition_id:
                     raise
                 # As TransferQueue reads: only the fields every row has (of those asked;
                 # a name no row has, declared or not, is left out).
                 every = self._every(partition_id, ks)
-                if not every:
-                    raise MissingFieldError(
-                        f"kv_batch_get from {partition_id!r}: no field is present in every "
-                        f"row of the {len(ks)} keys (a row holds tags alone, or its fields "
-                        "are not written yet); TransferQueue raises too ('Some fields are "
-                        "not ready')",
-                        partition=partition_id,
-                    ) from e
-                want = [f for f in every if want is None or f in want]
-                if not want:
-                    return td.TensorDict({}, batch_size=[0])  # TransferQueue's empty read
-                batch, out = read(want)
-        if not batch.fields:
-            return td.TensorDict({}, batch_size=[0])
-        return out.select(*sorted(batch.fields))  # TransferQueue orders fields by name
+                tensors = [f for f in every if f in schema and (tensors is None or f in tensors)]
+                batch, out = read(tensors)
+            objects = _objects(batch.tags)
+            for name in objects if want is None else [o for o in objects if o in want]:
+                out[name] = td.NonTensorStack.from_list([t[_OBJECT + name] for t in batch.tags])
+        names = sorted(out.keys())
+        if not names:
+            if not self._every(partition_id, ks):
+                raise MissingFieldError(
+                    f"kv_batch_get from {partition_id!r}: no field is present in every row of "
+                    f"the {len(ks)} keys (a row holds tags alone, or its fields are not written "
+                    "yet); TransferQueue raises too ('Some fields are not ready')",
+                    partition=partition_id,
+                )
+            return td.TensorDict({}, batch_size=[0])  # none of those asked: TransferQueue's
+        return out.select(*names)  # TransferQueue orders fields by name
 
     def kv_batch_get_by_meta(
         self, meta: KVBatchMeta, select_fields: list[str] | str | None = None
@@ -674,7 +750,7 @@ class TransferQueue:
         out = {}
         for p in names:
             try:
-                out[p] = {k: row["tags"] for k, row in self.client.list_keys(p).items()}
+                out[p] = {k: _user_tags(row["tags"]) for k, row in self.client.list_keys(p).items()}
             except NotFoundError as e:
                 if type(e) is not NotFoundError or e.partition != p or e.key is not None:
                     raise

@@ -171,6 +171,50 @@ def test_select_fields_leaves_out_what_not_every_row_has(
         api.kv_batch_get(keys=["s0", "s2"], partition_id="p")
 
 
+def test_non_tensor_fields_travel_in_the_rows_tags_and_read_back_as_fields(
+    api: Any, torch: Any, TensorDict: Any
+) -> None:
+    # verl's agent loop puts uid, raw_prompt and reward_model beside the tensors, and its
+    # trainer reads them back as fields: a flightq schema declares tensors only, and the
+    # put was refused.
+    from tensordict import NonTensorStack
+
+    prompts = [[{"role": "user", "content": "2+2?"}], [{"role": "user", "content": "hi"}]]
+    fields = TensorDict(
+        {
+            "input_ids": torch.tensor([[1, 2], [3, 4]]),
+            "uid": NonTensorStack("u0", "u1"),
+            "raw_prompt": NonTensorStack.from_list(prompts),
+        },
+        batch_size=2,
+    )
+    meta = api.kv_batch_put(keys=["n0", "n1"], partition_id="p", fields=fields, tags=[{"v": 1}] * 2)
+    assert meta.fields == ["input_ids", "raw_prompt", "uid"] and meta.tags == [{"v": 1}] * 2
+    got = api.kv_batch_get(keys=["n1", "n0"], partition_id="p")
+    assert list(got.keys()) == ["input_ids", "raw_prompt", "uid"]
+    assert (
+        got.get("uid").tolist() == ["u1", "u0"] and got.get("raw_prompt").tolist() == prompts[::-1]
+    )
+    # Selected alone, or beside a tensor; a dict of columns and kv_put take them too.
+    only = api.kv_batch_get(keys=["n0"], partition_id="p", select_fields="uid")
+    assert list(only.keys()) == ["uid"] and only.batch_size == torch.Size([1])
+    api.kv_batch_put(keys=["n0", "n1"], partition_id="p", fields={"data_source": ["gsm8k", "math"]})
+    api.kv_put(key="n0", partition_id="p", fields={"reward_model": {"ground_truth": "4"}})
+    both = api.kv_batch_get(
+        keys=["n0"], partition_id="p", select_fields=["reward_model", "input_ids"]
+    )
+    assert both.get("reward_model").tolist() == [{"ground_truth": "4"}]
+    assert _rows(both["input_ids"]) == [[1, 2]]
+    # Not every row has it: left out, as a tensor field would be.
+    read = api.kv_batch_get(keys=["n0", "n1"], partition_id="p")
+    assert "reward_model" not in list(read.keys())
+    # The tags shown are the writers' own.
+    assert api.kv_list(partition_id="p")["p"]["n1"] == {"v": 1}
+    # A tensor under an undeclared name is still refused, naming it.
+    with pytest.raises(flightq.UndeclaredFieldError, match="'logits'"):
+        api.kv_batch_put(keys=["n0"], partition_id="p", fields={"logits": [torch.ones(2)]})
+
+
 def test_fields_are_listed_and_read_in_name_order(api: Any, torch: Any, TensorDict: Any) -> None:
     fields = TensorDict(
         {
