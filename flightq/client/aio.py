@@ -193,6 +193,10 @@ class AsyncClient:
         """See :meth:`flightq.Client.describe`."""
         return await self._call(self.client.describe, partition)
 
+    async def partition_schema(self, partition: str) -> Schema:
+        """See :meth:`flightq.Client.partition_schema`."""
+        return await self._call(self.client.partition_schema, partition)
+
     async def clear(
         self, partition: str, keys: Sequence[str] | None = None, *, missing_ok: bool = False
     ) -> int:

@@ -602,7 +602,15 @@ class Client:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _partition_schema(self, partition: str) -> Schema:
+    def partition_schema(self, partition: str) -> Schema:
+        """The schema ``partition`` is declared with (asked of the server once, then kept;
+        a put that finds it declared again asks afresh).
+
+        Raises
+        ------
+        NotFoundError
+            If there is no partition ``partition``.
+        """
         with self._lock:
             s = self._schemas.get(partition)
         if s is None:
@@ -829,7 +837,7 @@ class Client:
         C-contiguous tensor whose first dim is the rows) is checked a column at a time and
         sent from that tensor's memory: leave it unchanged until ``put`` returns.
         """
-        schema = self._partition_schema(partition)
+        schema = self.partition_schema(partition)
         try:
             return self._put_as(partition, schema, keys, columns, tags, overwrite, timeout, put_id)
         except SCHEMA_FAULTS as refused:
@@ -849,7 +857,7 @@ class Client:
             If the partition no longer exists.
         """
         self._schemas.pop(partition)
-        fresh = self._partition_schema(partition)
+        fresh = self.partition_schema(partition)
         if fresh.fingerprint == kept.fingerprint:
             return None
         self._forget_media(partition)

@@ -12,7 +12,11 @@ one import::
 The calls take the same argument names and shapes as TransferQueue 0.1.11 (``init``,
 ``close``, ``kv_put``, ``kv_batch_put``, ``kv_batch_get``, ``kv_batch_get_by_meta``,
 ``kv_list``, ``kv_clear`` and their ``async_`` twins) and return the same kinds of
-results (:class:`KVBatchMeta`, TensorDicts, the ``kv_list`` map). Where flightq is
+results (:class:`KVBatchMeta`, TensorDicts, the ``kv_list`` map); :func:`get_client` and
+:class:`BatchMeta` give the rows-by-key part of TransferQueue's lower-level client (what
+verl's worker dispatch uses), and :data:`SHIM_PATH` on ``PYTHONPATH`` makes ``import
+transfer_queue`` find this module. Non-tensor values (strings, dicts) put under names the
+schema does not declare ride in the rows' tags and read back as fields. Where flightq is
 stricter its rule stays, with its typed error: partitions have a declared schema (from
 ``init``'s configuration, never inferred from the first put), an undeclared field or a
 dtype drift is refused, and reading a key that is not there is a
@@ -53,6 +57,7 @@ than one builds :class:`TransferQueue` objects itself; they have the same method
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import contextvars
@@ -84,8 +89,10 @@ from ..tensordicts import require_tensordict, to_tensordict
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "BatchMeta",
     "KVBatchMeta",
     "KeysNotFoundError",
+    "SHIM_PATH",
     "TransferQueue",
     "init",
     "close",
@@ -101,6 +108,8 @@ __all__ = [
     "async_kv_batch_get_by_meta",
     "async_kv_list",
     "async_kv_clear",
+    "get_client",
+    "get_metrics_endpoint",
 ]
 
 
@@ -615,7 +624,7 @@ class TransferQueue:
         does not declare (strings, dicts, a ``NonTensorStack``), and those entries as
         ``{name: one value per row}``: they travel in the rows' tags (:data:`_OBJECT`). A
         tensor under an undeclared name stays, for the put to refuse naming it."""
-        schema = self.client._partition_schema(partition_id)
+        schema = self.client.partition_schema(partition_id)
         if is_tensordict(fields):
             entries = list(fields.keys())  # iterating a TensorDict walks its rows
             names = [k for k in entries if isinstance(k, str) and k not in schema]
@@ -695,7 +704,7 @@ class TransferQueue:
             return batch, out
 
         with _not_found():
-            schema = self.client._partition_schema(partition_id)
+            schema = self.client.partition_schema(partition_id)
             # Names the schema does not declare can only be non-tensor fields (tags).
             tensors = None if want is None else [f for f in want if f in schema]
             try:
@@ -761,12 +770,14 @@ class TransferQueue:
         TransferQueue does."""
         # Keys not there (never were, or another process cleared them meanwhile: the
         # ranks of a data-parallel group clearing one step) are skipped by the server.
+        names = _names(keys) or []
         try:
-            self.client.clear(partition_id, _names(keys) or [], missing_ok=True)
+            self.client.clear(partition_id, names, missing_ok=True)
         except NotFoundError as e:
             if type(e) is not NotFoundError or e.partition != partition_id or e.key is not None:
                 raise
             # the partition itself is not there: nothing to clear
+        _IDS.forget(partition_id, names)
 
     def close(self) -> None:
         """Close the connection, and stop the server ``init`` started, if any."""
@@ -966,3 +977,359 @@ async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, 
 async def async_kv_clear(keys: list[str] | str, partition_id: str) -> None:
     """:func:`kv_clear` without blocking the event loop."""
     await _off_loop(kv_clear, keys, partition_id)
+
+
+# --------------------------------------------------------------------------- lower level
+
+#: A folder holding a ``transfer_queue`` package that is this module: put it first on
+#: ``PYTHONPATH`` (the driver's, and every Ray worker's through its ``runtime_env``) and
+#: code that imports ``transfer_queue`` by name (verl, in seven of its files) runs on
+#: flightq unchanged.
+SHIM_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
+
+#: Row ids (``BatchMeta.global_indexes``) this process keeps at most: the ids of the
+#: rows read last (verl resolves them within a step, in the process that asked).
+MAX_IDS = 1 << 18
+
+
+class _Ids:
+    """This process's integer ids of rows, as TransferQueue's ``global_indexes``: flightq
+    addresses rows by key alone, and verl hands the ids back alone (``kv_retrieve_keys``).
+    A row keeps its id while it is among the :data:`MAX_IDS` used last and not cleared."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._of: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
+        self._keys: dict[int, tuple[str, str]] = {}
+        self._next = 0
+
+    def ids(self, partition_id: str, keys: Sequence[str]) -> list[int]:
+        out = []
+        with self._lock:
+            for k in keys:
+                i = self._of.get((partition_id, k))
+                if i is None:
+                    i, self._next = self._next, self._next + 1
+                    self._keys[i] = (partition_id, k)
+                self._of[(partition_id, k)] = i
+                self._of.move_to_end((partition_id, k))
+                out.append(i)
+            while len(self._of) > MAX_IDS:
+                _, gone = self._of.popitem(last=False)
+                del self._keys[gone]
+        return out
+
+    def keys(self, partition_id: str, ids: Sequence[int]) -> list[str]:
+        with self._lock:
+            found = [self._keys.get(int(i)) for i in ids]
+        for i, got in zip(ids, found, strict=True):
+            if got is None or got[0] != partition_id:
+                raise KeysNotFoundError(
+                    f"kv_retrieve_keys: row id {i} of partition {partition_id!r} was not given "
+                    "by this process's kv_retrieve_meta (ids are per process, and a cleared "
+                    f"row's, or one past the {MAX_IDS} used last, is forgotten)",
+                    partition=partition_id,
+                )
+        return [got[1] for got in found if got is not None]
+
+    def forget(self, partition_id: str, keys: Sequence[str]) -> None:
+        with self._lock:
+            for k in keys:
+                i = self._of.pop((partition_id, k), None)
+                if i is not None:
+                    del self._keys[i]
+
+
+_IDS = _Ids()
+
+
+class BatchMeta:
+    """TransferQueue's lower-level handle on rows, as verl's worker dispatch uses it: the
+    rows by position (``global_indexes``, ids of this process's :func:`get_client`), their
+    partitions, the fields every row has (``field_names``, by name) and batch-level
+    ``extra_info``. It carries the rows' keys, so a worker in another process reads and
+    writes them with no lookup; it pickles (it crosses Ray).
+
+    The constructor takes TransferQueue's arguments (``field_schema``'s keys are the
+    fields; ``production_status``, ``custom_meta`` and the backend's are not kept), and
+    none (an empty batch, as verl builds one).
+
+    Raises
+    ------
+    ValueError
+        If ids, partitions and keys differ in length.
+    KeysNotFoundError
+        Where no ``keys`` are given, if this process gave none of those ids.
+    """
+
+    def __init__(
+        self,
+        global_indexes: Sequence[int] = (),
+        partition_ids: Sequence[str] = (),
+        field_schema: Mapping[str, Any] | None = None,
+        production_status: Any = None,
+        extra_info: Mapping[str, Any] | None = None,
+        custom_meta: Any = None,
+        _custom_backend_meta: Any = None,
+        *,
+        keys: Sequence[str] | None = None,
+        field_names: Sequence[str] | None = None,
+    ) -> None:
+        self.global_indexes = [int(i) for i in global_indexes]
+        self.partition_ids = list(partition_ids)
+        if len(self.global_indexes) != len(self.partition_ids):
+            raise ValueError(
+                f"BatchMeta: {len(self.global_indexes)} global_indexes for "
+                f"{len(self.partition_ids)} partition_ids"
+            )
+        if keys is None:
+            keys = [
+                k
+                for p, i in zip(self.partition_ids, self.global_indexes, strict=True)
+                for k in _IDS.keys(p, [i])
+            ]
+        self.keys = list(keys)
+        if len(self.keys) != len(self.global_indexes):
+            raise ValueError(f"BatchMeta: {len(self.keys)} keys for {self.size} rows")
+        names = field_names if field_names is not None else list(field_schema or {})
+        self._field_names = sorted(dict.fromkeys(names))
+        self.extra_info: dict[str, Any] = dict(extra_info or {})
+
+    @property
+    def size(self) -> int:
+        """How many rows."""
+        return len(self.global_indexes)
+
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def field_names(self) -> list[str]:
+        """The fields every row has, by name."""
+        return list(self._field_names)
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether there are rows and fields to read."""
+        return self.size > 0 and bool(self._field_names)
+
+    def _like(self, idx: Sequence[int], names: Sequence[str]) -> BatchMeta:
+        return BatchMeta(
+            [self.global_indexes[i] for i in idx],
+            [self.partition_ids[i] for i in idx],
+            extra_info=copy.deepcopy(self.extra_info),
+            keys=[self.keys[i] for i in idx],
+            field_names=names,
+        )
+
+    def select_fields(self, field_names: Sequence[str]) -> BatchMeta:
+        """These rows with those of ``field_names`` they have (a name they lack is left
+        out, as TransferQueue's)."""
+        return self._like(range(self.size), [f for f in field_names if f in self._field_names])
+
+    def select_samples(self, sample_indices: Sequence[int]) -> BatchMeta:
+        """The rows at these positions, in this order."""
+        return self._like(list(sample_indices), self._field_names)
+
+    def __getitem__(self, item: int | slice) -> BatchMeta:
+        if isinstance(item, slice):
+            return self.select_samples(range(*item.indices(self.size)))
+        i = int(item) + (self.size if int(item) < 0 else 0)
+        if not 0 <= i < self.size:
+            raise IndexError("BatchMeta index out of range")
+        return self.select_samples([i])
+
+    def chunk(self, chunks: int) -> list[BatchMeta]:
+        """``chunks`` consecutive parts, the first ``size % chunks`` one row longer (some
+        empty where there are fewer rows), as TransferQueue's."""
+        if chunks < 1:
+            raise ValueError(f"chunk: chunks must be at least 1, got {chunks}")
+        base, extra = divmod(self.size, chunks)
+        out, start = [], 0
+        for i in range(chunks):
+            end = start + base + (1 if i < extra else 0)
+            out.append(self.select_samples(range(start, end)))
+            start = end
+        return out
+
+    @classmethod
+    def concat(cls, data: Sequence[BatchMeta], validate: bool = True) -> BatchMeta:
+        """The rows of ``data`` in order (empty parts left out), as TransferQueue's: their
+        fields must agree, and so must an ``extra_info`` key two parts carry.
+
+        Raises
+        ------
+        ValueError
+            If the parts' fields or ``extra_info`` values differ.
+        """
+        parts = [d for d in data if d is not None and d.size > 0]
+        if not parts:
+            return cls()
+        names = parts[0].field_names
+        if validate:
+            odd = next((d for d in parts if d.field_names != names), None)
+            if odd is not None:
+                raise ValueError(
+                    f"BatchMeta.concat: field_names {odd.field_names} differ from {names}"
+                )
+        extra: dict[str, Any] = {}
+        for d in parts:
+            for k, v in d.extra_info.items():
+                if k in extra and not _same(extra[k], v):
+                    raise ValueError(f"BatchMeta.concat: extra_info {k!r} differs between parts")
+                extra.setdefault(k, v)
+        return cls(
+            [i for d in parts for i in d.global_indexes],
+            [p for d in parts for p in d.partition_ids],
+            extra_info=extra,
+            keys=[k for d in parts for k in d.keys],
+            field_names=names,
+        )
+
+    @classmethod
+    def empty(cls, extra_info: Mapping[str, Any] | None = None) -> BatchMeta:
+        """No rows."""
+        return cls(extra_info=extra_info)
+
+    def add_fields(self, data: Any) -> BatchMeta:
+        """These rows with ``data``'s entries among their fields (after a put of them)."""
+        self._field_names = sorted(set(self._field_names) | set(data.keys()))
+        return self
+
+    def __repr__(self) -> str:
+        return (
+            f"BatchMeta(size={self.size}, field_names={self._field_names}, "
+            f"partition_ids={sorted(set(self.partition_ids))}, extra_info={self.extra_info})"
+        )
+
+
+def _one_partition(meta: BatchMeta, what: str) -> str:
+    parts = set(meta.partition_ids)
+    if len(parts) != 1:
+        raise ProtocolError(f"{what}: the rows of one partition, got {sorted(parts)}")
+    return parts.pop()
+
+
+class KVClient:
+    """What :func:`get_client` returns: TransferQueue's client calls that address rows by
+    key (what verl's worker dispatch makes), over this process's :class:`TransferQueue`.
+    Each has an ``async_`` twin, run on the compat's own threads."""
+
+    def kv_retrieve_meta(
+        self, keys: list[str] | str, partition_id: str, create: bool = False
+    ) -> BatchMeta:
+        """The rows of ``keys`` as a :class:`BatchMeta`: this process's ids for them and
+        the fields every row has. An unknown key or partition is a
+        :class:`KeysNotFoundError` (TransferQueue leaves such keys out with a warning).
+
+        Raises
+        ------
+        ProtocolError
+            With ``create``: rows are created by a put here (``kv_batch_put``).
+        """
+        if create:
+            raise ProtocolError(
+                "kv_retrieve_meta(create=True) is not offered: rows are created by their put"
+            )
+        ks = _names(keys) or []
+        with _not_found():
+            meta = _tq()._meta(partition_id, ks)
+        return BatchMeta(
+            _IDS.ids(partition_id, ks),
+            [partition_id] * len(ks),
+            keys=ks,
+            field_names=meta.fields or [],
+        )
+
+    def kv_retrieve_keys(self, global_indexes: Sequence[int] | int, partition_id: str) -> list[str]:
+        """The keys of rows by the ids :meth:`kv_retrieve_meta` gave them in this process.
+
+        Raises
+        ------
+        KeysNotFoundError
+            Naming an id this process did not give (or forgot: see :data:`MAX_IDS`).
+        """
+        ids = [global_indexes] if isinstance(global_indexes, int) else list(global_indexes)
+        return _IDS.keys(partition_id, ids)
+
+    def get_data(self, metadata: BatchMeta) -> Any:
+        """The rows' ``field_names`` as a TensorDict (batch size 0 where there are no rows
+        or no fields, as TransferQueue's)."""
+        if metadata.size == 0 or not metadata.field_names:
+            return require_tensordict().TensorDict({}, batch_size=[0])
+        pid = _one_partition(metadata, "get_data")
+        return _tq().kv_batch_get(metadata.keys, pid, metadata.field_names)
+
+    def put(
+        self,
+        data: Any,
+        metadata: BatchMeta | None = None,
+        partition_id: str | None = None,
+        data_parser: Callable[[Any], Any] | None = None,
+    ) -> BatchMeta:
+        """Write ``data``'s entries onto the rows of ``metadata`` (new columns: a worker's
+        log probs, values, entropy), all or nothing; returns ``metadata`` with them among
+        its fields. The rows' tags are left as they are.
+
+        Raises
+        ------
+        ProtocolError
+            Without ``metadata``: TransferQueue's insert mode is not offered
+            (``kv_batch_put`` creates rows by key).
+        """
+        if metadata is None:
+            raise ProtocolError(
+                "put without metadata (TransferQueue's insert mode) is not offered: create "
+                "rows by key with kv_batch_put"
+            )
+        if metadata.size == 0:
+            return metadata
+        pid = _one_partition(metadata, "put")
+        _tq().kv_batch_put(metadata.keys, pid, fields=data, data_parser=data_parser)
+        return metadata.add_fields(data)
+
+    async def async_kv_retrieve_meta(
+        self, keys: list[str] | str, partition_id: str, create: bool = False
+    ) -> BatchMeta:
+        """:meth:`kv_retrieve_meta` off the event loop."""
+        return await _off_loop(self.kv_retrieve_meta, keys, partition_id, create)
+
+    async def async_kv_retrieve_keys(
+        self, global_indexes: Sequence[int] | int, partition_id: str
+    ) -> list[str]:
+        """:meth:`kv_retrieve_keys` (no call to the server)."""
+        return self.kv_retrieve_keys(global_indexes, partition_id)
+
+    async def async_get_data(self, metadata: BatchMeta) -> Any:
+        """:meth:`get_data` off the event loop."""
+        return await _off_loop(self.get_data, metadata)
+
+    async def async_put(
+        self,
+        data: Any,
+        metadata: BatchMeta | None = None,
+        partition_id: str | None = None,
+        data_parser: Callable[[Any], Any] | None = None,
+    ) -> BatchMeta:
+        """:meth:`put` off the event loop."""
+        return await _off_loop(self.put, data, metadata, partition_id, data_parser)
+
+
+_CLIENT = KVClient()
+
+
+def get_client() -> KVClient:
+    """This process's client calls (TransferQueue's ``get_client()``).
+
+    Raises
+    ------
+    ProtocolError
+        If :func:`init` was not called.
+    """
+    _tq()
+    return _CLIENT
+
+
+def get_metrics_endpoint() -> str | None:
+    """None: a flightq server's metrics are ``flightq serve --metrics-port``'s."""
+    return None

@@ -232,6 +232,10 @@ class Fanout:
         """The partition's declaration, from the first shard that answers."""
         return self._first(lambda c: c.describe(partition))
 
+    def partition_schema(self, partition: str) -> Schema:
+        """The schema ``partition`` is declared with (asked of a shard once, then kept)."""
+        return self._decl(partition)[0]
+
     def clear(
         self, partition: str, keys: Sequence[str] | None = None, *, missing_ok: bool = False
     ) -> int:

@@ -583,6 +583,98 @@ def test_async_calls_never_queue_behind_the_event_loops_own_executor(tq: Any, to
     assert list(asyncio.run(main())["p"]) == ["x"]
 
 
+_WORKER = """
+import asyncio, pickle, sys
+import torch
+from tensordict import TensorDict
+import transfer_queue as tq  # the shim: flightq's compat under TransferQueue's name
+
+tq.init()  # bare, as verl's workers: the location comes from FLIGHTQ_LOCATION
+meta = pickle.loads(sys.stdin.buffer.read())
+client = tq.get_client()
+data = asyncio.run(client.async_get_data(meta))
+mask = torch.nested.nested_tensor_from_jagged(
+    data["input_ids"].values() % 2, data["input_ids"].offsets()
+)
+out = TensorDict({"attention_mask": mask}, batch_size=[len(mask)])
+done = asyncio.run(client.async_put(data=out, metadata=meta))
+print(tq.__file__, sorted(done.field_names), len(data), flush=True)
+tq.close()
+"""
+
+
+def test_verls_worker_dispatch_runs_over_batch_meta_and_get_client(
+    tq: Any, torch: Any, TensorDict: Any
+) -> None:
+    # verl's v1 trainer hands KVBatchMeta to its worker groups: the driver turns it into a
+    # BatchMeta (kv_retrieve_meta), chunks it per worker, each worker (another process,
+    # importing `transfer_queue`) reads its rows and writes new columns onto them by the
+    # BatchMeta, and the driver joins the parts and turns them back into keys.
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    keys = [f"v{i}" for i in range(5)]
+    ids = torch.nested.as_nested_tensor(
+        [torch.arange(3 + i) for i in range(5)], layout=torch.jagged
+    )
+    tq.kv_batch_put(keys, "p", fields=TensorDict({"input_ids": ids}, batch_size=5), tags=[{}] * 5)
+    batch = tq.KVBatchMeta(partition_id="p", keys=keys, tags=[{}] * 5)
+    batch.reorder([4, 3, 2, 1, 0])
+    client = tq.get_client()
+    meta = asyncio.run(client.async_kv_retrieve_meta(keys=batch.keys, partition_id="p"))
+    assert meta.field_names == ["input_ids"] and meta.size == 5
+    meta.extra_info = {"temperature": 1.0}
+    chunks = meta.chunk(2)
+    assert [c.size for c in chunks] == [3, 2] and chunks[0].extra_info == {"temperature": 1.0}
+    env = {
+        **os.environ,
+        "FLIGHTQ_LOCATION": tq._tq().location,
+        "PYTHONPATH": os.pathsep.join([tq.SHIM_PATH, os.environ.get("PYTHONPATH", "")]),
+    }
+    outs = []
+    for c in chunks:
+        got = subprocess.run(
+            [sys.executable, "-c", _WORKER],
+            input=pickle.dumps(c),
+            env=env,
+            capture_output=True,
+            timeout=90,
+        )
+        assert got.returncode == 0, got.stderr.decode()[-2000:]
+        where, rest = got.stdout.decode().strip().split(" ", 1)
+        names, n = rest.rsplit(" ", 1)
+        assert where.endswith(os.path.join("shim", "transfer_queue", "__init__.py")), where
+        assert names == "['attention_mask', 'input_ids']" and n == str(c.size), got.stdout
+        outs.append(c.add_fields({"attention_mask": None}))
+    whole = tq.BatchMeta.concat(outs)
+    back = asyncio.run(client.async_kv_retrieve_keys(whole.global_indexes, partition_id="p"))
+    assert back == batch.keys and whole.field_names == ["attention_mask", "input_ids"]
+    read = tq.kv_batch_get(back, "p", select_fields=["input_ids", "attention_mask"])
+    for r_ids, r_mask in zip(
+        read["input_ids"].unbind(), read["attention_mask"].unbind(), strict=True
+    ):
+        assert torch.equal(r_mask, r_ids % 2)
+    # An id this process did not give, or a cleared row's, is refused naming it.
+    with pytest.raises(tq.KeysNotFoundError, match="row id 999999"):
+        client.kv_retrieve_keys([999999], "p")
+    tq.kv_clear(keys[:1], "p")
+    with pytest.raises(tq.KeysNotFoundError):
+        client.kv_retrieve_keys(whole.global_indexes, "p")
+    # What is not offered says so; an empty batch as verl builds one reads empty.
+    with pytest.raises(flightq.ProtocolError, match="insert mode"):
+        client.put(TensorDict({}, batch_size=[0]))
+    with pytest.raises(flightq.ProtocolError, match="create=True"):
+        client.kv_retrieve_meta(keys[1:], "p", create=True)
+    assert client.get_data(tq.BatchMeta()).batch_size == torch.Size([0])
+    assert [c.size for c in tq.BatchMeta().chunk(2)] == [0, 0]
+    other = meta.select_samples([0])
+    other.extra_info = {"temperature": 0.5}
+    with pytest.raises(ValueError, match="extra_info 'temperature' differs"):
+        tq.BatchMeta.concat([meta.select_samples([1]), other])
+
+
 def test_kv_batch_meta_chunks_reorders_and_concatenates_as_transferqueues() -> None:
     tq = pytest.importorskip("flightq.compat.transferqueue")
     keys = [f"k{i}" for i in range(5)]

@@ -127,6 +127,18 @@ def test_a_claim_waits_for_rows_put_later_on_any_shard(sharded: flightq.ShardedC
     assert sorted(b.keys) == sorted(put["keys"])
 
 
+def test_a_partitions_schema_is_known_on_every_client(
+    sharded: flightq.ShardedClient, shard_locations: list[str]
+) -> None:
+    sharded.create_partition("declared", TEXT, tasks=["train"])
+    want = flightq.SchemaRegistry.default().get(TEXT).fingerprint
+    assert sharded.partition_schema("declared").fingerprint == want
+    with flightq.connect(shard_locations[0], timeout=SHORT) as one:
+        assert one.partition_schema("declared").fingerprint == want
+        with pytest.raises(flightq.NotFoundError, match="nope"):
+            one.partition_schema("nope")
+
+
 @pytest.mark.torch
 def test_clear_reset_and_stats_fan_out(sharded: flightq.ShardedClient) -> None:
     assert sharded.create_partition("rows", TEXT, tasks=["train"], group_size=2)
