@@ -64,11 +64,12 @@ import contextvars
 import copy
 import dataclasses
 import logging
+import numbers
 import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from .. import forks
 from ..batch import Batch
@@ -313,6 +314,64 @@ def _ragged_later(f: Field) -> bool:
 #: a flightq schema declares tensors only; the compat keeps such values in the row's tags
 #: (msgpack), lists them as fields and hides them from the tags it shows.
 _OBJECT = "__tq_field__:"
+
+
+#: The field name errors about a row's tags carry (:data:`flightq.layout.TAGS`).
+_TAGS_FIELD = "__tags__"
+
+
+def _object_value(name: str, key: str, v: Any) -> Any:
+    """A non-tensor field's value as its row's tags carry it (numpy scalars and 0-d
+    tensors as their values, tuples as lists).
+
+    Raises
+    ------
+    EncodeError
+        If msgpack cannot carry it (an array or tensor, a set, a map with non-string keys),
+        naming the field and the row.
+    """
+    import msgpack
+
+    v = _plain(v)
+    try:  # as the server decodes tags: map keys that are not strings are refused there
+        msgpack.unpackb(msgpack.packb(v, use_bin_type=True), raw=False)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise EncodeError(
+            f"kv_batch_put: non-tensor field {name!r} of row {key!r} is not a msgpack value "
+            f"({e}): declare it as a tensor field in the schema, or convert it (strings, "
+            "numbers, lists, maps with string keys, bytes)",
+            field=name,
+            key=key,
+        ) from e
+    return v
+
+
+def _fit_tags(keys: Sequence[str], tags: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse, naming the row and its largest non-tensor field, tags past what a server
+    takes of one row's in a put (:data:`flightq.server.budget.MAX_TAGS_BYTES`)."""
+    import msgpack
+
+    from ..server.budget import MAX_TAGS_BYTES
+
+    for key, t in zip(keys, tags, strict=True):
+        size = len(msgpack.packb(t, use_bin_type=True))
+        if size > MAX_TAGS_BYTES:
+            sizes = {
+                k[len(_OBJECT) :]: len(msgpack.packb(v, use_bin_type=True))
+                for k, v in t.items()
+                if k.startswith(_OBJECT)
+            }
+            big = max(sizes, key=sizes.__getitem__)
+            raise EncodeError(
+                f"kv_batch_put: row {key!r}'s tags and non-tensor fields take {size} bytes, "
+                f"more than a server takes of one row's in a put ({MAX_TAGS_BYTES}); the "
+                f"largest is field {big!r} ({sizes[big]} bytes): put it in a put of its "
+                "own, or as a tensor field",
+                field=big,
+                key=key,
+                expected=MAX_TAGS_BYTES,
+                actual=size,
+            )
 
 
 def _objects(tags: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -591,16 +650,42 @@ class TransferQueue:
                 expected=len(keys),
                 actual=len(tags),
             )
+        sent = self._put(keys, partition_id, fields, tags)
+        try:
+            return self._meta(partition_id, keys)
+        except NotFoundError:
+            # Stored, then cleared (or its partition dropped) by another process before
+            # they could be listed: the put still succeeded, described by what it sent.
+            return self._sent_meta(partition_id, keys, sent, tags)
+
+    def _put(
+        self, keys: list[str], partition_id: str, fields: Any, tags: list[dict[str, Any]] | None
+    ) -> list[str]:
+        """The put of :meth:`kv_batch_put`, listing nothing after; returns the fields sent.
+
+        Raises
+        ------
+        EncodeError
+            A tag key that names a non-tensor field (:data:`_OBJECT`), or a non-tensor value
+            msgpack cannot carry, naming the field and the row.
+        """
         self._ensure(partition_id)
         cols, objects = self._split(partition_id, len(keys), {} if fields is None else fields)
         if tags is not None:
             tags = [_plain_tags(t) for t in tags]
-        sent_tags = tags
+            hidden = next((k for t in tags if t for k in t if str(k).startswith(_OBJECT)), None)
+            if hidden is not None:
+                raise EncodeError(
+                    f"kv_batch_put: tag key {hidden!r} starts with {_OBJECT!r}, which the "
+                    "compat keeps for non-tensor fields: put it as a field, or rename it",
+                    field=_TAGS_FIELD,
+                )
         if objects:  # carried in the rows' tags, beside the caller's
             tags = [dict(t or {}) for t in tags] if tags is not None else [{} for _ in keys]
             for name, values in objects.items():
-                for t, v in zip(tags, values, strict=True):
-                    t[_OBJECT + name] = _plain(v)
+                for key, t, v in zip(keys, tags, values, strict=True):
+                    t[_OBJECT + name] = _object_value(name, key, v)
+            _fit_tags(keys, tags)
         try:
             self.client.put(partition_id, keys, cols, tags, overwrite=self.overwrite)
         except NotFoundError as e:
@@ -611,13 +696,7 @@ class TransferQueue:
             self._declared.pop(partition_id)
             self._ensure(partition_id)
             self.client.put(partition_id, keys, cols, tags, overwrite=self.overwrite)
-        try:
-            return self._meta(partition_id, keys)
-        except NotFoundError:
-            # Stored, then cleared (or its partition dropped) by another process before
-            # they could be listed: the put still succeeded, described by what it sent.
-            sent = [*cols.keys(), *objects]
-            return self._sent_meta(partition_id, keys, sent, sent_tags)
+        return [*cols.keys(), *objects]
 
     def _split(self, partition_id: str, n: int, fields: Any) -> tuple[Any, dict[str, list[Any]]]:
         """``fields`` less their non-tensor entries under names the partition's schema
@@ -638,7 +717,14 @@ class TransferQueue:
         objects = {
             k: list(v)
             for k, v in fields.items()
-            if k not in schema and isinstance(v, (list, tuple)) and not _tensors(v)
+            if k not in schema
+            and (
+                (isinstance(v, (list, tuple)) and not _tensors(v))
+                or (
+                    getattr(getattr(v, "dtype", None), "kind", "") == "O"
+                    and getattr(v, "ndim", 0) == 1
+                )
+            )
         }
         for k, v in objects.items():
             if len(v) != n:
@@ -1023,7 +1109,13 @@ class _Ids:
         with self._lock:
             found = [self._keys.get(int(i)) for i in ids]
         for i, got in zip(ids, found, strict=True):
-            if got is None or got[0] != partition_id:
+            if got is not None and got[0] != partition_id:
+                raise KeysNotFoundError(
+                    f"kv_retrieve_keys: row id {i} is of partition {got[0]!r}, not "
+                    f"{partition_id!r}",
+                    partition=partition_id,
+                )
+            if got is None:
                 raise KeysNotFoundError(
                     f"kv_retrieve_keys: row id {i} of partition {partition_id!r} was not given "
                     "by this process's kv_retrieve_meta (ids are per process, and a cleared "
@@ -1232,6 +1324,8 @@ class KVClient:
                 "kv_retrieve_meta(create=True) is not offered: rows are created by their put"
             )
         ks = _names(keys) or []
+        if len(set(ks)) != len(ks):
+            raise ProtocolError("kv_retrieve_meta: a key is named twice")
         with _not_found():
             meta = _tq()._meta(partition_id, ks)
         return BatchMeta(
@@ -1249,8 +1343,9 @@ class KVClient:
         KeysNotFoundError
             Naming an id this process did not give (or forgot: see :data:`MAX_IDS`).
         """
-        ids = [global_indexes] if isinstance(global_indexes, int) else list(global_indexes)
-        return _IDS.keys(partition_id, ids)
+        if isinstance(global_indexes, numbers.Integral):
+            return _IDS.keys(partition_id, [int(global_indexes)])
+        return _IDS.keys(partition_id, list(cast(Sequence[int], global_indexes)))
 
     def get_data(self, metadata: BatchMeta) -> Any:
         """The rows' ``field_names`` as a TensorDict (batch size 0 where there are no rows
@@ -1284,8 +1379,13 @@ class KVClient:
             )
         if metadata.size == 0:
             return metadata
+        if data_parser is not None:
+            raise ProtocolError(
+                "data_parser is not supported by flightq: parse references into tensors "
+                "before the put"
+            )
         pid = _one_partition(metadata, "put")
-        _tq().kv_batch_put(metadata.keys, pid, fields=data, data_parser=data_parser)
+        _tq()._put(metadata.keys, pid, data, None)  # nothing listed after: verl reads none
         return metadata.add_fields(data)
 
     async def async_kv_retrieve_meta(

@@ -622,10 +622,14 @@ def _continues(prev: Row, row: Row, fields: list[str]) -> bool:
     a, b = prev.home, row.home
     if a is not None and b is not None and a[0] is b[0] and b[1] == a[1] + 1:
         return True  # consecutive rows of one piece as a put made them: every field goes on
+    along = False
     for f in fields:
         a, b = prev.cells.get(f), row.cells.get(f)
         if a is None and b is None:
             continue
         if a is None or b is None or a[0] is not b[0] or b[1] != a[1] + 1:
             return False
-    return True
+        along = True
+    # With no cell to run along (no field asked, or none either row has) a row is a run
+    # of its own: a key asked twice then lands in another batch (a batch holds each once).
+    return along

@@ -215,6 +215,36 @@ def test_non_tensor_fields_travel_in_the_rows_tags_and_read_back_as_fields(
         api.kv_batch_put(keys=["n0"], partition_id="p", fields={"logits": [torch.ones(2)]})
 
 
+def test_non_tensor_values_tags_cannot_carry_are_refused_naming_field_and_row(
+    api: Any, torch: Any
+) -> None:
+    import numpy as np
+
+    ids = [torch.tensor([1])]
+    bad = [
+        {"pixels": np.zeros(3)},  # an array inside a dict
+        {1: "a"},  # a map key that is not a string
+        {"s"},  # a set
+    ]
+    for value in bad:
+        with pytest.raises(flightq.EncodeError, match="non-tensor field 'extra' of row 'e0'") as e:
+            api.kv_batch_put(["e0"], "p", fields={"input_ids": ids, "extra": [value]})
+        assert (e.value.field, e.value.key) == ("extra", "e0")
+    # Past what a server takes of one row's tags in a put: named, with the largest field.
+    big = ["x" * 70_000]
+    with pytest.raises(flightq.EncodeError, match="largest is field 'raw_prompt'"):
+        api.kv_batch_put(["e0"], "p", fields={"input_ids": ids, "raw_prompt": big})
+    # A tag key of the compat's own is refused; numpy object columns are objects.
+    with pytest.raises(flightq.EncodeError, match="__tq_field__:uid"):
+        api.kv_batch_put(["e0"], "p", fields={"input_ids": ids}, tags=[{"__tq_field__:uid": 1}])
+    uids = np.array(["u0"], dtype=object)
+    api.kv_batch_put(["e0"], "p", fields={"input_ids": ids, "uid": uids})
+    assert api.kv_batch_get(["e0"], "p", select_fields="uid").get("uid").tolist() == ["u0"]
+    # Non-tensor fields alone of a key named twice.
+    twice = api.kv_batch_get(["e0", "e0"], "p", select_fields="uid")
+    assert twice.get("uid").tolist() == ["u0", "u0"]
+
+
 def test_fields_are_listed_and_read_in_name_order(api: Any, torch: Any, TensorDict: Any) -> None:
     fields = TensorDict(
         {
@@ -659,6 +689,13 @@ def test_verls_worker_dispatch_runs_over_batch_meta_and_get_client(
     # An id this process did not give, or a cleared row's, is refused naming it.
     with pytest.raises(tq.KeysNotFoundError, match="row id 999999"):
         client.kv_retrieve_keys([999999], "p")
+    import numpy as np
+
+    assert client.kv_retrieve_keys(np.int64(whole.global_indexes[0]), "p") == back[:1]
+    with pytest.raises(tq.KeysNotFoundError, match="is of partition 'p', not 'q'"):
+        client.kv_retrieve_keys(whole.global_indexes[:1], "q")
+    with pytest.raises(flightq.ProtocolError, match="named twice"):
+        client.kv_retrieve_meta([keys[1], keys[1]], "p")
     tq.kv_clear(keys[:1], "p")
     with pytest.raises(tq.KeysNotFoundError):
         client.kv_retrieve_keys(whole.global_indexes, "p")
