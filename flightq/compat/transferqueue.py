@@ -779,6 +779,8 @@ class TransferQueue:
         non-tensor ones their tags carry), in name order."""
         td = require_tensordict()
         ks = _names(keys) or []
+        if not ks:
+            raise ProtocolError("kv_batch_get: no keys (TransferQueue refuses an empty list too)")
         want = _names(select_fields)
 
         def read(fields: list[str] | None) -> tuple[Batch, Any]:

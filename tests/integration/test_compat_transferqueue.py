@@ -162,6 +162,8 @@ def test_select_fields_leaves_out_what_not_every_row_has(
     assert none.batch_size == torch.Size([0]) and list(none.keys()) == []  # as TransferQueue
     with pytest.raises(ValueError, match="no row key 'nope'"):  # unknown keys still refused
         api.kv_batch_get(keys=["s0", "nope"], partition_id="p", select_fields=asked)
+    with pytest.raises(ValueError, match="no keys"):  # as TransferQueue's
+        api.kv_batch_get(keys=[], partition_id="p")
     # A key may repeat, as in a plain read.
     again = api.kv_batch_get(keys=["s1", "s0", "s1"], partition_id="p", select_fields=asked)
     assert _rows(again["input_ids"]) == [[3, 4], [1, 2], [3, 4]]
