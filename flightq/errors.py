@@ -245,8 +245,9 @@ class ResourceExhaustedError(FlightqError, RuntimeError):
 
     @property
     def busy(self) -> bool:
-        """Refused for want of call slots ("server busy", the server's ``max_calls``):
-        the call may go through once another ends (``retry == "busy"``)."""
+        """Refused for want of call slots ("server busy", the server's ``max_calls``) or
+        of room for a large reply: the call may go through once another ends
+        (``retry == "busy"``)."""
         return self.retry == RETRY_BUSY
 
     @property
