@@ -316,6 +316,13 @@ def _ragged_later(f: Field) -> bool:
 _OBJECT = "__tq_field__:"
 
 
+def _no_parser(data_parser: Callable[[Any], Any] | None) -> None:
+    if data_parser is not None:
+        raise ProtocolError(
+            "data_parser is not supported by flightq: parse references into tensors before the put"
+        )
+
+
 #: The field name errors about a row's tags carry (:data:`flightq.layout.TAGS`).
 _TAGS_FIELD = "__tags__"
 
@@ -356,18 +363,19 @@ def _fit_tags(keys: Sequence[str], tags: Sequence[Mapping[str, Any]]) -> None:
     for key, t in zip(keys, tags, strict=True):
         size = len(msgpack.packb(t, use_bin_type=True))
         if size > MAX_TAGS_BYTES:
-            sizes = {
-                k[len(_OBJECT) :]: len(msgpack.packb(v, use_bin_type=True))
-                for k, v in t.items()
-                if k.startswith(_OBJECT)
-            }
+            sizes = {k: len(msgpack.packb(v, use_bin_type=True)) for k, v in t.items()}
             big = max(sizes, key=sizes.__getitem__)
+            if big.startswith(_OBJECT):
+                what, field = f"field {big[len(_OBJECT) :]!r}", big[len(_OBJECT) :]
+                fix = "put it in a put of its own, or as a tensor field"
+            else:
+                what, field = f"tag {big!r}", _TAGS_FIELD
+                fix = "make it smaller, or keep it beside the data plane"
             raise EncodeError(
                 f"kv_batch_put: row {key!r}'s tags and non-tensor fields take {size} bytes, "
                 f"more than a server takes of one row's in a put ({MAX_TAGS_BYTES}); the "
-                f"largest is field {big!r} ({sizes[big]} bytes): put it in a put of its "
-                "own, or as a tensor field",
-                field=big,
+                f"largest is {what} ({sizes[big]} bytes): {fix}",
+                field=field,
                 key=key,
                 expected=MAX_TAGS_BYTES,
                 actual=size,
@@ -627,29 +635,8 @@ class TransferQueue:
         server holds them after the put; where another process cleared the rows (or
         dropped the partition) before they could be listed, the tags and fields this put
         sent, since the put was stored all the same."""
-        if data_parser is not None:
-            raise ProtocolError(
-                "data_parser is not supported by flightq: parse references into tensors "
-                "before the put"
-            )
-        if fields is None and tags is None:
-            raise EncodeError("kv_batch_put: give fields or tags (or both)")
+        _no_parser(data_parser)
         keys = list(keys)
-        if is_tensordict(fields) and (
-            len(fields.batch_size) < 1 or fields.batch_size[0] != len(keys)
-        ):
-            raise ShapeError(
-                f"kv_batch_put: {len(keys)} keys for a TensorDict of batch_size "
-                f"{list(fields.batch_size)}",
-                expected=len(keys),
-                actual=list(fields.batch_size),
-            )
-        if tags is not None and len(tags) != len(keys):
-            raise ShapeError(
-                f"kv_batch_put: {len(tags)} tags for {len(keys)} keys",
-                expected=len(keys),
-                actual=len(tags),
-            )
         sent = self._put(keys, partition_id, fields, tags)
         try:
             return self._meta(partition_id, keys)
@@ -666,14 +653,43 @@ class TransferQueue:
         Raises
         ------
         EncodeError
-            A tag key that names a non-tensor field (:data:`_OBJECT`), or a non-tensor value
-            msgpack cannot carry, naming the field and the row.
+            Neither fields nor tags; a tag key that names a non-tensor field
+            (:data:`_OBJECT`), or a non-tensor value msgpack cannot carry, naming the field
+            and the row.
+        ShapeError
+            Fields or tags of another number of rows than keys.
         """
+        if fields is None and tags is None:
+            raise EncodeError("kv_batch_put: give fields or tags (or both)")
+        if is_tensordict(fields) and (
+            len(fields.batch_size) < 1 or fields.batch_size[0] != len(keys)
+        ):
+            raise ShapeError(
+                f"kv_batch_put: {len(keys)} keys for a TensorDict of batch_size "
+                f"{list(fields.batch_size)}",
+                expected=len(keys),
+                actual=list(fields.batch_size),
+            )
+        if tags is not None and len(tags) != len(keys):
+            raise ShapeError(
+                f"kv_batch_put: {len(tags)} tags for {len(keys)} keys",
+                expected=len(keys),
+                actual=len(tags),
+            )
         self._ensure(partition_id)
         cols, objects = self._split(partition_id, len(keys), {} if fields is None else fields)
         if tags is not None:
             tags = [_plain_tags(t) for t in tags]
-            hidden = next((k for t in tags if t for k in t if str(k).startswith(_OBJECT)), None)
+            hidden = next(
+                (
+                    k
+                    for t in tags
+                    if isinstance(t, Mapping)
+                    for k in t
+                    if isinstance(k, str) and k.startswith(_OBJECT)
+                ),
+                None,
+            )
             if hidden is not None:
                 raise EncodeError(
                     f"kv_batch_put: tag key {hidden!r} starts with {_OBJECT!r}, which the "
@@ -1381,11 +1397,9 @@ class KVClient:
             )
         if metadata.size == 0:
             return metadata
-        if data_parser is not None:
-            raise ProtocolError(
-                "data_parser is not supported by flightq: parse references into tensors "
-                "before the put"
-            )
+        _no_parser(data_parser)
+        if data is None:
+            raise EncodeError("put: give the data to write onto the rows")
         pid = _one_partition(metadata, "put")
         _tq()._put(metadata.keys, pid, data, None)  # nothing listed after: verl reads none
         return metadata.add_fields(data)

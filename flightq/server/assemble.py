@@ -94,13 +94,21 @@ def assemble(
             return
         start = 0
         acc = 0
+        # The keys of the run: one asked again starts another (a record batch holds each
+        # key once), also where no cell tells them apart (no field asked, or none either
+        # row has, where rows in any order run on).
+        seen: set[str] = set()
         for i, row in enumerate(rows):
             if i > start and (
-                acc + row.nbytes > max_bytes or not _continues(rows[i - 1], row, fields)
+                acc + row.nbytes > max_bytes
+                or row.key in seen
+                or not _continues(rows[i - 1], row, fields)
             ):
                 yield start, i
                 start, acc = i, 0
+                seen.clear()
             acc += row.nbytes
+            seen.add(row.key)
         yield start, len(rows)
 
     def batches() -> Iterator[pa.RecordBatch]:
@@ -622,14 +630,10 @@ def _continues(prev: Row, row: Row, fields: list[str]) -> bool:
     a, b = prev.home, row.home
     if a is not None and b is not None and a[0] is b[0] and b[1] == a[1] + 1:
         return True  # consecutive rows of one piece as a put made them: every field goes on
-    along = False
     for f in fields:
         a, b = prev.cells.get(f), row.cells.get(f)
         if a is None and b is None:
             continue
         if a is None or b is None or a[0] is not b[0] or b[1] != a[1] + 1:
             return False
-        along = True
-    # With no cell to run along (no field asked, or none either row has) a row is a run
-    # of its own: a key asked twice then lands in another batch (a batch holds each once).
-    return along
+    return True

@@ -171,6 +171,12 @@ def test_select_fields_leaves_out_what_not_every_row_has(
     api.kv_batch_put(keys=["s2"], partition_id="p", tags=[{"status": "pending"}])
     with pytest.raises(flightq.MissingFieldError, match="no field is present in every row"):
         api.kv_batch_get(keys=["s0", "s2"], partition_id="p")
+    # Underneath, a get naming twice a row that has none of the fields asked: both went
+    # into one record batch, which the client refused ("duplicate row key").
+    import flightq.compat.transferqueue as tq
+
+    got = tq._tq().client.get("p", ["s0", "s2", "s2"], as_="numpy")
+    assert got.keys == ["s0", "s2", "s2"] and got.tags[1:] == [{"status": "pending"}] * 2
 
 
 def test_non_tensor_fields_travel_in_the_rows_tags_and_read_back_as_fields(
@@ -232,10 +238,16 @@ def test_non_tensor_values_tags_cannot_carry_are_refused_naming_field_and_row(
         with pytest.raises(flightq.EncodeError, match="non-tensor field 'extra' of row 'e0'") as e:
             api.kv_batch_put(["e0"], "p", fields={"input_ids": ids, "extra": [value]})
         assert (e.value.field, e.value.key) == ("extra", "e0")
-    # Past what a server takes of one row's tags in a put: named, with the largest field.
+    # Past what a server takes of one row's tags in a put: named, with the largest field
+    # (or tag).
     big = ["x" * 70_000]
     with pytest.raises(flightq.EncodeError, match="largest is field 'raw_prompt'"):
         api.kv_batch_put(["e0"], "p", fields={"input_ids": ids, "raw_prompt": big})
+    with pytest.raises(flightq.EncodeError, match="largest is tag 'note'"):
+        fields = {"input_ids": ids, "uid": ["u"]}
+        api.kv_batch_put(["e0"], "p", fields=fields, tags=[{"note": big[0]}])
+    with pytest.raises(flightq.EncodeError, match="must be a dict"):  # not a TypeError
+        api.kv_batch_put(["e0"], "p", fields={"input_ids": ids}, tags=[5])
     # A tag key of the compat's own is refused; numpy object columns are objects.
     with pytest.raises(flightq.EncodeError, match="__tq_field__:uid"):
         api.kv_batch_put(["e0"], "p", fields={"input_ids": ids}, tags=[{"__tq_field__:uid": 1}])
@@ -704,6 +716,10 @@ def test_verls_worker_dispatch_runs_over_batch_meta_and_get_client(
     # What is not offered says so; an empty batch as verl builds one reads empty.
     with pytest.raises(flightq.ProtocolError, match="insert mode"):
         client.put(TensorDict({}, batch_size=[0]))
+    with pytest.raises(flightq.EncodeError, match="give the data"):
+        client.put(None, metadata=meta)
+    with pytest.raises(flightq.ShapeError, match="5 keys for a TensorDict of batch_size"):
+        client.put(TensorDict({"input_ids": torch.ones(3, 2)}, batch_size=[3]), metadata=meta)
     with pytest.raises(flightq.ProtocolError, match="create=True"):
         client.kv_retrieve_meta(keys[1:], "p", create=True)
     assert client.get_data(tq.BatchMeta()).batch_size == torch.Size([0])
