@@ -1096,6 +1096,9 @@ class ListKeys(Message):
     partition: str = _field(_str())
     #: None: every row, in insertion order.
     keys: list[str] | None = _field(_optional(_strs), None)
+    #: Tags whose key starts with this prefix come back with their value left out (null):
+    #: their names alone (large values a listing does not need).
+    hide_tag_values: str | None = _field(_optional(_str(256, nonempty=True)), None, omit=None)
 
 
 @dataclasses.dataclass(**_FROZEN)

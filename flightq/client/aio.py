@@ -222,10 +222,16 @@ class AsyncClient:
         return await self._call(self.client.inspect, partition)
 
     async def list_keys(
-        self, partition: str, keys: Sequence[str] | None = None
+        self,
+        partition: str,
+        keys: Sequence[str] | None = None,
+        *,
+        hide_tag_values: str | None = None,
     ) -> dict[str, dict[str, Any]]:
         """See :meth:`flightq.Client.list_keys`."""
-        return await self._call(self.client.list_keys, partition, keys)
+        return await self._call(
+            self.client.list_keys, partition, keys, hide_tag_values=hide_tag_values
+        )
 
     async def put(
         self,

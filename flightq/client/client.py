@@ -765,12 +765,18 @@ class Client:
         return self._act(Inspect(partition=partition)).to_dict()
 
     def list_keys(
-        self, partition: str, keys: Sequence[str] | None = None
+        self,
+        partition: str,
+        keys: Sequence[str] | None = None,
+        *,
+        hide_tag_values: str | None = None,
     ) -> dict[str, dict[str, Any]]:
         """Rows without their data: ``{key: {"tags": {...}, "fields": [...]}}``.
 
         Every row in insertion order when ``keys`` is None, else the rows asked for, in
-        that order; ``fields`` are the fields each row has, in schema order.
+        that order; ``fields`` are the fields each row has, in schema order. Tags whose
+        key starts with ``hide_tag_values`` come with their value left out (None): their
+        names alone, where their values are large and not needed.
 
         Raises
         ------
@@ -782,7 +788,8 @@ class Client:
         out: dict[str, dict[str, Any]] = {}
         for p in _parts(ks):
             r = self._act(
-                ListKeys(partition=partition, keys=p), rows=_EVERY if p is None else len(p)
+                ListKeys(partition=partition, keys=p, hide_tag_values=hide_tag_values),
+                rows=_EVERY if p is None else len(p),
             )
             out.update(_rows_listed(r))
         if ks is not None and list(out) != list(dict.fromkeys(ks)):

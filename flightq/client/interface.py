@@ -133,7 +133,11 @@ class DataPlane(Protocol):
     def inspect(self, partition: str) -> dict[str, Any]: ...
 
     def list_keys(
-        self, partition: str, keys: Sequence[str] | None = None
+        self,
+        partition: str,
+        keys: Sequence[str] | None = None,
+        *,
+        hide_tag_values: str | None = None,
     ) -> dict[str, dict[str, Any]]: ...
 
     def put(

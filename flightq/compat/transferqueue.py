@@ -769,11 +769,11 @@ class TransferQueue:
     def _every(self, partition_id: str, keys: list[str]) -> list[str]:
         """The fields every row of ``keys`` has (a key may repeat; non-tensor fields
         included), by name."""
-        listed = self.client.list_keys(partition_id, keys)
+        listed = self.client.list_keys(partition_id, keys, hide_tag_values=_OBJECT)
         return _every_row([listed[k] for k in dict.fromkeys(keys)])
 
     def _meta(self, partition_id: str, keys: list[str]) -> KVBatchMeta:
-        listed = self.client.list_keys(partition_id, keys)
+        listed = self.client.list_keys(partition_id, keys, hide_tag_values=_OBJECT)
         rows = [listed[k] for k in keys]
         return KVBatchMeta(
             keys=keys,
@@ -863,7 +863,8 @@ class TransferQueue:
         out = {}
         for p in names:
             try:
-                out[p] = {k: _user_tags(row["tags"]) for k, row in self.client.list_keys(p).items()}
+                listed = self.client.list_keys(p, hide_tag_values=_OBJECT)  # names, no values
+                out[p] = {k: _user_tags(row["tags"]) for k, row in listed.items()}
             except NotFoundError as e:
                 if type(e) is not NotFoundError or e.partition != p or e.key is not None:
                     raise

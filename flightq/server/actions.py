@@ -280,7 +280,9 @@ def _inspect(ctx: ActionContext, req: Inspect) -> PartitionStats:
 
 def _list_keys(ctx: ActionContext, req: ListKeys) -> KeysReply:
     return KeysReply.parse(
-        ctx.store.list_keys(req.partition, req.keys, lambda n: ctx.hold(n, "list_keys"))
+        ctx.store.list_keys(
+            req.partition, req.keys, lambda n: ctx.hold(n, "list_keys"), req.hide_tag_values
+        )
     )
 
 

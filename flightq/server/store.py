@@ -1254,9 +1254,11 @@ class Store:
         name: str,
         keys: Sequence[str] | None,
         hold: Callable[[int], None] | None = None,
+        hide_tag_values: str | None = None,
     ) -> dict[str, Any]:
         """Rows' keys (all, in insertion order, when ``keys`` is None), their tags and the
-        fields each has, as the ``list_keys`` reply. ``hold`` is told, before the reply is
+        fields each has, as the ``list_keys`` reply; tags whose key starts with
+        ``hide_tag_values`` with their value left out (None). ``hold`` is told, before the reply is
         built, about how many bytes it takes: what the budget counts for the rows' own
         keys and tags and :data:`~flightq.server.budget.REPLY_ENTRY_BYTES` a row
         (:mod:`flightq.server.replies`).
@@ -1293,7 +1295,11 @@ class Store:
                 p, rows = pick()
             else:
                 hold(n)
-        tags = [dict(r.tags) for r in rows]
+        if hide_tag_values is None:
+            tags = [dict(r.tags) for r in rows]
+        else:
+            hide = hide_tag_values
+            tags = [{k: None if k.startswith(hide) else v for k, v in r.tags.items()} for r in rows]
         cells = [r.cells for r in rows]
         names = _present(p, rows)
         index = {n: i for i, n in enumerate(names)}

@@ -277,17 +277,25 @@ class Fanout:
         return out
 
     def list_keys(
-        self, partition: str, keys: Sequence[str] | None = None
+        self,
+        partition: str,
+        keys: Sequence[str] | None = None,
+        *,
+        hide_tag_values: str | None = None,
     ) -> dict[str, dict[str, Any]]:
         """Rows without their data, from their shards (see :meth:`flightq.Client.list_keys`):
         every shard's rows, shard after shard, when ``keys`` is None, else in the order asked."""
+        hide = hide_tag_values
         if keys is None:
             out: dict[str, dict[str, Any]] = {}
-            for part in self._all(lambda c: c.list_keys(partition, None)):
+            for part in self._all(lambda c: c.list_keys(partition, None, hide_tag_values=hide)):
                 out.update(part)
             return out
         found: dict[str, dict[str, Any]] = {}
-        for part in self._by_shard(keys, lambda c, ks: c.list_keys(partition, ks)).values():
+        listed = self._by_shard(
+            keys, lambda c, ks: c.list_keys(partition, ks, hide_tag_values=hide)
+        )
+        for part in listed.values():
             found.update(part)
         return {k: found[k] for k in keys}
 

@@ -216,8 +216,17 @@ def test_non_tensor_fields_travel_in_the_rows_tags_and_read_back_as_fields(
     # Not every row has it: left out, as a tensor field would be.
     read = api.kv_batch_get(keys=["n0", "n1"], partition_id="p")
     assert "reward_model" not in list(read.keys())
-    # The tags shown are the writers' own.
+    # The tags shown are the writers' own; a listing leaves the values on the server.
     assert api.kv_list(partition_id="p")["p"]["n1"] == {"v": 1}
+    import flightq.compat.transferqueue as tq
+
+    row = tq._tq().client.list_keys("p", ["n1"], hide_tag_values="__tq_field__:")["n1"]
+    assert row["tags"] == {
+        "v": 1,
+        "__tq_field__:uid": None,
+        "__tq_field__:raw_prompt": None,
+        "__tq_field__:data_source": None,
+    }
     # A tensor under an undeclared name is still refused, naming it.
     with pytest.raises(flightq.UndeclaredFieldError, match="'logits'"):
         api.kv_batch_put(keys=["n0"], partition_id="p", fields={"logits": [torch.ones(2)]})
@@ -818,11 +827,11 @@ def test_a_put_whose_rows_go_before_they_are_listed_still_succeeds(
     client = tq._tq().client
     listed = client.list_keys
 
-    def list_after_another_rank(partition: str, keys: Any = None) -> Any:
+    def list_after_another_rank(partition: str, keys: Any = None, **kw: Any) -> Any:
         with flightq.connect(tq._tq().location) as other:
             assert sorted(other.list_keys(partition)) == ["g0", "g1"]  # stored
             other.clear(partition) if gone == "cleared" else other.drop(partition)
-        return listed(partition, keys)
+        return listed(partition, keys, **kw)
 
     monkeypatch.setattr(client, "list_keys", list_after_another_rank)
     ids = torch.arange(6).view(2, 3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgpack
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as fl
@@ -65,6 +66,25 @@ def test_get_may_repeat_a_key(client, rows):
     # the client refused ("duplicate row key").
     for keys in (["k1", "k1"], ["k1", "k2", "k1"]):
         assert client.get("rows", keys, [], as_="numpy").keys == keys
+
+
+def test_list_keys_leaves_out_the_values_of_tags_it_is_told_to(client, rows):
+    client.put("rows", ["k0"], {}, tags=[{"step": 3, "big:prompt": "x" * 1000}])
+    listed = client.list_keys("rows", ["k0", "k1"], hide_tag_values="big:")
+    tags = listed["k0"]["tags"]
+    assert (tags["step"], tags["big:prompt"], tags["prompt_idx"]) == (3, None, 0)
+    assert listed["k1"]["tags"] == {"weight_version": 1, "prompt_idx": 1}
+    assert client.list_keys("rows", ["k0"])["k0"]["tags"]["big:prompt"] == "x" * 1000
+    # From plain Flight too; a prefix that is not a short non-empty string is refused.
+    with fl.connect(client.location) as plain:
+        body = {"partition": "rows", "keys": ["k0"], "hide_tag_values": "big:"}
+        (res,) = plain.do_action(fl.Action("list_keys", msgpack.packb(body)))
+        assert msgpack.unpackb(res.body.to_pybytes())["tags"][0]["big:prompt"] is None
+        for bad in ("", 7, "x" * 257):
+            body = {"partition": "rows", "hide_tag_values": bad}
+            with pytest.raises(fl.FlightServerError, match="hide_tag_values"):
+                list(plain.do_action(fl.Action("list_keys", msgpack.packb(body))))
+        assert client.list_keys("rows", ["k0"])  # the server serves on
 
 
 def test_get_of_unknown_keys_names_them(client, rows):

@@ -459,6 +459,7 @@ EXAMPLES: list[Message] = [
     protocol.Inspect(partition="p"),
     protocol.ListKeys(partition="p"),
     protocol.ListKeys(partition="p", keys=["k0"]),
+    protocol.ListKeys(partition="p", hide_tag_values="big:"),
     protocol.KeysReply(
         keys=["k0", "k1"], tags=[{"v": 1}, {}], fields=["input_ids"], present=[[0], []]
     ),
