@@ -133,6 +133,13 @@ def test_a_partitions_schema_is_known_on_every_client(
     sharded.create_partition("declared", TEXT, tasks=["train"])
     want = flightq.SchemaRegistry.default().get(TEXT).fingerprint
     assert sharded.partition_schema("declared").fingerprint == want
+    # Listing leaves out the values of the tags named, on every shard.
+    put = grouped_rows(3, 1)
+    put["tags"] = [{"big:x": "y" * 100, "n": i} for i in range(3)]
+    sharded.put("declared", **put)
+    listed = sharded.list_keys("declared", hide_tag_values="big:")
+    assert sorted(r["tags"]["n"] for r in listed.values()) == [0, 1, 2]
+    assert all(r["tags"]["big:x"] is None for r in listed.values())
     with flightq.connect(shard_locations[0], timeout=SHORT) as one:
         assert one.partition_schema("declared").fingerprint == want
         with pytest.raises(flightq.NotFoundError, match="nope"):
