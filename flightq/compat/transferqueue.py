@@ -286,9 +286,11 @@ def _jagged_later(batch: Batch, names: list[str], out: Any) -> None:
         r = list(batch.schema[name].shape or ()).index(None)
         lengths = torch.tensor([int(x.shape[r]) for x in rows], dtype=torch.int64)
         offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-        offsets = next((o for o in shared if torch.equal(o, offsets)), offsets)
-        if not any(o is offsets for o in shared):
+        same = next((o for o in shared if torch.equal(o, offsets)), None)
+        if same is None:
             shared.append(offsets)
+        else:
+            offsets = same
         out[name] = torch.nested.nested_tensor_from_jagged(
             torch.cat(rows, dim=r),
             offsets,
@@ -807,6 +809,7 @@ class TransferQueue:
                 _jagged_later(batch, later, out)
             return batch, out
 
+        every: list[str] | None = None  # the fields every row has, once listed
         with _not_found():
             schema = self.client.partition_schema(partition_id)
             # Names the schema does not declare can only be non-tensor fields (tags).
@@ -826,7 +829,7 @@ class TransferQueue:
                 out[name] = td.NonTensorStack.from_list([t[_OBJECT + name] for t in batch.tags])
         names = sorted(out.keys())
         if not names:
-            if not self._every(partition_id, ks):
+            if not (self._every(partition_id, ks) if every is None else every):
                 raise MissingFieldError(
                     f"kv_batch_get from {partition_id!r}: no field is present in every row of "
                     f"the {len(ks)} keys (a row holds tags alone, or its fields are not written "
