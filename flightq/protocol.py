@@ -545,6 +545,9 @@ class GetTicket(Message):
     op: str = _field(_const("get"), "get")
     part: int | None = _field(_optional(_int(0, MAX_GET_PARTS - 1)), None, omit=None)
     parts: int | None = _field(_optional(_int(2, MAX_GET_PARTS)), None, omit=None)
+    #: Tags whose key starts with this prefix come back with their value left out (null),
+    #: as :class:`ListKeys` can: large values a reader of other fields does not need.
+    hide_tag_values: str | None = _field(_optional(_str(256, nonempty=True)), None, omit=None)
 
     def check_parts(self) -> None:
         """Raise :class:`ProtocolError` unless ``part`` and ``parts`` are both absent, or

@@ -286,6 +286,7 @@ class AsyncClient:
         timeout: float | None = None,
         device: Any = None,
         sync: bool = True,
+        hide_tag_values: str | None = None,
     ) -> Batch:
         """See :meth:`flightq.Client.get`."""
         return await self._call(
@@ -298,6 +299,7 @@ class AsyncClient:
             timeout=timeout,
             device=device,
             sync=sync,
+            hide_tag_values=hide_tag_values,
         )
 
     async def claim(

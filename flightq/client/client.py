@@ -1098,6 +1098,7 @@ class Client:
         timeout: float | None = None,
         device: Any = None,
         sync: bool = True,
+        hide_tag_values: str | None = None,
     ) -> Batch:
         """Rows by key, in the order asked, with any subset of fields.
 
@@ -1110,6 +1111,9 @@ class Client:
         ``as_="tensordict"`` returns a ``tensordict.TensorDict`` instead (token fields as
         jagged nested tensors over the received buffers, the keys in ``"__key__"``; see
         :mod:`flightq.tensordicts`); :meth:`claim` takes it too.
+        Tags whose key starts with ``hide_tag_values`` come with their value left out
+        (None), by name alone: large values (documents, a reward model's inputs) a reader
+        of other fields need neither receive nor decode.
 
         Raises
         ------
@@ -1121,7 +1125,9 @@ class Client:
             If ``device`` cannot be used here (no CUDA, no such device, ``as_='numpy'``).
         """
         f = None if fields is None else list(fields)
-        t = GetTicket(partition=partition, keys=list(keys), fields=f)
+        t = GetTicket(
+            partition=partition, keys=list(keys), fields=f, hide_tag_values=hide_tag_values
+        )
         dev = resolve_device(device, as_)
         what = f"get from {partition!r}"
         if dev is not None:

@@ -173,6 +173,7 @@ class DataPlane(Protocol):
         timeout: float | None = None,
         device: Any = None,
         sync: bool = True,
+        hide_tag_values: str | None = None,
     ) -> Batch: ...
 
     def claim(

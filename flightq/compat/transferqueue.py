@@ -802,7 +802,7 @@ class TransferQueue:
         want = _names(select_fields)
 
         def read(fields: list[str] | None) -> tuple[Batch, Any]:
-            batch = self.client.get(partition_id, ks, fields, as_="torch")
+            batch = self.client.get(partition_id, ks, fields, as_="torch", hide_tag_values=hide)
             out = to_tensordict(batch, meta=False)  # no per-row keys and tags
             later = [n for n in batch.fields if _ragged_later(batch.schema[n])]
             if later and len(batch):
@@ -814,6 +814,8 @@ class TransferQueue:
             schema = self.client.partition_schema(partition_id)
             # Names the schema does not declare can only be non-tensor fields (tags).
             tensors = None if want is None else [f for f in want if f in schema]
+            # No non-tensor field asked: their values stay on the server.
+            hide = _OBJECT if want is not None and len(tensors or ()) == len(want) else None
             try:
                 batch, out = read(tensors)
             except MissingFieldError as e:

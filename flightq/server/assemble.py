@@ -61,6 +61,7 @@ def assemble(
     max_bytes: int,
     coalesce: bool = False,
     held: list[Answered] | None = None,
+    hide: str | None = None,
 ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     """The Arrow schema and record batches that serve ``rows`` with ``fields``.
 
@@ -75,7 +76,15 @@ def assemble(
     answer is stored batches whole or runs of their rows, each one's
     :class:`~.media.WholeAnswer` or :class:`~.media.RowsAnswer` is appended to ``held``
     (once the batches are made).
+
+    ``hide``: tags whose key starts with it go with their value left out (null); where
+    any row has one, the answer's tags are packed afresh and nothing is answered as a
+    stored batch whole (``held`` stays empty).
     """
+    hidden = None if hide is None else _Hidden(hide)
+    if hidden is not None and hidden.any(rows):
+        schema, plain = assemble(p, rows, fields, max_bytes, coalesce)
+        return schema, _hidden(plain, rows, hidden)
     schema = arrow_schema(p.schema, fields)
     cols = [n for n in schema.names if n not in (KEY, TAGS)]
     # A media field's payload column is named as the field (its shapes column is no
@@ -156,11 +165,7 @@ def assemble(
             # stored batch's slice, keys and tags included (the rows' tags are its own).
             pc, idx = whole
             return pc.batch.slice(idx, n)
-        pack = msgpack.Packer(use_bin_type=True).pack  # one packer: a third of packb's cost
-        arrays: list[pa.Array] = [
-            pa.array([r.key for r in run], type=pa.utf8()),
-            pa.array([pack(r.tags) if r.tags else None for r in run], type=pa.binary()),
-        ]
+        arrays = _keys_tags(run, schema)
         if whole is not None:
             # Every cell from one stored batch with the answer's schema: slice it whole, a
             # third of assembling the same columns one by one.
@@ -579,6 +584,54 @@ def _joined_rows(
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
+class _Hidden:
+    """Which tag keys start with a prefix, per set of keys seen (the rows of a partition
+    mostly share theirs): a lookup per row instead of a test per key."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._by_keys: dict[tuple[str, ...], frozenset[str]] = {}
+
+    def of(self, tags: dict[str, Any]) -> frozenset[str]:
+        """The keys of ``tags`` under the prefix (empty: none)."""
+        ks = tuple(tags)
+        got = self._by_keys.get(ks)
+        if got is None:
+            got = self._by_keys[ks] = frozenset(k for k in ks if k.startswith(self.prefix))
+        return got
+
+    def any(self, rows: list[Row]) -> bool:
+        """Whether a row of ``rows`` has such a tag."""
+        of = self.of
+        return any(r.tags and of(r.tags) for r in rows)
+
+
+def _hidden(
+    batches: Iterator[pa.RecordBatch], rows: list[Row], hidden: _Hidden
+) -> Iterator[pa.RecordBatch]:
+    """``batches`` (``rows`` in order, as :func:`assemble` makes them) with the tags under
+    the prefix left out: a batch whose rows have such a tag gets its tags column packed
+    afresh from the rows' maps, the hidden values null."""
+    pack = msgpack.Packer(use_bin_type=True).pack
+    at = 0
+    for b in batches:
+        run = rows[at : at + b.num_rows]
+        at += b.num_rows
+        hid = [hidden.of(r.tags) if r.tags else frozenset() for r in run]
+        if any(hid):
+            tags = [
+                None
+                if not r.tags
+                else pack({k: None if k in h else v for k, v in r.tags.items()})
+                if h
+                else pack(r.tags)
+                for r, h in zip(run, hid, strict=True)
+            ]
+            i = b.schema.get_field_index(TAGS)
+            b = b.set_column(i, b.schema.field(i), copied.made(pa.array(tags, type=pa.binary())))
+        yield b
+
+
 def _joined(batches: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """The batches as one (a copy; media dictionaries unified), or nothing if none."""
     if len(batches) > 1:
@@ -604,21 +657,44 @@ def _one_run(rows: list[Row], max_bytes: int) -> bool:
     :attr:`Row.home` the next of one piece) within ``max_bytes``: one slice, found in a
     few loops in C instead of comparing the rows pair by pair (a get of what one put
     wrote)."""
-    if len(rows) < 2:
-        return False
+    return len(rows) >= 2 and _home_run(rows) is not None and sum(map(_NBYTES, rows)) <= max_bytes
+
+
+def _home_run(rows: list[Row]) -> tuple[Piece, int] | None:
+    """The piece and first index of ``rows`` where they are consecutive rows of it as a
+    put made them (each :attr:`Row.home` the next of one piece), else None."""
+    if not rows:
+        return None
     homes = list(map(_HOME, rows))
     first, last = homes[0], homes[-1]
     if first is None or last is None or last[0] is not first[0]:
-        return False
+        return None
     pc, lo = first
-    if last[1] != lo + len(homes) - 1 or sum(map(_NBYTES, rows)) > max_bytes:
-        return False
+    if last[1] != lo + len(homes) - 1:
+        return None
     try:  # a row without a home (None) raises here
         at = list(map(_AT, homes))
         same = all(map(operator.is_, map(_PIECE, homes), itertools.repeat(pc)))
     except TypeError:
-        return False
-    return same and at == list(range(lo, lo + len(homes)))
+        return None
+    return first if same and at == list(range(lo, lo + len(homes))) else None
+
+
+def _keys_tags(run: list[Row], schema: pa.Schema) -> list[pa.Array]:
+    """The key and tags columns of ``run``: slices of the stored batch's own where the
+    rows are consecutive rows of it as a put made them (a get of some of its fields),
+    else built from the rows (their tags packed afresh)."""
+    home = _home_run(run)
+    if home is not None:
+        b = home[0].batch
+        k, t = b.column(KEY), b.column(TAGS)
+        if k.type == schema.field(0).type and t.type == schema.field(1).type:
+            return [k.slice(home[1], len(run)), t.slice(home[1], len(run))]
+    pack = msgpack.Packer(use_bin_type=True).pack  # one packer: a third of packb's cost
+    return [
+        pa.array([r.key for r in run], type=pa.utf8()),
+        pa.array([pack(r.tags) if r.tags else None for r in run], type=pa.binary()),
+    ]
 
 
 _NBYTES = operator.attrgetter("nbytes")

@@ -723,11 +723,14 @@ class Server(fl.FlightServerBase):
             self.counters.add(read_counter(t.op))
             self.counters.add("rows_sent", len(rows))
         log.debug("%s of %d rows from %r", t.op, len(rows), t.partition)
+        hide = t.hide_tag_values if isinstance(t, GetTicket) else None
         if not t.shm:
-            schema, batches = assemble(part, rows, names, self.max_batch_bytes, coalesce=True)
+            schema, batches = assemble(
+                part, rows, names, self.max_batch_bytes, coalesce=True, hide=hide
+            )
         else:
             limit = max(self.max_batch_bytes, self.shm_put_batch_bytes)
-            schema, batches = assemble(part, rows, names, limit, held=wholes)
+            schema, batches = assemble(part, rows, names, limit, held=wholes, hide=hide)
         return schema, self._sent(batches) if count else batches
 
     def _sent(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:

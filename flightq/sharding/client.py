@@ -379,11 +379,12 @@ class ShardedClient(Fanout):
         timeout: float | None = None,
         device: Any = None,
         sync: bool = True,
+        hide_tag_values: str | None = None,
     ) -> Batch:
         """Rows by key from their shards, in parallel, in the order asked.
 
         ``device`` and ``sync`` as for :meth:`flightq.Client.get`: the shards' answers
-        are read, then decoded into CUDA tensors together.
+        are read, then decoded into CUDA tensors together; ``hide_tag_values`` too.
 
         Raises
         ------
@@ -400,7 +401,12 @@ class ShardedClient(Fanout):
         what = f"get from {partition!r}"
 
         def one(s: int, pos: list[int]) -> Callable[[Any], list[pa.RecordBatch]]:
-            t = GetTicket(partition=partition, keys=[ks[i] for i in pos], fields=f)
+            t = GetTicket(
+                partition=partition,
+                keys=[ks[i] for i in pos],
+                fields=f,
+                hide_tag_values=hide_tag_values,
+            )
 
             def read(_: Any) -> list[pa.RecordBatch]:
                 # Held to what was asked of the shard, as a Client's get is: a stream

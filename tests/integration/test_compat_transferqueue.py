@@ -227,6 +227,17 @@ def test_non_tensor_fields_travel_in_the_rows_tags_and_read_back_as_fields(
         "__tq_field__:raw_prompt": None,
         "__tq_field__:data_source": None,
     }
+    # A read of tensor fields alone leaves the non-tensor values on the server too.
+    client = tq._tq().client
+    api.kv_batch_put(keys=["n1"], partition_id="p", fields={"raw_prompt": ["x" * 50_000]})
+    sent = client.stats()["counters"]["bytes_sent"]
+    assert _rows(
+        api.kv_batch_get(keys=["n1"], partition_id="p", select_fields="input_ids")["input_ids"]
+    ) == [[3, 4]]
+    assert client.stats()["counters"]["bytes_sent"] - sent < 10_000
+    whole = api.kv_batch_get(keys=["n1"], partition_id="p", select_fields="raw_prompt")
+    assert whole.get("raw_prompt").tolist() == ["x" * 50_000]
+    assert client.stats()["counters"]["bytes_sent"] - sent > 50_000
     # A tensor under an undeclared name is still refused, naming it.
     with pytest.raises(flightq.UndeclaredFieldError, match="'logits'"):
         api.kv_batch_put(keys=["n0"], partition_id="p", fields={"logits": [torch.ones(2)]})

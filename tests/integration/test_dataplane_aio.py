@@ -44,6 +44,7 @@ def test_async_client_puts_gets_claims_clears(server):
             assert await c.create_partition("p", TEXT, tasks=["train"], group_size=4) is True
             assert await c.put("p", keys, cols, [{"prompt_idx": i} for i in range(8)]) == 8
             got = await c.get("p", ["p1_g3", "p0_g0"], ["input_ids"], as_="numpy")
+            hid = await c.get("p", ["p0_g1"], [], as_="numpy", hide_tag_values="prompt")
             claimed = await c.claim("p", "train", 4, timeout=TIMEOUT)
             assert await c.reset("p", "train") == 4
             stats = await c.stats()
@@ -51,10 +52,11 @@ def test_async_client_puts_gets_claims_clears(server):
             names = await c.partitions()
             assert await c.clear("p", ["p0_g0", "nope"], missing_ok=True) == 1
             cleared = await c.clear("p")
-            return got, claimed, stats, described, names, cleared
+            return got, hid, claimed, stats, described, names, cleared
 
-    got, claimed, stats, described, names, cleared = run(main())
+    got, hid, claimed, stats, described, names, cleared = run(main())
     assert got.keys == ["p1_g3", "p0_g0"]
+    assert hid.tags == [{"prompt_idx": None}]
     assert raw(got["input_ids"][0]) == raw(cols["input_ids"][7])
     assert claimed.keys == keys[:4]
     assert stats["partitions"]["p"]["rows"] == 8

@@ -9,6 +9,7 @@ must carry a dictionary cut to the entries its rows use.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import msgpack
@@ -144,6 +145,25 @@ def test_a_get_split_over_streams_sends_each_image_once(server):
         assert len(batch.parts) == 4
         assert _media_entries(batch, "pixel_values") == [1, 1, 1, 1]
         assert_rows_match(batch, step)
+
+
+@pytest.mark.torch
+def test_a_get_split_over_streams_leaves_out_the_tag_values_it_is_told_to(server):
+    base = workloads.w1(0, groups=4, g=4)
+    docs = [{**t, "doc:text": "y" * 300 + str(i)} for i, t in enumerate(base.tags)]
+    step = dataclasses.replace(base, tags=docs)
+    hidden = dataclasses.replace(base, tags=[{**t, "doc:text": None} for t in base.tags])
+    with _splitting(server, step, streams=4) as c:
+        batch = c.get("s", step.keys, as_="numpy", hide_tag_values="doc:")
+        assert batch.received is not None and batch.received.route == "streams=4"
+        assert _media_entries(batch, "pixel_values") == [1, 1, 1, 1]
+        assert_rows_match(batch, hidden)
+        # Some rows of two groups, out of order: each image once, beside its rows.
+        keys = [step.keys[9], step.keys[2], step.keys[1]]
+        some = c.get("s", keys, as_="numpy", hide_tag_values="doc:")
+        assert some.keys == keys
+        assert_rows_match(some, hidden)
+        assert_rows_match(c.get("s", step.keys, as_="numpy"), step)  # stored whole
 
 
 @pytest.mark.torch

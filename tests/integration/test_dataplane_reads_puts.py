@@ -87,6 +87,75 @@ def test_list_keys_leaves_out_the_values_of_tags_it_is_told_to(client, rows):
         assert client.list_keys("rows", ["k0"])  # the server serves on
 
 
+def test_a_get_of_some_fields_carries_each_rows_own_key_and_tags(client, rows):
+    # Rows as one put stored them answer their keys and tags as stored; a row whose
+    # tags a later put replaced, or that a write-back added to, answers its own.
+    keys, cols, lp = rows
+    client.create_partition("some", TEXT, tasks=["train"])
+    tags = [{"weight_version": 1, "prompt_idx": i, "doc": "d" * i} for i in range(4)]
+    client.put("some", keys, cols, tags)
+
+    def check(want_tags: list[dict]) -> None:
+        for ks in (keys, keys[1:3], keys[2:]):
+            b = client.get("some", ks, ["input_ids", "total_reward"], as_="numpy")
+            assert b.keys == ks
+            assert b.tags == [want_tags[int(k[1])] for k in ks]
+            for j, k in enumerate(ks):
+                assert raw(b["input_ids"][j]) == raw(cols["input_ids"][int(k[1])])
+
+    check(tags)
+    client.put("some", ["k2"], {}, [{"step": 9}])  # tags alone: merged into the row's
+    tags[2] = {**tags[2], "step": 9}
+    check(tags)
+    client.put("some", ["k1"], {"prev_logprobs": [lp]})  # a write-back
+    check(tags)
+    assert client.get("some", ["k1"], ["prev_logprobs"], as_="numpy").tags == [tags[1]]
+
+
+def test_get_leaves_out_the_values_of_tags_it_is_told_to(client, rows):
+    _, cols, _ = rows
+    hk = ["h0", "h1", "h2"]
+    hc = text_columns(hk, seed=1)
+    client.put("rows", hk, hc, [{"step": i, "big:doc": "x" * 1000 + str(i)} for i in range(3)])
+
+    def want(key: str) -> dict:
+        if key.startswith("h"):
+            return {"step": int(key[1]), "big:doc": None}
+        return {"weight_version": 1, "prompt_idx": int(key[1])}
+
+    # Rows as one put stored them, out of order and repeated, beside rows without such
+    # tags, with every field, some, or none (keys and tags alone).
+    for keys, fields in [
+        (hk, None),
+        (["h2", "k0", "h0", "h2"], ["input_ids"]),
+        (["k1", "h1", "k3"], []),
+        (["k0", "k2"], None),
+    ]:
+        b = client.get("rows", keys, fields, as_="numpy", hide_tag_values="big:")
+        assert b.keys == keys
+        assert b.tags == [want(k) for k in keys]
+        for j, k in enumerate(keys if fields != [] else []):
+            source = hc if k.startswith("h") else cols
+            assert raw(b["input_ids"][j]) == raw(source["input_ids"][int(k[1])])
+    # The stored values are untouched: a get without it has them whole.
+    assert client.get("rows", ["h1"], [], as_="numpy").tags[0]["big:doc"] == "x" * 1000 + "1"
+    # From plain Flight too; a prefix that is not a short non-empty string is refused.
+    with fl.connect(client.location) as plain:
+        ticket = {"op": "get", "partition": "rows", "keys": ["h0"], "hide_tag_values": "big:"}
+        table = plain.do_get(fl.Ticket(msgpack.packb(ticket))).read_all()
+        assert msgpack.unpackb(table.column("__tags__")[0].as_py()) == want("h0")
+        for bad in ("", 7, "x" * 257, None):
+            ticket["hide_tag_values"] = bad
+            if bad is None:
+                table = plain.do_get(fl.Ticket(msgpack.packb(ticket))).read_all()
+                tags = msgpack.unpackb(table.column("__tags__")[0].as_py())
+                assert tags["big:doc"] == "x" * 1000 + "0"  # null: nothing left out
+                continue
+            with pytest.raises(fl.FlightServerError, match="hide_tag_values"):
+                plain.do_get(fl.Ticket(msgpack.packb(ticket))).read_all()
+    assert client.get("rows", hk, as_="numpy").keys == hk  # the server serves on
+
+
 def test_get_of_unknown_keys_names_them(client, rows):
     with pytest.raises(flightq.NotFoundError, match=r"partition 'rows' has no row key 'n1', 'n2'"):
         client.get("rows", ["k0", "n1", "n2"], ["input_ids"])

@@ -140,6 +140,9 @@ def test_a_partitions_schema_is_known_on_every_client(
     listed = sharded.list_keys("declared", hide_tag_values="big:")
     assert sorted(r["tags"]["n"] for r in listed.values()) == [0, 1, 2]
     assert all(r["tags"]["big:x"] is None for r in listed.values())
+    # So do gets, on every shard.
+    got = sharded.get("declared", put["keys"], [], as_="numpy", hide_tag_values="big:")
+    assert got.tags == [{"big:x": None, "n": i} for i in range(3)]
     with flightq.connect(shard_locations[0], timeout=SHORT) as one:
         assert one.partition_schema("declared").fingerprint == want
         with pytest.raises(flightq.NotFoundError, match="nope"):

@@ -7,6 +7,7 @@ the bytes, the validation, and that no segment of this process outlives its owne
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import shutil
@@ -143,6 +144,21 @@ def test_w2_round_trips_bit_exact_and_the_tensors_are_views_into_a_mapped_segmen
     files = _mapped_files(row[0].__array_interface__["data"][0])
     assert files and os.path.basename(files[0]).startswith("flightq-"), files
     assert not row[0].flags.writeable  # numpy marks views of the answer read-only
+
+
+def test_a_get_through_shared_memory_leaves_out_the_tag_values_it_is_told_to(client):
+    base = workloads.w2(groups=1)
+    docs = [{**t, "doc:text": "z" * 200 + str(i)} for i, t in enumerate(base.tags)]
+    step = dataclasses.replace(base, tags=docs)
+    hidden = dataclasses.replace(base, tags=[{**t, "doc:text": None} for t in base.tags])
+    client.create_partition("w2", step.schema, tasks=["train"], group_size=step.group_size)
+    client.put("w2", step.keys, step.columns, tags=step.tags)
+    batch = client.get("w2", step.keys, as_="numpy", hide_tag_values="doc:")
+    assert batch.received is not None and batch.received.route == "shm"
+    assert assert_rows_match(batch, hidden) > 0
+    again = client.get("w2", step.keys, as_="numpy")  # the stored values, whole
+    assert again.received is not None and again.received.route == "shm"
+    assert assert_rows_match(again, step) > 0
 
 
 def test_reads_through_shared_memory_are_asked_on_the_request_stream(client):
