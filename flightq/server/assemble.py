@@ -597,7 +597,9 @@ class _Hidden:
         ks = tuple(tags)
         got = self._by_keys.get(ks)
         if got is None:
-            got = self._by_keys[ks] = frozenset(k for k in ks if k.startswith(self.prefix))
+            got = self._by_keys[ks] = frozenset(
+                k for k in ks if isinstance(k, str) and k.startswith(self.prefix)
+            )
         return got
 
     def any(self, rows: list[Row]) -> bool:

@@ -679,7 +679,7 @@ def _decode_tags(
             t = msgpack.unpackb(b, raw=False)
         except Exception:  # hostile bytes raise assorted errors
             t = None
-        if not isinstance(t, dict):
+        if not _string_keyed(t):
             # Refused at the first row with these bytes, unless earlier rows pass the limit.
             first = int(np.argmax(at == j))
             _check_tag_limit(at[:first], sizes, keys, limit)
@@ -720,7 +720,7 @@ def _tags_map(b: bytes, k: str) -> dict[str, Any]:
     Raises
     ------
     EncodeError
-        If ``b`` is not msgpack, or not a map.
+        If ``b`` is not msgpack, or not a map with string keys.
     """
     try:
         t = msgpack.unpackb(b, raw=False)
@@ -733,7 +733,20 @@ def _tags_map(b: bytes, k: str) -> dict[str, Any]:
             key=k,
             actual=type(t).__name__,
         )
+    odd = next((x for x in t if not isinstance(x, str)), None)
+    if odd is not None:
+        raise EncodeError(
+            f"tags of row {k!r} must have string keys, got key {odd!r} ({type(odd).__name__})",
+            field=TAGS,
+            key=k,
+            actual=type(odd).__name__,
+        )
     return t
+
+
+def _string_keyed(t: Any) -> bool:
+    """Whether ``t`` is a map whose keys are all strings (what tags are)."""
+    return isinstance(t, dict) and all(isinstance(x, str) for x in t)
 
 
 def _tags_past(limit: int, k: str) -> ResourceExhaustedError:

@@ -1299,7 +1299,10 @@ class Store:
             tags = [dict(r.tags) for r in rows]
         else:
             hide = hide_tag_values
-            tags = [{k: None if k.startswith(hide) else v for k, v in r.tags.items()} for r in rows]
+            tags = [
+                {k: None if isinstance(k, str) and k.startswith(hide) else v for k, v in t.items()}
+                for t in (r.tags for r in rows)
+            ]
         cells = [r.cells for r in rows]
         names = _present(p, rows)
         index = {n: i for i, n in enumerate(names)}

@@ -139,6 +139,12 @@ def test_get_leaves_out_the_values_of_tags_it_is_told_to(client, rows):
             assert raw(b["input_ids"][j]) == raw(source["input_ids"][int(k[1])])
     # The stored values are untouched: a get without it has them whole.
     assert client.get("rows", ["h1"], [], as_="numpy").tags[0]["big:doc"] == "x" * 1000 + "1"
+    # Tag keys are strings: a key msgpack carries as bytes is refused (the prefix could
+    # not be tested against it; a listing could not carry it), nothing stored.
+    with pytest.raises(flightq.EncodeError, match=r"tags of row 'h2' must have string keys"):
+        client.put("rows", ["h2"], {}, [{b"big:raw": 1, "big:doc": "y"}])
+    kept = client.list_keys("rows", ["h2"])["h2"]["tags"]
+    assert kept == {"step": 2, "big:doc": "x" * 1000 + "2"}
     # From plain Flight too; a prefix that is not a short non-empty string is refused.
     with fl.connect(client.location) as plain:
         ticket = {"op": "get", "partition": "rows", "keys": ["h0"], "hide_tag_values": "big:"}
