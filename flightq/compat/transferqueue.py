@@ -14,16 +14,17 @@ The calls take the same argument names and shapes as TransferQueue 0.1.11 (``ini
 ``kv_list``, ``kv_clear`` and their ``async_`` twins) and return the same kinds of
 results (:class:`KVBatchMeta`, TensorDicts, the ``kv_list`` map); :func:`get_client` and
 :class:`BatchMeta` give the rows-by-key part of TransferQueue's lower-level client (what
-verl's worker dispatch uses), and :data:`SHIM_PATH` on ``PYTHONPATH`` makes ``import
-transfer_queue`` find this module. Non-tensor values (strings, dicts) put under names the
-schema does not declare ride in the rows' tags and read back as fields. Where flightq is
-stricter its rule stays, with its typed error: partitions have a declared schema (from
-``init``'s configuration, never inferred from the first put), an undeclared field or a
-dtype drift is refused, and reading a key that is not there is a
-:class:`KeysNotFoundError` (also the ``ValueError`` TransferQueue raises). Where
-TransferQueue is lenient and flightq can be too, it is: a rewrite of a field overwrites
-it (unless ``overwrite`` is false), listing an unknown partition answers ``{}``, and
-clearing leaves out keys that are not there.
+verl's worker dispatch uses) and its task-mediated fetch (``get_meta``, consumption and
+production status: NeMo RL's claim), and :data:`SHIM_PATH` on ``PYTHONPATH`` makes
+``import transfer_queue`` find this module (and its ``config.yaml``). Non-tensor values
+(strings, dicts) put under names the schema does not declare ride in the rows' tags and
+read back as fields. Where flightq is stricter its rule stays, with its typed error:
+partitions have a declared schema (from ``init``'s configuration, never inferred from
+the first put), an undeclared field or a dtype drift is refused, and reading a key that
+is not there is a :class:`KeysNotFoundError` (also the ``ValueError`` TransferQueue
+raises). Where TransferQueue is lenient and flightq can be too, it is: a rewrite of a
+field overwrites it (unless ``overwrite`` is false), listing an unknown partition
+answers ``{}``, and clearing leaves out keys that are not there.
 docs/migrating-from-transferqueue.md maps every call.
 
 The configuration is ``init``'s ``conf["flightq"]`` (a dict, or anything with
@@ -45,9 +46,17 @@ The configuration is ``init``'s ``conf["flightq"]`` (a dict, or anything with
 ``overwrite``
     let puts rewrite fields rows already have (default true, as TransferQueue; false
     makes a rewrite a ``ConflictError``).
+``warmup_keys``
+    a key prefix (NeMo RL's ``"__schema__:"``): a put of such keys, which a program makes
+    so that TransferQueue learns the fields before any producer starts, has its field
+    names checked against the partition's schema and stores nothing.
 
-A configuration of TransferQueue's own (``controller``, ``backend``, ... and no
-``flightq`` section) is refused with a ``ProtocolError`` saying what to add.
+Entries the section leaves out come from the file :data:`CONF_ENV` names, if set (JSON,
+or YAML): for programs that build their configuration from TransferQueue's own
+``config.yaml`` (the shim's, under :data:`SHIM_PATH`), as NeMo RL does. Of TransferQueue's
+sections only ``controller.polling_mode`` is read (:meth:`KVClient.get_meta`). A
+configuration of TransferQueue's own (``controller``, ``backend``, ... and no ``flightq``
+section, nor the file) is refused with a ``ProtocolError`` saying what to add.
 
 Like TransferQueue's, the interface is module-level: :func:`init` sets up one
 :class:`TransferQueue` for the process and every call goes to it. Code that wants more
@@ -75,11 +84,13 @@ from .. import forks
 from ..batch import Batch
 from ..client.recent import Recent
 from ..errors import (
+    ClaimTimeoutError,
     EncodeError,
     MissingFieldError,
     NotFoundError,
     ProtocolError,
     ShapeError,
+    UndeclaredFieldError,
 )
 from ..registry import SchemaRegistry
 from ..rows import is_tensordict
@@ -91,6 +102,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "BatchMeta",
+    "CONF_ENV",
+    "FETCH_WAIT_ENV",
     "KVBatchMeta",
     "KeysNotFoundError",
     "SHIM_PATH",
@@ -461,16 +474,24 @@ class KeysNotFoundError(NotFoundError, ValueError):
     and the ``ValueError`` TransferQueue raises for it."""
 
 
-#: The sections a TransferQueue configuration has and flightq's does not read.
+#: The sections a TransferQueue configuration has and flightq's does not read (but for
+#: ``controller.polling_mode``).
 _TQ_SECTIONS = ("controller", "backend", "storage", "client")
+#: The environment variable naming a file that holds the ``flightq`` section (JSON or
+#: YAML): for programs that build their configuration from TransferQueue's own
+#: ``config.yaml`` (NeMo RL), so that no line of theirs changes.
+CONF_ENV = "FLIGHTQ_TQ_CONF"
+#: How long a fetch (``get_meta``) waits for rows outside polling mode, as TransferQueue's
+#: controller does (its ``TQ_CONTROLLER_GET_METADATA_TIMEOUT``, default 1 s).
+FETCH_WAIT_ENV = "TQ_CONTROLLER_GET_METADATA_TIMEOUT"
 
 
-def _section(conf: Any) -> dict[str, Any]:
-    """``conf["flightq"]`` as a plain dict (conf may be an OmegaConf DictConfig)."""
+def _container(conf: Any) -> Mapping[str, Any]:
+    """``conf`` as a plain mapping (an OmegaConf ``DictConfig`` resolved; None: empty)."""
     if conf is None:
         return {}
     try:
-        from omegaconf import OmegaConf  # verl's configurations
+        from omegaconf import OmegaConf  # verl's and NeMo RL's configurations
 
         if OmegaConf.is_config(conf):
             conf = OmegaConf.to_container(conf, resolve=True)
@@ -480,17 +501,76 @@ def _section(conf: Any) -> dict[str, Any]:
         raise ProtocolError(
             f"init(conf): conf is a mapping with a 'flightq' section, got {type(conf).__name__}"
         )
-    if "flightq" not in conf and any(k in conf for k in _TQ_SECTIONS):
+    return conf
+
+
+def _section(conf: Any) -> dict[str, Any]:
+    """``conf["flightq"]``, as a plain dict, over the file :data:`CONF_ENV` names (its
+    entries fill those the section does not give)."""
+    conf = _container(conf)
+    path = os.environ.get(CONF_ENV)
+    if "flightq" not in conf and any(k in conf for k in _TQ_SECTIONS) and not path:
         raise ProtocolError(
             "init(conf): conf is TransferQueue's own configuration (sections "
             f"{sorted(k for k in _TQ_SECTIONS if k in conf)}), with no 'flightq' section: give "
-            "conf['flightq'] with the server's 'location' and each partition's 'schema' "
+            "conf['flightq'] with the server's 'location' and each partition's 'schema', "
+            f"or name a file holding that section in {CONF_ENV} "
             "(docs/migrating-from-transferqueue.md)"
         )
-    section = conf.get("flightq", {})
+    section = conf.get("flightq") or {}
     if not isinstance(section, Mapping):
         raise ProtocolError("init(conf): conf['flightq'] must be a mapping")
-    return dict(section)
+    return {**(_conf_file(path) if path else {}), **section}
+
+
+def _conf_file(path: str) -> dict[str, Any]:
+    """The ``flightq`` section in the file at ``path`` (JSON, or YAML where PyYAML or
+    OmegaConf is installed).
+
+    Raises
+    ------
+    ProtocolError
+        If the file cannot be read, or does not hold a mapping.
+    """
+    what = f"{CONF_ENV}={path!r}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ProtocolError(f"{what}: cannot read the file: {e}") from e
+    try:
+        import json
+
+        loaded = json.loads(text)
+    except ValueError:
+        try:
+            import yaml
+
+            loaded = yaml.safe_load(text)
+        except ImportError:
+            try:
+                from omegaconf import OmegaConf
+
+                loaded = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
+            except ImportError:
+                raise ProtocolError(
+                    f"{what}: not JSON, and neither PyYAML nor OmegaConf is installed to "
+                    "read it as YAML"
+                ) from None
+        except Exception as e:  # PyYAML's errors
+            raise ProtocolError(f"{what}: neither JSON nor YAML: {e}") from e
+    if isinstance(loaded, Mapping) and isinstance(loaded.get("flightq"), Mapping):
+        loaded = loaded["flightq"]
+    if not isinstance(loaded, Mapping):
+        raise ProtocolError(f"{what}: the file holds no mapping (the 'flightq' section)")
+    return dict(loaded)
+
+
+def _polling(conf: Any) -> bool:
+    """TransferQueue's ``controller.polling_mode``: a fetch that finds too few rows ready
+    answers an empty batch instead of waiting."""
+    controller = _container(conf).get("controller") or {}
+    return bool(isinstance(controller, Mapping) and controller.get("polling_mode", False))
 
 
 @contextlib.contextmanager
@@ -522,6 +602,11 @@ class TransferQueue:
         import flightq
 
         self.conf = _section(conf)
+        self.polling = _polling(conf)
+        warm = self.conf.get("warmup_keys")
+        if warm is not None and (not isinstance(warm, str) or not warm):
+            raise ProtocolError("init(conf): conf['flightq']['warmup_keys'] is a key prefix")
+        self.warmup_keys: str | None = warm
         registry = None
         if self.conf.get("schemas_dir"):
             registry = SchemaRegistry.from_dir(self.conf["schemas_dir"])
@@ -639,6 +724,10 @@ class TransferQueue:
         sent, since the put was stored all the same."""
         _no_parser(data_parser)
         keys = list(keys)
+        if self.warmup_keys is not None and any(
+            isinstance(k, str) and k.startswith(self.warmup_keys) for k in keys
+        ):
+            return self._warmup(keys, partition_id, fields, tags)
         sent = self._put(keys, partition_id, fields, tags)
         try:
             return self._meta(partition_id, keys)
@@ -646,6 +735,44 @@ class TransferQueue:
             # Stored, then cleared (or its partition dropped) by another process before
             # they could be listed: the put still succeeded, described by what it sent.
             return self._sent_meta(partition_id, keys, sent, tags)
+
+    def _warmup(
+        self, keys: list[str], partition_id: str, fields: Any, tags: list[dict[str, Any]] | None
+    ) -> KVBatchMeta:
+        """A put of warm-up rows (keys under ``warmup_keys``): written to TransferQueue so
+        that it learns the fields before any producer starts. flightq's schema is declared
+        before any put, so their field names are checked against it and nothing is stored.
+
+        Raises
+        ------
+        ProtocolError
+            If some keys are warm-up keys and others not.
+        UndeclaredFieldError
+            Naming a tensor field the partition's schema does not declare.
+        """
+        prefix = self.warmup_keys
+        assert prefix is not None
+        other = next((k for k in keys if not (isinstance(k, str) and k.startswith(prefix))), None)
+        if other is not None:
+            raise ProtocolError(
+                f"kv_batch_put: keys under warmup_keys {prefix!r} (checked, not stored) "
+                f"beside key {other!r} (stored): put them apart"
+            )
+        self._ensure(partition_id)
+        given = fields if is_tensordict(fields) or isinstance(fields, Mapping) else {}
+        cols, objects = self._split(partition_id, len(keys), given)
+        schema = self.client.partition_schema(partition_id)
+        tensors = list(cols.keys())  # iterating a TensorDict walks its rows
+        lacking = [n for n in tensors if n not in schema]
+        if lacking:
+            raise UndeclaredFieldError(
+                f"kv_batch_put to {partition_id!r}: warm-up rows name field {lacking[0]!r}, "
+                f"which schema {schema.ref} does not declare (declared: "
+                f"{[f.name for f in schema.fields]}); declare it, or leave it out",
+                field=lacking[0],
+                partition=partition_id,
+            )
+        return self._sent_meta(partition_id, keys, [*tensors, *objects], tags)
 
     def _put(
         self, keys: list[str], partition_id: str, fields: Any, tags: list[dict[str, Any]] | None
@@ -888,6 +1015,58 @@ class TransferQueue:
                 raise
             # the partition itself is not there: nothing to clear
         _IDS.forget(partition_id, names)
+
+    # ------------------------------------------------------------------ by task
+
+    def _fetch(
+        self, partition_id: str, task: str, fields: list[str], batch_size: int
+    ) -> tuple[list[str], list[dict[str, Any]]] | None:
+        """The keys and tags of the next ``batch_size`` rows ``task`` has not consumed
+        that have every one of ``fields`` the schema declares, consumed by it now:
+        claimed and acknowledged at once, never delivered to the task again (what
+        TransferQueue's fetch does). None where fewer are ready in polling mode.
+
+        Raises
+        ------
+        ClaimTimeoutError
+            Outside polling mode, where fewer are ready within :data:`FETCH_WAIT_ENV`
+            seconds (default 1).
+        NotFoundError
+            If the partition declares no such task.
+        """
+        self._ensure(partition_id)
+        schema = self.client.partition_schema(partition_id)
+        wait = 0.0 if self.polling else float(os.environ.get(FETCH_WAIT_ENV, "1"))
+        try:
+            batch = self.client.claim(
+                partition_id,
+                task,
+                batch_size,
+                fields=[],
+                wait_for=[f for f in fields if f in schema],
+                timeout=wait,
+                as_="numpy",
+            )
+        except ClaimTimeoutError:
+            if self.polling:
+                return None
+            raise
+        self.client.ack(batch)
+        return list(batch.keys), [_user_tags(t) for t in batch.tags]
+
+    def _rows(self, partition_id: str) -> tuple[list[str], list[dict[str, Any]]]:
+        """Every row's key and tags, in the order put (TransferQueue's force fetch)."""
+        listed = self.client.list_keys(partition_id, hide_tag_values=_OBJECT)
+        return list(listed), [_user_tags(r["tags"]) for r in listed.values()]
+
+    def _status(self, partition_id: str) -> dict[str, Any] | None:
+        """The partition's counts (``inspect``); None where it is not there."""
+        try:
+            return self.client.inspect(partition_id)
+        except NotFoundError as e:
+            if type(e) is not NotFoundError or e.key is not None:
+                raise
+            return None
 
     def close(self) -> None:
         """Close the connection, and stop the server ``init`` started, if any."""
@@ -1167,8 +1346,10 @@ class BatchMeta:
     writes them with no lookup; it pickles (it crosses Ray).
 
     The constructor takes TransferQueue's arguments (``field_schema``'s keys are the
-    fields; ``production_status``, ``custom_meta`` and the backend's are not kept), and
-    none (an empty batch, as verl builds one).
+    fields; ``production_status`` and the backend's are not kept), and none (an empty
+    batch, as verl builds one). ``custom_meta`` holds each row's tags where
+    :meth:`KVClient.get_meta` made it (TransferQueue's per-row metadata), ``{}`` each
+    where no one gave them; selections and ``concat`` carry them along.
 
     Raises
     ------
@@ -1210,6 +1391,11 @@ class BatchMeta:
         names = field_names if field_names is not None else list(field_schema or {})
         self._field_names = sorted(dict.fromkeys(names))
         self.extra_info: dict[str, Any] = dict(extra_info or {})
+        self.custom_meta: list[dict[str, Any]] = (
+            [dict(d) for d in custom_meta] if custom_meta else [{} for _ in self.keys]
+        )
+        if len(self.custom_meta) != len(self.keys):
+            raise ValueError(f"BatchMeta: {len(self.custom_meta)} custom_meta for {self.size} rows")
 
     @property
     def size(self) -> int:
@@ -1234,9 +1420,34 @@ class BatchMeta:
             [self.global_indexes[i] for i in idx],
             [self.partition_ids[i] for i in idx],
             extra_info=copy.deepcopy(self.extra_info),
+            custom_meta=[copy.deepcopy(self.custom_meta[i]) for i in idx],
             keys=[self.keys[i] for i in idx],
             field_names=names,
         )
+
+    def get_all_custom_meta(self) -> list[dict[str, Any]]:
+        """A copy of each row's ``custom_meta``, in row order."""
+        return copy.deepcopy(self.custom_meta)
+
+    def update_custom_meta(self, custom_meta: Sequence[Mapping[str, Any]]) -> None:
+        """Merge one map per row into the rows' ``custom_meta`` (here only: the rows'
+        tags on the server are written by a put's ``tags``).
+
+        Raises
+        ------
+        ValueError
+            If there is not one map per row.
+        """
+        if len(custom_meta) != self.size:
+            raise ValueError(
+                f"update_custom_meta: {len(custom_meta)} maps for a batch of {self.size} rows"
+            )
+        for mine, new in zip(self.custom_meta, custom_meta, strict=True):
+            mine.update(new)
+
+    def clear_custom_meta(self) -> None:
+        """Every row's ``custom_meta`` emptied."""
+        self.custom_meta = [{} for _ in self.keys]
 
     def select_fields(self, field_names: Sequence[str]) -> BatchMeta:
         """These rows with those of ``field_names`` they have (a name they lack is left
@@ -1298,6 +1509,7 @@ class BatchMeta:
             [i for d in parts for i in d.global_indexes],
             [p for d in parts for p in d.partition_ids],
             extra_info=extra,
+            custom_meta=[copy.deepcopy(m) for d in parts for m in d.custom_meta],
             keys=[k for d in parts for k in d.keys],
             field_names=names,
         )
@@ -1409,6 +1621,139 @@ class KVClient:
         pid = _one_partition(metadata, "put")
         _tq()._put(metadata.keys, pid, data, None)  # nothing listed after: verl reads none
         return metadata.add_fields(data)
+
+    def get_meta(
+        self,
+        data_fields: list[str] | str,
+        batch_size: int,
+        partition_id: str,
+        mode: str = "fetch",
+        task_name: str | None = None,
+        sampling_config: Mapping[str, Any] | None = None,
+    ) -> BatchMeta:
+        """Rows for a consumer task, as TransferQueue's client gives them.
+
+        ``mode="fetch"``: the next ``batch_size`` rows (in the order put) that ``task_name``
+        has not consumed and that have every one of ``data_fields`` the schema declares,
+        consumed by the task now (a flightq claim acknowledged at once: no other fetch of
+        the task gets them again, as TransferQueue's). Where fewer are ready it waits
+        ``TQ_CONTROLLER_GET_METADATA_TIMEOUT`` seconds (default 1) and raises
+        :class:`~flightq.ClaimTimeoutError` (a ``TimeoutError``), or, in polling mode
+        (``init``'s ``conf["controller"]["polling_mode"]``), answers an empty batch at
+        once. The task must be among the partition's ``tasks`` (``init``'s configuration).
+        ``mode="force_fetch"``: every row, consuming none. Each row's tags are its
+        ``custom_meta``. ``sampling_config`` is taken and left unused, as by
+        TransferQueue's default sampler (rows in the order put, whatever ``dp_rank``).
+
+        Raises
+        ------
+        ProtocolError
+            ``mode="insert"`` (rows are created by ``kv_batch_put``), or a fetch without
+            ``task_name``.
+        ValueError
+            Another ``mode``.
+        """
+        del sampling_config  # TransferQueue's SequentialSampler reads none of it either
+        fields = _names(data_fields) or []
+        if mode == "fetch":
+            if task_name is None:
+                raise ProtocolError("get_meta(mode='fetch'): give the consumer's task_name")
+            with _not_found():
+                got = _tq()._fetch(partition_id, task_name, fields, int(batch_size))
+            if got is None:
+                return BatchMeta.empty()
+            keys, tags = got
+        elif mode == "force_fetch":
+            with _not_found():
+                keys, tags = _tq()._rows(partition_id)
+        elif mode == "insert":
+            raise ProtocolError(
+                "get_meta(mode='insert') is not offered: create rows by key with kv_batch_put"
+            )
+        else:
+            raise ValueError(f"Invalid mode: {mode!r} (fetch or force_fetch)")
+        return BatchMeta(
+            _IDS.ids(partition_id, keys),
+            [partition_id] * len(keys),
+            custom_meta=tags,
+            keys=keys,
+            field_names=fields,
+        )
+
+    def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
+        """Whether the partition has rows and ``task_name`` consumed every one (fetched
+        it, or acknowledged its claim); False for a partition that is not there.
+
+        Raises
+        ------
+        KeysNotFoundError
+            If the partition declares no such task.
+        """
+        st = _tq()._status(partition_id)
+        if st is None:
+            return False
+        if task_name not in st["acked"]:
+            raise KeysNotFoundError(
+                f"partition {partition_id!r} declares no task {task_name!r} "
+                f"(its tasks: {st['tasks']})",
+                partition=partition_id,
+            )
+        return bool(st["rows"] > 0 and st["acked"][task_name] >= st["rows"])
+
+    def check_production_status(self, data_fields: list[str] | str, partition_id: str) -> bool:
+        """Whether the partition has rows and every row has every one of ``data_fields``
+        (False for a partition that is not there)."""
+        st = _tq()._status(partition_id)
+        if st is None:
+            return False
+        n = st["rows"]
+        return bool(n > 0 and all(st["fields"].get(f, 0) >= n for f in _names(data_fields) or []))
+
+    def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
+        """Make the partition's rows consumable again by ``task_name`` (every task when
+        None): each is fetched (or claimed) once more. Returns True.
+
+        Raises
+        ------
+        KeysNotFoundError
+            If the partition is not there, or declares no such task.
+        """
+        client = _tq().client
+        with _not_found():
+            tasks = [task_name] if task_name is not None else client.inspect(partition_id)["tasks"]
+            for t in tasks:
+                client.reset(partition_id, t)
+        return True
+
+    async def async_get_meta(
+        self,
+        data_fields: list[str] | str,
+        batch_size: int,
+        partition_id: str,
+        mode: str = "fetch",
+        task_name: str | None = None,
+        sampling_config: Mapping[str, Any] | None = None,
+    ) -> BatchMeta:
+        """:meth:`get_meta` off the event loop."""
+        return await _off_loop(
+            self.get_meta, data_fields, batch_size, partition_id, mode, task_name, sampling_config
+        )
+
+    async def async_check_consumption_status(self, task_name: str, partition_id: str) -> bool:
+        """:meth:`check_consumption_status` off the event loop."""
+        return await _off_loop(self.check_consumption_status, task_name, partition_id)
+
+    async def async_check_production_status(
+        self, data_fields: list[str] | str, partition_id: str
+    ) -> bool:
+        """:meth:`check_production_status` off the event loop."""
+        return await _off_loop(self.check_production_status, data_fields, partition_id)
+
+    async def async_reset_consumption(
+        self, partition_id: str, task_name: str | None = None
+    ) -> bool:
+        """:meth:`reset_consumption` off the event loop."""
+        return await _off_loop(self.reset_consumption, partition_id, task_name)
 
     async def async_kv_retrieve_meta(
         self, keys: list[str] | str, partition_id: str, create: bool = False

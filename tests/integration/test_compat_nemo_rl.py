@@ -1,0 +1,314 @@
+"""NeMo RL's TransferQueue adapter sequence, played through flightq.compat.transferqueue
+against a real flightq server: its configuration built from TransferQueue's own
+``config.yaml`` (the shim's), the schema warm-up put it makes before each step, the
+task-mediated fetch (``get_client().get_meta``), consumption and production status, and
+the per-row tags (``custom_meta``) its claim reads.
+
+The ``flightq`` section comes from the file ``FLIGHTQ_TQ_CONF`` names, as a NeMo RL job
+would give it (its code builds the configuration and never names flightq).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import flightq
+
+pytestmark = [pytest.mark.torch, pytest.mark.timeout(120)]
+
+#: NeMo RL's train partition fields (its data_plane.schema.DP_TRAIN_FIELDS): the shipped
+#: rollout_text@1 declares them.
+TRAIN_FIELDS = [
+    "input_ids",
+    "input_lengths",
+    "generation_logprobs",
+    "prev_logprobs",
+    "reference_policy_logprobs",
+    "advantages",
+    "token_mask",
+    "sample_mask",
+]
+TASKS = ["prev_lp", "ref_lp", "train"]
+
+
+@pytest.fixture(name="TensorDict")
+def tensordict_fixture() -> Any:
+    return pytest.importorskip("tensordict", reason="tensordict is not installed").TensorDict
+
+
+def _shim_conf(polling: bool) -> Any:
+    """What NeMo RL's driver gives init: TransferQueue's config.yaml (here the shim's,
+    found by package as NeMo RL finds it) merged with its overlay."""
+    from omegaconf import OmegaConf
+
+    import flightq.compat.transferqueue as tq
+
+    shim = Path(tq.SHIM_PATH) / "transfer_queue"
+    with resources.as_file(shim / "config.yaml") as path:
+        base = OmegaConf.load(str(path))
+    overlay = {
+        "controller": {"polling_mode": polling},
+        "backend": {
+            "storage_backend": "SimpleStorage",
+            "SimpleStorage": {"total_storage_size": 1000, "num_data_storage_units": 2},
+        },
+    }
+    return OmegaConf.merge(base, overlay)
+
+
+@pytest.fixture(name="tq")
+def tq_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, torch: Any) -> Iterator[Any]:
+    import flightq.compat.transferqueue as tq
+
+    section = {
+        "partitions": {"train": {"schema": "rollout_text@1", "tasks": TASKS}},
+        "warmup_keys": "__schema__:",
+    }
+    (tmp_path / "flightq.json").write_text(json.dumps(section))
+    monkeypatch.setenv(tq.CONF_ENV, str(tmp_path / "flightq.json"))
+    monkeypatch.setenv(tq.FETCH_WAIT_ENV, "0.2")
+    monkeypatch.delenv("FLIGHTQ_LOCATION", raising=False)
+    tq.init(conf=_shim_conf(polling=True))
+    try:
+        yield tq
+    finally:
+        tq.close()
+
+
+def _warmup(tq: Any, torch: Any, TensorDict: Any, fields: list[str]) -> Any:
+    """NeMo RL's register_partition: a placeholder row of every field, then its clear."""
+    key = "__schema__:train:123:456:789"
+    dummy = TensorDict({f: torch.zeros(1) for f in fields}, batch_size=[1])
+    meta = tq.kv_batch_put(keys=[key], partition_id="train", fields=dummy, tags=[{}])
+    tq.kv_clear(keys=[key], partition_id="train")
+    return meta
+
+
+def _rollout(tq: Any, torch: Any, TensorDict: Any, keys: list[str], first: int = 5) -> None:
+    """The rollout's first put: jagged token fields, scalars, a length tag per row."""
+    n = len(keys)
+
+    def jag(dtype: Any) -> Any:
+        rows = [torch.arange(first + i).to(dtype) for i in range(n)]
+        return torch.nested.nested_tensor(rows, layout=torch.jagged)
+
+    td = TensorDict(
+        {
+            "input_ids": jag(torch.int64),
+            "token_mask": jag(torch.int64),
+            "generation_logprobs": jag(torch.float32),
+            "input_lengths": torch.tensor([first + i for i in range(n)], dtype=torch.int32),
+            "sample_mask": torch.ones(n),
+        },
+        batch_size=[n],
+    )
+    tags = [{"input_lengths": first + i, "weight_version": 0} for i in range(n)]
+    tq.kv_batch_put(keys=keys, partition_id="train", fields=td, tags=tags)
+
+
+def test_the_shims_config_and_the_files_section_start_the_partition_with_its_tasks(
+    tq: Any, torch: Any, TensorDict: Any
+) -> None:
+    _warmup(tq, torch, TensorDict, TRAIN_FIELDS)
+    _rollout(tq, torch, TensorDict, ["u0", "u1"])
+    client = tq._tq().client
+    assert client.partition_schema("train").ref == "rollout_text@1"
+    assert client.inspect("train")["tasks"] == TASKS
+    assert tq._tq().polling is True
+
+
+def test_warmup_rows_are_checked_against_the_schema_and_not_stored(
+    tq: Any, torch: Any, TensorDict: Any
+) -> None:
+    meta = _warmup(tq, torch, TensorDict, TRAIN_FIELDS)
+    assert meta.fields == sorted(TRAIN_FIELDS) and meta.keys == ["__schema__:train:123:456:789"]
+    assert tq.kv_list(partition_id="train") == {"train": {}}  # nothing stored
+    # A field the schema does not declare is refused by name, as in a real put.
+    with pytest.raises(flightq.UndeclaredFieldError, match="'routed_experts'"):
+        _warmup(tq, torch, TensorDict, [*TRAIN_FIELDS, "routed_experts"])
+    # Warm-up keys beside stored ones: refused, nothing stored.
+    one = TensorDict({"sample_mask": torch.ones(2)}, batch_size=[2])
+    with pytest.raises(flightq.ProtocolError, match="put them apart"):
+        tq.kv_batch_put(keys=["__schema__:x", "real"], partition_id="train", fields=one)
+    assert tq.kv_list(partition_id="train") == {"train": {}}
+
+
+def test_without_warmup_keys_a_warmup_row_is_a_put_and_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, torch: Any, TensorDict: Any
+) -> None:
+    import flightq.compat.transferqueue as tq
+
+    section = {"partitions": {"train": {"schema": "rollout_text@1", "tasks": TASKS}}}
+    (tmp_path / "flightq.yaml").write_text(json.dumps({"flightq": section}))
+    monkeypatch.setenv(tq.CONF_ENV, str(tmp_path / "flightq.yaml"))
+    monkeypatch.delenv("FLIGHTQ_LOCATION", raising=False)
+    tq.init(conf=_shim_conf(polling=False))
+    try:
+        # zeros(1) per row is a float scalar where input_ids declares int64 tokens.
+        with pytest.raises(flightq.FlightqError, match="input_ids"):
+            _warmup(tq, torch, TensorDict, TRAIN_FIELDS)
+        assert tq.kv_list(partition_id="train") == {"train": {}}
+    finally:
+        tq.close()
+
+
+def test_get_meta_fetches_each_row_once_per_task_in_the_order_put(
+    tq: Any, torch: Any, TensorDict: Any
+) -> None:
+    keys = [f"g0_{i}" for i in range(4)]
+    _rollout(tq, torch, TensorDict, keys)
+    client = tq.get_client()
+
+    def fetch(task: str, n: int, fields: list[str] | None = None) -> Any:
+        return client.get_meta(
+            data_fields=fields or ["input_ids", "token_mask"],
+            batch_size=n,
+            partition_id="train",
+            task_name=task,
+            mode="fetch",
+            sampling_config={"dp_rank": 0},
+        )
+
+    first = fetch("prev_lp", 3)
+    assert first.size == 3 and first.field_names == ["input_ids", "token_mask"]
+    got = client.kv_retrieve_keys(global_indexes=list(first.global_indexes), partition_id="train")
+    assert got == keys[:3]
+    assert first.custom_meta == [{"input_lengths": 5 + i, "weight_version": 0} for i in range(3)]
+    # Polling mode: too few left answers an empty batch at once, consuming nothing.
+    assert fetch("prev_lp", 2).size == 0
+    assert fetch("prev_lp", 1).keys == keys[3:]
+    # Another task consumes on its own; rows lacking a field wait for it.
+    assert fetch("ref_lp", 4).keys == keys
+    assert fetch("train", 1, ["prev_logprobs"]).size == 0
+    lp = torch.nested.nested_tensor([-torch.ones(5)], layout=torch.jagged)
+    tq.kv_batch_put(
+        keys=keys[:1],
+        partition_id="train",
+        fields=TensorDict({"prev_logprobs": lp}, batch_size=[1]),
+    )
+    assert fetch("train", 1, ["prev_logprobs"]).keys == keys[:1]
+    # The fetched keys read by key (NeMo RL's get_data), with the fields asked.
+    td = tq.kv_batch_get(keys=first.keys, partition_id="train", select_fields=["input_ids"])
+    assert [r.tolist() for r in td["input_ids"].unbind()] == [list(range(5 + i)) for i in range(3)]
+    # A task the partition does not declare is refused (also a ValueError, as NeMo RL's
+    # own adapters raise for an unregistered task).
+    with pytest.raises(tq.KeysNotFoundError, match="no task 'critic'"):
+        fetch("critic", 1)
+    with pytest.raises(ValueError):
+        fetch("critic", 1)
+
+
+def test_a_fetch_outside_polling_mode_waits_then_raises_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, torch: Any, TensorDict: Any
+) -> None:
+    import flightq.compat.transferqueue as tq
+
+    section = {"partitions": {"train": {"schema": "rollout_text@1", "tasks": TASKS}}}
+    (tmp_path / "f.json").write_text(json.dumps(section))
+    monkeypatch.setenv(tq.CONF_ENV, str(tmp_path / "f.json"))
+    monkeypatch.setenv(tq.FETCH_WAIT_ENV, "0.2")
+    monkeypatch.delenv("FLIGHTQ_LOCATION", raising=False)
+    tq.init(conf=_shim_conf(polling=False))
+    try:
+        _rollout(tq, torch, TensorDict, ["a0"])
+        client = tq.get_client()
+        with pytest.raises(TimeoutError):
+            client.get_meta(["input_ids"], 2, "train", task_name="train")
+        assert client.get_meta(["input_ids"], 1, "train", task_name="train").keys == ["a0"]
+    finally:
+        tq.close()
+
+
+def test_consumption_and_production_status_and_their_reset(
+    tq: Any, torch: Any, TensorDict: Any
+) -> None:
+    client = tq.get_client()
+    assert client.check_consumption_status(task_name="train", partition_id="nope") is False
+    assert client.check_production_status(data_fields=["input_ids"], partition_id="nope") is False
+    keys = ["c0", "c1"]
+    _rollout(tq, torch, TensorDict, keys)
+    assert client.check_production_status(["input_ids", "sample_mask"], "train") is True
+    assert client.check_production_status(["input_ids", "advantages"], "train") is False
+    assert client.check_consumption_status("train", "train") is False
+    client.get_meta(["input_ids"], 1, "train", task_name="train")
+    assert client.check_consumption_status("train", "train") is False
+    client.get_meta(["input_ids"], 1, "train", task_name="train")
+    assert client.check_consumption_status("train", "train") is True
+    assert client.check_consumption_status("ref_lp", "train") is False
+    with pytest.raises(tq.KeysNotFoundError, match="no task 'critic'"):
+        client.check_consumption_status("critic", "train")
+    # Reset: every row is fetched once more.
+    assert client.reset_consumption("train", "train") is True
+    assert client.check_consumption_status("train", "train") is False
+    assert client.get_meta(["input_ids"], 2, "train", task_name="train").keys == keys
+    # Force fetch: every row, consuming none; insert and unknown modes refused.
+    every = client.get_meta(["input_ids"], 0, "train", mode="force_fetch")
+    assert every.keys == keys and every.custom_meta[1]["input_lengths"] == 6
+    with pytest.raises(flightq.ProtocolError, match="insert"):
+        client.get_meta(["input_ids"], 2, "train", mode="insert")
+    with pytest.raises(ValueError, match="Invalid mode"):
+        client.get_meta(["input_ids"], 2, "train", mode="sample", task_name="train")
+    with pytest.raises(flightq.ProtocolError, match="task_name"):
+        client.get_meta(["input_ids"], 2, "train")
+
+
+def test_custom_meta_travels_with_the_rows_of_a_batch_meta(
+    tq: Any, torch: Any, TensorDict: Any
+) -> None:
+    import asyncio
+
+    _rollout(tq, torch, TensorDict, [f"m{i}" for i in range(5)])
+    client = tq.get_client()
+    meta = asyncio.run(client.async_get_meta(["input_ids"], 5, "train", task_name="prev_lp"))
+    lengths = [m["input_lengths"] for m in meta.custom_meta]
+    assert lengths == [5, 6, 7, 8, 9]
+    parts = meta.chunk(2)
+    assert [[m["input_lengths"] for m in p.custom_meta] for p in parts] == [[5, 6, 7], [8, 9]]
+    back = tq.BatchMeta.concat(parts[::-1])
+    assert [m["input_lengths"] for m in back.custom_meta] == [8, 9, 5, 6, 7]
+    assert [m["input_lengths"] for m in meta[1:3].custom_meta] == [6, 7]
+    copied = pickle.loads(pickle.dumps(meta))
+    assert copied.custom_meta == meta.custom_meta and copied.keys == meta.keys
+    meta.update_custom_meta([{"seen": True}] * 5)
+    assert meta.get_all_custom_meta()[0] == {"input_lengths": 5, "weight_version": 0, "seen": True}
+    assert parts[0].custom_meta[0] == {"input_lengths": 5, "weight_version": 0}  # its own copy
+    with pytest.raises(ValueError, match="5 rows"):
+        meta.update_custom_meta([{}])
+    meta.clear_custom_meta()
+    assert meta.custom_meta == [{}] * 5
+    assert asyncio.run(client.async_check_consumption_status("prev_lp", "train")) is True
+    assert asyncio.run(client.async_reset_consumption("train")) is True
+    assert asyncio.run(client.async_check_production_status(["input_ids"], "train")) is True
+
+
+def test_the_section_file_is_read_as_json_or_yaml_and_a_bad_one_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import flightq.compat.transferqueue as tq
+
+    yaml = tmp_path / "f.yaml"
+    yaml.write_text("flightq:\n  schema: rollout_text@1\n  overwrite: false\n")
+    monkeypatch.setenv(tq.CONF_ENV, str(yaml))
+    conf = {"controller": {"polling_mode": False}, "flightq": {"overwrite": True}}
+    # The file's entries fill those the configuration's own section leaves out.
+    assert tq._section(conf) == {"schema": "rollout_text@1", "overwrite": True}
+    assert tq._section({"controller": {}}) == {"schema": "rollout_text@1", "overwrite": False}
+    for text, named in [("[1, 2]", "no mapping"), ("a: [unclosed", "neither JSON nor YAML")]:
+        yaml.write_text(text)
+        with pytest.raises(flightq.ProtocolError, match=named):
+            tq._section({})
+    monkeypatch.setenv(tq.CONF_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(flightq.ProtocolError, match="cannot read"):
+        tq._section({})
+    monkeypatch.delenv(tq.CONF_ENV)
+    with pytest.raises(flightq.ProtocolError, match=tq.CONF_ENV):
+        tq._section({"controller": {"polling_mode": True}, "backend": {}})
+    with pytest.raises(flightq.ProtocolError, match="warmup_keys"):
+        tq.TransferQueue({"flightq": {"warmup_keys": ""}})
