@@ -42,7 +42,8 @@ The configuration is ``init``'s ``conf["flightq"]`` (a dict, or anything with
     "group_size": n}``. A partition is declared on its first put (declaring is
     idempotent: every process may do it).
 ``schemas_dir``
-    a folder of schemas (``schemas/<name>/v<N>.json``) to use instead of the shipped ones.
+    a folder of schemas (``schemas/<name>/v<N>.json``) to use instead of the shipped ones;
+    a partition's schema the server does not know is registered with it first.
 ``overwrite``
     let puts rewrite fields rows already have (default true, as TransferQueue; false
     makes a rewrite a ``ConflictError``).
@@ -50,6 +51,9 @@ The configuration is ``init``'s ``conf["flightq"]`` (a dict, or anything with
     a key prefix (NeMo RL's ``"__schema__:"``): a put of such keys, which a program makes
     so that TransferQueue learns the fields before any producer starts, has its field
     names checked against the partition's schema and stores nothing.
+``polling_mode``
+    TransferQueue's ``controller.polling_mode`` for a configuration that gives none (a
+    worker's bare ``init()``): TransferQueue's is its controller's, one for the job.
 
 Entries the section leaves out come from the file :data:`CONF_ENV` names, if set (JSON,
 or YAML): for programs that build their configuration from TransferQueue's own
@@ -91,6 +95,7 @@ from ..errors import (
     ProtocolError,
     ShapeError,
     UndeclaredFieldError,
+    UnknownSchemaError,
 )
 from ..registry import SchemaRegistry
 from ..rows import is_tensordict
@@ -413,6 +418,22 @@ def _every_row(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return sorted(tensors | set(_objects([r["tags"] for r in rows])))
 
 
+def _per_row(v: Any, n: int) -> list[Any]:
+    """A TensorDict's non-tensor entry as one value per row. A ``NonTensorStack`` holds
+    one per row; a column put in whole (a numpy object array, or a list, of ``n`` values:
+    what ``TensorDict({"content": np.array([...], dtype=object)}, batch_size=[n])`` keeps
+    as a single ``NonTensorData``) gives its values row by row, as TransferQueue takes
+    them; any other single value (a string) is every row's."""
+    data: Any = getattr(v, "data", None) if type(v).__name__ == "NonTensorData" else None
+    column = isinstance(data, (list, tuple)) or getattr(data, "ndim", 0) >= 1
+    if column and len(data) == n:
+        # Rows of a 2-D object array (rows of equal length) as the lists they hold.
+        return [
+            x.tolist() if getattr(getattr(x, "dtype", None), "kind", "") == "O" else x for x in data
+        ]
+    return list(v.tolist())
+
+
 def _user_tags(tags: Mapping[str, Any]) -> dict[str, Any]:
     """A row's tags as its writers gave them (without its non-tensor fields)."""
     return {k: v for k, v in tags.items() if not k.startswith(_OBJECT)}
@@ -566,11 +587,15 @@ def _conf_file(path: str) -> dict[str, Any]:
     return dict(loaded)
 
 
-def _polling(conf: Any) -> bool:
-    """TransferQueue's ``controller.polling_mode``: a fetch that finds too few rows ready
-    answers an empty batch instead of waiting."""
+def _polling(conf: Any, section: Mapping[str, Any]) -> bool:
+    """TransferQueue's ``controller.polling_mode``, else the section's ``polling_mode``
+    (every process that reads the file :data:`CONF_ENV` names: TransferQueue's is its
+    controller's, one for the job, where a worker's bare ``init()`` gives none): a fetch
+    that finds too few rows ready answers an empty batch instead of waiting."""
     controller = _container(conf).get("controller") or {}
-    return bool(isinstance(controller, Mapping) and controller.get("polling_mode", False))
+    if isinstance(controller, Mapping) and "polling_mode" in controller:
+        return bool(controller["polling_mode"])
+    return bool(section.get("polling_mode", False))
 
 
 @contextlib.contextmanager
@@ -602,7 +627,7 @@ class TransferQueue:
         import flightq
 
         self.conf = _section(conf)
-        self.polling = _polling(conf)
+        self.polling = _polling(conf, self.conf)
         warm = self.conf.get("warmup_keys")
         if warm is not None and (not isinstance(warm, str) or not warm):
             raise ProtocolError("init(conf): conf['flightq']['warmup_keys'] is a key prefix")
@@ -663,13 +688,25 @@ class TransferQueue:
                 ) from None
             self._declared[partition_id] = True
             return
-        self.client.create_partition(
-            partition_id,
-            d["schema"],
-            tasks=list(d.get("tasks", ())),
-            group_size=d.get("group_size"),
-            registry=self.registry,
-        )
+
+        def declare() -> None:
+            self.client.create_partition(
+                partition_id,
+                d["schema"],
+                tasks=list(d.get("tasks", ())),
+                group_size=d.get("group_size"),
+                registry=self.registry,
+            )
+
+        try:
+            declare()
+        except UnknownSchemaError:
+            if not self.conf.get("schemas_dir"):
+                raise
+            # A schema of this process's schemas_dir the server does not know: registered
+            # with it (its evolution rules apply), then declared.
+            self.client.register_schema(self.registry.get(str(d["schema"])))
+            declare()
         self._declared[partition_id] = True
 
     # ------------------------------------------------------------------ puts
@@ -856,7 +893,7 @@ class TransferQueue:
             objects = {k: v for k, v in objects.items() if hasattr(v, "tolist")}
             if not objects:
                 return fields, {}
-            return fields.exclude(*objects), {k: list(v.tolist()) for k, v in objects.items()}
+            return fields.exclude(*objects), {k: _per_row(v, n) for k, v in objects.items()}
         if not isinstance(fields, Mapping):
             return fields, {}
         objects = {

@@ -312,3 +312,104 @@ def test_the_section_file_is_read_as_json_or_yaml_and_a_bad_one_is_refused(
         tq._section({"controller": {"polling_mode": True}, "backend": {}})
     with pytest.raises(flightq.ProtocolError, match="warmup_keys"):
         tq.TransferQueue({"flightq": {"warmup_keys": ""}})
+
+
+def test_object_columns_put_whole_are_taken_row_by_row(
+    tq: Any, torch: Any, TensorDict: Any
+) -> None:
+    # NeMo RL's rollout puts its message logs as numpy object arrays in the TensorDict,
+    # which keeps each as one NonTensorData of the whole column: TransferQueue takes it
+    # row by row. A single string entry is every row's.
+    import numpy as np
+
+    n = 3
+    td = TensorDict(
+        {
+            "input_ids": torch.ones(n, 4, dtype=torch.int64),
+            "turn_roles": np.asarray(
+                [["user", "assistant"], ["user"], ["user", "a", "u"]], dtype=object
+            ),
+            "content": np.asarray([["q0", "a0"], ["q1", "a1"], ["q2", "a2"]], dtype=object),
+            "task_name": "math",
+        },
+        batch_size=[n],
+    )
+    keys = ["o0", "o1", "o2"]
+    meta = tq.kv_batch_put(keys=keys, partition_id="train", fields=td)
+    assert meta.fields == ["content", "input_ids", "task_name", "turn_roles"]
+    got = tq.kv_batch_get(keys=keys[::-1], partition_id="train", select_fields=meta.fields)
+    assert got.get("turn_roles").tolist() == [["user", "a", "u"], ["user"], ["user", "assistant"]]
+    assert got.get("content").tolist() == [["q2", "a2"], ["q1", "a1"], ["q0", "a0"]]
+    assert got.get("task_name").tolist() == ["math"] * n
+
+
+def test_polling_mode_reaches_a_workers_bare_init_through_the_section(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, torch: Any, TensorDict: Any
+) -> None:
+    # TransferQueue's polling mode is its controller's, one for the job; NeMo RL sets it in
+    # the driver's init only, and its workers call a bare init().
+    import flightq.compat.transferqueue as tq
+
+    section = {
+        "partitions": {"train": {"schema": "rollout_text@1", "tasks": TASKS}},
+        "polling_mode": True,
+    }
+    (tmp_path / "f.json").write_text(json.dumps(section))
+    monkeypatch.setenv(tq.CONF_ENV, str(tmp_path / "f.json"))
+    monkeypatch.setenv(tq.FETCH_WAIT_ENV, "30")  # a fetch that waited would time the test out
+    server = flightq.Server().start()
+    monkeypatch.setenv("FLIGHTQ_LOCATION", server.location)
+    try:
+        worker = tq.TransferQueue()  # what a worker's bare init() builds
+        assert worker.polling is True
+        # The configuration's own controller.polling_mode, where it gives one, decides.
+        assert tq.TransferQueue({"controller": {"polling_mode": False}}).polling is False
+        tq.init()
+        try:
+            client = tq.get_client()
+            assert client.get_meta(["input_ids"], 2, "train", task_name="train").size == 0
+            _rollout(tq, torch, TensorDict, ["w0", "w1"])
+            assert client.get_meta(["input_ids"], 2, "train", task_name="train").size == 2
+        finally:
+            tq.close()
+            worker.close()
+    finally:
+        server.stop()
+
+
+def test_a_schema_of_schemas_dir_the_server_lacks_is_registered_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, torch: Any, TensorDict: Any
+) -> None:
+    import flightq.compat.transferqueue as tq
+
+    text = flightq.SchemaRegistry.default().get("rollout_text@1")
+    extra = flightq.Field("turn_lengths", "int64", "tensor", [None])
+    mine = flightq.Schema("nemo_rollout", 1, [*text.fields, extra])
+    (tmp_path / "schemas" / "nemo_rollout").mkdir(parents=True)
+    (tmp_path / "schemas" / "nemo_rollout" / "v1.json").write_text(mine.to_json())
+    server = flightq.Server().start()  # the shipped schemas only
+    section = {
+        "location": server.location,
+        "schemas_dir": str(tmp_path / "schemas"),
+        "partitions": {"train": {"schema": "nemo_rollout@1", "tasks": TASKS}},
+    }
+    (tmp_path / "f.json").write_text(json.dumps(section))
+    monkeypatch.setenv(tq.CONF_ENV, str(tmp_path / "f.json"))
+    tq.init()
+    try:
+        td = TensorDict(
+            {
+                "input_ids": torch.ones(2, 3, dtype=torch.int64),
+                "turn_lengths": torch.ones(2, 2, dtype=torch.int64),
+            },
+            batch_size=[2],
+        )
+        assert tq.kv_batch_put(keys=["a", "b"], partition_id="train", fields=td).fields == [
+            "input_ids",
+            "turn_lengths",
+        ]
+        got = tq.kv_batch_get(keys=["b"], partition_id="train", select_fields="turn_lengths")
+        assert [r.tolist() for r in got["turn_lengths"].unbind()] == [[1, 1]]
+    finally:
+        tq.close()
+        server.stop()
