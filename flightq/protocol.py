@@ -578,6 +578,8 @@ class ClaimTicket(Message):
     lease: float | None = _field(_optional(_seconds(inf=True, positive=True)), None, omit=None)
     session: str | None = _field(_optional(_str(64)), None, omit=None)
     call: str | None = _field(_optional(_str(64, nonempty=True)), None, omit=None)
+    #: As :class:`GetTicket`'s: tags under this prefix come back with a null value.
+    hide_tag_values: str | None = _field(_optional(_str(256, nonempty=True)), None, omit=None)
     op: str = _field(_const("claim"), "claim")
 
 

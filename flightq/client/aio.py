@@ -317,6 +317,7 @@ class AsyncClient:
         sync: bool = True,
         lease: float | None = None,
         call_id: str | None = None,
+        hide_tag_values: str | None = None,
     ) -> Batch:
         """See :meth:`flightq.Client.claim`. ``with batch:`` acks or gives back as there,
         blocking the loop for that one call: ``await c.ack(batch)`` does not. Cancelled
@@ -337,6 +338,7 @@ class AsyncClient:
             device=device,
             sync=sync,
             lease=lease,
+            hide_tag_values=hide_tag_values,
         )
 
     async def cancel_claim(self, partition: str, call_id: str) -> int:

@@ -1150,6 +1150,7 @@ class Client:
         sync: bool = True,
         lease: float | None = None,
         call_id: str | None = None,
+        hide_tag_values: str | None = None,
     ) -> Batch:
         """Block until ``batch_size`` rows are ready for ``task``, lease them, return them.
 
@@ -1170,6 +1171,8 @@ class Client:
         batch (decoding, the transport), the rows are given back before the error is
         raised. ``device`` and ``sync`` as for :meth:`get` (a bad device, or
         ``as_='torch'`` without torch, is refused before anything is claimed).
+
+        ``hide_tag_values`` as for :meth:`get`: tags under that prefix come by name alone.
 
         ``call_id`` names this claim (1 to 64 characters, one of its own per claim:
         ``uuid.uuid4().hex``) so that another thread can stop it while it waits,
@@ -1204,6 +1207,7 @@ class Client:
             lease=lease,
             session=self._session.id(),
             call=call,
+            hide_tag_values=hide_tag_values,
         )
         started = time.monotonic()
         with self.named.held(partition, call):

@@ -191,6 +191,7 @@ class DataPlane(Protocol):
         sync: bool = True,
         lease: float | None = None,
         call_id: str | None = None,
+        hide_tag_values: str | None = None,
     ) -> Batch: ...
 
     def cancel_claim(self, partition: str, call_id: str) -> int: ...

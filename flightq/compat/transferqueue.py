@@ -1083,6 +1083,7 @@ class TransferQueue:
                 wait_for=[f for f in fields if f in schema],
                 timeout=wait,
                 as_="numpy",
+                hide_tag_values=_OBJECT,  # the rows' tags without non-tensor values
             )
         except ClaimTimeoutError:
             if self.polling:

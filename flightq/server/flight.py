@@ -723,7 +723,7 @@ class Server(fl.FlightServerBase):
             self.counters.add(read_counter(t.op))
             self.counters.add("rows_sent", len(rows))
         log.debug("%s of %d rows from %r", t.op, len(rows), t.partition)
-        hide = t.hide_tag_values if isinstance(t, GetTicket) else None
+        hide = t.hide_tag_values if isinstance(t, (GetTicket, ClaimTicket)) else None
         if not t.shm:
             schema, batches = assemble(
                 part, rows, names, self.max_batch_bytes, coalesce=True, hide=hide

@@ -459,6 +459,7 @@ class ShardedClient(Fanout):
         sync: bool = True,
         lease: float | None = None,
         call_id: str | None = None,
+        hide_tag_values: str | None = None,
     ) -> Batch:
         """Take ``batch_size`` ready rows for ``task``, whole groups, from one or more shards.
 
@@ -555,6 +556,7 @@ class ShardedClient(Fanout):
                     lease=lease,
                     session=self._clients[s].session.id(),
                     call=call,
+                    hide_tag_values=hide_tag_values,
                 )
                 try:
                     bs = read(s, t, secs)

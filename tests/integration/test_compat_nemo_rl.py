@@ -194,6 +194,14 @@ def test_get_meta_fetches_each_row_once_per_task_in_the_order_put(
         fields=TensorDict({"prev_logprobs": lp}, batch_size=[1]),
     )
     assert fetch("train", 1, ["prev_logprobs"]).keys == keys[:1]
+    # A fetch leaves the rows' non-tensor values (message logs) on the server.
+    client_ = tq._tq().client
+    big = {"input_lengths": torch.tensor([5], dtype=torch.int32), "log": ["m" * 50_000]}
+    _rollout(tq, torch, TensorDict, ["big0"])
+    tq.kv_batch_put(keys=["big0"], partition_id="train", fields=big)
+    sent = client_.stats()["counters"]["bytes_sent"]
+    assert fetch("ref_lp", 1).custom_meta == [{"input_lengths": 5, "weight_version": 0}]
+    assert client_.stats()["counters"]["bytes_sent"] - sent < 10_000
     # The fetched keys read by key (NeMo RL's get_data), with the fields asked.
     td = tq.kv_batch_get(keys=first.keys, partition_id="train", select_fields=["input_ids"])
     assert [r.tolist() for r in td["input_ids"].unbind()] == [list(range(5 + i)) for i in range(3)]

@@ -45,7 +45,7 @@ def test_async_client_puts_gets_claims_clears(server):
             assert await c.put("p", keys, cols, [{"prompt_idx": i} for i in range(8)]) == 8
             got = await c.get("p", ["p1_g3", "p0_g0"], ["input_ids"], as_="numpy")
             hid = await c.get("p", ["p0_g1"], [], as_="numpy", hide_tag_values="prompt")
-            claimed = await c.claim("p", "train", 4, timeout=TIMEOUT)
+            claimed = await c.claim("p", "train", 4, timeout=TIMEOUT, hide_tag_values="prompt")
             assert await c.reset("p", "train") == 4
             stats = await c.stats()
             described = await c.inspect("p")
@@ -58,7 +58,7 @@ def test_async_client_puts_gets_claims_clears(server):
     assert got.keys == ["p1_g3", "p0_g0"]
     assert hid.tags == [{"prompt_idx": None}]
     assert raw(got["input_ids"][0]) == raw(cols["input_ids"][7])
-    assert claimed.keys == keys[:4]
+    assert claimed.keys == keys[:4] and claimed.tags == [{"prompt_idx": None}] * 4
     assert stats["partitions"]["p"]["rows"] == 8
     assert described["delivered"] == {"train": 0}
     assert names == ["p"]

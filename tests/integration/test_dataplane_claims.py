@@ -58,6 +58,21 @@ def test_claim_returns_the_required_fields_by_default_and_named_fields_otherwise
     assert only.fields == ["total_reward"]
 
 
+def test_a_claim_leaves_out_the_values_of_tags_it_is_told_to(client):
+    keys = text_keys(2, 2)
+    client.create_partition("h", TEXT, tasks=["a"], group_size=2)
+    tags = [{"n": i, "doc:text": "x" * 500 + str(i)} for i in range(4)]
+    client.put("h", keys, text_columns(keys), tags)
+    got = client.claim("h", "a", 2, [], timeout=TIMEOUT, as_="numpy", hide_tag_values="doc:")
+    assert got.keys == keys[:2] and got.tags == [
+        {"n": 0, "doc:text": None},
+        {"n": 1, "doc:text": None},
+    ]
+    client.ack(got)
+    whole = client.claim("h", "a", 2, ["input_ids"], timeout=TIMEOUT, as_="numpy")
+    assert whole.tags == tags[2:]  # without it, the values whole
+
+
 @pytest.mark.torch
 def test_claim_times_out_with_a_typed_error_that_is_also_a_timeout_error(client, flat):
     client.claim("flat", "a", 4, timeout=TIMEOUT)

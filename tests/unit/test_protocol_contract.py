@@ -346,6 +346,7 @@ EXAMPLES: list[Message] = [
     GetTicket(partition="p", keys=["k0", "k0", "k1"], fields=["input_ids"], shm=True),
     GetTicket(partition="p", keys=[]),
     GetTicket(partition="p", keys=["k0"], hide_tag_values="big:"),
+    ClaimTicket(partition="p", task="t", batch_size=1, timeout=0.0, hide_tag_values="big:"),
     ClaimTicket(partition="p", task="train", batch_size=16, timeout=float("inf"), wait_for=["x"]),
     ClaimTicket(partition="p", task="t", batch_size=1, timeout=0.5, fields=[], shm=True),
     ClaimTicket(
