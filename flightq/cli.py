@@ -234,6 +234,15 @@ def _parser() -> argparse.ArgumentParser:
         "2 MiB)",
     )
     sv.add_argument(
+        "--max-tags-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="longest tags a put may give one row, in msgpack bytes: past it the put is "
+        "refused, ResourceExhaustedError (default 64 KiB, at most 16 MiB; raise it for rows "
+        "carrying large non-tensor values, such as the TransferQueue compat's message logs)",
+    )
+    sv.add_argument(
         "--peers",
         help="every shard's location, comma-separated, this one's included "
         "(GetFlightInfo lists one endpoint per peer; see docs/sharding.md)",

@@ -761,6 +761,8 @@ class HealthReply(Message):
     partitions: int = _field(_int(0))
     #: ``{"dir": ..., "probe": hex or None}``; None: shared memory disabled.
     shm: dict[str, Any] | None = _field(_optional(_map), None)
+    #: Longest tags a put may give one row, in msgpack bytes (None: not said, 65 536).
+    max_tags_bytes: int | None = _field(_optional(_int(0)), None, omit=None)
 
 
 @dataclasses.dataclass(**_FROZEN)

@@ -373,31 +373,29 @@ def _object_value(name: str, key: str, v: Any) -> Any:
     return v
 
 
-def _fit_tags(keys: Sequence[str], tags: Sequence[Mapping[str, Any]]) -> None:
-    """Refuse, naming the row and its largest non-tensor field, tags past what a server
-    takes of one row's in a put (:data:`flightq.server.budget.MAX_TAGS_BYTES`)."""
+def _fit_tags(keys: Sequence[str], tags: Sequence[Mapping[str, Any]], cap: int) -> None:
+    """Refuse, naming the row and its largest non-tensor field, tags past what the server
+    takes of one row's in a put (``cap``: its health's ``max_tags_bytes``)."""
     import msgpack
-
-    from ..server.budget import MAX_TAGS_BYTES
 
     for key, t in zip(keys, tags, strict=True):
         size = len(msgpack.packb(t, use_bin_type=True))
-        if size > MAX_TAGS_BYTES:
+        if size > cap:
             sizes = {k: len(msgpack.packb(v, use_bin_type=True)) for k, v in t.items()}
             big = max(sizes, key=sizes.__getitem__)
             if big.startswith(_OBJECT):
                 what, field = f"field {big[len(_OBJECT) :]!r}", big[len(_OBJECT) :]
-                fix = "put it in a put of its own, or as a tensor field"
+                fix = "put it in a put of its own, or serve with a larger --max-tags-bytes"
             else:
                 what, field = f"tag {big!r}", _TAGS_FIELD
                 fix = "make it smaller, or keep it beside the data plane"
             raise EncodeError(
                 f"kv_batch_put: row {key!r}'s tags and non-tensor fields take {size} bytes, "
-                f"more than a server takes of one row's in a put ({MAX_TAGS_BYTES}); the "
-                f"largest is {what} ({sizes[big]} bytes): {fix}",
+                f"more than the server takes of one row's in a put ({cap}: flightq serve "
+                f"--max-tags-bytes); the largest is {what} ({sizes[big]} bytes): {fix}",
                 field=field,
                 key=key,
-                expected=MAX_TAGS_BYTES,
+                expected=cap,
                 actual=size,
             )
 
@@ -645,6 +643,11 @@ class TransferQueue:
         self.location = str(location)
         try:
             self.client = flightq.connect(self.location, registry=self.registry)
+            # What the server takes of one row's tags (non-tensor fields ride in them).
+            from ..server.budget import MAX_TAGS_BYTES
+
+            told = self.client.health().get("max_tags_bytes")
+            self.max_tags_bytes = int(told) if told else MAX_TAGS_BYTES
         except BaseException:
             if self.server is not None:
                 self.server.stop()
@@ -867,7 +870,7 @@ class TransferQueue:
             for name, values in objects.items():
                 for key, t, v in zip(keys, tags, values, strict=True):
                     t[_OBJECT + name] = _object_value(name, key, v)
-            _fit_tags(keys, tags)
+            _fit_tags(keys, tags, self.max_tags_bytes)
         try:
             self.client.put(partition_id, keys, cols, tags, overwrite=self.overwrite)
         except NotFoundError as e:

@@ -104,6 +104,8 @@ class ActionContext:
     #: The call's hold on the server's room for large replies: a handler whose reply may
     #: be large holds its estimated bytes before building it; None: not bounded.
     reply: Held | None = None
+    #: Longest tags a put may give one row (the server's setting); health tells clients.
+    max_tags_bytes: int | None = None
 
     def hold(self, n: int, what: str) -> None:
         """Hold ``n`` bytes of the reply about to be built (:mod:`.replies`)."""
@@ -157,6 +159,7 @@ def _health(ctx: ActionContext, req: Health) -> HealthReply:
         protocol=PROTOCOL_VERSION,
         partitions=len(ctx.store.partitions()),
         shm=probe_reply(ctx.shm_dir, req.to_dict(), ctx.peer, ctx.shm_batch_bytes),
+        max_tags_bytes=ctx.max_tags_bytes,
     )
 
 

@@ -41,6 +41,7 @@ from ..layout import KEY, MEDIA_TYPE, TAGS, binary_offsets, mapped
 __all__ = [
     "MAX_KEY_BYTES",
     "MAX_TAGS_BYTES",
+    "MAX_TAGS_LIMIT",
     "MAX_METADATA_BYTES",
     "MAX_SCHEMA_BYTES",
     "MAX_SCHEMAS",
@@ -75,8 +76,12 @@ __all__ = [
 
 #: Longest row key, in UTF-8 bytes.
 MAX_KEY_BYTES = 1024
-#: Longest tags of one row, in msgpack bytes.
+#: Longest tags of one row, in msgpack bytes, unless the server is told another
+#: (``Server(max_tags_bytes=...)``, ``flightq serve --max-tags-bytes``).
 MAX_TAGS_BYTES = 64 * 1024
+#: The most a server may be told to take of one row's tags: they are decoded into Python
+#: objects (counted in the budget) and listed whole by ``list_keys``.
+MAX_TAGS_LIMIT = 16 << 20
 #: Most bytes of metadata (keys and values, schema-level and on every field) a put's Arrow
 #: schema may carry; a flightq schema's JSON is a few KiB.
 MAX_METADATA_BYTES = 64 * 1024
@@ -267,9 +272,10 @@ _MEDIA_COLUMNS = SchemaMemo(16)
 _CAPPED_TYPES = (pa.utf8(), pa.binary())
 
 
-def check_batch(batch: pa.RecordBatch, what: str) -> None:
-    """Refuse a put's record batch whose schema metadata, keys or tags pass their caps,
-    from Arrow offsets alone (before any key or tag becomes a Python object).
+def check_batch(batch: pa.RecordBatch, what: str, max_tags: int = MAX_TAGS_BYTES) -> None:
+    """Refuse a put's record batch whose schema metadata, keys or tags pass their caps
+    (a row's tags: ``max_tags`` bytes), from Arrow offsets alone (before any key or tag
+    becomes a Python object).
 
     Raises
     ------
@@ -285,7 +291,7 @@ def check_batch(batch: pa.RecordBatch, what: str) -> None:
             actual=meta,
         )
     names = batch.schema.names
-    for name, cap, label in ((KEY, MAX_KEY_BYTES, "row key"), (TAGS, MAX_TAGS_BYTES, "tags")):
+    for name, cap, label in ((KEY, MAX_KEY_BYTES, "row key"), (TAGS, max_tags, "tags")):
         if name not in names:
             continue  # validation names the missing column
         col = batch.column(name)

@@ -66,7 +66,7 @@ from ..schema import diff_schemas
 from . import copied
 from .actions import HANDLERS, ActionContext
 from .assemble import PartCuts, assemble
-from .budget import DictionaryUse, check_batch, underlying_bytes
+from .budget import MAX_TAGS_BYTES, MAX_TAGS_LIMIT, DictionaryUse, check_batch, underlying_bytes
 from .exchange import serve_requests
 from .idle import DEFAULT_IDLE_TIMEOUT, MIDDLEWARE_KEY, IdleWatch
 from .limits import DEFAULT_MAX_CALLS, DEFAULT_MAX_SESSIONS, LIMITS_KEY, CallLimits
@@ -164,6 +164,13 @@ class Server(fl.FlightServerBase):
         msgpack headers, :mod:`flightq.msgcheck`): a larger one is refused with
         ResourceExhaustedError before it is decoded. 16 MiB by default, at least 2 MiB:
         a flightq client cuts its key lists to stay within 1 MiB per message.
+    max_tags_bytes:
+        Longest tags a put may give one row, in msgpack bytes (64 KiB by default, at most
+        16 MiB): a row past it is refused with ResourceExhaustedError and nothing of the
+        put is stored. The health reply names it. Tags are decoded into Python objects on
+        the server (counted in the memory budget) and listed whole by ``list_keys``: raise
+        it for rows that carry large non-tensor values in their tags (the TransferQueue
+        compat's message logs).
     tokens:
         Accepted bearer tokens; when given, every call without one is refused with
         UnauthenticatedError before it touches data (:mod:`flightq.auth`).
@@ -214,8 +221,21 @@ class Server(fl.FlightServerBase):
         max_calls: int = DEFAULT_MAX_CALLS,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
+        max_tags_bytes: int = MAX_TAGS_BYTES,
         **kwargs: Any,
     ) -> None:
+        if (
+            isinstance(max_tags_bytes, bool)
+            or not isinstance(max_tags_bytes, int)
+            or not MAX_TAGS_BYTES <= max_tags_bytes <= MAX_TAGS_LIMIT
+        ):
+            raise ProtocolError(
+                f"max_tags_bytes must be an int from {MAX_TAGS_BYTES} to {MAX_TAGS_LIMIT}, "
+                f"got {max_tags_bytes!r}",
+                actual=max_tags_bytes,
+            )
+        #: Longest tags a put may give one row, in msgpack bytes (health tells clients).
+        self.max_tags_bytes = max_tags_bytes
         if (
             isinstance(max_request_bytes, bool)
             or not isinstance(max_request_bytes, int)
@@ -591,7 +611,7 @@ class Server(fl.FlightServerBase):
                         f"server's limit of {limit} bytes per batch; "
                         "send smaller batches (Client(max_batch_bytes=...))"
                     )
-                check_batch(data, what)
+                check_batch(data, what, self.max_tags_bytes)
                 got += data.num_rows
                 self.counters.add("bytes_received", size)
                 piece = media_piece(
@@ -1088,6 +1108,7 @@ class Server(fl.FlightServerBase):
             peer=peer,
             shm_batch_bytes=self.shm_put_batch_bytes,
             reply=held,
+            max_tags_bytes=self.max_tags_bytes,
         )
         reply = HANDLERS[action.type](context, request).to_wire()
         if len(reply) > MAX_ACTION_REPLY_BYTES:  # one gRPC message: past 2 GiB gRPC aborts
@@ -1366,6 +1387,7 @@ def serve_forever(args: argparse.Namespace) -> int:
         memory_budget=args.memory_budget,
         max_batch_bytes=getattr(args, "max_batch_bytes", None) or DEFAULT_MAX_BATCH_BYTES,
         max_request_bytes=getattr(args, "max_request_bytes", None) or DEFAULT_MAX_REQUEST_BYTES,
+        max_tags_bytes=getattr(args, "max_tags_bytes", None) or MAX_TAGS_BYTES,
         snapshot_dir=getattr(args, "snapshot_dir", None),
         restore=getattr(args, "restore", None),
         peers=[p for p in (getattr(args, "peers", None) or "").split(",") if p],

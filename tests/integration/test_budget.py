@@ -99,6 +99,26 @@ def test_tags_over_the_cap_are_refused_and_tags_count_as_their_python_objects():
         assert srv.store.held() <= 64 * 2**20
 
 
+def test_a_server_told_a_larger_tags_cap_takes_tags_up_to_it_and_says_so():
+    one_mib = 2**20
+    with flightq.Server(max_tags_bytes=one_mib, memory_budget=256 * 2**20) as srv:
+        _declare(srv.location)
+        with flightq.connect(srv.location) as c:
+            assert c.health()["max_tags_bytes"] == one_mib
+        text = {"doc": "x" * (one_mib // 2)}  # past the default 64 KiB, within this cap
+        rb = with_tags(text_batch(["a"]), [msgpack.packb(text)])
+        assert plain_put(srv.location, put_command("p"), [rb]) == {"rows": 1}
+        before = partition_state(srv.location, "p")
+        big = empty_maps(one_mib + 100)
+        _refused(srv.location, [with_tags(text_batch(["b"]), [big])], "limit of 1048576")
+        _unchanged(srv.location, before)
+    with flightq.Server() as srv, flightq.connect(srv.location) as c:
+        assert c.health()["max_tags_bytes"] == budget.MAX_TAGS_BYTES
+    for bad in (budget.MAX_TAGS_BYTES - 1, budget.MAX_TAGS_LIMIT + 1, 1.5, True):
+        with pytest.raises(flightq.ProtocolError, match="max_tags_bytes"):
+            flightq.Server(max_tags_bytes=bad)
+
+
 def test_schema_metadata_over_the_cap_is_refused():
     with flightq.Server() as srv:
         _declare(srv.location)

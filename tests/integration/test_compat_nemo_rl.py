@@ -421,3 +421,40 @@ def test_a_schema_of_schemas_dir_the_server_lacks_is_registered_with_it(
     finally:
         tq.close()
         server.stop()
+
+
+def test_a_long_message_log_fits_a_server_told_a_larger_tags_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, torch: Any, TensorDict: Any
+) -> None:
+    # A message log rides in its row's tags: past the default 64 KiB a row is refused
+    # before it is sent, naming the field and the server's setting; a server told more
+    # takes it.
+    import flightq.compat.transferqueue as tq
+
+    section = {"partitions": {"train": {"schema": "rollout_text@1", "tasks": TASKS}}}
+    (tmp_path / "f.json").write_text(json.dumps(section))
+    monkeypatch.setenv(tq.CONF_ENV, str(tmp_path / "f.json"))
+    answer = "a" * 200_000  # a long reasoning turn
+
+    def put() -> Any:
+        td = TensorDict(
+            {"input_ids": torch.ones(1, 3, dtype=torch.int64), "content": [answer]},
+            batch_size=[1],
+        )
+        return tq.kv_batch_put(keys=["long"], partition_id="train", fields=td)
+
+    for cap in (None, 2**20):
+        server = flightq.Server(max_tags_bytes=cap) if cap else flightq.Server()
+        monkeypatch.setenv("FLIGHTQ_LOCATION", server.start().location)
+        tq.init()
+        try:
+            if cap is None:
+                with pytest.raises(flightq.EncodeError, match=r"--max-tags-bytes.*field 'content'"):
+                    put()
+                continue
+            assert put().fields == ["content", "input_ids"]
+            got = tq.kv_batch_get(keys=["long"], partition_id="train", select_fields="content")
+            assert got.get("content").tolist() == [answer]
+        finally:
+            tq.close()
+            server.stop()
