@@ -6,7 +6,8 @@ DIR``; ``.`` is this one), each holding the same workload step, and one client p
 this tree reading from each in turn, ``--gets`` reads a round, the servers' order
 reversed every other round so that load drifts hit all alike. ``--mode``:
 
-- ``get``: ``Client.get`` of every row by key, every field's per-row tensors built;
+- ``get``: ``Client.get`` of every row by key, every field's per-row tensors built
+  (``--fields``: only those fields asked for and built, a reader of some columns);
 - ``claim``: every prompt group claimed once (``batch_size`` = the group size) and acked,
   fields built, as a trainer takes microbatches; the time of all of a step's claims is
   one read, and the step is put again after it.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import statistics
 import sys
@@ -53,8 +55,11 @@ def _server(tree: str) -> ServerProcess:
     )
 
 
-def _reader(c: Any, step: Any, mode: str, as_: str) -> Callable[[], list[Any]]:
-    """One read of the step from client ``c``: the batches it took (their rows built)."""
+def _reader(
+    c: Any, step: Any, mode: str, as_: str, fields: list[str] | None = None
+) -> Callable[[], list[Any]]:
+    """One read of the step from client ``c``: the batches it took (their rows built);
+    a get asks for ``fields`` (None: all)."""
     groups = step.rows // step.group_size
 
     def built(b: Any) -> Any:
@@ -64,7 +69,7 @@ def _reader(c: Any, step: Any, mode: str, as_: str) -> Callable[[], list[Any]]:
         return b
 
     def get() -> list[Any]:
-        return [built(c.get("p", step.keys, as_=as_))]
+        return [built(c.get("p", step.keys, fields, as_=as_))]
 
     def claims() -> list[Any]:
         out = []
@@ -86,6 +91,7 @@ def measure(
     rounds: int = 8,
     gets: int = 20,
     fresh: bool = False,
+    fields: list[str] | None = None,
 ) -> list[tuple[str, list[list[float]], list[list[float]]]]:
     """Per tree (in order, a tree named twice is two servers), per round, the seconds of
     each timed read and of each put made again after one (``fresh``, or a claim)."""
@@ -105,10 +111,13 @@ def measure(
             clients.append(c)
             c.create_partition("p", step.schema, tasks=["train"], group_size=step.group_size)
             c.put("p", step.keys, step.columns, tags=step.tags)
-        reads = [_reader(c, step, mode, as_) for c in clients]
+        reads = [_reader(c, step, mode, as_, fields) for c in clients]
         again = fresh or mode == "claim"
+        asked = step
+        if fields is not None:  # the step of only the fields read
+            asked = dataclasses.replace(step, columns={f: step.columns[f] for f in fields})
         for c, read in zip(clients, reads, strict=True):
-            _check(step, read(), mode)  # once, before anything is timed
+            _check(asked, read(), mode)  # once, before anything is timed
             _again(c, step, again)
         out: list[tuple[str, list[list[float]], list[list[float]]]] = [(t, [], []) for t in trees]
         order = list(range(len(trees)))
@@ -158,9 +167,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--gets", type=int, default=20, help="timed reads per server a round")
     p.add_argument("--fresh", action="store_true", help="put the step again before each get")
+    p.add_argument("--fields", help="a get of these fields only, comma-separated")
     a = p.parse_args(argv)
     trees = [t for t in a.trees.split(",") if t]
-    got = measure(trees, a.workload, a.mode, a.shm, a.as_, a.rounds, a.gets, a.fresh)
+    fields = None if a.fields is None else [f for f in a.fields.split(",") if f]
+    if fields is not None and a.mode != "get":
+        p.error("--fields takes --mode get")
+    got = measure(trees, a.workload, a.mode, a.shm, a.as_, a.rounds, a.gets, a.fresh, fields)
     route = "shm" if a.shm else "socket"
     first = " (each a fresh step's first)" if a.fresh and a.mode == "get" else ""
     print(f"{a.workload} {a.mode} as {a.as_} over {route}: ms per read{first}, median of rounds")
