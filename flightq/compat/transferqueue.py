@@ -79,6 +79,7 @@ import dataclasses
 import logging
 import numbers
 import os
+import stat
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -416,19 +417,31 @@ def _every_row(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return sorted(tensors | set(_objects([r["tags"] for r in rows])))
 
 
-def _per_row(v: Any, n: int) -> list[Any]:
+def _per_row(name: str, v: Any, n: int) -> list[Any]:
     """A TensorDict's non-tensor entry as one value per row. A ``NonTensorStack`` holds
-    one per row; a column put in whole (a numpy object array, or a list, of ``n`` values:
-    what ``TensorDict({"content": np.array([...], dtype=object)}, batch_size=[n])`` keeps
-    as a single ``NonTensorData``) gives its values row by row, as TransferQueue takes
-    them; any other single value (a string) is every row's."""
+    one per row. A column put in whole, a numpy array or a list (what
+    ``TensorDict({"content": np.array([...], dtype=object)}, batch_size=[n])`` keeps as a
+    single ``NonTensorData``), gives its values row by row, as TransferQueue takes them
+    (a row that is an array, as the rows of a 2-D one are, as the list it holds); any
+    other single value (a string, a dict) is every row's.
+
+    Raises
+    ------
+    ShapeError
+        A column put in whole of another number of values than rows.
+    """
     data: Any = getattr(v, "data", None) if type(v).__name__ == "NonTensorData" else None
-    column = isinstance(data, (list, tuple)) or getattr(data, "ndim", 0) >= 1
-    if column and len(data) == n:
-        # Rows of a 2-D object array (rows of equal length) as the lists they hold.
-        return [
-            x.tolist() if getattr(getattr(x, "dtype", None), "kind", "") == "O" else x for x in data
-        ]
+    if isinstance(data, (list, tuple)) or getattr(data, "ndim", 0) >= 1:
+        if len(data) != n:
+            raise ShapeError(
+                f"kv_batch_put: non-tensor field {name!r} is a column of {len(data)} values "
+                f"for {n} rows (a value for every row goes as a string or a map, or one "
+                "per row in a NonTensorStack)",
+                field=name,
+                expected=n,
+                actual=len(data),
+            )
+        return [x.tolist() if getattr(x, "ndim", 0) and hasattr(x, "tolist") else x for x in data]
     return list(v.tolist())
 
 
@@ -539,7 +552,55 @@ def _section(conf: Any) -> dict[str, Any]:
     section = conf.get("flightq") or {}
     if not isinstance(section, Mapping):
         raise ProtocolError("init(conf): conf['flightq'] must be a mapping")
-    return {**(_conf_file(path) if path else {}), **section}
+    section = dict(section)
+    if path:
+        filed = _conf_file(path)
+        _check_section(filed, f"{CONF_ENV}={path!r}")
+        parts = {**(filed.get("partitions") or {}), **(section.get("partitions") or {})}
+        section = {**filed, **section}
+        if parts:
+            section["partitions"] = parts  # the file's partitions, and conf's over them
+    _check_section(section, "init(conf['flightq'])")
+    return section
+
+
+#: The section's entries and the types each takes (None: absent or null).
+_SECTION_TYPES: dict[str, tuple[type, ...]] = {
+    "location": (str,),
+    "schema": (str,),
+    "partitions": (Mapping,),
+    "schemas_dir": (str, os.PathLike),
+    "overwrite": (bool,),
+    "warmup_keys": (str,),
+    "polling_mode": (bool,),
+}
+#: The most bytes of the file :data:`CONF_ENV` names that are read.
+MAX_CONF_FILE_BYTES = 1 << 20
+
+
+def _check_section(section: Mapping[str, Any], what: str) -> None:
+    """Refuse, naming the entry, a ``flightq`` section whose entries are not of their
+    types (a ``tasks: "train"`` would declare five tasks of one letter each)."""
+
+    def bad(where: str, want: str, v: Any) -> ProtocolError:
+        return ProtocolError(f"{what}: {where} must be {want}, got {v!r}"[:400])
+
+    for key, types in _SECTION_TYPES.items():
+        v = section.get(key)
+        if v is not None and (not isinstance(v, types) or (bool not in types and v is True)):
+            raise bad(repr(key), " or ".join(t.__name__ for t in types), v)
+    for pid, spec in (section.get("partitions") or {}).items():
+        where = f"partitions[{pid!r}]"
+        if isinstance(spec, str):
+            continue
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("schema"), str):
+            raise bad(where, "a 'name@V' or a map with a 'schema' of that form", spec)
+        tasks = spec.get("tasks", [])
+        if not isinstance(tasks, (list, tuple)) or not all(isinstance(t, str) for t in tasks):
+            raise bad(f"{where}['tasks']", "a list of task names", tasks)
+        g = spec.get("group_size")
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int)):
+            raise bad(f"{where}['group_size']", "an int", g)
 
 
 def _conf_file(path: str) -> dict[str, Any]:
@@ -553,10 +614,18 @@ def _conf_file(path: str) -> dict[str, Any]:
     """
     what = f"{CONF_ENV}={path!r}"
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ProtocolError(f"{what}: not a regular file")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONF_FILE_BYTES + 1)
     except OSError as e:
         raise ProtocolError(f"{what}: cannot read the file: {e}") from e
+    if len(raw) > MAX_CONF_FILE_BYTES:
+        raise ProtocolError(f"{what}: longer than {MAX_CONF_FILE_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ProtocolError(f"{what}: not UTF-8 text: {e}") from e
     try:
         import json
 
@@ -585,6 +654,24 @@ def _conf_file(path: str) -> dict[str, Any]:
     return dict(loaded)
 
 
+def _fetch_wait() -> float:
+    """Seconds a fetch waits for rows outside polling mode (:data:`FETCH_WAIT_ENV`).
+
+    Raises
+    ------
+    ProtocolError
+        If the variable is not a number of seconds.
+    """
+    text = os.environ.get(FETCH_WAIT_ENV, "1")
+    try:
+        wait = float(text)
+    except ValueError:
+        wait = -1.0
+    if not 0 <= wait < float("inf"):
+        raise ProtocolError(f"{FETCH_WAIT_ENV}={text!r}: give the seconds a fetch waits")
+    return wait
+
+
 def _polling(conf: Any, section: Mapping[str, Any]) -> bool:
     """TransferQueue's ``controller.polling_mode``, else the section's ``polling_mode``
     (every process that reads the file :data:`CONF_ENV` names: TransferQueue's is its
@@ -592,7 +679,10 @@ def _polling(conf: Any, section: Mapping[str, Any]) -> bool:
     that finds too few rows ready answers an empty batch instead of waiting."""
     controller = _container(conf).get("controller") or {}
     if isinstance(controller, Mapping) and "polling_mode" in controller:
-        return bool(controller["polling_mode"])
+        v = controller["polling_mode"]
+        if not isinstance(v, bool):
+            raise ProtocolError(f"init(conf): controller.polling_mode must be a bool, got {v!r}")
+        return v
     return bool(section.get("polling_mode", False))
 
 
@@ -798,6 +888,15 @@ class TransferQueue:
                 f"kv_batch_put: keys under warmup_keys {prefix!r} (checked, not stored) "
                 f"beside key {other!r} (stored): put them apart"
             )
+        if is_tensordict(fields) and (
+            len(fields.batch_size) < 1 or fields.batch_size[0] != len(keys)
+        ):
+            raise ShapeError(
+                f"kv_batch_put: {len(keys)} keys for a TensorDict of batch_size "
+                f"{list(fields.batch_size)}",
+                expected=len(keys),
+                actual=list(fields.batch_size),
+            )
         self._ensure(partition_id)
         given = fields if is_tensordict(fields) or isinstance(fields, Mapping) else {}
         cols, objects = self._split(partition_id, len(keys), given)
@@ -896,7 +995,7 @@ class TransferQueue:
             objects = {k: v for k, v in objects.items() if hasattr(v, "tolist")}
             if not objects:
                 return fields, {}
-            return fields.exclude(*objects), {k: _per_row(v, n) for k, v in objects.items()}
+            return fields.exclude(*objects), {k: _per_row(k, v, n) for k, v in objects.items()}
         if not isinstance(fields, Mapping):
             return fields, {}
         objects = {
@@ -1076,14 +1175,24 @@ class TransferQueue:
         """
         self._ensure(partition_id)
         schema = self.client.partition_schema(partition_id)
-        wait = 0.0 if self.polling else float(os.environ.get(FETCH_WAIT_ENV, "1"))
+        odd = next((f for f in fields if f not in schema), None)
+        if odd is not None:
+            raise UndeclaredFieldError(
+                f"get_meta from {partition_id!r}: a fetch waits for fields schema "
+                f"{schema.ref} declares, and it does not declare {odd!r} (a non-tensor "
+                "field rides in the rows' tags, which a fetch does not wait for: leave it "
+                "out of data_fields and read it by key)",
+                field=odd,
+                partition=partition_id,
+            )
+        wait = 0.0 if self.polling else _fetch_wait()
         try:
             batch = self.client.claim(
                 partition_id,
                 task,
                 batch_size,
                 fields=[],
-                wait_for=[f for f in fields if f in schema],
+                wait_for=list(fields),
                 timeout=wait,
                 as_="numpy",
                 hide_tag_values=_OBJECT,  # the rows' tags without non-tensor values
@@ -1092,7 +1201,14 @@ class TransferQueue:
             if self.polling:
                 return None
             raise
-        self.client.ack(batch)
+        try:
+            self.client.ack(batch)
+        except BaseException:
+            # Not consumed, and the caller never learns these keys: give them back at
+            # once rather than leave them leased to no one until the lease runs out.
+            with contextlib.suppress(Exception):
+                self.client.nack(batch)
+            raise
         return list(batch.keys), [_user_tags(t) for t in batch.tags]
 
     def _rows(self, partition_id: str) -> tuple[list[str], list[dict[str, Any]]]:
@@ -1699,6 +1815,12 @@ class KVClient:
         if mode == "fetch":
             if task_name is None:
                 raise ProtocolError("get_meta(mode='fetch'): give the consumer's task_name")
+            if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool):
+                raise ProtocolError(f"get_meta: batch_size is an int, got {batch_size!r}")
+            if batch_size < 1:
+                if _tq().polling:  # TransferQueue's controller answers none
+                    return BatchMeta.empty()
+                raise ProtocolError(f"get_meta: batch_size must be at least 1, got {batch_size}")
             with _not_found():
                 got = _tq()._fetch(partition_id, task_name, fields, int(batch_size))
             if got is None:
@@ -1744,11 +1866,22 @@ class KVClient:
     def check_production_status(self, data_fields: list[str] | str, partition_id: str) -> bool:
         """Whether the partition has rows and every row has every one of ``data_fields``
         (False for a partition that is not there)."""
-        st = _tq()._status(partition_id)
-        if st is None:
+        names = _names(data_fields) or []
+        tq = _tq()
+        st = tq._status(partition_id)
+        if st is None or not names:  # TransferQueue answers False for no fields too
             return False
         n = st["rows"]
-        return bool(n > 0 and all(st["fields"].get(f, 0) >= n for f in _names(data_fields) or []))
+        schema = tq.client.partition_schema(partition_id)
+        tensors = [f for f in names if f in schema]
+        if n == 0 or any(st["fields"].get(f, 0) < n for f in tensors):
+            return False
+        objects = [_OBJECT + f for f in names if f not in schema]
+        if not objects:
+            return True
+        # Non-tensor fields ride in the rows' tags: every row's, by name alone.
+        listed = tq.client.list_keys(partition_id, hide_tag_values=_OBJECT)
+        return bool(listed) and all(all(o in r["tags"] for o in objects) for r in listed.values())
 
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
         """Make the partition's rows consumable again by ``task_name`` (every task when

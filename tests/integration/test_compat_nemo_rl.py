@@ -458,3 +458,108 @@ def test_a_long_message_log_fits_a_server_told_a_larger_tags_cap(
         finally:
             tq.close()
             server.stop()
+
+
+def test_fetches_and_status_keep_to_what_the_schema_declares_and_give_back_what_fails(
+    tq: Any, torch: Any, TensorDict: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _rollout(tq, torch, TensorDict, ["s0", "s1", "s2"])
+    tq.kv_batch_put(keys=["s0", "s1", "s2"], partition_id="train", fields={"log": ["a", "b", "c"]})
+    client = tq.get_client()
+    # Production status reads non-tensor fields from the rows' tags; no field is False.
+    assert client.check_production_status(["input_ids", "log"], "train") is True
+    assert client.check_production_status(["log", "score"], "train") is False
+    assert client.check_production_status([], "train") is False
+    # A fetch waits for declared fields only: a typo or a non-tensor name is refused,
+    # nothing consumed (it would hand the rows out at once).
+    for odd in ("input_idz", "log"):
+        with pytest.raises(flightq.UndeclaredFieldError, match=repr(odd)):
+            client.get_meta(["input_ids", odd], 1, "train", task_name="train")
+    # batch_size: an int; none asked is an empty batch in polling mode.
+    assert client.get_meta(["input_ids"], 0, "train", task_name="train").size == 0
+    for bad in (True, "2", 1.5):
+        with pytest.raises(flightq.ProtocolError, match="batch_size"):
+            client.get_meta(["input_ids"], bad, "train", task_name="train")
+    # An ack that fails gives the rows back at once instead of leaving them leased.
+    inner = tq._tq().client
+    real_ack = inner.ack
+
+    def failing(*a: Any, **kw: Any) -> Any:
+        raise flightq.FlightqError("the ack did not arrive")
+
+    monkeypatch.setattr(inner, "ack", failing)
+    with pytest.raises(flightq.FlightqError, match="did not arrive"):
+        client.get_meta(["input_ids"], 2, "train", task_name="train")
+    monkeypatch.setattr(inner, "ack", real_ack)
+    assert inner.inspect("train")["leased"]["train"] == 0
+    back = client.get_meta(["input_ids"], 3, "train", task_name="train").keys
+    assert sorted(back) == ["s0", "s1", "s2"]  # those given back after the one left
+
+
+def test_a_section_of_wrong_types_or_an_odd_file_is_refused_at_init(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, torch: Any, TensorDict: Any
+) -> None:
+    import os
+
+    import flightq.compat.transferqueue as tq
+
+    path = tmp_path / "f.json"
+    monkeypatch.setenv(tq.CONF_ENV, str(path))
+    for section, named in [
+        ({"partitions": {"train": {"schema": "rollout_text@1", "tasks": "train"}}}, "tasks"),
+        ({"partitions": ["train"]}, "'partitions'"),
+        ({"partitions": {"train": {"schema": 1}}}, "partitions\\['train'\\]"),
+        ({"partitions": {"t": {"schema": "rollout_text@1", "group_size": "2"}}}, "group_size"),
+        ({"polling_mode": "false"}, "'polling_mode'"),
+        ({"overwrite": "false"}, "'overwrite'"),
+        ({"schemas_dir": 7}, "'schemas_dir'"),
+        ({"location": True}, "'location'"),
+    ]:
+        path.write_text(json.dumps(section))
+        with pytest.raises(flightq.ProtocolError, match=named):
+            tq.TransferQueue()
+    path.write_text("{}")
+    with pytest.raises(flightq.ProtocolError, match=r"controller\.polling_mode"):
+        tq.TransferQueue({"controller": {"polling_mode": "false"}, "flightq": {}})
+    path.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(flightq.ProtocolError, match="not UTF-8"):
+        tq.TransferQueue()
+    path.write_text(" " * (tq.MAX_CONF_FILE_BYTES + 1))
+    with pytest.raises(flightq.ProtocolError, match="longer than"):
+        tq.TransferQueue()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setenv(tq.CONF_ENV, str(fifo))
+    with pytest.raises(flightq.ProtocolError, match="not a regular file"):
+        tq.TransferQueue()  # it would wait for a writer for ever
+    # The file's partitions and the configuration's are merged, the latter's winning.
+    path.write_text(json.dumps({"partitions": {"a": "rollout_text@1", "b": "rollout_text@1"}}))
+    monkeypatch.setenv(tq.CONF_ENV, str(path))
+    merged = tq._section({"flightq": {"partitions": {"b": "rollout_vlm@1"}}})
+    assert merged["partitions"] == {"a": "rollout_text@1", "b": "rollout_vlm@1"}
+    monkeypatch.setenv(tq.FETCH_WAIT_ENV, "abc")
+    with pytest.raises(flightq.ProtocolError, match=tq.FETCH_WAIT_ENV):
+        tq._fetch_wait()
+
+
+def test_columns_put_whole_must_have_a_value_per_row_and_warmups_a_row_per_key(
+    tq: Any, torch: Any, TensorDict: Any
+) -> None:
+    import numpy as np
+
+    td = TensorDict(
+        {"input_ids": torch.ones(3, 2, dtype=torch.int64), "eos": np.asarray(["</s>", "<eos>"])},
+        batch_size=[3],
+    )
+    with pytest.raises(flightq.ShapeError, match="'eos' is a column of 2 values for 3 rows"):
+        tq.kv_batch_put(keys=["c0", "c1", "c2"], partition_id="train", fields=td)
+    grid = np.asarray([["a", "b"], ["c", "d"], ["e", "f"]])  # 2-D strings: a list a row
+    td = TensorDict(
+        {"input_ids": torch.ones(3, 2, dtype=torch.int64), "grid": grid}, batch_size=[3]
+    )
+    tq.kv_batch_put(keys=["c0", "c1", "c2"], partition_id="train", fields=td)
+    got = tq.kv_batch_get(keys=["c2"], partition_id="train", select_fields="grid")
+    assert got.get("grid").tolist() == [["e", "f"]]
+    one = TensorDict({"input_ids": torch.zeros(1)}, batch_size=[1])
+    with pytest.raises(flightq.ShapeError, match="2 keys for a TensorDict of batch_size \\[1\\]"):
+        tq.kv_batch_put(keys=["__schema__:a", "__schema__:b"], partition_id="train", fields=one)
