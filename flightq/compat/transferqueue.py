@@ -417,6 +417,23 @@ def _every_row(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return sorted(tensors | set(_objects([r["tags"] for r in rows])))
 
 
+def _rows_match(keys: Sequence[str], fields: Any) -> None:
+    """Refuse a TensorDict whose batch dim is not one row per key.
+
+    Raises
+    ------
+    ShapeError
+        Naming both counts.
+    """
+    if is_tensordict(fields) and (len(fields.batch_size) < 1 or fields.batch_size[0] != len(keys)):
+        raise ShapeError(
+            f"kv_batch_put: {len(keys)} keys for a TensorDict of batch_size "
+            f"{list(fields.batch_size)}",
+            expected=len(keys),
+            actual=list(fields.batch_size),
+        )
+
+
 def _per_row(name: str, v: Any, n: int) -> list[Any]:
     """A TensorDict's non-tensor entry as one value per row. A ``NonTensorStack`` holds
     one per row. A column put in whole, a numpy array or a list (what
@@ -888,15 +905,7 @@ class TransferQueue:
                 f"kv_batch_put: keys under warmup_keys {prefix!r} (checked, not stored) "
                 f"beside key {other!r} (stored): put them apart"
             )
-        if is_tensordict(fields) and (
-            len(fields.batch_size) < 1 or fields.batch_size[0] != len(keys)
-        ):
-            raise ShapeError(
-                f"kv_batch_put: {len(keys)} keys for a TensorDict of batch_size "
-                f"{list(fields.batch_size)}",
-                expected=len(keys),
-                actual=list(fields.batch_size),
-            )
+        _rows_match(keys, fields)
         self._ensure(partition_id)
         given = fields if is_tensordict(fields) or isinstance(fields, Mapping) else {}
         cols, objects = self._split(partition_id, len(keys), given)
@@ -929,15 +938,7 @@ class TransferQueue:
         """
         if fields is None and tags is None:
             raise EncodeError("kv_batch_put: give fields or tags (or both)")
-        if is_tensordict(fields) and (
-            len(fields.batch_size) < 1 or fields.batch_size[0] != len(keys)
-        ):
-            raise ShapeError(
-                f"kv_batch_put: {len(keys)} keys for a TensorDict of batch_size "
-                f"{list(fields.batch_size)}",
-                expected=len(keys),
-                actual=list(fields.batch_size),
-            )
+        _rows_match(keys, fields)
         if tags is not None and len(tags) != len(keys):
             raise ShapeError(
                 f"kv_batch_put: {len(tags)} tags for {len(keys)} keys",
@@ -1791,9 +1792,10 @@ class KVClient:
         """Rows for a consumer task, as TransferQueue's client gives them.
 
         ``mode="fetch"``: the next ``batch_size`` rows (in the order put) that ``task_name``
-        has not consumed and that have every one of ``data_fields`` the schema declares,
-        consumed by the task now (a flightq claim acknowledged at once: no other fetch of
-        the task gets them again, as TransferQueue's). Where fewer are ready it waits
+        has not consumed and that have every one of ``data_fields``, consumed by the task
+        now (a flightq claim acknowledged at once: no other fetch of the task gets them
+        again, as TransferQueue's; where the acknowledgement fails they are given back
+        and the error raised). Where fewer are ready it waits
         ``TQ_CONTROLLER_GET_METADATA_TIMEOUT`` seconds (default 1) and raises
         :class:`~flightq.ClaimTimeoutError` (a ``TimeoutError``), or, in polling mode
         (``init``'s ``conf["controller"]["polling_mode"]``), answers an empty batch at
@@ -1805,8 +1807,12 @@ class KVClient:
         Raises
         ------
         ProtocolError
-            ``mode="insert"`` (rows are created by ``kv_batch_put``), or a fetch without
-            ``task_name``.
+            ``mode="insert"`` (rows are created by ``kv_batch_put``), a fetch without
+            ``task_name``, a ``batch_size`` that is not an int (or below 1 outside polling
+            mode).
+        UndeclaredFieldError
+            A fetch naming a field the schema does not declare (a non-tensor field rides
+            in the rows' tags, which a fetch cannot wait for).
         ValueError
             Another ``mode``.
         """

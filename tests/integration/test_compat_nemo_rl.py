@@ -82,6 +82,18 @@ def tq_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, torch: Any) -> I
         tq.close()
 
 
+def _use_section(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nested: bool = False, **extra: Any
+) -> None:
+    """The train partition (and ``extra`` entries) in a file ``FLIGHTQ_TQ_CONF`` names:
+    the section itself, or under a ``flightq`` key (``nested``)."""
+    import flightq.compat.transferqueue as tq
+
+    section = {"partitions": {"train": {"schema": "rollout_text@1", "tasks": TASKS}}, **extra}
+    (tmp_path / "f.json").write_text(json.dumps({"flightq": section} if nested else section))
+    monkeypatch.setenv(tq.CONF_ENV, str(tmp_path / "f.json"))
+
+
 def _warmup(tq: Any, torch: Any, TensorDict: Any, fields: list[str]) -> Any:
     """NeMo RL's register_partition: a placeholder row of every field, then its clear."""
     key = "__schema__:train:123:456:789"
@@ -145,9 +157,7 @@ def test_without_warmup_keys_a_warmup_row_is_a_put_and_refused(
 ) -> None:
     import flightq.compat.transferqueue as tq
 
-    section = {"partitions": {"train": {"schema": "rollout_text@1", "tasks": TASKS}}}
-    (tmp_path / "flightq.yaml").write_text(json.dumps({"flightq": section}))
-    monkeypatch.setenv(tq.CONF_ENV, str(tmp_path / "flightq.yaml"))
+    _use_section(tmp_path, monkeypatch, nested=True)
     monkeypatch.delenv("FLIGHTQ_LOCATION", raising=False)
     tq.init(conf=_shim_conf(polling=False))
     try:
@@ -218,9 +228,7 @@ def test_a_fetch_outside_polling_mode_waits_then_raises_timeout(
 ) -> None:
     import flightq.compat.transferqueue as tq
 
-    section = {"partitions": {"train": {"schema": "rollout_text@1", "tasks": TASKS}}}
-    (tmp_path / "f.json").write_text(json.dumps(section))
-    monkeypatch.setenv(tq.CONF_ENV, str(tmp_path / "f.json"))
+    _use_section(tmp_path, monkeypatch)
     monkeypatch.setenv(tq.FETCH_WAIT_ENV, "0.2")
     monkeypatch.delenv("FLIGHTQ_LOCATION", raising=False)
     tq.init(conf=_shim_conf(polling=False))
@@ -431,9 +439,7 @@ def test_a_long_message_log_fits_a_server_told_a_larger_tags_cap(
     # takes it.
     import flightq.compat.transferqueue as tq
 
-    section = {"partitions": {"train": {"schema": "rollout_text@1", "tasks": TASKS}}}
-    (tmp_path / "f.json").write_text(json.dumps(section))
-    monkeypatch.setenv(tq.CONF_ENV, str(tmp_path / "f.json"))
+    _use_section(tmp_path, monkeypatch)
     answer = "a" * 200_000  # a long reasoning turn
 
     def put() -> Any:
