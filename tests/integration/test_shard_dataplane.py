@@ -143,7 +143,9 @@ def test_a_partitions_schema_is_known_on_every_client(
     # So do gets, on every shard.
     got = sharded.get("declared", put["keys"], [], as_="numpy", hide_tag_values="big:")
     assert got.tags == [{"big:x": None, "n": i} for i in range(3)]
-    took = sharded.claim("declared", "train", 3, [], timeout=SHORT, hide_tag_values="big:")
+    took = sharded.claim(
+        "declared", "train", 3, [], timeout=SHORT, as_="numpy", hide_tag_values="big:"
+    )
     assert sorted((t["n"], t["big:x"]) for t in took.tags) == [(0, None), (1, None), (2, None)]
     with flightq.connect(shard_locations[0], timeout=SHORT) as one:
         assert one.partition_schema("declared").fingerprint == want
