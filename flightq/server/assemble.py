@@ -39,7 +39,7 @@ from .media import (
     row_copies,
     rows_answer,
 )
-from .partition import Partition, Piece, Row
+from .partition import HiddenTags, Partition, Piece, Row
 
 if TYPE_CHECKING:
     from ..protocol import GetTicket
@@ -81,7 +81,7 @@ def assemble(
     any row has one, the answer's tags are packed afresh and nothing is answered as a
     stored batch whole (``held`` stays empty).
     """
-    hidden = None if hide is None else _Hidden(hide)
+    hidden = None if hide is None else HiddenTags(hide)
     if hidden is not None and hidden.any(rows):
         schema, plain = assemble(p, rows, fields, max_bytes, coalesce)
         return schema, _hidden(plain, rows, hidden)
@@ -559,11 +559,7 @@ def _joined_rows(
             spans.append((lo, i))
             lo = i
     spans.append((lo, len(rows)))
-    pack = msgpack.Packer(use_bin_type=True).pack  # one packer: a third of packb's cost
-    arrays: list[pa.Array] = [
-        pa.array([r.key for r in rows], type=pa.utf8()),
-        pa.array([pack(r.tags) if r.tags else None for r in rows], type=pa.binary()),
-    ]
+    arrays = _built_keys_tags(rows)
     for c in cols:
         base = c[: -len(SHAPE_SUFFIX)] if c.endswith(SHAPE_SUFFIX) else c
         if c in media:
@@ -584,51 +580,21 @@ def _joined_rows(
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
-class _Hidden:
-    """Which tag keys start with a prefix, per set of keys seen (the rows of a partition
-    mostly share theirs): a lookup per row instead of a test per key."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self._by_keys: dict[tuple[str, ...], frozenset[str]] = {}
-
-    def of(self, tags: dict[str, Any]) -> frozenset[str]:
-        """The keys of ``tags`` under the prefix (empty: none)."""
-        ks = tuple(tags)
-        got = self._by_keys.get(ks)
-        if got is None:
-            got = self._by_keys[ks] = frozenset(
-                k for k in ks if isinstance(k, str) and k.startswith(self.prefix)
-            )
-        return got
-
-    def any(self, rows: list[Row]) -> bool:
-        """Whether a row of ``rows`` has such a tag."""
-        of = self.of
-        return any(r.tags and of(r.tags) for r in rows)
-
-
 def _hidden(
-    batches: Iterator[pa.RecordBatch], rows: list[Row], hidden: _Hidden
+    batches: Iterator[pa.RecordBatch], rows: list[Row], hidden: HiddenTags
 ) -> Iterator[pa.RecordBatch]:
     """``batches`` (``rows`` in order, as :func:`assemble` makes them) with the tags under
     the prefix left out: a batch whose rows have such a tag gets its tags column packed
     afresh from the rows' maps, the hidden values null."""
     pack = msgpack.Packer(use_bin_type=True).pack
+    shown = hidden.shown
     at = 0
     for b in batches:
         run = rows[at : at + b.num_rows]
         at += b.num_rows
-        hid = [hidden.of(r.tags) if r.tags else frozenset() for r in run]
-        if any(hid):
-            tags = [
-                None
-                if not r.tags
-                else pack({k: None if k in h else v for k, v in r.tags.items()})
-                if h
-                else pack(r.tags)
-                for r, h in zip(run, hid, strict=True)
-            ]
+        maps = [r.tags and shown(r.tags) for r in run]  # a row's own map: nothing hidden
+        if any(m is not r.tags for m, r in zip(maps, run, strict=True)):
+            tags = [pack(m) if m else None for m in maps]
             i = b.schema.get_field_index(TAGS)
             b = b.set_column(i, b.schema.field(i), copied.made(pa.array(tags, type=pa.binary())))
         yield b
@@ -692,10 +658,15 @@ def _keys_tags(run: list[Row], schema: pa.Schema) -> list[pa.Array]:
         k, t = b.column(KEY), b.column(TAGS)
         if k.type == schema.field(0).type and t.type == schema.field(1).type:
             return [k.slice(home[1], len(run)), t.slice(home[1], len(run))]
+    return _built_keys_tags(run)
+
+
+def _built_keys_tags(rows: list[Row]) -> list[pa.Array]:
+    """The key and tags columns of ``rows`` built from the rows (their tags packed)."""
     pack = msgpack.Packer(use_bin_type=True).pack  # one packer: a third of packb's cost
     return [
-        pa.array([r.key for r in run], type=pa.utf8()),
-        pa.array([pack(r.tags) if r.tags else None for r in run], type=pa.binary()),
+        pa.array([r.key for r in rows], type=pa.utf8()),
+        pa.array([pack(r.tags) if r.tags else None for r in rows], type=pa.binary()),
     ]
 
 

@@ -61,7 +61,17 @@ if TYPE_CHECKING:
     from .putplan import PutPlan
     from .readiness import Complete
 
-__all__ = ["Block", "Piece", "Row", "Partition", "PutKeys", "make_piece", "put_keys", "row_pieces"]
+__all__ = [
+    "Block",
+    "HiddenTags",
+    "Piece",
+    "Row",
+    "Partition",
+    "PutKeys",
+    "make_piece",
+    "put_keys",
+    "row_pieces",
+]
 
 #: Put ids remembered per partition (for idempotent retries); each counts against the
 #: memory budget while remembered (:attr:`Partition.records`).
@@ -189,6 +199,38 @@ class Row:
     #: otherwise. Rows with consecutive homes in one piece are one slice of it, keys and
     #: tags included (:mod:`flightq.server.assemble`).
     home: tuple[Piece, int] | None = None
+
+
+class HiddenTags:
+    """Rows' tags with the values of the keys under ``prefix`` left out (None), as a get,
+    a claim or a listing asked (``hide_tag_values``). Which keys of a map are hidden is
+    found once per set of keys (the rows of a partition mostly share theirs): a lookup
+    per row instead of a test per key."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._by_keys: dict[tuple[str, ...], frozenset[str]] = {}
+
+    def of(self, tags: dict[str, Any]) -> frozenset[str]:
+        """The keys of ``tags`` under the prefix (empty: none)."""
+        ks = tuple(tags)
+        got = self._by_keys.get(ks)
+        if got is None:
+            got = self._by_keys[ks] = frozenset(
+                k for k in ks if isinstance(k, str) and k.startswith(self.prefix)
+            )
+        return got
+
+    def shown(self, tags: dict[str, Any]) -> dict[str, Any]:
+        """``tags`` with the hidden values None: a new map, or ``tags`` itself where none
+        is hidden."""
+        hidden = self.of(tags)
+        return {k: None if k in hidden else v for k, v in tags.items()} if hidden else tags
+
+    def any(self, rows: list[Row]) -> bool:
+        """Whether a row of ``rows`` has a tag under the prefix."""
+        of = self.of
+        return any(r.tags and of(r.tags) for r in rows)
 
 
 #: Partition attributes the store's :class:`~flightq.server.budget.Tally` adds up.

@@ -57,7 +57,7 @@ from .budget import (
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES, Lease, Progress, TaskState
 from .media import grouped_by_media, waiting_homes
 from .merge import Merge
-from .partition import Partition, Piece, PutKeys, Row, put_keys
+from .partition import HiddenTags, Partition, Piece, PutKeys, Row, put_keys
 from .putplan import Stored, plan_put, stored
 from .readiness import (
     complete_keys,
@@ -1295,14 +1295,8 @@ class Store:
                 p, rows = pick()
             else:
                 hold(n)
-        if hide_tag_values is None:
-            tags = [dict(r.tags) for r in rows]
-        else:
-            hide = hide_tag_values
-            tags = [
-                {k: None if isinstance(k, str) and k.startswith(hide) else v for k, v in t.items()}
-                for t in (r.tags for r in rows)
-            ]
+        hidden = None if hide_tag_values is None else HiddenTags(hide_tag_values)
+        tags = [dict(r.tags if hidden is None else hidden.shown(r.tags)) for r in rows]
         cells = [r.cells for r in rows]
         names = _present(p, rows)
         index = {n: i for i, n in enumerate(names)}
