@@ -99,6 +99,22 @@ def test_tags_over_the_cap_are_refused_and_tags_count_as_their_python_objects():
         assert srv.store.held() <= 64 * 2**20
 
 
+def test_tags_with_a_key_that_is_not_a_string_are_refused_from_plain_flight():
+    with flightq.Server(memory_budget=64 * 2**20) as srv:
+        _declare(srv.location)
+        before = partition_state(srv.location, "p")
+        held = srv.store.held()
+        for n in (1, 12):  # row by row, and each distinct map once
+            keys = [f"k{i}" for i in range(n)]
+            odd = [msgpack.packb({b"raw": 1, "ok": i}, use_bin_type=True) for i in range(n)]
+            with pytest.raises(fl.FlightError) as info:
+                plain_put(srv.location, put_command("p"), [with_tags(text_batch(keys), odd)])
+            kind, message = plain_error(info.value)
+            assert kind == "EncodeError" and "must have string keys" in message, message
+        _unchanged(srv.location, before)
+        assert srv.store.held() == held
+
+
 def test_a_server_told_a_larger_tags_cap_takes_tags_up_to_it_and_says_so():
     one_mib = 2**20
     with flightq.Server(max_tags_bytes=one_mib, memory_budget=256 * 2**20) as srv:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import msgpack
 import numpy as np
+import pyarrow.flight as fl
 import pytest
 from fixtures_dataplane import (  # noqa: F401
     TEXT,
@@ -71,6 +73,17 @@ def test_a_claim_leaves_out_the_values_of_tags_it_is_told_to(client):
     client.ack(got)
     whole = client.claim("h", "a", 2, ["input_ids"], timeout=TIMEOUT, as_="numpy")
     assert whole.tags == tags[2:]  # without it, the values whole
+    # From plain Flight, a prefix that is not a short non-empty string is refused and
+    # takes no row.
+    client.nack(whole)
+    with fl.connect(client.location) as plain:
+        for bad in ("", 7, "x" * 257):
+            body = {"op": "claim", "partition": "h", "task": "a", "batch_size": 2}
+            ticket = {**body, "timeout": 0.0, "hide_tag_values": bad}
+            with pytest.raises(fl.FlightServerError, match="hide_tag_values"):
+                plain.do_get(fl.Ticket(msgpack.packb(ticket))).read_all()
+    assert client.inspect("h")["leased"]["a"] == 0
+    assert client.claim("h", "a", 2, [], timeout=TIMEOUT, as_="numpy").keys == keys[2:]
 
 
 @pytest.mark.torch
