@@ -18,7 +18,15 @@ import numpy as np
 import pyarrow as pa
 
 from .chunks import encode_chunks, row_nbytes, split_batch
-from .columns import ChunkedColumn, Column, MediaColumn, Packed, ScalarColumn, TensorColumn
+from .columns import (
+    ChunkedColumn,
+    Column,
+    MediaColumn,
+    ObjectColumn,
+    Packed,
+    ScalarColumn,
+    TensorColumn,
+)
 from .encode import encode
 from .errors import DecodeError, MissingFieldError, ProtocolError
 from .layout import TAGS
@@ -39,6 +47,7 @@ __all__ = [
     "TensorColumn",
     "MediaColumn",
     "ScalarColumn",
+    "ObjectColumn",
     "ChunkedColumn",
     "Packed",
     "split_batch",
@@ -519,6 +528,8 @@ class Batch:
                     col = ScalarColumn(f, self.record_batch, self._as, self._copy)
                 elif f.role == "media":
                     col = MediaColumn(f, self.record_batch, self._as, self._copy)
+                elif f.role == "object":
+                    col = ObjectColumn(f, self.record_batch, self._as, self._copy)
                 else:
                     col = TensorColumn(
                         f, self.record_batch, self._as, self._copy, self._flat.get(name)

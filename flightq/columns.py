@@ -2,7 +2,8 @@
 
 A token or tensor field's rows are views of one flat base over the received payloads; a
 media field's segments are views of its dictionary's entries (a prompt group's rows
-share their image); a scalar field is one 1-D tensor; a field over several record
+share their image); a scalar field is one 1-D tensor; an object field's rows are the
+Python values its payloads decode to; a field over several record
 batches of one answer is a :class:`ChunkedColumn`. Nothing is copied unless asked
 (``copy=True``); compressed payloads are decoded into one new buffer per column.
 """
@@ -23,7 +24,15 @@ from .layout import KEY, SHAPE_SUFFIX, Packed, binary_offsets
 from .schema import Field
 from .tensor import column_base, nbytes_for, row_view
 
-__all__ = ["Column", "TensorColumn", "MediaColumn", "ScalarColumn", "ChunkedColumn", "Packed"]
+__all__ = [
+    "Column",
+    "TensorColumn",
+    "MediaColumn",
+    "ScalarColumn",
+    "ObjectColumn",
+    "ChunkedColumn",
+    "Packed",
+]
 
 #: Rows up to which a column's shapes are read as Python values at once.
 _FEW = 8
@@ -143,7 +152,8 @@ class Column:
     def _no_form(self, form: str, takes: str) -> ShapeError:
         f = self.field
         return ShapeError(
-            f"field {f.name!r} is a {f.role} field: {form} takes {takes}",
+            f"field {f.name!r} is {'an' if f.role[0] in 'aeiou' else 'a'} {f.role} field: "
+            f"{form} takes {takes}",
             field=f.name,
             expected=takes,
             actual=f.role,
@@ -529,6 +539,45 @@ class MediaColumn(Column):
                 values = torch.cat(parts)
         top = int(np.diff(row_offsets).max()) if len(row_offsets) > 1 else 0
         return Packed(values, row_offsets, top, copied or self.copy or self.field.codec is not RAW)
+
+
+class ObjectColumn(Column):
+    """An object field: one msgpack value per row (``None`` where a row lacks the field),
+    decoded from the payloads on first access (:mod:`flightq.objects`)."""
+
+    def _key(self, i: int) -> str:
+        return str(self._rb.column(KEY)[i].as_py())
+
+    def __getitem__(self, i: int) -> Any:
+        from .objects import unpack_value
+
+        if i < 0:
+            i += len(self)
+        if not self.valid[i]:
+            return None
+        offs = binary_offsets(self.payload)
+        data = self.payload.buffers()[2]
+        view = memoryview(data if data is not None else b"")[int(offs[i]) : int(offs[i + 1])]
+        return unpack_value(view, self.field.name, self._key(i))
+
+    def rows(self) -> list[Any]:
+        from .objects import unpack_value
+
+        offs = binary_offsets(self.payload).tolist()
+        data = self.payload.buffers()[2]
+        mv = memoryview(data if data is not None else b"")
+        name, valid = self.field.name, self.valid.tolist()
+        out: list[Any] = []
+        for i, ok in enumerate(valid):
+            if not ok:
+                out.append(None)
+                continue
+            try:
+                out.append(unpack_value(mv[offs[i] : offs[i + 1]], name, None))
+            except DecodeError:
+                unpack_value(mv[offs[i] : offs[i + 1]], name, self._key(i))  # names the row
+                raise
+        return out
 
 
 class ScalarColumn(Column):

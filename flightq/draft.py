@@ -13,7 +13,10 @@ layout, which the review should confirm:
 - a list (or ``NonTensorStack``) of per-row lists of tensors: ``media``, dim 0 ``null``
   (patch and tile counts vary) and the other dims those all segments share (``null``
   where they differ);
-- a list of per-row tensors: ``token`` (rows differ in dim 0) or ``tensor``.
+- a list of per-row tensors: ``token`` (rows differ in dim 0) or ``tensor``;
+- a list (or ``NonTensorStack``, or 1-D numpy object array) of strings, bytes, dicts or
+  lists holding anything but tensors (a message log): ``object``, one msgpack value per
+  row.
 
 No field is marked required: mark those every new row must carry.
 """
@@ -95,7 +98,13 @@ def _common(shapes: Sequence[tuple[int, ...]]) -> list[int | None] | None:
     return [d[0] if len(set(d)) == 1 else None for d in zip(*shapes, strict=True)]
 
 
+def _tensor_like(x: Any) -> bool:
+    return is_torch(x) or isinstance(x, np.ndarray)
+
+
 def _field(name: str, v: Any) -> Field:
+    if isinstance(v, np.ndarray) and v.dtype == object:
+        v = v.tolist()  # Python objects, one per row
     rows = columns_of({name: v})[name]
     dense = (is_torch(v) or isinstance(v, np.ndarray)) and not is_nested(v)
     if dense and v.ndim == 1:
@@ -106,6 +115,11 @@ def _field(name: str, v: Any) -> Field:
     if not rows:
         raise TypeError("every row is None: nothing to draft from")
     first = rows[0]
+    if isinstance(first, (str, bytes, Mapping)) or (
+        isinstance(first, (list, tuple))
+        and not all(_tensor_like(x) for r in rows if isinstance(r, (list, tuple)) for x in r)
+    ):  # text, a dict, a message log: one msgpack value per row
+        return Field(name, "uint8", "object")
     if isinstance(first, (list, tuple)):  # media: per row a list of segments
         segs = [x for r in rows for x in r]
         if not segs:

@@ -10,7 +10,9 @@ columns, and :class:`flightq.Packed` columns (``(values, offsets)``, what
   becomes :class:`PackedRows`: the encoder checks and lays it out a column at a time and
   sends its memory as it is, never a tensor per row;
 - any other nested tensor is unbound into its rows, a ``NonTensorStack`` into its Python
-  values; any other dense tensor stays as it is (its first dim is the rows).
+  values; any other dense tensor stays as it is (its first dim is the rows);
+- an object field's values (a list, a ``NonTensorStack``, a 1-D numpy object array)
+  become their msgpack bytes, a ``uint8`` array per row (:mod:`flightq.objects`).
 
 Media take one segment per row from a tensor column (a row's patches, however many images
 they hold); several segments per row travel as a list of lists (a ``NonTensorStack`` in a
@@ -90,14 +92,55 @@ def columns_of(columns: Any, schema: Schema | None = None, keys: Any = None) -> 
         )
     if not any(_taken_apart(v, schema, name) for name, v in columns.items()):
         return _PerRow(columns)
-    return _PerRow({name: _column(name, v, schema) for name, v in columns.items()})
+    return _PerRow({name: _column(name, v, schema, keys) for name, v in columns.items()})
 
 
 def _taken_apart(v: Any, schema: Schema | None, name: str) -> bool:
     """Whether :func:`_column` changes the column ``v``."""
-    if is_nested(v) or _non_tensor(v) or type(v) is Packed:
+    if is_nested(v) or _non_tensor(v) or type(v) is Packed or _object_field(schema, name):
         return True
     return _dense_rows(v) and _rows_field(schema, name)
+
+
+def _object_field(schema: Schema | None, name: str) -> bool:
+    """Whether ``name`` is an object field of ``schema`` (one msgpack value per row)."""
+    return schema is not None and name in schema and schema[name].role == "object"
+
+
+def _objects(name: str, v: Any, keys: Any) -> list[Any]:
+    """An object column's values as their msgpack bytes, a ``uint8`` array per row
+    (:func:`flightq.objects.pack_values`).
+
+    Raises
+    ------
+    EncodeError, ShapeError
+        For a column that is not one value per row, or a value an object field cannot
+        hold (naming the row).
+    """
+    from .objects import PackedValues, pack_values
+
+    if type(v) is PackedValues:
+        return v  # packed by an earlier layer of the put
+    if _non_tensor(v):
+        v = _values(v)
+    elif isinstance(v, np.ndarray) and v.dtype == object and v.ndim == 1:
+        v = v.tolist()
+    if isinstance(v, (str, bytes, Mapping)) or not isinstance(v, Sequence):
+        raise EncodeError(
+            f"column {name!r}: an object field takes one value per row (a list), got "
+            f"{type(v).__name__}",
+            field=name,
+            actual=type(v).__name__,
+        )
+    names = [str(i) for i in range(len(v))] if keys is None else list(keys)
+    if len(v) != len(names):
+        raise ShapeError(
+            f"column {name!r}: {len(v)} rows for {len(names)} keys",
+            field=name,
+            expected=len(names),
+            actual=len(v),
+        )
+    return pack_values(name, v, names)
 
 
 class _PerRow(dict[str, Any]):
@@ -137,7 +180,7 @@ def _from_tensordict(td: Any, schema: Schema | None, keys: Any) -> dict[str, Any
                 "flat: td.flatten_keys('_') names its entries 'outer_inner'",
                 field=name,
             )
-        out[name] = _column(name, v, schema)
+        out[name] = _column(name, v, schema, keys)
     return out
 
 
@@ -147,7 +190,9 @@ def _values(v: Any) -> list[Any]:
     return got if isinstance(got, list) else [got]
 
 
-def _column(name: str, v: Any, schema: Schema | None) -> Any:
+def _column(name: str, v: Any, schema: Schema | None, keys: Any = None) -> Any:
+    if _object_field(schema, name):
+        return _objects(name, v, keys)
     media = schema is not None and name in schema and schema[name].role == "media"
     if _non_tensor(v):
         return _values(v)

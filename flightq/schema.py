@@ -12,7 +12,12 @@ carry it, and an optional codec. Roles decide layout, never the values:
 ``scalar``
     one value per row;
 ``tensor``
-    one fixed-rank tensor per row.
+    one fixed-rank tensor per row;
+``object``
+    one msgpack value per row (a string, a number, a list, a map with string keys:
+    a prompt's text, a message log, a reward model's inputs), stored as its bytes: a
+    declared non-tensor field. Its dtype is ``uint8`` and its shape ``[null]`` (the
+    value's bytes), both implied.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from .errors import SchemaError, UnknownSchemaError
 
 __all__ = ["ROLES", "Field", "Schema", "parse_ref", "diff_schemas"]
 
-ROLES = ("token", "media", "scalar", "tensor")
+ROLES = ("token", "media", "scalar", "tensor", "object")
 
 # Field names are identifiers; "__" is reserved for companion columns (``x__shape``) and
 # the key and tag columns (``__key__``, ``__tags__``).
@@ -122,6 +127,17 @@ class Field:
                 f"e.g. [null] or [null, 3]; got {self.shape!r}",
                 field=at,
             )
+        if self.role == "object":
+            if self.dtype != "uint8" or self.shape not in (None, (None,)):
+                raise SchemaError(
+                    f"{where}an object field holds one msgpack value per row as its bytes: "
+                    f"its dtype is uint8 and its shape [null] (both implied; leave them "
+                    f"out), got dtype {self.dtype!r} and shape {self.shape!r}",
+                    field=at,
+                )
+            object.__setattr__(self, "shape", (None,))
+            if not isinstance(self.codec, type(RAW)):
+                raise SchemaError(f"{where}object fields take no codec", field=at)
         if self.role == "tensor" and self.shape is None:
             raise SchemaError(
                 f"{where}a tensor field has a fixed rank: give its shape as a list", field=at
@@ -165,12 +181,12 @@ class Field:
         at = d.get("name") if isinstance(d.get("name"), str) else None
         if unknown:
             raise SchemaError(f"field {d.get('name')!r}: unknown keys {sorted(unknown)}", field=at)
-        for key in ("name", "dtype", "role"):
+        for key in ("name", "role") if d.get("role") == "object" else ("name", "dtype", "role"):
             if key not in d:
                 raise SchemaError(f"field {d.get('name')!r}: missing {key!r}", field=at)
         return cls(
             name=d["name"],
-            dtype=d["dtype"],
+            dtype=d.get("dtype", "uint8"),
             role=d["role"],
             shape=d.get("shape", () if d["role"] == "scalar" else None),
             required=d.get("required", False),

@@ -105,7 +105,7 @@ def _entry(batch: Batch, name: str, td_mod: Any) -> Any:
         )
     if f.role == "scalar":
         return col.tensor()  # type: ignore[attr-defined]
-    if f.role == "media":
+    if f.role in ("media", "object"):
         return _stack(td_mod, batch[name])
     shape = f.shape or ()
     if f.role == "token" or (shape and shape[0] is None and None not in shape[1:]):

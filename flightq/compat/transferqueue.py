@@ -987,10 +987,27 @@ class TransferQueue:
         """``fields`` less their non-tensor entries under names the partition's schema
         does not declare (strings, dicts, a ``NonTensorStack``), and those entries as
         ``{name: one value per row}``: they travel in the rows' tags (:data:`_OBJECT`). A
-        tensor under an undeclared name stays, for the put to refuse naming it."""
+        tensor under an undeclared name stays, for the put to refuse naming it. A name the
+        schema declares as an object field stays, its column of its own; given in a
+        TensorDict as one ``NonTensorData`` column, it is split into one value per row
+        (:func:`_per_row`)."""
         schema = self.client.partition_schema(partition_id)
         if is_tensordict(fields):
             entries = list(fields.keys())  # iterating a TensorDict walks its rows
+            whole = [
+                k
+                for k in entries
+                if isinstance(k, str)
+                and k in schema
+                and schema[k].role == "object"
+                and type(fields.get(k)).__name__ == "NonTensorData"
+            ]
+            if whole:  # a declared object field's column put in whole: one value per row
+                import tensordict as td
+
+                fields = fields.clone(False)
+                for k in whole:
+                    fields.set(k, td.NonTensorStack.from_list(_per_row(k, fields.get(k), n)))
             names = [k for k in entries if isinstance(k, str) and k not in schema]
             objects = {k: fields.get(k) for k in names if not is_torch(fields.get(k))}
             objects = {k: v for k, v in objects.items() if hasattr(v, "tolist")}

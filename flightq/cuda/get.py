@@ -24,6 +24,7 @@ from ..batch import (
     Batch,
     Column,
     MediaColumn,
+    ObjectColumn,
     PartDecoder,
     ScalarColumn,
     TensorColumn,
@@ -61,7 +62,7 @@ class DeviceBatch(Batch):
     """A :class:`~flightq.batch.Batch` whose tensors live on a CUDA device.
 
     Token, tensor and media rows and scalar columns are views over one device buffer per
-    get; keys and tags stay on the host.
+    get; keys, tags and object fields' values stay on the host.
 
     Attributes
     ----------
@@ -188,6 +189,8 @@ def _plan(parts: list[DeviceBatch]) -> tuple[list[_Region], int]:
     for part in parts:
         for name in part.fields:
             col = part.column(name)
+            if isinstance(col, ObjectColumn):
+                continue  # Python values: they stay on the host
             if isinstance(col, ScalarColumn):
                 if not col.complete:
                     continue  # rows with gaps come back as a Python list, as on the CPU path

@@ -40,6 +40,7 @@ from ..digest import (
 )
 from ..errors import DecodeError, MediaDigestError, MediaUnknownError, ProtocolError
 from ..layout import MEDIA_TYPE, SHAPE_SUFFIX, binary_offsets, media_row_bytes
+from ..objects import check_columns
 from ..validation import validate
 from . import copied
 
@@ -200,12 +201,18 @@ def media_piece(
         If the claims do not match the batch's dictionaries.
     ResourceExhaustedError
         If the claims, or what they decode to, pass ``max_claims_bytes``.
+    EncodeError
+        If a row of an object field holds bytes that are not one value such a field
+        holds, or that decode to more than ``max_claims_bytes``
+        (:func:`flightq.objects.check_columns`).
     """
     from .partition import make_piece
 
     media = [f.name for f in p.schema.fields if f.role == "media" and f.name in batch.schema.names]
     if not media:
-        return make_piece(batch, validate(batch, p.schema), limit, len(p.tasks))
+        checked = validate(batch, p.schema)
+        check_columns(batch, p.schema.fields, max_claims_bytes)
+        return make_piece(batch, checked, limit, len(p.tasks))
     try:
         batch.validate(full=True)  # offsets are read below, before validation proper
     except pa.ArrowException as e:
@@ -242,6 +249,7 @@ def media_piece(
             view = view.set_column(i, batch.schema.field(i), _with_entries(col, found))
         stored = stored.set_column(i, batch.schema.field(i), _with_entries(col, None))
     checked = validate(view, p.schema)
+    check_columns(view, p.schema.fields, max_claims_bytes)
     nbytes = checked.nbytes.copy()
     for name in copies:  # media bytes count once, on the partition (their copies)
         nbytes -= media_row_bytes(view.column(name))

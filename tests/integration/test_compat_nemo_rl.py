@@ -393,25 +393,37 @@ def test_polling_mode_reaches_a_workers_bare_init_through_the_section(
         server.stop()
 
 
+def _own_schema(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, extra: list[Any]
+) -> Any:
+    """rollout_text@1's fields and ``extra`` as ``name@1`` in a ``schemas_dir``, the train
+    partition of that schema in the section, a server with the shipped schemas only
+    (started; the caller stops it), and the compat's ``init``."""
+    import flightq.compat.transferqueue as tq
+
+    text = flightq.SchemaRegistry.default().get("rollout_text@1")
+    mine = flightq.Schema(name, 1, [*text.fields, *extra])
+    (tmp_path / "schemas" / name).mkdir(parents=True)
+    (tmp_path / "schemas" / name / "v1.json").write_text(mine.to_json())
+    server = flightq.Server().start()
+    section = {
+        "location": server.location,
+        "schemas_dir": str(tmp_path / "schemas"),
+        "partitions": {"train": {"schema": f"{name}@1", "tasks": TASKS}},
+    }
+    (tmp_path / "f.json").write_text(json.dumps(section))
+    monkeypatch.setenv(tq.CONF_ENV, str(tmp_path / "f.json"))
+    tq.init()
+    return server
+
+
 def test_a_schema_of_schemas_dir_the_server_lacks_is_registered_with_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, torch: Any, TensorDict: Any
 ) -> None:
     import flightq.compat.transferqueue as tq
 
-    text = flightq.SchemaRegistry.default().get("rollout_text@1")
     extra = flightq.Field("turn_lengths", "int64", "tensor", [None])
-    mine = flightq.Schema("nemo_rollout", 1, [*text.fields, extra])
-    (tmp_path / "schemas" / "nemo_rollout").mkdir(parents=True)
-    (tmp_path / "schemas" / "nemo_rollout" / "v1.json").write_text(mine.to_json())
-    server = flightq.Server().start()  # the shipped schemas only
-    section = {
-        "location": server.location,
-        "schemas_dir": str(tmp_path / "schemas"),
-        "partitions": {"train": {"schema": "nemo_rollout@1", "tasks": TASKS}},
-    }
-    (tmp_path / "f.json").write_text(json.dumps(section))
-    monkeypatch.setenv(tq.CONF_ENV, str(tmp_path / "f.json"))
-    tq.init()
+    server = _own_schema(tmp_path, monkeypatch, "nemo_rollout", [extra])
     try:
         td = TensorDict(
             {
@@ -464,6 +476,53 @@ def test_a_long_message_log_fits_a_server_told_a_larger_tags_cap(
         finally:
             tq.close()
             server.stop()
+
+
+def test_message_text_declared_as_object_fields_takes_columns_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, torch: Any, TensorDict: Any
+) -> None:
+    # A schema that declares the message text as object fields: each goes in a column of
+    # its own (no tags cap, read only by who asks for it), put whole as one NonTensorData
+    # column (what NeMo RL's kv_first_write gives) or one value per row.
+    import numpy as np
+    from tensordict import NonTensorData, NonTensorStack
+
+    import flightq.compat.transferqueue as tq
+
+    objects = [flightq.Field(n, "uint8", "object") for n in ("content", "turn_contents")]
+    server = _own_schema(tmp_path, monkeypatch, "nemo_chat", objects)  # 64 KiB tags a row
+    long = ["a" * 200_000, "b" * 150_000]  # far past a row's tags
+    turns = [["q", "a" * 10], ["q2", "b" * 3]]
+    try:
+        td = TensorDict(
+            {
+                "input_ids": torch.ones(2, 3, dtype=torch.int64),
+                "content": NonTensorData(np.array(long, dtype=object), batch_size=[2]),
+                "turn_contents": NonTensorStack.from_list(turns),
+                "uid": NonTensorStack.from_list(["u0", "u1"]),  # undeclared: in the tags
+            },
+            batch_size=[2],
+        )
+        meta = tq.kv_batch_put(keys=["a", "b"], partition_id="train", fields=td)
+        assert meta.fields == ["content", "input_ids", "turn_contents", "uid"]
+        got = tq.kv_batch_get(keys=["b", "a"], partition_id="train", select_fields="content")
+        assert got.get("content").tolist() == long[::-1]
+        both = tq.kv_batch_get(keys=["a", "b"], partition_id="train")
+        assert both.get("turn_contents").tolist() == turns
+        assert both.get("uid").tolist() == ["u0", "u1"]
+        listed = tq.kv_list(partition_id="train")["train"]
+        assert sorted(listed) == ["a", "b"]
+        assert all("content" not in str(v) for v in listed.values())  # not in the tags
+        # The column of another length is refused, naming the field.
+        bad = TensorDict(
+            {"content": NonTensorData(np.array(["x"] * 3, dtype=object), batch_size=[2])},
+            batch_size=[2],
+        )
+        with pytest.raises(flightq.ShapeError, match="'content'"):
+            tq.kv_batch_put(keys=["c", "d"], partition_id="train", fields=bad)
+    finally:
+        tq.close()
+        server.stop()
 
 
 def test_fetches_and_status_keep_to_what_the_schema_declares_and_give_back_what_fails(

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tensor", "codecs", "digest", "ipccheck", "msgcheck"),
     ("schema",),
     ("registry", "layout"),
-    ("rows", "draft", "sink", "encode", "chunks", "validation"),
+    ("rows", "draft", "sink", "encode", "chunks", "validation", "objects"),
     ("columns", "batch", "tensordicts", "media", "workloads"),
     ("protocol", "frames"),
     ("shm", "cuda", "auth", "memory", "forks", "exiting"),

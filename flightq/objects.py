@@ -1,0 +1,220 @@
+"""Object fields: one msgpack value per row, declared in the schema, stored as its bytes.
+
+A field of role ``object`` carries what is not a tensor (a prompt's text, a message log,
+a reward model's inputs, a dict of a row's extra information) as a column of its own,
+declared like any other field: its value travels only with reads that ask for the field,
+the server holds it as bytes counted exactly in its budget, and it is not bound by the
+cap on a row's tags. On the wire it is a token-less tensor field of dtype ``uint8`` and
+shape ``[null]``: a binary payload column (each row's msgpack bytes) beside its shape
+column (each row's byte count), so the server stores, slices, merges and answers it as
+it does any tensor field.
+
+What a value may hold: ``None``, booleans, integers (signed 64-bit or unsigned 64-bit),
+floats, strings, bytes, lists and tuples (which come back as lists) and maps with string
+keys, nested freely; numpy scalars, 0-d arrays and 0-d tensors as the Python values they
+hold. A row whose value is ``None`` in a put is a row without the field, as in any other
+column. Anything else (a set, an array of several elements, a map with keys that are not
+strings) is refused, ``EncodeError`` naming the field and the row.
+
+The server checks every value it is sent before storing anything: one msgpack value, no
+bytes after it, strings of valid UTF-8, maps with string keys, no extension types, and
+at most the server's ``max_request_bytes`` of Python objects once decoded (bounded before
+decoding, :func:`flightq.msgcheck.quick_bound`, :func:`flightq.msgcheck.decoded_bytes`).
+A put that breaks one is refused whole, ``EncodeError`` naming the field and the row.
+The values are not kept decoded: the server holds the bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .errors import DecodeError, EncodeError, FlightqError
+from .layout import KEY, binary_offsets
+from .msgcheck import DEFAULT_MAX_REQUEST_BYTES, decoded_bytes, quick_bound
+
+__all__ = ["PackedValues", "pack_values", "unpack_value", "check_value", "check_columns"]
+
+_UNPACK_ERRORS = (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError)
+
+
+def _plain(v: Any) -> Any:
+    """``v`` with numpy scalars and 0-d arrays or tensors as the Python values they hold."""
+    item = getattr(v, "item", None)
+    if item is not None and getattr(v, "shape", None) == () and callable(item):
+        return item()
+    raise TypeError(f"can not serialize {type(v).__name__!r} object")
+
+
+def _odd(v: Any) -> str | None:
+    """What in ``v`` (nested) an object field may not hold: a map key that is not a
+    string, or a msgpack extension value; None if nothing."""
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (msgpack.ExtType, msgpack.Timestamp)):  # an ExtType is a tuple
+            return f"it holds a msgpack extension value ({type(x).__name__})"
+        if isinstance(x, Mapping):
+            for k, y in x.items():
+                if not isinstance(k, str):
+                    return f"its maps have string keys, got key {k!r} ({type(k).__name__})"
+                if isinstance(y, (Mapping, list, tuple, msgpack.ExtType, msgpack.Timestamp)):
+                    stack.append(y)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(
+                y
+                for y in x
+                if isinstance(y, (Mapping, list, tuple, msgpack.ExtType, msgpack.Timestamp))
+            )
+    return None
+
+
+def _why(e: Exception) -> str:
+    return str(e) or type(e).__name__
+
+
+class PackedValues(list[Any]):
+    """An object column already packed (:func:`pack_values`): given again to a put's
+    layers (cut into record batches, split over shards), it passes as it is; its slices
+    are packed too."""
+
+    def __getitem__(self, i: Any) -> Any:
+        got = super().__getitem__(i)
+        return PackedValues(got) if isinstance(i, slice) else got
+
+
+def pack_values(name: str, values: Sequence[Any], keys: Sequence[str]) -> list[Any]:
+    """An object column's values as per-row ``uint8`` arrays of their msgpack bytes
+    (``None`` stays ``None``: a row without the field).
+
+    Raises
+    ------
+    EncodeError
+        Naming the field and the row, for a value msgpack cannot carry or a map whose
+        keys are not all strings.
+    """
+    if type(values) is PackedValues:
+        return values
+    pack = msgpack.Packer(use_bin_type=True, default=_plain).pack
+    out = PackedValues()
+    for k, v in zip(keys, values, strict=True):
+        if v is None:
+            out.append(None)
+            continue
+        try:
+            b = pack(v)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise EncodeError(
+                f"column {name!r} (row key {k!r}): an object field holds a msgpack value "
+                f"(None, bool, int, float, str, bytes, lists and maps with string keys): {e}",
+                field=name,
+                key=k,
+                actual=type(v).__name__,
+            ) from e
+        odd = _odd(v) if isinstance(v, (Mapping, list, tuple)) else None
+        if odd is not None:
+            raise EncodeError(
+                f"column {name!r} (row key {k!r}): not a value an object field holds: {odd}",
+                field=name,
+                key=k,
+            )
+        out.append(np.frombuffer(b, dtype=np.uint8))
+    return out
+
+
+def unpack_value(data: Any, name: str, key: str | None) -> Any:
+    """One row's value from its msgpack bytes.
+
+    Raises
+    ------
+    DecodeError
+        Naming the field and the row, for bytes that are not one msgpack value.
+    """
+    try:
+        return msgpack.unpackb(data, raw=False)
+    except _UNPACK_ERRORS as e:
+        raise DecodeError(
+            f"column {name!r}"
+            + ("" if key is None else f" (row key {key!r})")
+            + f": not one msgpack value: {_why(e)}",
+            field=name,
+            key=key,
+        ) from e
+
+
+def check_value(data: Any, name: str, key: str, limit: int) -> None:
+    """Refuse bytes that are not one msgpack value an object field may hold, decoding to
+    at most ``limit`` bytes of Python objects (bounded before anything is decoded).
+
+    Raises
+    ------
+    EncodeError
+        Naming the field, the row and what is wrong.
+    """
+    raw = bytes(data)
+    what = f"column {name!r} (row key {key!r})"
+    if quick_bound(raw, limit) is None:
+        try:
+            bound = decoded_bytes(raw, what, limit)
+        except FlightqError as e:
+            raise EncodeError(f"{e}", field=name, key=key) from None
+        if bound > limit:
+            raise EncodeError(
+                f"{what}: its value of {len(raw)} bytes would decode to more than the "
+                f"{limit} bytes of Python objects the server takes of one value "
+                "(max_request_bytes); put smaller values, or start the server with a "
+                "larger --max-request-bytes",
+                field=name,
+                key=key,
+                expected=limit,
+            )
+    try:
+        value = msgpack.unpackb(raw, raw=False)
+    except _UNPACK_ERRORS as e:
+        raise EncodeError(
+            f"{what}: not one msgpack value: {_why(e)}", field=name, key=key
+        ) from None
+    odd = (
+        _odd(value) if isinstance(value, (dict, list, msgpack.ExtType, msgpack.Timestamp)) else None
+    )
+    if odd is not None:
+        raise EncodeError(f"{what}: not a value an object field holds: {odd}", field=name, key=key)
+
+
+def check_columns(batch: Any, fields: Sequence[Any], limit: int | None) -> None:
+    """Refuse a validated record batch one of whose object fields (``fields``, the
+    schema's) holds a row that :func:`check_value` refuses: the server's check of a put,
+    before anything is stored. ``limit``: what one value may decode to (the server's
+    ``max_request_bytes``; None: the default).
+
+    Raises
+    ------
+    EncodeError
+        Naming the field and the row.
+    """
+    cap = DEFAULT_MAX_REQUEST_BYTES if limit is None else limit
+    names = batch.schema.names
+    for f in fields:
+        if f.role != "object" or f.name not in names:
+            continue
+        col = batch.column(f.name)
+        if not len(col) or col.null_count == len(col):
+            continue
+        offs = binary_offsets(col).tolist()
+        data = col.buffers()[2]
+        mv = memoryview(data if data is not None else b"")
+        valid = col.is_valid().to_numpy(zero_copy_only=False).tolist()
+        for i, ok in enumerate(valid):
+            if ok:
+                try:
+                    check_value(mv[offs[i] : offs[i + 1]], f.name, "", cap)
+                except EncodeError:
+                    check_value(mv[offs[i] : offs[i + 1]], f.name, _key(batch, i), cap)
+                    raise
+
+
+def _key(batch: Any, i: int) -> str:
+    return str(batch.column(KEY)[i].as_py())
