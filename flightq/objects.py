@@ -86,9 +86,10 @@ class PackedValues(list[Any]):
         return PackedValues(got) if isinstance(i, slice) else got
 
 
-def pack_values(name: str, values: Sequence[Any], keys: Sequence[str]) -> list[Any]:
-    """An object column's values as per-row ``uint8`` arrays of their msgpack bytes
-    (``None`` stays ``None``: a row without the field).
+def pack_values(name: str, values: Sequence[Any], keys: Sequence[str]) -> Sequence[Any]:
+    """An object column's values as their msgpack bytes: every row's end to end in one
+    ``uint8`` array (:class:`flightq.rows.PackedRows`) where every row has a value, else a
+    ``uint8`` array per row (``None`` stays ``None``: a row without the field).
 
     Raises
     ------
@@ -96,10 +97,12 @@ def pack_values(name: str, values: Sequence[Any], keys: Sequence[str]) -> list[A
         Naming the field and the row, for a value msgpack cannot carry or a map whose
         keys are not all strings.
     """
-    if type(values) is PackedValues:
-        return values
+    from .rows import PackedRows
+
+    if type(values) in (PackedValues, PackedRows):
+        return values  # packed already
     pack = msgpack.Packer(use_bin_type=True, default=_plain).pack
-    out = PackedValues()
+    out: list[Any] = []
     for k, v in zip(keys, values, strict=True):
         if v is None:
             out.append(None)
@@ -121,8 +124,13 @@ def pack_values(name: str, values: Sequence[Any], keys: Sequence[str]) -> list[A
                 field=name,
                 key=k,
             )
-        out.append(np.frombuffer(b, dtype=np.uint8))
-    return out
+        out.append(b)
+    if all(b is not None for b in out):
+        # Every row: one buffer and offsets, which the encoder lays out a column at a time.
+        offsets = np.zeros(len(out) + 1, dtype=np.int64)
+        np.cumsum([len(b) for b in out], out=offsets[1:])
+        return PackedRows(np.frombuffer(b"".join(out), dtype=np.uint8), offsets)
+    return PackedValues(None if b is None else np.frombuffer(b, dtype=np.uint8) for b in out)
 
 
 def unpack_value(data: Any, name: str, key: str | None) -> Any:

@@ -107,9 +107,9 @@ def _object_field(schema: Schema | None, name: str) -> bool:
     return schema is not None and name in schema and schema[name].role == "object"
 
 
-def _objects(name: str, v: Any, keys: Any) -> list[Any]:
-    """An object column's values as their msgpack bytes, a ``uint8`` array per row
-    (:func:`flightq.objects.pack_values`).
+def _objects(name: str, v: Any, keys: Any) -> Sequence[Any]:
+    """An object column's values as their msgpack bytes (:func:`flightq.objects.pack_values`:
+    end to end in one ``uint8`` array where every row has one, else an array per row).
 
     Raises
     ------
@@ -117,10 +117,8 @@ def _objects(name: str, v: Any, keys: Any) -> list[Any]:
         For a column that is not one value per row, or a value an object field cannot
         hold (naming the row).
     """
-    from .objects import PackedValues, pack_values
+    from .objects import pack_values
 
-    if type(v) is PackedValues:
-        return v  # packed by an earlier layer of the put
     if _non_tensor(v):
         v = _values(v)
     elif isinstance(v, np.ndarray) and v.dtype == object and v.ndim == 1:
@@ -140,7 +138,7 @@ def _objects(name: str, v: Any, keys: Any) -> list[Any]:
             expected=len(names),
             actual=len(v),
         )
-    return pack_values(name, v, names)
+    return pack_values(name, v, names)  # as it is where an earlier layer of the put packed it
 
 
 class _PerRow(dict[str, Any]):

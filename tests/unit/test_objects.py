@@ -33,6 +33,19 @@ def test_values_are_their_msgpack_bytes_one_uint8_array_a_row():
     assert back == ["text", {"a": [1, 2.5, None, True]}, None, [1, "t"], 3, b"\x00"]
 
 
+def test_a_column_with_a_value_in_every_row_is_packed_end_to_end():
+    from flightq.rows import PackedRows
+
+    vals = ["a", {"b": 1}, [2, 3]]
+    packed = pack_values("prompt", vals, ["x", "y", "z"])
+    assert type(packed) is PackedRows and packed.values.dtype == np.uint8
+    assert packed.offsets.tolist() == [0, 2, 6, 9]
+    assert [unpack_value(r, "prompt", None) for r in packed] == vals
+    assert pack_values("prompt", packed, ["x", "y", "z"]) is packed  # a put's layers pass it
+    rb = flightq.encode(SCHEMA, {"prompt": vals}, ["x", "y", "z"])
+    assert flightq.decode(rb, as_="numpy")["prompt"] == vals
+
+
 def test_decode_hands_out_values_by_row_and_by_column_also_over_several_batches():
     keys = [f"k{i}" for i in range(7)]
     vals = [{"turn": i, "text": "é" * i} if i != 3 else None for i in range(7)]
