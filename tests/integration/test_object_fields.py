@@ -350,3 +350,22 @@ def test_a_put_cut_into_several_record_batches_and_a_sharded_put_carry_every_val
             with flightq.connect(s.location, timeout=TIMEOUT) as one:
                 held.append(one.inspect("p")["rows"])
         assert sum(held) == len(keys) and min(held) > 0  # both shards hold rows
+
+
+def test_bad_bytes_a_client_sends_on_its_request_stream_or_per_call_are_refused_by_the_server():
+    from flightq.rows import PackedRows
+
+    with flightq.Server() as srv, _connect(srv.location) as c:
+        c.create_partition("p", SCHEMA)
+        for rows in (2, 3000):  # a small put rides the request stream, a large one a DoPut
+            keys = [f"r{i}" for i in range(rows)]
+            good = msgpack.packb("fine")
+            raw = good * (rows - 1) + b"\xc1"  # the last row's bytes are no msgpack value
+            offsets = np.arange(rows + 1, dtype=np.int64) * len(good)
+            offsets[-1] = len(raw)
+            column = PackedRows(np.frombuffer(raw, dtype=np.uint8), offsets)
+            with pytest.raises(flightq.EncodeError, match="not one msgpack value") as info:
+                c.put("p", keys, {"message_log": column})  # passed as packed, unchecked
+            assert (info.value.field, info.value.key) == ("message_log", keys[-1])
+            assert c.inspect("p")["rows"] == 0
+        assert c.stats()["counters"]["refusals"].get("EncodeError") == 2
