@@ -28,7 +28,9 @@ is logged as an error. Close it yourself to know.
 
 The tensors a put names are read when the put is sent, not when it is queued: do not
 write into them until ``flush()`` returns (generators hand over fresh tensors per
-rollout, which is what this is for).
+rollout, which is what this is for). The values of object fields (text, message logs) are
+packed when ``put`` is called, where the partition's schema could be read: a log the
+caller goes on appending to is stored as it was.
 
 Examples
 --------
@@ -63,6 +65,7 @@ from .errors import (
     UnavailableError,
     WriterFullError,
 )
+from .rows import columns_of
 
 __all__ = ["Writer", "WriterPut", "DEFAULT_RETRY_FOR"]
 
@@ -192,6 +195,7 @@ class Writer:
         self.dropped_puts: list[WriterPut] = []
         self.unsure_puts: list[WriterPut] = []
         self._prefix = uuid.uuid4().hex[:16]
+        self._schema: Any = None  # the partition's, once known (object fields packed at put)
         self._seq = 0
         self._queue: collections.deque[WriterPut] = collections.deque()
         self._sending: WriterPut | None = None  # taken off the queue, not finished
@@ -236,6 +240,7 @@ class Writer:
             In a process forked after the writer started (its thread is not there).
         """
         forks.check(f"writer to {self.partition!r}")
+        columns = self._objects_packed(keys, columns)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
@@ -261,6 +266,21 @@ class Writer:
             )
             self._cond.notify_all()
         return put_id
+
+    def _objects_packed(self, keys: Sequence[str], columns: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``columns`` with its object fields' values packed now, where the partition's
+        schema has any: a message log the caller goes on appending to is stored as it was
+        when put, and a value no object field holds is refused here (``EncodeError``,
+        naming the row), not by a later put or ``close()``. Tensors are read when sent, and
+        so are object values while the partition's schema cannot be read."""
+        if self._schema is None:
+            try:
+                self._schema = self._client.partition_schema(self.partition)
+            except FlightqError:  # not reachable or not there yet: packed when sent
+                return columns
+        if not any(f.role == "object" for f in self._schema.fields):
+            return columns
+        return columns_of(columns, self._schema, list(keys))
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued put is stored.

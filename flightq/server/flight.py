@@ -408,7 +408,7 @@ class Server(fl.FlightServerBase):
     def _restore(self, path: str | os.PathLike[str]) -> None:
         from .snapshot import read_snapshot
 
-        parts = read_snapshot(path)
+        parts = read_snapshot(path, self.max_request_bytes)
         for p in parts:
             try:
                 mine = self.registry.get(p.schema.ref)

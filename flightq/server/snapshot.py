@@ -251,7 +251,7 @@ def _read_ipc(path: Path) -> pa.Table:
         raise DecodeError(f"snapshot file {path.name!r} cannot be read: {e}") from e
 
 
-def _restore_partition(root: Path, e: dict[str, Any]) -> Partition:
+def _restore_partition(root: Path, e: dict[str, Any], limit: int | None) -> Partition:
     schema = Schema.from_json(e["schema"])
     files = e["files"]
     for fname, digest in e["sha256"].items():
@@ -300,7 +300,7 @@ def _restore_partition(root: Path, e: dict[str, Any]) -> Partition:
     what = f"snapshot of {part.name!r}"
     for batch in _read_ipc(root / files["rows"]).to_batches():
         # Media through the partition's copies, as a put's: each distinct payload once.
-        piece = media_piece(part, batch, None, what, None)
+        piece = media_piece(part, batch, None, what, None, max_claims_bytes=limit)
         ck = piece.checked
         batch = piece.batch
         valid = {
@@ -333,8 +333,12 @@ def _restore_partition(root: Path, e: dict[str, Any]) -> Partition:
     return part
 
 
-def read_snapshot(path: str | os.PathLike[str]) -> list[Partition]:
-    """The partitions a snapshot directory holds, every batch validated.
+def read_snapshot(
+    path: str | os.PathLike[str], max_request_bytes: int | None = None
+) -> list[Partition]:
+    """The partitions a snapshot directory holds, every batch validated (an object
+    field's values as a put's are, against ``max_request_bytes``: the restoring server's;
+    None, the default).
 
     Raises
     ------
@@ -350,7 +354,7 @@ def read_snapshot(path: str | os.PathLike[str]) -> list[Partition]:
         got = manifest.get("format") if isinstance(manifest, dict) else None
         raise DecodeError(f"snapshot format {got!r} is not supported (this flightq reads {FORMAT})")
     try:
-        return [_restore_partition(root, e) for e in manifest["partitions"]]
+        return [_restore_partition(root, e, max_request_bytes) for e in manifest["partitions"]]
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, DecodeError):
             raise

@@ -369,3 +369,44 @@ def test_bad_bytes_a_client_sends_on_its_request_stream_or_per_call_are_refused_
             assert (info.value.field, info.value.key) == ("message_log", keys[-1])
             assert c.inspect("p")["rows"] == 0
         assert c.stats()["counters"]["refusals"].get("EncodeError") == 2
+
+
+def test_a_snapshot_restores_object_values_to_a_server_of_the_same_request_cap(tmp_path):
+    cap = 64 * 2**20
+    keys, cols, logs = _rows(4)
+    cols["reward_inputs"] = ["z" * (20 * 2**20), None, {"a": 1}, [1, 2]]  # past 16 MiB
+    with (
+        flightq.Server(snapshot_dir=tmp_path, max_request_bytes=cap) as srv,
+        _connect(srv.location) as c,
+    ):
+        c.create_partition("p", SCHEMA)
+        c.put("p", keys, cols)
+        held = c.stats()["partitions"]["p"]["bytes"]
+        c.snapshot("s")
+    with (
+        flightq.Server(restore=tmp_path / "s", max_request_bytes=cap) as srv,
+        _connect(srv.location) as c,
+    ):
+        assert c.stats()["partitions"]["p"]["bytes"] == held
+        got = c.get("p", keys, as_="numpy")
+        assert got["message_log"] == logs
+        assert got["reward_inputs"] == cols["reward_inputs"]
+    # A server told a smaller cap says which row and what to raise.
+    with pytest.raises(flightq.DecodeError, match=r"row key 'p0_g0'.*max-request-bytes"):
+        flightq.Server(restore=tmp_path / "s")
+
+
+def test_a_writer_stores_an_object_value_as_it_was_when_put_and_refuses_a_bad_one_at_once():
+    with flightq.Server() as srv, _connect(srv.location) as c:
+        c.create_partition("p", SCHEMA)
+        log = [{"role": "user", "content": "first"}]
+        with flightq.Writer(c, "p") as w:
+            w.put(["a"], {"message_log": [log]})
+            log.append({"role": "assistant", "content": "appended after the put"})
+            with pytest.raises(flightq.EncodeError, match="can not serialize 'set'") as info:
+                w.put(["b"], {"message_log": [{1, 2}]})
+            assert info.value.key == "b"
+            w.flush()
+        got = c.get("p", ["a"], ["message_log"], as_="numpy")["message_log"]
+        assert got == [[{"role": "user", "content": "first"}]]
+        assert c.inspect("p")["rows"] == 1

@@ -62,9 +62,13 @@ def test_decode_hands_out_values_by_row_and_by_column_also_over_several_batches(
             getattr(whole.column("prompt"), form)()
 
 
-def test_a_payload_that_is_not_one_msgpack_value_is_a_decode_error_naming_the_row():
+@pytest.mark.parametrize(
+    "raw", [b"\xc1", msgpack.packb("a") + b"\x00", msgpack.packb([msgpack.ExtType(3, b"x")])]
+)
+def test_a_payload_that_is_not_one_msgpack_value_is_a_decode_error_naming_the_row(raw):
+    # What no server of flightq's stores, from a server that is not one.
     with pytest.raises(flightq.DecodeError, match=r"column 'prompt' \(row key 'r'\)") as info:
-        unpack_value(b"\xc1", "prompt", "r")
+        unpack_value(raw, "prompt", "r")
     assert (info.value.field, info.value.key) == ("prompt", "r")
 
 
