@@ -42,6 +42,7 @@ __all__ = [
     "decoded_bytes",
     "quick_bound",
     "narrow_bound",
+    "MSGPACK_MAX_DEPTH",
     "has_wide_headers",
     "request_bytes",
     "key_bytes",
@@ -205,6 +206,9 @@ _FIX_RESERVE = _DICT + _ENTRY * 15
 #: object takes a byte at least and its parent's slot or half an entry (60), and none
 #: takes more per byte than an empty map (one byte, a 64-byte dict).
 _PER_BYTE = 124
+#: The deepest nesting msgpack's unpacker opens (its stack; one level more is a
+#: ``StackError``).
+MSGPACK_MAX_DEPTH = 1024
 #: Wide headers past which :func:`quick_bound` leaves a message to the walk.
 _MAX_WIDE = 64
 
@@ -255,9 +259,14 @@ def has_wide_headers(data: bytes) -> bool:
 
 def narrow_bound(n: int) -> int:
     """An upper bound of what decoding a message of ``n`` bytes with no wide header
-    (:func:`has_wide_headers`) may take at its peak: :func:`quick_bound` with every byte
-    counted as a fix header, found without reading the message."""
-    return (_PER_BYTE + _FIX_RESERVE) * n
+    (:func:`has_wide_headers`) may take at its peak, found without reading the message.
+
+    What its objects take is at most :data:`_PER_BYTE` a byte. What msgpack reserves for
+    items a container claims and has not found yet is held only by the containers still
+    open, one a nesting level, and msgpack opens at most :data:`MSGPACK_MAX_DEPTH` levels
+    (deeper is a ``StackError``): with fix headers alone, each holds at most a 15-entry
+    map's room (:data:`_FIX_RESERVE`)."""
+    return _PER_BYTE * n + MSGPACK_MAX_DEPTH * _FIX_RESERVE
 
 
 def _size(n: int) -> str:

@@ -185,6 +185,7 @@ def check_value(
     """
     raw = bytes(data)
     what = f"column {name!r} (row key {key!r})"
+    narrow = narrow or not has_wide_headers(raw)
     if not (narrow and narrow_bound(len(raw)) <= limit) and quick_bound(raw, limit) is None:
         try:
             bound = decoded_bytes(raw, what, limit)

@@ -238,3 +238,25 @@ def test_key_chunks_keep_every_key_in_order_and_each_message_within_the_split() 
         assert decoded_bytes(raw, "clear") <= SPLIT_BYTES + 2048 < MIN_MAX_REQUEST_BYTES
     few = [f"k{i}" for i in range(100)]
     assert key_chunks(few) == [few]
+
+
+def test_the_narrow_bound_holds_msgpacks_deepest_nesting_and_its_densest_objects():
+    from flightq.msgcheck import MSGPACK_MAX_DEPTH, has_wide_headers, narrow_bound
+
+    deep = b"\x91" * MSGPACK_MAX_DEPTH + b"\xc0"  # as deep as msgpack opens
+    assert msgpack.unpackb(deep) is not None
+    with pytest.raises(msgpack.StackError):  # one more level: refused before it opens
+        msgpack.unpackb(b"\x91" + deep)
+    # Whole and cut short (every level's room reserved, nothing to fill it): the peak
+    # stays within the bound, which the server takes without reading the bytes.
+    for raw in (
+        deep,
+        b"\x9f" * MSGPACK_MAX_DEPTH,
+        b"\x8f" * MSGPACK_MAX_DEPTH,
+        b"\x9f\x80" * 500,
+        msgpack.packb([{}] * 15),
+        msgpack.packb({"k": "x" * 10_000, "l": [[{}] * 15] * 15}),
+    ):
+        assert not has_wide_headers(raw)
+        assert _peak(raw) <= narrow_bound(len(raw)), raw[:8]
+    assert has_wide_headers(msgpack.packb(list(range(16))))
