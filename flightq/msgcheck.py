@@ -265,7 +265,11 @@ def narrow_bound(n: int) -> int:
     items a container claims and has not found yet is held only by the containers still
     open, one a nesting level, and msgpack opens at most :data:`MSGPACK_MAX_DEPTH` levels
     (deeper is a ``StackError``): with fix headers alone, each holds at most a 15-entry
-    map's room (:data:`_FIX_RESERVE`)."""
+    map's room (:data:`_FIX_RESERVE`; msgpack 1.2 presizes arrays only, 176 bytes a
+    fixarray, so this holds for versions that presize maps too). As with
+    :func:`quick_bound`, the interpreter's table of interned map keys is not counted: a
+    new key now and then grows it, by an amount the process decides (about 1 MB where a
+    few tens of thousands of strings are interned, more where more are)."""
     return _PER_BYTE * n + MSGPACK_MAX_DEPTH * _FIX_RESERVE
 
 
