@@ -6,9 +6,11 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flightq
-from flightq.objects import check_value, pack_values, unpack_value
+from flightq.objects import check_columns, check_value, pack_values, unpack_value
 from flightq.schema import Schema
 
 SCHEMA = Schema.from_dict(
@@ -115,3 +117,28 @@ def test_a_drafted_schema_declares_text_dicts_and_message_logs_as_object_fields(
         "pixel_values": "media",
         "reward": "scalar",
     }
+
+
+_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=40)
+    | st.binary(max_size=40),
+    lambda inner: (
+        st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner, max_size=6)
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_VALUES, min_size=1, max_size=8))
+def test_any_value_an_object_field_holds_comes_back_equal_and_passes_the_servers_check(values):
+    keys = [f"k{i}" for i in range(len(values))]
+    rb = flightq.encode(SCHEMA, {"prompt": values}, keys)
+    check_columns(rb, SCHEMA.fields, 2**20)
+    got = flightq.decode(rb, as_="numpy")["prompt"]
+    assert got == values
+    assert [type(v) for v in got] == [type(v) for v in values]
