@@ -19,7 +19,8 @@ strings) is refused, ``EncodeError`` naming the field and the row.
 The server checks every value it is sent before storing anything: one msgpack value, no
 bytes after it, strings of valid UTF-8, maps with string keys, no extension types, and
 at most the server's ``max_request_bytes`` of Python objects once decoded (bounded before
-decoding, :func:`flightq.msgcheck.quick_bound`, :func:`flightq.msgcheck.decoded_bytes`).
+decoding: from its length where it holds no wide header, :func:`flightq.msgcheck.narrow_bound`,
+else :func:`flightq.msgcheck.quick_bound` or :func:`flightq.msgcheck.decoded_bytes`).
 A put that breaks one is refused whole, ``EncodeError`` naming the field and the row.
 The values are not kept decoded: the server holds the bytes.
 """
