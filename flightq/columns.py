@@ -543,10 +543,28 @@ class MediaColumn(Column):
 
 class ObjectColumn(Column):
     """An object field: one msgpack value per row (``None`` where a row lacks the field),
-    decoded from the payloads on first access (:mod:`flightq.objects`)."""
+    decoded from the payloads on first access (:mod:`flightq.objects`); a codec's frames
+    are decoded first, into one buffer for the column."""
 
     def _key(self, i: int) -> str:
         return str(self._rb.column(KEY)[i].as_py())
+
+    _bytes: tuple[memoryview, list[int]] | None = None
+
+    def _values(self) -> tuple[memoryview, list[int]]:
+        """The rows' msgpack bytes end to end and their N + 1 offsets."""
+        if self._bytes is None:
+            f = self.field
+            if f.codec is RAW:
+                data = self.payload.buffers()[2]
+                mv = memoryview(data if data is not None else b"")
+                self._bytes = (mv, binary_offsets(self.payload).tolist())
+            else:
+                shapes = self._rb.column(f.name + SHAPE_SUFFIX).to_pylist()
+                sized = [None if s is None else tuple(s) for s in shapes]
+                base, at = _decoded_base(f, self.payload, sized, "numpy", self._key)
+                self._bytes = (memoryview(base), at.tolist())
+        return self._bytes
 
     def __getitem__(self, i: int) -> Any:
         from .objects import unpack_value
@@ -555,17 +573,13 @@ class ObjectColumn(Column):
             i += len(self)
         if not self.valid[i]:
             return None
-        offs = binary_offsets(self.payload)
-        data = self.payload.buffers()[2]
-        view = memoryview(data if data is not None else b"")[int(offs[i]) : int(offs[i + 1])]
-        return unpack_value(view, self.field.name, self._key(i))
+        mv, at = self._values()
+        return unpack_value(mv[at[i] : at[i + 1]], self.field.name, self._key(i))
 
     def rows(self) -> list[Any]:
         from .objects import unpack_value
 
-        offs = binary_offsets(self.payload).tolist()
-        data = self.payload.buffers()[2]
-        mv = memoryview(data if data is not None else b"")
+        mv, at = self._values()
         name, valid = self.field.name, self.valid.tolist()
         out: list[Any] = []
         for i, ok in enumerate(valid):
@@ -573,9 +587,9 @@ class ObjectColumn(Column):
                 out.append(None)
                 continue
             try:
-                out.append(unpack_value(mv[offs[i] : offs[i + 1]], name, None))
+                out.append(unpack_value(mv[at[i] : at[i + 1]], name, None))
             except DecodeError:
-                unpack_value(mv[offs[i] : offs[i + 1]], name, self._key(i))  # names the row
+                unpack_value(mv[at[i] : at[i + 1]], name, self._key(i))  # names the row
                 raise
         return out
 

@@ -33,8 +33,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from .codecs import RAW
 from .errors import DecodeError, EncodeError, FlightqError
-from .layout import KEY, binary_offsets
+from .layout import KEY, SHAPE_SUFFIX, binary_offsets
 from .msgcheck import (
     DEFAULT_MAX_REQUEST_BYTES,
     decoded_bytes,
@@ -236,6 +237,9 @@ def check_columns(batch: Any, fields: Sequence[Any], limit: int | None) -> None:
         col = batch.column(f.name)
         if not len(col) or col.null_count == len(col):
             continue
+        if f.codec is not RAW:
+            _check_coded(batch, f, col, cap)
+            continue
         offs = binary_offsets(col).tolist()
         data = col.buffers()[2]
         mv = memoryview(data if data is not None else b"")
@@ -255,6 +259,43 @@ def check_columns(batch: Any, fields: Sequence[Any], limit: int | None) -> None:
                 except EncodeError:
                     check_value(row, f.name, _key(batch, i), cap, narrow, plain)
                     raise
+
+
+def _check_coded(batch: Any, f: Any, col: Any, cap: int) -> None:
+    """:func:`check_columns` of an object field with a codec: each row's frame decoded
+    (one row at a time, to the size its shape declares, which validation has held the
+    frame to), refused without decoding where that size passes ``cap``."""
+    sizes = batch.column(f.name + SHAPE_SUFFIX).to_pylist()
+    offs = binary_offsets(col).tolist()
+    data = col.buffers()[2]
+    mv = memoryview(data if data is not None else b"")
+    ctx = f.codec.context()
+    for i, shape in enumerate(sizes):
+        if shape is None:
+            continue
+        n = int(shape[0])
+        if n > cap:
+            key = _key(batch, i)
+            raise EncodeError(
+                f"column {f.name!r} (row key {key!r}): its value of {n} bytes would decode "
+                f"to more than the {cap} bytes of Python objects the server takes of one "
+                "value (max_request_bytes); put smaller values, or start the server with a "
+                "larger --max-request-bytes",
+                field=f.name,
+                key=key,
+                expected=cap,
+                actual=n,
+            )
+        out = bytearray(n)
+        try:
+            f.codec.decode_into(mv[offs[i] : offs[i + 1]], memoryview(out), ctx)
+        except FlightqError as e:
+            raise EncodeError(f"column {f.name!r}: {e}", field=f.name, key=_key(batch, i)) from None
+        try:
+            check_value(out, f.name, "", cap)
+        except EncodeError:
+            check_value(out, f.name, _key(batch, i), cap)
+            raise
 
 
 def _key(batch: Any, i: int) -> str:

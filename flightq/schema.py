@@ -17,7 +17,7 @@ carry it, and an optional codec. Roles decide layout, never the values:
     one msgpack value per row (a string, a number, a list, a map with string keys:
     a prompt's text, a message log, a reward model's inputs), stored as its bytes: a
     declared non-tensor field. Its dtype is ``uint8`` and its shape ``[null]`` (the
-    value's bytes), both implied.
+    value's bytes), both implied; a codec applies to those bytes (zstd on text).
 """
 
 from __future__ import annotations
@@ -136,8 +136,6 @@ class Field:
                     field=at,
                 )
             object.__setattr__(self, "shape", (None,))
-            if not isinstance(self.codec, type(RAW)):
-                raise SchemaError(f"{where}object fields take no codec", field=at)
         if self.role == "tensor" and self.shape is None:
             raise SchemaError(
                 f"{where}a tensor field has a fixed rank: give its shape as a list", field=at

@@ -80,7 +80,6 @@ def test_a_schema_declares_an_object_field_with_its_dtype_and_shape_implied():
         ({"dtype": "float32"}, "its dtype is uint8 and its shape"),
         ({"shape": [3]}, "its dtype is uint8 and its shape"),
         ({"shape": [None, None]}, "its dtype is uint8 and its shape"),
-        ({"codec": {"id": "zstd", "level": 3}}, "take no codec"),
     ):
         with pytest.raises(flightq.SchemaError, match=says) as info:
             Schema.from_dict({"name": "t", "version": 1, "fields": [{**base, **bad}]})
@@ -410,3 +409,55 @@ def test_a_writer_stores_an_object_value_as_it_was_when_put_and_refuses_a_bad_on
         got = c.get("p", ["a"], ["message_log"], as_="numpy")["message_log"]
         assert got == [[{"role": "user", "content": "first"}]]
         assert c.inspect("p")["rows"] == 1
+
+
+ZSTD = Schema.from_dict(
+    {
+        "name": "chat_zstd",
+        "version": 1,
+        "fields": [{"name": "message_log", "role": "object", "codec": {"id": "zstd", "level": 3}}],
+    }
+)
+
+
+def test_an_object_field_with_zstd_sends_and_holds_its_values_compressed():
+    pytest.importorskip("zstandard", reason="zstd payloads need the zstandard package")
+    keys, _, logs = _rows(16, text=4000)
+    with flightq.Server() as srv, flightq.connect(srv.location, timeout=TIMEOUT) as c:
+        c.register_schema(ZSTD)
+        c.create_partition("p", ZSTD)
+        c.put("p", keys, {"message_log": [*logs[:-1], None]})
+        got = c.get("p", keys, as_="numpy")["message_log"]
+        assert got == [*logs[:-1], None]
+        assert c.get("p", keys[3:4], as_="numpy").column("message_log")[0] == logs[3]
+        raw = sum(len(msgpack.packb(v)) for v in logs[:-1])
+        assert c.stats()["partitions"]["p"]["bytes"] < raw / 5  # held as sent: compressed
+
+
+def test_plain_flight_zstd_frames_of_bytes_no_object_field_holds_are_refused():
+    zstd = pytest.importorskip("zstandard", reason="zstd payloads need the zstandard package")
+    with flightq.Server(max_request_bytes=2 * 2**20) as srv, flightq.connect(srv.location) as c:
+        c.register_schema(ZSTD)
+        c.create_partition("p", ZSTD)
+        good = flightq.encode(ZSTD, {"message_log": ["x", "y"]}, ["a", "b"])
+        for plain, says in (
+            (b"\xc1", "not one msgpack value"),
+            (msgpack.packb({"k": {1: 2}}), "map key"),
+            (b"\xa1" + b"x" * (3 * 2**20), "would decode to more than"),  # past the cap
+        ):
+            frame = zstd.ZstdCompressor(write_content_size=True).compress(plain)
+            rb = replace_column(
+                good,
+                "message_log",
+                pa.array([good.column("message_log")[0].as_py(), frame], type=pa.large_binary()),
+            )
+            rb = replace_column(
+                rb,
+                "message_log__shape",
+                pa.array([[1 + 1], [len(plain)]], type=pa.list_(pa.int64())),
+            )
+            with pytest.raises(fl.FlightError) as info:
+                plain_put(srv.location, put_command("p"), [rb])
+            kind, message = plain_error(info.value)
+            assert kind == "EncodeError" and says in message and "'b'" in message, message
+            assert c.inspect("p")["rows"] == 0
