@@ -44,7 +44,14 @@ from .msgcheck import (
     quick_bound,
 )
 
-__all__ = ["PackedValues", "pack_values", "unpack_value", "check_value", "check_columns"]
+__all__ = [
+    "PackedValues",
+    "pack_values",
+    "unpack_value",
+    "check_value",
+    "check_columns",
+    "check_sizes",
+]
 
 _UNPACK_ERRORS = (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError)
 #: The first bytes of msgpack's bin and ext types: a value none of whose bytes is one holds
@@ -206,9 +213,13 @@ def check_value(
     try:
         value = msgpack.unpackb(raw, raw=False)
     except _UNPACK_ERRORS as e:
-        raise EncodeError(
-            f"{what}: not one msgpack value: {_why(e)}", field=name, key=key
-        ) from None
+        why = _why(e)
+        if "strict_map_key" in why:  # msgpack's words for a map key of another type
+            why = f"its maps have string keys ({why.split(' when ')[0]})"
+            raise EncodeError(
+                f"{what}: not a value an object field holds: {why}", field=name, key=key
+            ) from None
+        raise EncodeError(f"{what}: not one msgpack value: {why}", field=name, key=key) from None
     if plain:
         return
     odd = (
@@ -261,6 +272,49 @@ def check_columns(batch: Any, fields: Sequence[Any], limit: int | None) -> None:
                     raise
 
 
+def check_sizes(batch: Any, fields: Sequence[Any], limit: int | None) -> None:
+    """Refuse a put's record batch, before validation decodes any frame, where an object
+    field's shape column says a row's msgpack bytes pass ``limit`` (a zstd frame that
+    expands to gigabytes would otherwise be decoded to its end first). A shape column of
+    another type is left to validation, which names it.
+
+    Raises
+    ------
+    EncodeError
+        Naming the field and the row.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    cap = DEFAULT_MAX_REQUEST_BYTES if limit is None else limit
+    names = batch.schema.names
+    for f in fields:
+        shapes_name = f.name + SHAPE_SUFFIX
+        if f.role != "object" or shapes_name not in names:
+            continue
+        shapes = batch.column(shapes_name)
+        if shapes.type != pa.list_(pa.int64()) or not len(shapes):
+            continue
+        top = pc.max(pc.list_flatten(shapes)).as_py()
+        if top is None or top <= cap:
+            continue
+        i = next(i for i, s in enumerate(shapes.to_pylist()) if s and max(s) > cap)
+        raise _too_large(f.name, _key(batch, i), int(top), cap)
+
+
+def _too_large(name: str, key: str, n: int, cap: int) -> EncodeError:
+    return EncodeError(
+        f"column {name!r} (row key {key!r}): its value of {n} bytes would decode to more "
+        f"than the {cap} bytes of Python objects the server takes of one value "
+        "(max_request_bytes); put smaller values, or start the server with a larger "
+        "--max-request-bytes",
+        field=name,
+        key=key,
+        expected=cap,
+        actual=n,
+    )
+
+
 def _check_coded(batch: Any, f: Any, col: Any, cap: int) -> None:
     """:func:`check_columns` of an object field with a codec: each row's frame decoded
     (one row at a time, to the size its shape declares, which validation has held the
@@ -275,17 +329,7 @@ def _check_coded(batch: Any, f: Any, col: Any, cap: int) -> None:
             continue
         n = int(shape[0])
         if n > cap:
-            key = _key(batch, i)
-            raise EncodeError(
-                f"column {f.name!r} (row key {key!r}): its value of {n} bytes would decode "
-                f"to more than the {cap} bytes of Python objects the server takes of one "
-                "value (max_request_bytes); put smaller values, or start the server with a "
-                "larger --max-request-bytes",
-                field=f.name,
-                key=key,
-                expected=cap,
-                actual=n,
-            )
+            raise _too_large(f.name, _key(batch, i), n, cap)
         out = bytearray(n)
         try:
             f.codec.decode_into(mv[offs[i] : offs[i + 1]], memoryview(out), ctx)

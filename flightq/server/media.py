@@ -40,7 +40,7 @@ from ..digest import (
 )
 from ..errors import DecodeError, MediaDigestError, MediaUnknownError, ProtocolError
 from ..layout import MEDIA_TYPE, SHAPE_SUFFIX, binary_offsets, media_row_bytes
-from ..objects import check_columns
+from ..objects import check_columns, check_sizes
 from ..validation import validate
 from . import copied
 
@@ -208,6 +208,7 @@ def media_piece(
     """
     from .partition import make_piece
 
+    check_sizes(batch, p.schema.fields, max_claims_bytes)  # before any frame is decoded
     media = [f.name for f in p.schema.fields if f.role == "media" and f.name in batch.schema.names]
     if not media:
         checked = validate(batch, p.schema)

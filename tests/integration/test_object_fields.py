@@ -461,3 +461,35 @@ def test_plain_flight_zstd_frames_of_bytes_no_object_field_holds_are_refused():
             kind, message = plain_error(info.value)
             assert kind == "EncodeError" and says in message and "'b'" in message, message
             assert c.inspect("p")["rows"] == 0
+
+
+def test_a_zstd_object_value_past_the_cap_is_refused_before_any_frame_is_decoded(monkeypatch):
+    zstd = pytest.importorskip("zstandard", reason="zstd payloads need the zstandard package")
+    from flightq import codecs
+
+    decoded: list[int] = []
+    real = codecs.Zstd._exact
+
+    def counted(self: Any, data: Any, nbytes: int, *a: Any, **kw: Any) -> Any:
+        decoded.append(nbytes)
+        return real(self, data, nbytes, *a, **kw)
+
+    monkeypatch.setattr(codecs.Zstd, "_exact", counted)
+    with flightq.Server(max_request_bytes=2 * 2**20) as srv, flightq.connect(srv.location) as c:
+        c.register_schema(ZSTD)
+        c.create_partition("p", ZSTD)
+        good = flightq.encode(ZSTD, {"message_log": ["x", "y"]}, ["a", "b"])
+        big = b"\xa1" + b"x" * (3 * 2**20)  # honest, and past the cap once decoded
+        frame = zstd.ZstdCompressor(write_content_size=True).compress(big)
+        first = good.column("message_log")[0].as_py()
+        rb = replace_column(good, "message_log", pa.array([first, frame], pa.large_binary()))
+        rb = replace_column(
+            rb, "message_log__shape", pa.array([[2], [len(big)]], pa.list_(pa.int64()))
+        )
+        decoded.clear()
+        with pytest.raises(fl.FlightError) as info:
+            plain_put(srv.location, put_command("p"), [rb])
+        kind, message = plain_error(info.value)
+        assert kind == "EncodeError" and "row key 'b'" in message, message
+        assert decoded == []  # refused from the shape column alone
+        assert c.inspect("p")["rows"] == 0
