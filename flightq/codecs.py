@@ -186,6 +186,13 @@ class Zstd(Codec):
                     out[:] = raw
             else:  # also size 0, which the one-call path returns early without reading
                 got = _stream(dctx, data, nbytes, out)
+                used = _frame_bytes(data) if got == nbytes else None
+                if used is not None and used != memoryview(data).nbytes:
+                    raise DecodeError(
+                        f"zstd payload holds {memoryview(data).nbytes - used} bytes after its "
+                        "frame (another frame, a skippable one, or junk)",
+                        expected=nbytes,
+                    )
         except zstandard.ZstdError as e:
             raise DecodeError(
                 f"zstd payload is corrupt: it does not decode to the {nbytes} bytes its "
@@ -211,6 +218,24 @@ class Zstd(Codec):
 
 
 RAW = Raw()
+
+
+def _frame_bytes(data: Any) -> int:
+    """The bytes of the one zstd frame that starts ``data`` (a frame a decode just read
+    to its end, so its block headers are there): its header, each block's 3-byte header
+    and content (one byte for an RLE block), and its checksum where the header says so.
+    What a streamed decode reads, which stops at the frame's end and so does not see
+    what follows it."""
+    mv = memoryview(data).cast("B")
+    at = _zstd().frame_header_size(bytes(mv[:18]))
+    checksum = 4 if mv[4] & 0x04 else 0  # the frame header descriptor's checksum flag
+    while at + 3 <= len(mv):
+        head = mv[at] | mv[at + 1] << 8 | mv[at + 2] << 16
+        kind, size = (head >> 1) & 3, head >> 3
+        at += 3 + (1 if kind == 1 else size)
+        if head & 1:  # the last block
+            return at + checksum
+    return len(mv) + 1  # cut short: not one frame (a decode would have failed first)
 
 
 def _stream(dctx: Any, data: Any, nbytes: int, out: memoryview | None) -> int:

@@ -18,6 +18,9 @@ from flightq.columns import TensorColumn, _decoded_base
 from flightq.validation import validate
 
 GIB6 = 6 * 2**30
+#: A frame past the size decoded in one call (streamed), and a skippable frame of 16 bytes.
+_BIG = Zstd().encode(bytes(range(256)) * (2 * BLOCK * 8 // 256))
+_SKIPPABLE = (0x184D2A50).to_bytes(4, "little") + (16).to_bytes(4, "little") + bytes(16)
 IDS = Field("ids", "int64", "token", (None,), required=True, codec=Zstd())
 SCHEMA = schema_of_fields(IDS)
 
@@ -38,6 +41,13 @@ def _peak_rss() -> int:
         (rle_frame(2 * BLOCK * 8, 2 * BLOCK * 8 - 1), 2 * BLOCK * 8, r"to the 2097152 bytes"),
         (no_size_frame(bytes(40)), 40, r"no content size in its header, the shape needs 40"),
         (Zstd().encode(bytes(48)), 40, r"zstd frame declares 48 bytes, the shape needs 40"),
+        (_BIG + _SKIPPABLE, 2 * BLOCK * 8, r"holds 24 bytes after its frame"),
+        (_BIG + b"junk", 2 * BLOCK * 8, r"corrupt: it does not decode to the 2097152 bytes"),
+        (
+            _BIG + Zstd().encode(bytes(8)),
+            2 * BLOCK * 8,
+            r"bytes or more but its frame declares 2097152",
+        ),
     ],
     ids=[
         "short",
@@ -49,6 +59,9 @@ def _peak_rss() -> int:
         "streamed, short",
         "no content size",
         "another size declared",
+        "streamed, a skippable frame after it",
+        "streamed, junk after it",
+        "streamed, a second frame after it",
     ],
 )
 def test_every_way_to_decode_a_bad_frame_is_a_typed_decode_error(
