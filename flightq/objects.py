@@ -241,11 +241,7 @@ def check_columns(batch: Any, fields: Sequence[Any], limit: int | None) -> None:
         Naming the field and the row.
     """
     cap = DEFAULT_MAX_REQUEST_BYTES if limit is None else limit
-    names = batch.schema.names
-    for f in fields:
-        if f.role != "object" or f.name not in names:
-            continue
-        col = batch.column(f.name)
+    for f, col in _object_columns(batch, fields):
         if not len(col) or col.null_count == len(col):
             continue
         if f.codec is not RAW:
@@ -287,12 +283,7 @@ def check_sizes(batch: Any, fields: Sequence[Any], limit: int | None) -> None:
     import pyarrow.compute as pc
 
     cap = DEFAULT_MAX_REQUEST_BYTES if limit is None else limit
-    names = batch.schema.names
-    for f in fields:
-        shapes_name = f.name + SHAPE_SUFFIX
-        if f.role != "object" or shapes_name not in names:
-            continue
-        shapes = batch.column(shapes_name)
+    for f, shapes in _object_columns(batch, fields, SHAPE_SUFFIX):
         if shapes.type != pa.list_(pa.int64()) or not len(shapes):
             continue
         top = pc.max(pc.list_flatten(shapes)).as_py()
@@ -300,6 +291,15 @@ def check_sizes(batch: Any, fields: Sequence[Any], limit: int | None) -> None:
             continue
         i = next(i for i, s in enumerate(shapes.to_pylist()) if s and max(s) > cap)
         raise _too_large(f.name, _key(batch, i), int(top), cap)
+
+
+def _object_columns(batch: Any, fields: Sequence[Any], suffix: str = "") -> Any:
+    """``(field, column)`` of each object field of ``fields`` whose column (its name and
+    ``suffix``) ``batch`` has."""
+    names = batch.schema.names
+    for f in fields:
+        if f.role == "object" and f.name + suffix in names:
+            yield f, batch.column(f.name + suffix)
 
 
 def _too_large(name: str, key: str, n: int, cap: int) -> EncodeError:
