@@ -566,32 +566,23 @@ class ObjectColumn(Column):
                 self._bytes = (memoryview(base), at.tolist())
         return self._bytes
 
-    def __getitem__(self, i: int) -> Any:
+    def _value(self, i: int) -> Any:
+        """Row ``i``'s value (it has the field); the row's key is read for an error only."""
         from .objects import unpack_value
 
+        mv, at = self._values()
+        try:
+            return unpack_value(mv[at[i] : at[i + 1]], self.field.name, None)
+        except DecodeError:
+            return unpack_value(mv[at[i] : at[i + 1]], self.field.name, self._key(i))
+
+    def __getitem__(self, i: int) -> Any:
         if i < 0:
             i += len(self)
-        if not self.valid[i]:
-            return None
-        mv, at = self._values()
-        return unpack_value(mv[at[i] : at[i + 1]], self.field.name, self._key(i))
+        return self._value(i) if self.valid[i] else None
 
     def rows(self) -> list[Any]:
-        from .objects import unpack_value
-
-        mv, at = self._values()
-        name, valid = self.field.name, self.valid.tolist()
-        out: list[Any] = []
-        for i, ok in enumerate(valid):
-            if not ok:
-                out.append(None)
-                continue
-            try:
-                out.append(unpack_value(mv[at[i] : at[i + 1]], name, None))
-            except DecodeError:
-                unpack_value(mv[at[i] : at[i + 1]], name, self._key(i))  # names the row
-                raise
-        return out
+        return [self._value(i) if ok else None for i, ok in enumerate(self.valid.tolist())]
 
 
 class ScalarColumn(Column):

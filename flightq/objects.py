@@ -27,7 +27,8 @@ The values are not kept decoded: the server holds the bytes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -57,6 +58,10 @@ _UNPACK_ERRORS = (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
 #: The first bytes of msgpack's bin and ext types: a value none of whose bytes is one holds
 #: neither bytes (so no map key that is bytes) nor an extension value.
 _BIN_EXT = tuple(bytes([b]) for b in [*range(0xC4, 0xCA), *range(0xD4, 0xD9)])
+#: msgpack's extension values (a Timestamp is one), which no object field holds.
+_SPECIAL = (msgpack.ExtType, msgpack.Timestamp)
+#: What :func:`_odd` looks inside, or refuses.
+_NESTED = (Mapping, list, tuple, *_SPECIAL)
 #: Rows of at most this many bytes on average: their column is scanned whole first.
 _SMALL_ROWS = 8192
 
@@ -75,20 +80,16 @@ def _odd(v: Any) -> str | None:
     stack = [v]
     while stack:
         x = stack.pop()
-        if isinstance(x, (msgpack.ExtType, msgpack.Timestamp)):  # an ExtType is a tuple
+        if isinstance(x, _SPECIAL):  # an ExtType is a tuple: first
             return f"it holds a msgpack extension value ({type(x).__name__})"
         if isinstance(x, Mapping):
             for k, y in x.items():
                 if not isinstance(k, str):
                     return f"its maps have string keys, got key {k!r} ({type(k).__name__})"
-                if isinstance(y, (Mapping, list, tuple, msgpack.ExtType, msgpack.Timestamp)):
+                if isinstance(y, _NESTED):
                     stack.append(y)
         elif isinstance(x, (list, tuple)):
-            stack.extend(
-                y
-                for y in x
-                if isinstance(y, (Mapping, list, tuple, msgpack.ExtType, msgpack.Timestamp))
-            )
+            stack.extend(y for y in x if isinstance(y, _NESTED))
     return None
 
 
@@ -179,10 +180,16 @@ def unpack_value(data: Any, name: str, key: str | None) -> Any:
 
 
 def check_value(
-    data: Any, name: str, key: str, limit: int, narrow: bool = False, plain: bool = False
+    data: Any,
+    name: str,
+    key: str | Callable[[], str],
+    limit: int,
+    narrow: bool = False,
+    plain: bool = False,
 ) -> None:
     """Refuse bytes that are not one msgpack value an object field may hold, decoding to
     at most ``limit`` bytes of Python objects (bounded before anything is decoded).
+    ``key``: the row's key, or what finds it (read only for an error).
     ``narrow``: the bytes hold no wide header (:func:`~flightq.msgcheck.has_wide_headers`);
     ``plain``: none of msgpack's bin or ext types (:data:`_BIN_EXT`): what a scan of the
     whole column found, which spares this row the same work.
@@ -192,41 +199,33 @@ def check_value(
     EncodeError
         Naming the field, the row and what is wrong.
     """
+
+    def refused(why: str) -> EncodeError:
+        k = key() if callable(key) else key
+        return EncodeError(f"column {name!r} (row key {k!r}): {why}", field=name, key=k)
+
     raw = bytes(data)
-    what = f"column {name!r} (row key {key!r})"
     narrow = narrow or not has_wide_headers(raw)
     if not (narrow and narrow_bound(len(raw)) <= limit) and quick_bound(raw, limit) is None:
         try:
-            bound = decoded_bytes(raw, what, limit)
+            bound = decoded_bytes(raw, "its value", limit)
         except FlightqError as e:
-            raise EncodeError(f"{e}", field=name, key=key) from None
+            raise refused(str(e)) from None
         if bound > limit:
-            raise EncodeError(
-                f"{what}: its value of {len(raw)} bytes would decode to more than the "
-                f"{limit} bytes of Python objects the server takes of one value "
-                "(max_request_bytes); put smaller values, or start the server with a "
-                "larger --max-request-bytes",
-                field=name,
-                key=key,
-                expected=limit,
-            )
+            raise _too_large(name, key() if callable(key) else key, len(raw), limit)
     try:
         value = msgpack.unpackb(raw, raw=False)
     except _UNPACK_ERRORS as e:
         why = _why(e)
         if "strict_map_key" in why:  # msgpack's words for a map key of another type
             why = f"its maps have string keys ({why.split(' when ')[0]})"
-            raise EncodeError(
-                f"{what}: not a value an object field holds: {why}", field=name, key=key
-            ) from None
-        raise EncodeError(f"{what}: not one msgpack value: {why}", field=name, key=key) from None
+            raise refused(f"not a value an object field holds: {why}") from None
+        raise refused(f"not one msgpack value: {why}") from None
     if plain:
         return
-    odd = (
-        _odd(value) if isinstance(value, (dict, list, msgpack.ExtType, msgpack.Timestamp)) else None
-    )
+    odd = _odd(value) if isinstance(value, (dict, list, *_SPECIAL)) else None
     if odd is not None:
-        raise EncodeError(f"{what}: not a value an object field holds: {odd}", field=name, key=key)
+        raise refused(f"not a value an object field holds: {odd}")
 
 
 def check_columns(batch: Any, fields: Sequence[Any], limit: int | None) -> None:
@@ -260,12 +259,8 @@ def check_columns(batch: Any, fields: Sequence[Any], limit: int | None) -> None:
             plain = not any(b in whole for b in _BIN_EXT)
         for i, ok in enumerate(valid):
             if ok:
-                row = mv[offs[i] : offs[i + 1]]
-                try:
-                    check_value(row, f.name, "", cap, narrow, plain)
-                except EncodeError:
-                    check_value(row, f.name, _key(batch, i), cap, narrow, plain)
-                    raise
+                key = functools.partial(_key, batch, i)
+                check_value(mv[offs[i] : offs[i + 1]], f.name, key, cap, narrow, plain)
 
 
 def check_sizes(batch: Any, fields: Sequence[Any], limit: int | None) -> None:
@@ -335,11 +330,7 @@ def _check_coded(batch: Any, f: Any, col: Any, cap: int) -> None:
             f.codec.decode_into(mv[offs[i] : offs[i + 1]], memoryview(out), ctx)
         except FlightqError as e:
             raise EncodeError(f"column {f.name!r}: {e}", field=f.name, key=_key(batch, i)) from None
-        try:
-            check_value(out, f.name, "", cap)
-        except EncodeError:
-            check_value(out, f.name, _key(batch, i), cap)
-            raise
+        check_value(out, f.name, functools.partial(_key, batch, i), cap)
 
 
 def _key(batch: Any, i: int) -> str:
