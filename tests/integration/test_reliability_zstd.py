@@ -99,6 +99,20 @@ CASES: list[tuple[str, Callable[[], pa.RecordBatch], str, str, int, int | None]]
         None,
     ),
     (
+        "a skippable frame after a frame past 1 MiB (decoded as a stream)",
+        lambda: _ids(
+            Zstd().encode(np.arange(2 * BLOCK, dtype=np.int64).tobytes())
+            + (0x184D2A50).to_bytes(4, "little")
+            + (16).to_bytes(4, "little")
+            + bytes(16),
+            [2 * BLOCK],
+        ),
+        "DecodeError",
+        r"column 'ids': zstd payload holds 24 bytes after its frame .*\(row key 'n1'\)",
+        16 * BLOCK,
+        None,
+    ),
+    (
         "a frame with no content size in its header",
         lambda: _ids(no_size_frame(np.arange(5, dtype=np.int64).tobytes())),
         "ShapeError",
