@@ -59,8 +59,9 @@ class Codec:
         """Encode one payload (a buffer) to bytes."""
         raise NotImplementedError
 
-    def decode(self, data: Any, nbytes: int) -> Any:
-        """Decode one payload, which must come back as exactly ``nbytes`` bytes."""
+    def decode(self, data: Any, nbytes: int, ctx: Any = None) -> Any:
+        """Decode one payload, which must come back as exactly ``nbytes`` bytes (``ctx``:
+        :meth:`context`'s, or None)."""
         raise NotImplementedError
 
     def decoded_size(self, data: Any) -> int | None:
@@ -92,7 +93,7 @@ class Raw(Codec):
     def encode(self, data: Any) -> Any:
         return data
 
-    def decode(self, data: Any, nbytes: int) -> Any:
+    def decode(self, data: Any, nbytes: int, ctx: Any = None) -> Any:
         return data
 
     def decoded_size(self, data: Any) -> int | None:
@@ -128,7 +129,7 @@ class Zstd(Codec):
         cctx = _zstd(EncodeError).ZstdCompressor(level=self.level, write_content_size=True)
         return cctx.compress(data)
 
-    def decode(self, data: Any, nbytes: int) -> Any:
+    def decode(self, data: Any, nbytes: int, ctx: Any = None) -> Any:
         """Decode one frame, which must declare and decode to exactly ``nbytes`` bytes.
 
         Raises
@@ -139,9 +140,9 @@ class Zstd(Codec):
             ever allocated.
         """
         if 0 < nbytes <= _ONE_SHOT:
-            return self._exact(data, nbytes, None, keep=True)
+            return self._exact(data, nbytes, None, keep=True, dctx=ctx)
         out = bytearray(nbytes)
-        self._exact(data, nbytes, memoryview(out), keep=False)
+        self._exact(data, nbytes, memoryview(out), keep=False, dctx=ctx)
         return out
 
     def context(self) -> Any:

@@ -52,6 +52,7 @@ __all__ = [
     "check_value",
     "check_columns",
     "check_sizes",
+    "coded",
 ]
 
 _UNPACK_ERRORS = (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError)
@@ -192,7 +193,7 @@ def check_value(
     ``key``: the row's key, or what finds it (read only for an error).
     ``narrow``: the bytes hold no wide header (:func:`~flightq.msgcheck.has_wide_headers`);
     ``plain``: none of msgpack's bin or ext types (:data:`_BIN_EXT`): what a scan of the
-    whole column found, which spares this row the same work.
+    whole column found, which spares this row the same work (found here otherwise).
 
     Raises
     ------
@@ -206,6 +207,9 @@ def check_value(
 
     raw = bytes(data)
     narrow = narrow or not has_wide_headers(raw)
+    # A column's scan finds a bin or ext byte in one row (a string's length byte will do):
+    # the others still skip the walk below.
+    plain = plain or not any(b in raw for b in _BIN_EXT)
     if not (narrow and narrow_bound(len(raw)) <= limit) and quick_bound(raw, limit) is None:
         try:
             bound = decoded_bytes(raw, "its value", limit)
@@ -310,10 +314,17 @@ def _too_large(name: str, key: str, n: int, cap: int) -> EncodeError:
     )
 
 
+def coded(fields: Sequence[Any]) -> frozenset[str]:
+    """The object fields of ``fields`` with a codec: :func:`check_columns` decodes their
+    frames, each once, so validation need not (its ``decoded``)."""
+    return frozenset(f.name for f in fields if f.role == "object" and f.codec is not RAW)
+
+
 def _check_coded(batch: Any, f: Any, col: Any, cap: int) -> None:
     """:func:`check_columns` of an object field with a codec: each row's frame decoded
     (one row at a time, to the size its shape declares, which validation has held the
-    frame to), refused without decoding where that size passes ``cap``."""
+    frame's header to), refused without decoding where that size passes ``cap``; a frame
+    that does not decode to exactly that size is refused as validation refuses it."""
     sizes = batch.column(f.name + SHAPE_SUFFIX).to_pylist()
     offs = binary_offsets(col).tolist()
     data = col.buffers()[2]
@@ -325,11 +336,17 @@ def _check_coded(batch: Any, f: Any, col: Any, cap: int) -> None:
         n = int(shape[0])
         if n > cap:
             raise _too_large(f.name, _key(batch, i), n, cap)
-        out = bytearray(n)
         try:
-            f.codec.decode_into(mv[offs[i] : offs[i + 1]], memoryview(out), ctx)
+            out = f.codec.decode(mv[offs[i] : offs[i + 1]], n, ctx)
         except FlightqError as e:
-            raise EncodeError(f"column {f.name!r}: {e}", field=f.name, key=_key(batch, i)) from None
+            k = _key(batch, i)
+            raise DecodeError(
+                f"column {f.name!r}: {e} (row key {k!r})",
+                field=f.name,
+                key=k,
+                expected=e.expected,
+                actual=e.actual,
+            ) from None
         check_value(out, f.name, functools.partial(_key, batch, i), cap)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,8 +248,11 @@ def _fmt(f: Field) -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in f.shape) + "]"
 
 
-def _payload_lengths(f: Field, payload: pa.Array, valid: np.ndarray, where: str) -> np.ndarray:
-    """Decoded byte length of each payload (raw: from offsets; zstd: from frame headers)."""
+def _payload_lengths(
+    f: Field, payload: pa.Array, valid: np.ndarray, where: str, key: Callable[[int], str]
+) -> np.ndarray:
+    """Decoded byte length of each payload (raw: from offsets; zstd: from frame headers);
+    ``key(i)`` names payload ``i``'s row."""
     offs = binary_offsets(payload)
     lengths = np.diff(offs)
     if f.codec is RAW:
@@ -260,7 +263,9 @@ def _payload_lengths(f: Field, payload: pa.Array, valid: np.ndarray, where: str)
         size = f.codec.decoded_size(memoryview(data)[offs[i] : offs[i + 1]]) if data else None
         if size is None:
             raise ShapeError(
-                f"{where}row {i}: {f.codec.id} payload without a readable size", field=f.name
+                f"{where}{f.codec.id} payload without a readable size{_row(key(int(i)))}",
+                field=f.name,
+                key=key(int(i)),
             )
         out[i] = size
     return out
@@ -445,6 +450,7 @@ def validate(
     schema: Schema | None = None,
     *,
     duplicate_error: type[FlightqError] = EncodeError,
+    decoded: Collection[str] = (),
 ) -> Checked:
     """Check a record batch against its schema from Arrow offsets and shape columns alone.
 
@@ -460,6 +466,11 @@ def validate(
         :class:`EncodeError` where the batch is a put being checked (the class the
         writer's own :func:`flightq.encode` raises), :class:`DecodeError` where it is a
         batch being decoded.
+    decoded:
+        Fields with a codec whose frames the caller decodes right after, held to the
+        same sizes (the server's check of object fields,
+        :func:`flightq.objects.check_columns`): their frame headers are held to their
+        shapes here, and the frames are not decoded twice.
 
     Returns
     -------
@@ -532,7 +543,8 @@ def validate(
         if c.f.role == "media":
             sent = _check_media(c.f, c.where, col, shapes, valid, key)
         else:
-            seq, sent, layout = _check_tensor(c.f, c.where, col, shapes, valid, seq, key)
+            frames = c.f.name not in decoded
+            seq, sent, layout = _check_tensor(c.f, c.where, col, shapes, valid, seq, key, frames)
             if layout is not None:
                 flat[c.f.name] = layout
         nbytes = sent if nbytes is None else nbytes + sent
@@ -609,7 +621,10 @@ def _check_media(
     else:
         used = np.zeros(len(entries), dtype=bool)
         used[idx] = True
-        got = _payload_lengths(f, entries, used, where)[idx]
+        # An entry's row: that of the first segment using it (found on failure only).
+        got = _payload_lengths(
+            f, entries, used, where, lambda e: seg_key(int(np.argmax(idx == e)))
+        )[idx]
     if not np.array_equal(want, got):
         j = int((want != got).argmax())
         shp = tuple(int(x) for x in sv[so[j] : so[j + 1]])
@@ -640,9 +655,11 @@ def _check_tensor(
     valid: np.ndarray | None,
     seq: np.ndarray | None,
     key: Callable[[int], str],
+    frames: bool = True,
 ) -> tuple[np.ndarray | None, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """Check a token or tensor column's payloads against their shapes (``valid`` None: no
-    row is null; ``seq`` None: no token column seen yet; ``key(i)`` is row ``i``'s key).
+    row is null; ``seq`` None: no token column seen yet; ``key(i)`` is row ``i``'s key;
+    ``frames`` False: a codec's frames held to their shapes by their headers alone).
     Returns the rows' sequence lengths so far, the bytes sent per row, and where every row
     is present and 1-D with a raw payload, the rows' dims and the payloads' byte offsets
     (:attr:`Checked.flat`)."""
@@ -690,7 +707,7 @@ def _check_tensor(
         seq = np.where(first >= 0, first, seq)
     want = shape_products(so, sv, f.dt.itemsize, where, field=f.name, key=key)
     sent = _lengths(binary_offsets(col))
-    got = sent if f.codec is RAW else _payload_lengths(f, col, _all(valid, len(sent)), where)
+    got = sent if f.codec is RAW else _payload_lengths(f, col, _all(valid, len(sent)), where, key)
     wrong = want != got if valid is None else valid & (want != got)
     if wrong.any():
         i = int(wrong.argmax())
@@ -703,7 +720,7 @@ def _check_tensor(
             expected=int(want[i]),
             actual=int(got[i]),
         )
-    if f.codec is not RAW:
+    if f.codec is not RAW and frames:
         _check_frames(f, where, col, np.nonzero(_all(valid, len(sent)))[0], want, key)
     return seq, sent if valid is None else np.where(valid, sent, 0), None
 

@@ -40,7 +40,7 @@ from ..digest import (
 )
 from ..errors import DecodeError, MediaDigestError, MediaUnknownError, ProtocolError
 from ..layout import MEDIA_TYPE, SHAPE_SUFFIX, binary_offsets, media_row_bytes
-from ..objects import check_columns, check_sizes
+from ..objects import check_columns, check_sizes, coded
 from ..validation import validate
 from . import copied
 
@@ -211,8 +211,8 @@ def media_piece(
     check_sizes(batch, p.schema.fields, max_claims_bytes)  # before any frame is decoded
     media = [f.name for f in p.schema.fields if f.role == "media" and f.name in batch.schema.names]
     if not media:
-        checked = validate(batch, p.schema)
-        check_columns(batch, p.schema.fields, max_claims_bytes)
+        checked = validate(batch, p.schema, decoded=coded(p.schema.fields))
+        check_columns(batch, p.schema.fields, max_claims_bytes)  # decodes what validate left
         return make_piece(batch, checked, limit, len(p.tasks))
     try:
         batch.validate(full=True)  # offsets are read below, before validation proper
@@ -249,7 +249,7 @@ def media_piece(
         ):
             view = view.set_column(i, batch.schema.field(i), _with_entries(col, found))
         stored = stored.set_column(i, batch.schema.field(i), _with_entries(col, None))
-    checked = validate(view, p.schema)
+    checked = validate(view, p.schema, decoded=coded(p.schema.fields))
     check_columns(view, p.schema.fields, max_claims_bytes)
     nbytes = checked.nbytes.copy()
     for name in copies:  # media bytes count once, on the partition (their copies)

@@ -463,6 +463,63 @@ def test_plain_flight_zstd_frames_of_bytes_no_object_field_holds_are_refused():
             assert c.inspect("p")["rows"] == 0
 
 
+def _one_bad_frame(frame: bytes, size: int) -> pa.RecordBatch:
+    """A put of rows ``a`` (good) and ``b`` (``frame``, its shape ``[size]``)."""
+    good = flightq.encode(ZSTD, {"message_log": ["x", "y"]}, ["a", "b"])
+    first = good.column("message_log")[0].as_py()
+    rb = replace_column(good, "message_log", pa.array([first, frame], pa.large_binary()))
+    return replace_column(rb, "message_log__shape", pa.array([[2], [size]], pa.list_(pa.int64())))
+
+
+def test_a_zstd_object_frame_is_decoded_once_by_the_server(monkeypatch):
+    pytest.importorskip("zstandard", reason="zstd payloads need the zstandard package")
+    from flightq import codecs
+
+    decoded: list[int] = []
+    real = codecs.Zstd._exact
+
+    def counted(self: Any, data: Any, nbytes: int, *a: Any, **kw: Any) -> Any:
+        decoded.append(nbytes)
+        return real(self, data, nbytes, *a, **kw)
+
+    keys, _, logs = _rows(8, text=3000)
+    with flightq.Server() as srv, flightq.connect(srv.location, timeout=TIMEOUT) as c:
+        c.register_schema(ZSTD)
+        c.create_partition("p", ZSTD)
+        rb = flightq.encode(ZSTD, {"message_log": logs}, keys)
+        monkeypatch.setattr(codecs.Zstd, "_exact", counted)
+        plain_put(srv.location, put_command("p"), [rb])  # the check and validation, once
+        assert sorted(decoded) == sorted(len(msgpack.packb(v)) for v in logs)
+        monkeypatch.undo()
+        assert c.get("p", keys, as_="numpy")["message_log"] == logs
+
+
+def test_plain_flight_zstd_object_frames_that_do_not_decode_to_their_shape_are_refused():
+    zstd = pytest.importorskip("zstandard", reason="zstd payloads need the zstandard package")
+    value = msgpack.packb([{"role": "user", "content": "word " * 400}])
+    frame = zstd.ZstdCompressor(write_content_size=True).compress(value)
+    skippable = (0x184D2A50).to_bytes(4, "little") + (3).to_bytes(4, "little") + b"abc"
+    cut = frame[: len(frame) // 2]
+    bare = zstd.ZstdCompressor(write_content_size=False).compress(value)
+    with flightq.Server() as srv, flightq.connect(srv.location, timeout=TIMEOUT) as c:
+        c.register_schema(ZSTD)
+        c.create_partition("p", ZSTD)
+        for bad, says in (
+            (cut, "zstd payload"),
+            (frame + b"junk", "zstd payload is corrupt"),
+            (frame + skippable, "zstd payload is corrupt"),
+            (bare, "without a readable size"),
+        ):
+            with pytest.raises(fl.FlightError) as info:
+                plain_put(srv.location, put_command("p"), [_one_bad_frame(bad, len(value))])
+            kind, message = plain_error(info.value)
+            want = "ShapeError" if bad is bare else "DecodeError"  # as for any zstd field
+            assert kind == want and says in message and "row key 'b'" in message, message
+            assert c.inspect("p")["rows"] == 0
+        plain_put(srv.location, put_command("p"), [_one_bad_frame(frame, len(value))])
+        assert c.get("p", ["b"], as_="numpy")["message_log"] == [msgpack.unpackb(value)]
+
+
 def test_a_zstd_object_value_past_the_cap_is_refused_before_any_frame_is_decoded(monkeypatch):
     zstd = pytest.importorskip("zstandard", reason="zstd payloads need the zstandard package")
     from flightq import codecs

@@ -116,7 +116,7 @@ CASES: list[tuple[str, Callable[[], pa.RecordBatch], str, str, int, int | None]]
         "a frame with no content size in its header",
         lambda: _ids(no_size_frame(np.arange(5, dtype=np.int64).tobytes())),
         "ShapeError",
-        r"column 'ids': row 1: zstd payload without a readable size",
+        r"column 'ids': zstd payload without a readable size \(row key 'n1'\)",
         None,  # type: ignore[list-item]
         None,
     ),
@@ -145,6 +145,14 @@ CASES: list[tuple[str, Callable[[], pa.RecordBatch], str, str, int, int | None]]
         r"column 'img': zstd payload is corrupt: it does not decode to the 6 bytes its frame "
         r"declares: .* \(row key 'n1'\)",
         6,
+        None,
+    ),
+    (
+        "an image segment whose frame has no content size in its header",
+        lambda: _img(no_size_frame(bytes(6)), [2, 3]),
+        "ShapeError",
+        r"column 'img': zstd payload without a readable size \(row key 'n1'\)",
+        None,  # type: ignore[list-item]
         None,
     ),
     (
