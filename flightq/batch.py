@@ -9,7 +9,7 @@ The encode side lives in :mod:`flightq.encode`, the column classes in
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from .chunks import encode_chunks, row_nbytes, split_batch
+from .codecs import RAW
 from .columns import (
     ChunkedColumn,
     Column,
@@ -29,7 +30,7 @@ from .columns import (
 )
 from .encode import encode
 from .errors import DecodeError, MissingFieldError, ProtocolError
-from .layout import TAGS
+from .layout import TAGS, schema_of
 from .schema import Schema
 from .validation import Checked, validate
 
@@ -56,15 +57,18 @@ __all__ = [
 ]
 
 
-def validate_part(batch: pa.RecordBatch, first: Batch | None) -> Checked:
-    """Validate one record batch of a stream whose first part (if any) is ``first``.
+def validate_part(
+    batch: pa.RecordBatch, first: Batch | None, decoded: Collection[str] = ()
+) -> Checked:
+    """Validate one record batch of a stream whose first part (if any) is ``first``;
+    ``decoded``: as :func:`~flightq.validation.validate`'s.
 
     Raises
     ------
     DecodeError
         If the batch is invalid or carries another schema or other fields than ``first``.
     """
-    c = validate(batch, duplicate_error=DecodeError)
+    c = validate(batch, duplicate_error=DecodeError, decoded=decoded)
     if first is not None and (c.schema != first.schema or c.fields != first.fields):
         raise DecodeError(
             f"record batches of one stream differ: {first.schema.ref} {first.fields} "
@@ -104,6 +108,25 @@ def decode(
     for b in batches:
         d.add(b)
     return join(d.parts)
+
+
+def _can_build(as_: str) -> bool:
+    """Whether this process builds columns ``as_`` (torch may be missing)."""
+    try:
+        check_as(as_)
+    except DecodeError:
+        return False
+    return True
+
+
+def _coded(arrow: pa.Schema) -> tuple[str, ...]:
+    """The compressed token, tensor and object fields a record batch carries (media
+    entries stay checked by validation: a column of them decodes what its rows use)."""
+    return tuple(
+        f.name
+        for f in schema_of(arrow).fields
+        if f.codec is not RAW and f.role != "media" and f.name in arrow.names
+    )
 
 
 def past_asked(most: int, rows: int, what: str) -> ProtocolError:
@@ -166,6 +189,11 @@ class PartDecoder:
         self.parts: list[Batch] = []
         self.arrived = 0.0  # time.perf_counter() when the last record batch came in
         self.decode_s = 0.0  # seconds spent in add()
+        #: Whether a part's compressed token, tensor and object columns are built as it
+        #: arrives, each frame decoded once (by the column, as exactly as validation
+        #: would): a CPU batch of an ``as_`` this process can build.
+        self.eager = self.part is Batch and _can_build(as_)
+        self._coded: tuple[str, ...] | None = None  # the first part's (all parts share it)
 
     def add(self, rb: pa.RecordBatch) -> None:
         """Validate one record batch against the stream's first and decode it.
@@ -180,8 +208,13 @@ class PartDecoder:
         self.rows += rb.num_rows
         if self.most is not None and self.rows > self.most:
             raise past_asked(self.most, self.rows, "a read")
-        c = validate_part(rb, self.parts[0] if self.parts else None)
+        if self._coded is None:
+            self._coded = _coded(rb.schema) if self.eager else ()
+        coded = self._coded
+        c = validate_part(rb, self.parts[0] if self.parts else None, coded)
         part = self.part(rb, c.schema, c.keys, c.fields, self.as_, self.copy, c.flat)
+        for name in coded:
+            part.column(name).decoded()  # its frames, which validation left: a bad one fails
         if self.prepare:
             if self.parts:
                 self.parts[-1].prepare()  # not the last: another record batch came after it

@@ -13,6 +13,7 @@ payload encoded or decoded with it says what to install.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -111,6 +112,22 @@ class Raw(Codec):
         out[:] = memoryview(data).cast("B")
 
 
+#: Each thread's zstd compressors, one per level: made once (a compressor costs about as
+#: much to make as a small payload to compress), never shared between threads (a
+#: compressor is not thread-safe).
+_COMPRESSORS = threading.local()
+
+
+def _compressor(level: int) -> Any:
+    made: dict[int, Any] | None = getattr(_COMPRESSORS, "by_level", None)
+    if made is None:
+        made = _COMPRESSORS.by_level = {}
+    cctx = made.get(level)
+    if cctx is None:
+        cctx = made[level] = _zstd(EncodeError).ZstdCompressor(level=level, write_content_size=True)
+    return cctx
+
+
 @dataclass(frozen=True)
 class Zstd(Codec):
     """zstd, one frame per payload, with the content size in the frame header."""
@@ -126,8 +143,7 @@ class Zstd(Codec):
         return {"id": "zstd", "level": self.level}
 
     def encode(self, data: Any) -> Any:
-        cctx = _zstd(EncodeError).ZstdCompressor(level=self.level, write_content_size=True)
-        return cctx.compress(data)
+        return _compressor(self.level).compress(data)
 
     def decode(self, data: Any, nbytes: int, ctx: Any = None) -> Any:
         """Decode one frame, which must declare and decode to exactly ``nbytes`` bytes.

@@ -108,6 +108,11 @@ class Column:
         """The per-row structure of ``Batch.__getitem__``."""
         raise NotImplementedError
 
+    def decoded(self) -> None:
+        """Decode a codec's frames now where the column leaves them to a first access,
+        each checked as exactly as validation checks it (a bad frame fails here). A token
+        or tensor column decodes them as it is made."""
+
     _rows: Any = None
 
     def cached_rows(self) -> Any:
@@ -565,6 +570,9 @@ class ObjectColumn(Column):
                 base, at = _decoded_base(f, self.payload, sized, "numpy", self._key)
                 self._bytes = (memoryview(base), at.tolist())
         return self._bytes
+
+    def decoded(self) -> None:
+        self._values()
 
     def _value(self, i: int) -> Any:
         """Row ``i``'s value (it has the field); the row's key is read for an error only."""

@@ -199,3 +199,58 @@ except flightq.EncodeError as e:
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "refused", out.stderr
+
+
+def _coded_rows() -> tuple[flightq.Schema, pa.RecordBatch, list[np.ndarray], list[object]]:
+    """Three rows of a zstd token field and a zstd object field, the last row lacking both."""
+    schema = schema_of_fields(
+        Field("ids", "int64", "token", (None,), codec=Zstd()),
+        Field("log", "uint8", "object", codec=Zstd()),
+    )
+    ids = [np.arange(300, dtype=np.int64) * i for i in range(2)]
+    logs: list[object] = [[{"role": "user", "content": "word " * 200}], {"n": 1}]
+    rb = flightq.encode(schema, {"ids": [*ids, None], "log": [*logs, None]}, ["a", "b", "c"])
+    return schema, rb, ids, logs
+
+
+def test_a_read_decodes_each_zstd_frame_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, rb, ids, logs = _coded_rows()
+    decoded: list[int] = []
+    real = Zstd._exact
+
+    def counted(self: Zstd, data: object, nbytes: int, *a: object, **kw: object) -> object:
+        decoded.append(nbytes)
+        return real(self, data, nbytes, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Zstd, "_exact", counted)
+    out = flightq.decode(rb, as_="numpy")
+    assert len(decoded) == 4  # two rows of each field, each checked as it is decoded
+    assert [r.tolist() for r in out["ids"][:2]] == [r.tolist() for r in ids]
+    assert out["log"] == [*logs, None]
+    assert len(decoded) == 4  # and not again on access
+
+
+@pytest.mark.parametrize("field", ["ids", "log"])
+def test_a_bad_zstd_frame_fails_the_read_not_a_later_access(field: str) -> None:
+    _, rb, _, _ = _coded_rows()
+    frames = rb.column(field).to_pylist()
+    cut = frames[1][: len(frames[1]) // 2]
+    rb = replace_column(rb, field, pa.array([frames[0], cut, None], type=pa.large_binary()))
+    with pytest.raises(DecodeError, match=rf"column '{field}': zstd payload .*\(row key 'b'\)"):
+        flightq.decode(rb, as_="numpy")
+
+
+def test_zstd_encodes_from_several_threads_at_once() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    schema = _zstd_schema()
+    rows = [np.arange(2000, dtype=np.int64) * i for i in range(8)]
+
+    def round_trip(i: int) -> bool:
+        ids = [np.roll(r, i) for r in rows]
+        rb = flightq.encode(schema, {"ids": ids}, [f"k{j}" for j in range(len(ids))])
+        got = flightq.decode(rb, as_="numpy")["ids"]
+        return all(np.array_equal(a, b) for a, b in zip(got, ids, strict=True))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(round_trip, range(64)))
