@@ -120,13 +120,9 @@ def _can_build(as_: str) -> bool:
 
 
 def _coded(arrow: pa.Schema) -> tuple[str, ...]:
-    """The compressed token, tensor and object fields a record batch carries (media
-    entries stay checked by validation: a column of them decodes what its rows use)."""
-    return tuple(
-        f.name
-        for f in schema_of(arrow).fields
-        if f.codec is not RAW and f.role != "media" and f.name in arrow.names
-    )
+    """The compressed fields a record batch carries."""
+    names = arrow.names
+    return tuple(f.name for f in schema_of(arrow).fields if f.codec is not RAW and f.name in names)
 
 
 def past_asked(most: int, rows: int, what: str) -> ProtocolError:
@@ -189,9 +185,9 @@ class PartDecoder:
         self.parts: list[Batch] = []
         self.arrived = 0.0  # time.perf_counter() when the last record batch came in
         self.decode_s = 0.0  # seconds spent in add()
-        #: Whether a part's compressed token, tensor and object columns are built as it
-        #: arrives, each frame decoded once (by the column, as exactly as validation
-        #: would): a CPU batch of an ``as_`` this process can build.
+        #: Whether a part's compressed columns are built as it arrives, each frame
+        #: decoded once (by the column, as exactly as validation would): a CPU batch of
+        #: an ``as_`` this process can build.
         self.eager = self.part is Batch and _can_build(as_)
         self._coded: tuple[str, ...] | None = None  # the first part's (all parts share it)
 

@@ -444,8 +444,14 @@ class MediaColumn(Column):
             entry_shapes = [None] * len(entries)
             for e, shape in zip(self.entry.tolist(), self.segment_shapes, strict=True):
                 entry_shapes[e] = shape
-        self._base, at = _decoded_base(f, entries, entry_shapes, as_)
+        self._base, at = _decoded_base(f, entries, entry_shapes, as_, self._entry_key)
         self._elem = at[:-1]
+
+    def _entry_key(self, e: int) -> str:
+        """The key of the first row whose segments use entry ``e`` (for an error)."""
+        j = int(np.argmax(self.entry == e))
+        i = int(np.searchsorted(self.row_segments[1:], j, side="right"))
+        return str(self._rb.column(KEY)[i].as_py())
 
     @property
     def counts(self) -> np.ndarray:

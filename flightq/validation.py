@@ -540,10 +540,10 @@ def validate(
                     field=c.f.name,
                     key=key(i),
                 )
+        frames = c.f.name not in decoded
         if c.f.role == "media":
-            sent = _check_media(c.f, c.where, col, shapes, valid, key)
+            sent = _check_media(c.f, c.where, col, shapes, valid, key, frames)
         else:
-            frames = c.f.name not in decoded
             seq, sent, layout = _check_tensor(c.f, c.where, col, shapes, valid, seq, key, frames)
             if layout is not None:
                 flat[c.f.name] = layout
@@ -572,9 +572,11 @@ def _check_media(
     shapes: pa.Array,
     valid: np.ndarray | None,
     key: Callable[[int], str],
+    frames: bool = True,
 ) -> np.ndarray:
     """Check a media column's segments against their shapes; per row, its bytes (a shared
-    entry counted on its first use). ``key(i)`` is row ``i``'s key."""
+    entry counted on its first use). ``key(i)`` is row ``i``'s key; ``frames`` False: a
+    codec's frames held to their segments' shapes by their headers alone."""
     outer_p = _np(col.offsets)  # int64: large_list
     outer_s = _np(shapes.offsets)
     counts_p = outer_p[1:] - outer_p[:-1]
@@ -636,7 +638,7 @@ def _check_media(
             expected=int(want[j]),
             actual=int(got[j]),
         )
-    if f.codec is not RAW and idx.size:
+    if f.codec is not RAW and idx.size and frames:
         # Each entry a segment uses, once: its first segment's size (all agree, as above).
         used_entries, first_seg = np.unique(idx, return_index=True)
         sizes = np.zeros(len(entries), dtype=np.int64)

@@ -202,14 +202,20 @@ except flightq.EncodeError as e:
 
 
 def _coded_rows() -> tuple[flightq.Schema, pa.RecordBatch, list[np.ndarray], list[object]]:
-    """Three rows of a zstd token field and a zstd object field, the last row lacking both."""
+    """Three rows of zstd token, object and media fields, the last row lacking all three;
+    the two rows' images are one entry, and the second row has one more."""
     schema = schema_of_fields(
         Field("ids", "int64", "token", (None,), codec=Zstd()),
         Field("log", "uint8", "object", codec=Zstd()),
+        Field("img", "float32", "media", None, codec=Zstd()),
     )
     ids = [np.arange(300, dtype=np.int64) * i for i in range(2)]
     logs: list[object] = [[{"role": "user", "content": "word " * 200}], {"n": 1}]
-    rb = flightq.encode(schema, {"ids": [*ids, None], "log": [*logs, None]}, ["a", "b", "c"])
+    shared = np.linspace(0, 1, 600, dtype=np.float32).reshape(20, 30)
+    img = [[shared], [shared, np.ones((4, 5), np.float32)], None]
+    rb = flightq.encode(
+        schema, {"ids": [*ids, None], "log": [*logs, None], "img": img}, ["a", "b", "c"]
+    )
     return schema, rb, ids, logs
 
 
@@ -224,18 +230,28 @@ def test_a_read_decodes_each_zstd_frame_once(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(Zstd, "_exact", counted)
     out = flightq.decode(rb, as_="numpy")
-    assert len(decoded) == 4  # two rows of each field, each checked as it is decoded
+    assert len(decoded) == 6  # two rows each of ids and log, two images: checked as decoded
     assert [r.tolist() for r in out["ids"][:2]] == [r.tolist() for r in ids]
     assert out["log"] == [*logs, None]
-    assert len(decoded) == 4  # and not again on access
+    assert [[a.shape for a in r] for r in out["img"][:2]] == [[(20, 30)], [(20, 30), (4, 5)]]
+    assert out["img"][1][1].tolist() == np.ones((4, 5)).tolist()
+    assert len(decoded) == 6  # and not again on access
 
 
-@pytest.mark.parametrize("field", ["ids", "log"])
+@pytest.mark.parametrize("field", ["ids", "log", "img"])
 def test_a_bad_zstd_frame_fails_the_read_not_a_later_access(field: str) -> None:
+    from helpers_wire import media_array
+
     _, rb, _, _ = _coded_rows()
-    frames = rb.column(field).to_pylist()
-    cut = frames[1][: len(frames[1]) // 2]
-    rb = replace_column(rb, field, pa.array([frames[0], cut, None], type=pa.large_binary()))
+    if field == "img":  # the second row's own image: its second entry
+        entries = rb.column("img").values.dictionary.to_pylist()
+        cut = entries[1][: len(entries[1]) // 2]
+        col = media_array([[entries[0]], [entries[0], cut], None])
+        rb = replace_column(rb, "img", col)
+    else:
+        frames = rb.column(field).to_pylist()
+        cut = frames[1][: len(frames[1]) // 2]
+        rb = replace_column(rb, field, pa.array([frames[0], cut, None], type=pa.large_binary()))
     with pytest.raises(DecodeError, match=rf"column '{field}': zstd payload .*\(row key 'b'\)"):
         flightq.decode(rb, as_="numpy")
 
