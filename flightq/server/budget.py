@@ -420,9 +420,13 @@ class Tally:
     current by each partition as its counts change (``Partition.attach``): the store reads
     them at every change without walking its partitions."""
 
-    __slots__ = ("declared", "held", "holders", "leased", "records")
+    __slots__ = ("declared", "held", "holders", "kept", "leased", "records")
 
     def __init__(self) -> None:
+        from .readings import Kept
+
+        #: What partitions let go of that answers and snapshots under way still hold.
+        self.kept = Kept()
         #: The partitions keeping records of the past now, by ``id``: those the store
         #: drops records from, without walking the others.
         self.holders: dict[int, Any] = {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -74,6 +75,7 @@ from .media import Answered, media_piece, prepare_answer
 from .metrics import Counters, call_kind, read_counter
 from .partition import Block, Partition, Row
 from .putplan import Stored
+from .readings import Reading
 from .replies import Held, ReplyRoom
 from .staging import Staging
 from .store import Advance, Store, suggest
@@ -660,35 +662,70 @@ class Server(fl.FlightServerBase):
     def _do_get(
         self, ticket: Ticket, context: fl.ServerCallContext | None = None
     ) -> fl.FlightDataStream:
-        schema, batches, undo, _ = self._answer(ticket, context)
+        # The rows it reads stay counted until the call is over: its last batches may lie
+        # in gRPC's buffers, as slices of the stored ones, after Flight took them all.
+        defer = functools.partial(self.limits.at_end, context)
+        schema, batches, undo, _ = self._answer(ticket, context, defer=defer)
         return self._send(context, schema, batches if undo is None else _undone(batches, undo))
 
     def _answer(
-        self, t: Ticket, context: fl.ServerCallContext | None, count: bool = True
+        self,
+        t: Ticket,
+        context: fl.ServerCallContext | None,
+        count: bool = True,
+        defer: Callable[[Callable[[], None]], bool] | None = None,
     ) -> tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[..., None] | None, int]:
         """A read's answer: its schema, its batches, for a claim what gives the rows back
         should the answer not reach the client (None for a get or a scan), and how many
         rows it holds. The one path of every read, per call (DoGet) or on the request
         stream (which counts the read, its rows and its bytes itself once it sends them:
-        ``count=False``)."""
-        if isinstance(t, GetTicket):
-            t.check_parts()
-            part, rows, names = self.store.rows_for_get(t.partition, t.keys, t.fields)
-            if t.parts is not None:
-                rows = self.part_cuts.rows(t, part, rows, names)
+        ``count=False``). The rows it reads stay counted in the budget until its batches
+        end, or until what ``defer`` is given runs (the call's end), where it takes it."""
+        reading: list[Reading] = []
+        try:
+            if isinstance(t, GetTicket):
+                t.check_parts()
+                part, rows, names = self.store.rows_for_get(t.partition, t.keys, t.fields, reading)
+                if t.parts is not None:
+                    rows = self.part_cuts.rows(t, part, rows, names)
+            elif isinstance(t, ScanTicket):
+                part, rows, names = self.store.scan(t.partition, reading)
+            else:
+                assert isinstance(t, ClaimTicket)
+                return self._claim_answer(t, context, count, reading, defer)
             wholes: list[Answered] = []
             schema, batches = self._assemble(t, part, rows, names, count, wholes)
+            batches = self._reading(batches, reading, defer)
             return (*self._shm_reply(t, schema, batches, context, wholes), None, len(rows))
-        if isinstance(t, ScanTicket):
-            part, rows, names = self.store.scan(t.partition)
-            wholes = []
-            schema, batches = self._assemble(t, part, rows, names, count, wholes)
-            return (*self._shm_reply(t, schema, batches, context, wholes), None, len(rows))
-        assert isinstance(t, ClaimTicket)
-        return self._claim_answer(t, context, count)
+        except BaseException:
+            self._end_reading(reading)
+            raise
+
+    def _reading(
+        self,
+        batches: Iterator[pa.RecordBatch],
+        reading: list[Reading],
+        defer: Callable[[Callable[[], None]], bool] | None = None,
+    ) -> Iterator[pa.RecordBatch]:
+        """``batches``, the rows they read kept counted (:mod:`flightq.server.readings`)
+        until ``defer`` runs what it is given, where it takes it, else until the batches
+        end: let go (sent, or never asked for), closed or failed."""
+        end = functools.partial(self._end_reading, reading)
+        if not reading or (defer is not None and defer(end)):
+            return batches
+        return _Ending(batches, end)
+
+    def _end_reading(self, reading: list[Reading]) -> None:
+        while reading:
+            self.store.end_reading(reading.pop())
 
     def _claim_answer(
-        self, t: ClaimTicket, context: fl.ServerCallContext | None, count: bool
+        self,
+        t: ClaimTicket,
+        context: fl.ServerCallContext | None,
+        count: bool,
+        reading: list[Reading],
+        defer: Callable[[Callable[[], None]], bool] | None,
     ) -> tuple[pa.Schema, Iterator[pa.RecordBatch], Callable[..., None], int]:
         name, task = t.partition, t.task
         cancelled = context.is_cancelled if context is not None else None
@@ -704,10 +741,12 @@ class Server(fl.FlightServerBase):
             t.session,
             park=lambda: self.limits.park(context),
             call=t.call,
+            reading=reading,
         )
         try:
             wholes: list[Answered] = []
             schema, batches = self._assemble(t, part, rows, names, count, wholes)
+            batches = self._reading(batches, reading, defer)
             schema, batches = self._shm_reply(t, schema, batches, context, wholes)
             st = part.progress.tasks[task]
             grant = ClaimGrant(
@@ -1243,6 +1282,37 @@ def _undone(
     not (Flight writes the schema first, and a client gone by then asks for no batch),
     run ``undo`` once (a claim gives its rows back, a shared-memory answer its segment)."""
     return _Undone(batches, undo)
+
+
+class _Ending:
+    """An answer's batches, ``end`` run once when Flight lets go of them (the call over:
+    the last batches may lie in gRPC's buffers until then), when they are closed, or when
+    one fails."""
+
+    def __init__(self, batches: Iterator[pa.RecordBatch], end: Callable[[], None]) -> None:
+        self._batches = batches
+        self._end: Callable[[], None] | None = end
+
+    def __iter__(self) -> _Ending:
+        return self
+
+    def __next__(self) -> pa.RecordBatch:
+        try:
+            return next(self._batches)
+        except StopIteration:
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        end, self._end = self._end, None
+        if end is not None:
+            end()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 class _Undone:

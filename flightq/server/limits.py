@@ -29,6 +29,7 @@ is refused before it takes anything, with :class:`~flightq.errors.ResourceExhaus
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -58,9 +59,16 @@ class _Slot(fl.ServerMiddleware):
 
     def __init__(self, limits: CallLimits, kind: str) -> None:
         self._limits, self.kind = limits, kind
+        #: What runs once the call is over (:meth:`CallLimits.at_end`).
+        self.ends: list[Callable[[], None]] = []
 
     def call_completed(self, exception: Any) -> None:
-        self._limits._end(self)
+        try:
+            for end in self.ends:
+                with contextlib.suppress(Exception):
+                    end()
+        finally:
+            self._limits._end(self)
 
 
 class CallLimits(fl.ServerMiddlewareFactory):
@@ -165,6 +173,16 @@ class CallLimits(fl.ServerMiddlewareFactory):
         if self._on_refused is not None:
             self._on_refused(type(refusal).__name__)
         raise to_flight_error(refusal)
+
+    def at_end(self, context: fl.ServerCallContext | None, end: Callable[[], None]) -> bool:
+        """Run ``end`` once the call of ``context`` is over (its last message sent, or the
+        call broken off), whatever its handler returned; False where no slot follows the
+        call (no context), and nothing will run."""
+        slot = None if context is None else context.get_middleware(LIMITS_KEY)
+        if not isinstance(slot, _Slot):
+            return False
+        slot.ends.append(end)
+        return True
 
     def _end(self, slot: _Slot) -> None:
         with self._lock:

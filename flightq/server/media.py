@@ -485,6 +485,7 @@ def release(p: Partition, copies: Iterable[Copy]) -> None:
         if h.live == 0:
             p.held -= h.nbytes
             p.media_bytes -= h.nbytes
+            p.let_go(h, h.nbytes)
 
 
 def row_copies(row: Row, fields: Iterable[str]) -> Iterator[Copy]:

@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from .merge import Merge
     from .putplan import PutPlan
     from .readiness import Complete
+    from .readings import Reading
 
 __all__ = [
     "Block",
@@ -295,6 +296,8 @@ class Partition:
     epoch: int = field(default_factory=lambda: next(_EPOCHS), repr=False)
     #: The store's running totals it keeps current (:meth:`attach`); None: a copy.
     tally: Tally | None = field(default=None, repr=False, compare=False)
+    #: Answers and snapshots reading its rows now (:mod:`flightq.server.readings`), by id.
+    readings: dict[int, Reading] = field(default_factory=dict, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
         total = _TALLIED.get(name)
@@ -504,6 +507,7 @@ class Partition:
         touched: dict[int, Piece] = {}
         for r in rows:
             self.held -= r.held
+            self.let_go(r, r.held)  # its key and tags, where an answer still reads it
             for pc in row_pieces(r):
                 pc.damaged = True
                 self.use(pc, -1)
@@ -581,6 +585,8 @@ class Partition:
         b = pc.block
         if b is None:
             self.held += step * pc.cost
+            if step < 0:
+                self.let_go(pc, pc.cost)
             return
         b.users += step
         if step > 0:
@@ -589,6 +595,15 @@ class Partition:
             b.cost += pc.cost
         else:
             self.held -= pc.cost + b.cost
+            self.let_go(b, pc.cost + b.cost)
+
+    def let_go(self, holder: Any, nbytes: int) -> None:
+        """The partition stopped counting ``nbytes`` that ``holder`` (a row, a piece, a
+        block, a media home) keeps alive: they stay counted while an answer or a snapshot
+        under way reads it or rows that use it (:mod:`flightq.server.readings`). With the
+        store's lock."""
+        if self.readings and self.tally is not None:
+            self.tally.kept.keep(self.readings.values(), holder, nbytes)
 
     @property
     def media_fields(self) -> tuple[str, ...]:

@@ -48,6 +48,7 @@ from .assemble import assemble
 from .leases import DEFAULT_LEASE, DEFAULT_MAX_FAILURES
 from .media import acquire, media_piece, row_copies
 from .partition import Partition, Row
+from .readings import Reading
 from .store import Store
 
 __all__ = [
@@ -145,7 +146,18 @@ def write_snapshot(
     dest = Path(path)
     if dest.exists():
         raise ConflictError(f"snapshot {dest.name!r} exists already; choose a new name")
-    parts = store.capture(partitions)
+    # The captured rows stay counted in the budget until written, cleared or not.
+    reading: list[Reading] = []
+    parts = store.capture(partitions, reading)
+    try:
+        return _write(dest, parts)
+    finally:
+        for rd in reading:
+            store.end_reading(rd)
+
+
+def _write(dest: Path, parts: Sequence[Partition]) -> dict[str, Any]:
+    """:func:`write_snapshot` of captured partitions."""
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}{_TMP}", dir=dest.parent))

@@ -25,7 +25,7 @@ import threading
 import time
 import types
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from ..errors import (
@@ -67,6 +67,7 @@ from .readiness import (
     maybe_remnant,
     ready_rows,
 )
+from .readings import Reading
 from .replies import SMALL_REPLY_BYTES
 
 __all__ = ["Store"]
@@ -306,8 +307,13 @@ class Store:
         with self._lock:
             return {p.schema.ref for p in self._parts.values()}
 
-    def capture(self, names: Sequence[str] | None = None) -> list[Partition]:
-        """Consistent copies of partitions (all when ``names`` is None), for a snapshot.
+    def capture(
+        self, names: Sequence[str] | None = None, reading: list[Reading] | None = None
+    ) -> list[Partition]:
+        """Consistent copies of partitions (all when ``names`` is None), for a snapshot;
+        with ``reading``, the rows of each are read by the snapshot from now (one
+        :class:`Reading` a partition appended: :meth:`end_reading`). Leases past their
+        expiry are ended first, as any call that looks at them does.
 
         Under the lock only what changes in place is copied, at C speed: each partition's
         table of rows (a stored :class:`Row` is never changed, a write replaces it) and
@@ -317,6 +323,8 @@ class Store:
         """
         with self._lock:
             parts = list(self._parts.values()) if names is None else [self._get(n) for n in names]
+            for p in parts:
+                self._expire(p)
             frozen = [
                 (
                     p,
@@ -336,6 +344,8 @@ class Store:
                 )
                 for p in parts
             ]
+            for p, rows, *_ in frozen:
+                self._read(p, rows.values(), reading)
         return [
             Partition(
                 p.name,
@@ -388,9 +398,13 @@ class Store:
             self._wake()
 
     def drop(self, name: str) -> None:
-        """Remove a partition and its rows."""
+        """Remove a partition and its rows (what answers under way read of them stays
+        counted until they end)."""
         with self._changed:
-            self._get(name).attach(None)
+            p = self._get(name)
+            if p.readings:
+                p.cleared(p.rows.values())
+            p.attach(None)
             del self._parts[name]
             self._wake()
 
@@ -404,7 +418,28 @@ class Store:
 
     def _held(self) -> int:
         # With the lock held.
-        return self._tally.held + self._pending + self._held_outside()
+        t = self._tally
+        return t.held + self._pending + self._held_outside() + t.kept.bytes
+
+    def _read(self, p: Partition, rows: Collection[Row], reading: list[Reading] | None) -> None:
+        # With the lock held: ``rows`` of ``p`` are read by an answer or a snapshot from
+        # now until :meth:`end_reading` (what they keep alive stays counted).
+        if reading is not None:
+            rd = Reading(p, rows, p.media_fields)
+            p.readings[id(rd)] = rd
+            reading.append(rd)
+
+    def reading_count(self) -> int:
+        """How many answers and snapshots are reading rows of the store's partitions now."""
+        with self._lock:
+            return sum(len(p.readings) for p in self._parts.values())
+
+    def end_reading(self, reading: Reading) -> None:
+        """An answer or a snapshot is over: what only it kept alive stops counting."""
+        with self._changed:
+            reading.partition.readings.pop(id(reading), None)
+            if self._tally.kept.end(reading):
+                self._wake()
 
     def counted(self) -> int:
         """Bytes the memory budget counts now: :meth:`held`, :meth:`declared` and
@@ -947,9 +982,14 @@ class Store:
     # ------------------------------------------------------------------ reads
 
     def rows_for_get(
-        self, name: str, keys: Sequence[str], fields: Sequence[str] | None
+        self,
+        name: str,
+        keys: Sequence[str],
+        fields: Sequence[str] | None,
+        reading: list[Reading] | None = None,
     ) -> tuple[Partition, list[Row], list[str]]:
-        """Rows by key, in order, and the fields to return.
+        """Rows by key, in order, and the fields to return; with ``reading``, the rows are
+        read by an answer from now (a :class:`Reading` appended: :meth:`end_reading`).
 
         Raises
         ------
@@ -965,6 +1005,7 @@ class Store:
             except KeyError:
                 _known(p, keys)  # names every unknown key
                 raise
+            self._read(p, rows, reading)
         # Outside the lock: the rows found are never edited (a put replaces a row).
         return p, rows, _fields_for(p, rows, fields)
 
@@ -981,6 +1022,7 @@ class Store:
         session: str | None = None,
         park: Callable[[], Callable[[], None] | None] | None = None,
         call: str | None = None,
+        reading: list[Reading] | None = None,
     ) -> tuple[Partition, list[Row], list[str], Lease]:
         """Wait for ``batch_size`` ready rows, lease them to ``task``, return them.
 
@@ -994,7 +1036,7 @@ class Store:
         caller abandoned stops waiting and takes no rows. ``park()`` is called once the
         claim must wait (it may refuse, raising) and returns what is called when it stops
         waiting (or None). ``call``: the caller's name for the claim, which
-        :meth:`cancel_claim` names to stop it.
+        :meth:`cancel_claim` names to stop it. ``reading``: as :meth:`rows_for_get`'s.
 
         Raises
         ------
@@ -1066,6 +1108,7 @@ class Store:
                             keys = [r.key for r in picked]
                             born = [r.group for r in picked]
                             taken = p.progress.take(task, keys, secs, now, session, born)
+                            self._read(p, picked, reading)
                             return p, picked, _fields_for(p, picked, fields), taken
                     now = time.monotonic()
                     left = deadline - now
@@ -1175,8 +1218,11 @@ class Store:
                     p.progress.unclaim(lease)
                 self._wake()
 
-    def scan(self, name: str) -> tuple[Partition, list[Row], list[str]]:
-        """Every row not yet cleared, and the union of the fields they carry.
+    def scan(
+        self, name: str, reading: list[Reading] | None = None
+    ) -> tuple[Partition, list[Row], list[str]]:
+        """Every row not yet cleared, and the union of the fields they carry; ``reading``:
+        as :meth:`rows_for_get`'s.
 
         The rows are listed under the store's lock (a copy of the row table: a few ms for
         1e6 rows), their fields gathered without it, a slice of rows at a time, and only
@@ -1186,6 +1232,7 @@ class Store:
         with self._lock:
             p = self._get(name)
             rows = list(p.rows.values())
+            self._read(p, rows, reading)
         return p, rows, _fields_for(p, rows, None)
 
     # ------------------------------------------------------------------ description

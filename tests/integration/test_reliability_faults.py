@@ -424,3 +424,23 @@ def test_a_corrupt_or_missing_snapshot_refuses_to_restore(tmp_path):
     ):
         c.snapshot("s")
     assert not os.path.exists(tmp_path / "nope")
+
+
+def test_a_lease_run_out_before_a_snapshot_counts_its_failed_delivery_once_restored(tmp_path):
+    # No call looks at the lease between its end and the snapshot: the snapshot does.
+    with (
+        flightq.Server(snapshot_dir=tmp_path, shm=False) as srv,
+        flightq.connect(srv.location, timeout=TIMEOUT) as c,
+    ):
+        c.create_partition("p", "rollout_text@1", tasks=["t"], max_failures=1)
+        c.put("p", ["r0"], {"input_ids": [np.arange(4, dtype=np.int64)]})
+        c.claim("p", "t", 1, as_="numpy", lease=0.5)
+        time.sleep(0.8)
+        c.snapshot("snap")
+    with (
+        flightq.Server(restore=tmp_path / "snap", shm=False) as srv,
+        flightq.connect(srv.location, timeout=TIMEOUT) as c,
+    ):
+        assert c.dead_letters("p", "t")["keys"] == ["r0"]
+        with pytest.raises(flightq.ClaimTimeoutError):
+            c.claim("p", "t", 1, as_="numpy", timeout=0.2)
