@@ -1281,17 +1281,20 @@ def _undone(
     """Yield an answer's batches; if the stream ends before the last, whether it started or
     not (Flight writes the schema first, and a client gone by then asks for no batch),
     run ``undo`` once (a claim gives its rows back, a shared-memory answer its segment)."""
-    return _Undone(batches, undo)
+    return _Ending(batches, undo, only_unsent=True)
 
 
 class _Ending:
     """An answer's batches, ``end`` run once when Flight lets go of them (the call over:
     the last batches may lie in gRPC's buffers until then), when they are closed, or when
-    one fails."""
+    one fails; with ``only_unsent``, not once they were all taken."""
 
-    def __init__(self, batches: Iterator[pa.RecordBatch], end: Callable[[], None]) -> None:
+    def __init__(
+        self, batches: Iterator[pa.RecordBatch], end: Callable[[], None], only_unsent: bool = False
+    ) -> None:
         self._batches = batches
         self._end: Callable[[], None] | None = end
+        self._only_unsent = only_unsent
 
     def __iter__(self) -> _Ending:
         return self
@@ -1300,6 +1303,8 @@ class _Ending:
         try:
             return next(self._batches)
         except StopIteration:
+            if self._only_unsent:
+                self._end = None  # all of it went out
             raise
         except BaseException:
             self.close()
@@ -1309,34 +1314,6 @@ class _Ending:
         end, self._end = self._end, None
         if end is not None:
             end()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
-
-
-class _Undone:
-    def __init__(self, batches: Iterator[pa.RecordBatch], undo: Callable[[], None]) -> None:
-        self._batches = batches
-        self._undo: Callable[[], None] | None = undo
-
-    def __iter__(self) -> _Undone:
-        return self
-
-    def __next__(self) -> pa.RecordBatch:
-        try:
-            return next(self._batches)
-        except StopIteration:
-            self._undo = None  # all of it went out
-            raise
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        undo, self._undo = self._undo, None
-        if undo is not None:
-            undo()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
