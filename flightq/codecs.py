@@ -13,13 +13,16 @@ payload encoded or decoded with it says what to install.
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .errors import DecodeError, EncodeError, SchemaError
 
-__all__ = ["Codec", "Raw", "Zstd", "codec_from_dict", "RAW"]
+__all__ = ["Codec", "Raw", "Zstd", "codec_from_dict", "decode_frames", "RAW"]
 
 #: Frames that declare up to this many bytes are decoded in one call (an allocation of at
 #: most this size); larger ones stream through a buffer of this size, so checking a frame
@@ -274,6 +277,72 @@ def _stream(dctx: Any, data: Any, nbytes: int, out: memoryview | None) -> int:
             break
         got += k
     return got
+
+
+#: Frames that come to this many bytes in all are decoded on several threads (a codec
+#: lets go of the GIL while it decodes), up to :data:`_MAX_THREADS`, each of at least
+#: this many bytes.
+_THREADED_BYTES = 4 << 20
+_MAX_THREADS = 8
+
+
+def decode_frames(
+    codec: Codec,
+    frames: Sequence[Any],
+    sizes: Sequence[int],
+    out: Sequence[memoryview] | None = None,
+) -> tuple[int, DecodeError] | None:
+    """Decode each of ``frames`` to exactly its ``sizes`` bytes, into ``out`` (one view a
+    frame, of its size) or through a scratch buffer (None: each checked, nothing kept),
+    as :meth:`Codec.decode_into` and :meth:`Codec.check` do. Frames of many bytes in all
+    are split over threads, in runs of consecutive frames. Returns None when every frame
+    decodes, else the index of the first that does not and its error."""
+    n = len(frames)
+    total = sum(sizes)
+    threads = min(_MAX_THREADS, _cpus(), n, total // _THREADED_BYTES)
+    if threads <= 1:
+        return _decode_run(codec, frames, sizes, out, 0, n)
+    from concurrent.futures import ThreadPoolExecutor
+
+    # Runs of about equal bytes, in order.
+    bounds, acc, share = [0], 0, total / threads
+    for i, size in enumerate(sizes):
+        acc += size
+        if acc >= share * len(bounds) and len(bounds) < threads:
+            bounds.append(i + 1)
+    bounds.append(n)
+    runs = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+    with ThreadPoolExecutor(len(runs), thread_name_prefix="flightq-decode") as pool:
+        failed = list(pool.map(lambda r: _decode_run(codec, frames, sizes, out, *r), runs))
+    return next((f for f in failed if f is not None), None)
+
+
+def _decode_run(
+    codec: Codec,
+    frames: Sequence[Any],
+    sizes: Sequence[int],
+    out: Sequence[memoryview] | None,
+    start: int,
+    stop: int,
+) -> tuple[int, DecodeError] | None:
+    ctx = codec.context()
+    for i in range(start, stop):
+        try:
+            if out is None:
+                codec.check(frames[i], sizes[i], ctx)
+            else:
+                codec.decode_into(frames[i], out[i], ctx)
+        except DecodeError as e:
+            return i, e
+    return None
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def codec_from_dict(d: dict[str, Any] | None) -> Codec:

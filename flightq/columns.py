@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .codecs import RAW
+from .codecs import RAW, decode_frames
 from .errors import DecodeError, MissingFieldError, ShapeError
 from .layout import KEY, SHAPE_SUFFIX, Packed, binary_offsets
 from .schema import Field
@@ -209,24 +209,27 @@ def _decoded_base(
             expected=int(starts[-1]),
         ) from e
     data = payloads.buffers()[2]
-    offs = binary_offsets(payloads)
+    offs = binary_offsets(payloads).tolist()
+    at = starts.tolist()
     mv = memoryview(data) if data is not None else memoryview(b"")
     dst = out.data
-    ctx = f.codec.context()
-    for i, shape in enumerate(shapes):
-        if shape is None:
-            continue
-        try:
-            f.codec.decode_into(mv[offs[i] : offs[i + 1]], dst[starts[i] : starts[i + 1]], ctx)
-        except DecodeError as e:  # the codec knows bytes, not columns or rows
-            k = key(i) if key is not None else None
-            raise DecodeError(
-                f"column {f.name!r}: {e}" + ("" if k is None else f" (row key {k!r})"),
-                field=f.name,
-                key=k,
-                expected=e.expected,
-                actual=e.actual,
-            ) from e
+    used = [i for i, shape in enumerate(shapes) if shape is not None]
+    failed = decode_frames(
+        f.codec,
+        [mv[offs[i] : offs[i + 1]] for i in used],
+        [at[i + 1] - at[i] for i in used],
+        [dst[at[i] : at[i + 1]] for i in used],
+    )
+    if failed is not None:  # the codec knows bytes, not columns or rows
+        i, why = used[failed[0]], failed[1]
+        k = key(i) if key is not None else None
+        raise DecodeError(
+            f"column {f.name!r}: {why}" + ("" if k is None else f" (row key {k!r})"),
+            field=f.name,
+            key=k,
+            expected=why.expected,
+            actual=why.actual,
+        ) from why
     base = column_base(out, 0, len(out), dt, as_)
     return base, starts // dt.itemsize
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .codecs import RAW, codec_from_dict
+from .codecs import RAW, codec_from_dict, decode_frames
 from .errors import (
     DecodeError,
     EncodeError,
@@ -743,21 +743,20 @@ def _check_frames(
     DecodeError
         Naming the column and the row key, with the declared size as ``expected``.
     """
-    offs = binary_offsets(payload)
+    offs = binary_offsets(payload).tolist()
     data = payload.buffers()[2]
     mv = memoryview(data) if data is not None else memoryview(b"")
-    ctx = f.codec.context()
-    for i in cells.tolist():
-        try:
-            f.codec.check(mv[offs[i] : offs[i + 1]], int(want[i]), ctx)
-        except DecodeError as e:
-            raise DecodeError(
-                f"{where}{e}{_row(key(i))}",
-                field=f.name,
-                key=key(i),
-                expected=e.expected,
-                actual=e.actual,
-            ) from e
+    at = cells.tolist()
+    failed = decode_frames(f.codec, [mv[offs[i] : offs[i + 1]] for i in at], want[at].tolist())
+    if failed is not None:
+        i, why = at[failed[0]], failed[1]
+        raise DecodeError(
+            f"{where}{why}{_row(key(i))}",
+            field=f.name,
+            key=key(i),
+            expected=why.expected,
+            actual=why.actual,
+        ) from why
 
 
 def _one_dim_rows(

@@ -270,3 +270,42 @@ def test_zstd_encodes_from_several_threads_at_once() -> None:
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(round_trip, range(64)))
+
+
+def _frames(n: int, size: int) -> tuple[list[bytes], list[bytes]]:
+    raw = [
+        np.arange(size // 8, dtype=np.int64).tobytes()[: size - 1] + bytes([i]) for i in range(n)
+    ]
+    return raw, [Zstd().encode(r) for r in raw]
+
+
+@pytest.mark.parametrize("cpus", [1, 4])
+def test_frames_decode_in_order_into_their_views_on_one_thread_or_several(
+    monkeypatch: pytest.MonkeyPatch, cpus: int
+) -> None:
+    from flightq import codecs
+
+    monkeypatch.setattr(codecs, "_cpus", lambda: cpus)
+    raw, frames = _frames(12, 2 << 20)  # 24 MiB: four runs of three frames with 4 CPUs
+    out = bytearray(sum(map(len, raw)))
+    views = [memoryview(out)[i * len(raw[0]) : (i + 1) * len(raw[0])] for i in range(len(raw))]
+    assert codecs.decode_frames(Zstd(), frames, [len(r) for r in raw], views) is None
+    assert bytes(out) == b"".join(raw)
+    assert codecs.decode_frames(Zstd(), frames, [len(r) for r in raw]) is None  # checked only
+
+
+@pytest.mark.parametrize("cpus", [1, 4])
+def test_the_first_frame_that_fails_is_named_on_one_thread_or_several(
+    monkeypatch: pytest.MonkeyPatch, cpus: int
+) -> None:
+    from flightq import codecs
+
+    monkeypatch.setattr(codecs, "_cpus", lambda: cpus)
+    raw, frames = _frames(12, 2 << 20)
+    frames[10] = frames[10][: len(frames[10]) // 2]  # in the last run
+    frames[4] = frames[4] + b"junk"  # in the second
+    sizes = [len(r) for r in raw]
+    for out in (None, [memoryview(bytearray(s)) for s in sizes]):
+        failed = codecs.decode_frames(Zstd(), frames, sizes, out)
+        assert failed is not None and failed[0] == 4
+        assert "zstd payload is corrupt" in str(failed[1])
