@@ -464,6 +464,8 @@ class Partition:
         # Into a partition holding no row, the plan's dicts are adopted whole: a million
         # entries copied here would keep the lock (and the GIL) for a tenth of a second.
         fresh = bool(plan.fresh) and not self.rows
+        if self.readings and not fresh:
+            self._replaced(self.rows.get(k) for k in plan.rows)
         merged = merge.rows() if merge is not None and not fresh else None
         if fresh:
             self.rows = plan.rows
@@ -564,6 +566,8 @@ class Partition:
         new = Piece(pc.batch.take(pa.array(idx)), checked, [pc.tags[i] for i in at], held, own=own)
         new.stored = new.damaged = True  # not what a put sent: a retry is stored again
         new.epoch = pc.epoch
+        if self.readings:
+            self._replaced(rows)
         for j, r in enumerate(rows):
             cell = (new, j)
             cells = {f: cell if c[0] is pc else c for f, c in r.cells.items()}
@@ -596,6 +600,14 @@ class Partition:
         else:
             self.held -= pc.cost + b.cost
             self.let_go(b, pc.cost + b.cost)
+
+    def _replaced(self, rows: Iterable[Row | None]) -> None:
+        """Rows replaced by new ones (a write of their keys, a compaction): what an answer
+        under way still reading one keeps alive stays counted, its own bytes in full (an
+        upper bound: the new row may share its key and tags). With the store's lock."""
+        for r in rows:
+            if r is not None:
+                self.let_go(r, r.held)
 
     def let_go(self, holder: Any, nbytes: int) -> None:
         """The partition stopped counting ``nbytes`` that ``holder`` (a row, a piece, a

@@ -43,7 +43,7 @@ class Reading:
         #: The partition's media fields (their buffers are held too).
         self.media = media
         #: What :class:`Kept` keeps counted for this reading (holder ids).
-        self.kept: list[int] = []
+        self.kept: set[int] = set()
         self._holds: set[int] | None = None
 
     def holds(self, holder: Any) -> bool:
@@ -87,7 +87,7 @@ class Kept:
         self.bytes += nbytes
         for rd in holding:
             if id(holder) not in rd.kept:
-                rd.kept.append(id(holder))
+                rd.kept.add(id(holder))
                 entry[1] += 1
 
     def end(self, reading: Reading) -> int:
