@@ -280,10 +280,12 @@ def _stream(dctx: Any, data: Any, nbytes: int, out: memoryview | None) -> int:
 
 
 #: Frames that come to this many bytes in all are decoded on several threads (a codec
-#: lets go of the GIL while it decodes), up to :data:`_MAX_THREADS`, each of at least
-#: this many bytes.
+#: lets go of the GIL while it decodes), each of at least this many bytes.
 _THREADED_BYTES = 4 << 20
+#: The most threads that decode frames beside their callers, in the whole process: a
+#: server checking many puts at once starts no more than these.
 _MAX_THREADS = 8
+_SPARE = threading.BoundedSemaphore(_MAX_THREADS)
 
 
 def decode_frames(
@@ -295,25 +297,37 @@ def decode_frames(
     """Decode each of ``frames`` to exactly its ``sizes`` bytes, into ``out`` (one view a
     frame, of its size) or through a scratch buffer (None: each checked, nothing kept),
     as :meth:`Codec.decode_into` and :meth:`Codec.check` do. Frames of many bytes in all
-    are split over threads, in runs of consecutive frames. Returns None when every frame
-    decodes, else the index of the first that does not and its error."""
+    are split into runs of consecutive frames, decoded by the caller and by as many
+    threads as the process's CPUs allow and :data:`_MAX_THREADS` has free. Returns None
+    when every frame decodes, else the index of the first that does not and its error."""
     n = len(frames)
     total = sum(sizes)
-    threads = min(_MAX_THREADS, _cpus(), n, total // _THREADED_BYTES)
-    if threads <= 1:
+    want = min(_MAX_THREADS + 1, _cpus(), n, total // _THREADED_BYTES) - 1
+    helpers = 0
+    while helpers < want and _SPARE.acquire(blocking=False):
+        helpers += 1
+    if not helpers:
         return _decode_run(codec, frames, sizes, out, 0, n)
-    from concurrent.futures import ThreadPoolExecutor
+    try:
+        from concurrent.futures import ThreadPoolExecutor
 
-    # Runs of about equal bytes, in order.
-    bounds, acc, share = [0], 0, total / threads
-    for i, size in enumerate(sizes):
-        acc += size
-        if acc >= share * len(bounds) and len(bounds) < threads:
-            bounds.append(i + 1)
-    bounds.append(n)
-    runs = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
-    with ThreadPoolExecutor(len(runs), thread_name_prefix="flightq-decode") as pool:
-        failed = list(pool.map(lambda r: _decode_run(codec, frames, sizes, out, *r), runs))
+        # Runs of about equal bytes, in order; the caller decodes the first.
+        bounds, acc, share = [0], 0, total / (helpers + 1)
+        for i, size in enumerate(sizes):
+            acc += size
+            if acc >= share * len(bounds) and len(bounds) <= helpers:
+                bounds.append(i + 1)
+        bounds.append(n)
+        runs = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+        if len(runs) == 1:  # one frame holds nearly all the bytes
+            return _decode_run(codec, frames, sizes, out, 0, n)
+        with ThreadPoolExecutor(len(runs) - 1, thread_name_prefix="flightq-decode") as pool:
+            rest = [pool.submit(_decode_run, codec, frames, sizes, out, *r) for r in runs[1:]]
+            failed = [_decode_run(codec, frames, sizes, out, *runs[0])]
+            failed += [f.result() for f in rest]
+    finally:
+        for _ in range(helpers):
+            _SPARE.release()
     return next((f for f in failed if f is not None), None)
 
 

@@ -309,3 +309,17 @@ def test_the_first_frame_that_fails_is_named_on_one_thread_or_several(
         failed = codecs.decode_frames(Zstd(), frames, sizes, out)
         assert failed is not None and failed[0] == 4
         assert "zstd payload is corrupt" in str(failed[1])
+
+
+def test_one_frame_of_nearly_all_the_bytes_decodes_on_the_callers_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from flightq import codecs
+
+    monkeypatch.setattr(codecs, "_cpus", lambda: 4)
+    raw = [b"a", b"b", np.arange(2 << 20, dtype=np.int64).tobytes()]  # 16 MiB last
+    frames = [Zstd().encode(r) for r in raw]
+    out = [memoryview(bytearray(len(r))) for r in raw]
+    assert codecs.decode_frames(Zstd(), frames, [len(r) for r in raw], out) is None
+    assert [bytes(o) for o in out] == raw
+    assert codecs._SPARE._value == codecs._MAX_THREADS  # every helper's place given back
