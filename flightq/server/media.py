@@ -43,6 +43,7 @@ from ..layout import MEDIA_TYPE, SHAPE_SUFFIX, binary_offsets, media_row_bytes
 from ..objects import check_columns, check_sizes, coded
 from ..validation import validate
 from . import copied
+from .budget import COPY_OVERHEAD
 
 if TYPE_CHECKING:
     from .partition import Partition, Piece, Row
@@ -240,7 +241,8 @@ def media_piece(
         )
         copies[name] = found
         if home is not None and home.nbytes:
-            brings += home.nbytes
+            new = len({id(c) for c in found if c is not None and c.home is home})
+            brings += home.nbytes + COPY_OVERHEAD * new
         i = batch.schema.get_field_index(name)
         # Checked as it arrived unless some entry names a copy held before (none: the
         # batch is malformed, which validation names, or no row uses an entry).
@@ -458,6 +460,7 @@ def acquire(p: Partition, copies: Iterable[Copy]) -> None:
             continue
         table.setdefault(c.key, []).append(c)  # raced by an equal copy: lives beside it
         p.nbytes += c.nbytes  # payload bytes, as stats report them
+        p.held += COPY_OVERHEAD
         h = c.home
         h.live += 1
         if h.live == 1:  # what the budget counts: the buffer holding them, whole
@@ -480,6 +483,7 @@ def release(p: Partition, copies: Iterable[Copy]) -> None:
             if not filed:
                 del table[c.key]
         p.nbytes -= c.nbytes
+        p.held -= COPY_OVERHEAD
         h = c.home
         h.live -= 1
         if h.live == 0:

@@ -1037,3 +1037,33 @@ def test_a_list_keys_waiting_for_room_holds_no_row_a_clear_frees() -> None:
             room._give(room.capacity)
             t.join(10)
         assert listed["keys"] == []  # picked again once it had room: none left
+
+
+def test_each_media_copy_counts_its_objects_and_many_tiny_ones_fill_the_budget():
+    segments = 2000  # distinct 4-byte images in one row: a copy each on the server
+    with (
+        flightq.Server(memory_budget=8 * 2**20, shm=False) as srv,
+        flightq.connect(srv.location, timeout=30) as c,
+    ):
+        c.create_partition("v", "rollout_vlm@1", tasks=["train"])
+        before = srv.store.held()
+
+        def put(n: int, timeout: float = 30) -> None:
+            imgs = [np.full(1, float(n * segments + i), np.float32) for i in range(segments)]
+            c.put(
+                "v",
+                [f"r{n}"],
+                {"input_ids": [np.arange(4)], "pixel_values": [imgs]},
+                timeout=timeout,
+            )
+
+        put(0)
+        assert srv.store.held() - before >= segments * budget.COPY_OVERHEAD
+        stored = 1
+        with pytest.raises(flightq.ResourceExhaustedError):
+            while stored < 20:  # 20 x 2000 copies pass 8 MiB once their objects count
+                put(stored, timeout=0.2)
+                stored += 1
+        assert stored < 9
+        c.clear("v")
+        assert srv.store.held() == before
