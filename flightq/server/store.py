@@ -49,6 +49,7 @@ from .budget import (
     RECORDS_SHARE,
     RECORDS_SLACK,
     REPLY_ENTRY_BYTES,
+    WAITING_SHARE,
     Tally,
     declaration_cost,
     row_overhead,
@@ -110,6 +111,8 @@ class Store:
         #: those being written (:meth:`take_outside`).
         self.unread: Callable[[], int] | None = None
         self._outside = 0
+        #: Bytes of puts waiting for room that they hold, received and not yet counted.
+        self._waiting_bytes = 0
         self._closing = False
 
     def _wake(self) -> None:
@@ -574,7 +577,7 @@ class Store:
         with self._changed:
             ahead = 0 if advance is None else min(more, advance.left)
             if more > ahead:  # may raise: the advance keeps its bytes until the put lets go
-                self._wait_for_space(name, more - ahead, timeout, whole=so_far + n)
+                self._wait_for_space(name, more - ahead, timeout, whole=so_far + n, holding=True)
             if advance is not None:
                 ahead = advance.take(more)
             self._pending += more - ahead
@@ -626,11 +629,20 @@ class Store:
             waited = True
 
     def _wait_for_space(
-        self, name: str, need: int, timeout: float, whole: int | None = None, mine: int = 0
+        self,
+        name: str,
+        need: int,
+        timeout: float,
+        whole: int | None = None,
+        mine: int = 0,
+        holding: bool = False,
     ) -> bool:
         """Wait until the memory budget has room for ``need`` more bytes (of a put of
         ``whole`` bytes, ``need`` when None; ``mine`` of what is held is the put's own
-        reservation); returns whether it waited (let go of the lock)."""
+        reservation); returns whether it waited (let go of the lock). ``holding``: the
+        put holds those bytes already (received, not counted): it is refused at once
+        rather than kept waiting where the puts waiting so would hold more than
+        ``budget // WAITING_SHARE`` in all with it."""
         budget = self.memory_budget
         if budget is None:
             return False
@@ -648,29 +660,58 @@ class Store:
             )
         deadline = time.monotonic() + timeout
         waited = False
-        while True:
-            self._check_open(f"put to {name!r}")
-            held = self._held() - mine
-            declared, leased = self._declared(), self._leased()
-            if held + declared + leased + need <= budget:  # records of the past make way
-                self._fit(need - mine)
-                return waited
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ResourceExhaustedError(
-                    f"put to {name!r} of {need} bytes: the server holds {held} of its "
-                    f"{budget}-byte memory budget (and {declared} in its {len(self._parts)} "
-                    f"partitions' declarations, {leased} in their live claims' records and "
-                    f"merging puts' logs) "
-                    f"and no space was cleared within "
-                    f"{timeout:g}s; clear consumed rows",
-                    expected=budget,
-                    actual=held + declared + leased + need,
-                    partition=name,
-                    retry=RETRY_FULL,
-                )
-            self._wait_for_room(name, left)
-            waited = True
+        counted = 0  # of this put's bytes, among those of the puts waiting
+        try:
+            while True:
+                self._check_open(f"put to {name!r}")
+                held = self._held() - mine
+                declared, leased = self._declared(), self._leased()
+                if held + declared + leased + need <= budget:  # records of the past make way
+                    self._fit(need - mine)
+                    return waited
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ResourceExhaustedError(
+                        f"put to {name!r} of {need} bytes: the server holds {held} of its "
+                        f"{budget}-byte memory budget (and {declared} in its "
+                        f"{len(self._parts)} partitions' declarations, {leased} in their "
+                        "live claims' records and merging puts' logs) and no space was "
+                        f"cleared within {timeout:g}s; clear consumed rows",
+                        expected=budget,
+                        actual=held + declared + leased + need,
+                        partition=name,
+                        retry=RETRY_FULL,
+                    )
+                if holding and not counted:
+                    counted = self._waiting_room(name, need, budget)
+                self._wait_for_room(name, left)
+                waited = True
+        finally:
+            self._waiting_bytes -= counted
+
+    def _waiting_room(self, name: str, need: int, budget: int) -> int:
+        """Count ``need`` bytes a put holds among those of the puts waiting for room, if
+        they fit ``budget // WAITING_SHARE`` (any put waits where none does, whatever its
+        size); returns them. With the lock.
+
+        Raises
+        ------
+        ResourceExhaustedError
+            If they do not: the put is refused at once, its bytes let go.
+        """
+        share = budget // WAITING_SHARE
+        if self._waiting_bytes and self._waiting_bytes + need > share:
+            raise ResourceExhaustedError(
+                f"put to {name!r} of {need} bytes: the server's memory budget of {budget} "
+                f"bytes is full and puts holding {self._waiting_bytes} bytes wait for room "
+                f"already, at most {share} in all; try again once a consumer clears rows",
+                expected=share,
+                actual=self._waiting_bytes + need,
+                partition=name,
+                retry=RETRY_FULL,
+            )
+        self._waiting_bytes += need
+        return need
 
     def _wait_for_room(self, name: str, left: float) -> None:
         """Let go of the lock until a change or ``left`` seconds pass, counted meanwhile as

@@ -1067,3 +1067,40 @@ def test_each_media_copy_counts_its_objects_and_many_tiny_ones_fill_the_budget()
         assert stored < 9
         c.clear("v")
         assert srv.store.held() == before
+
+
+def test_puts_waiting_for_room_hold_at_most_half_the_budget_the_rest_are_refused_at_once():
+    def cols(n: int) -> dict:
+        return {"input_ids": [np.arange(n * 1000 + i, (n + 1) * 1000 + i) for i in range(190)]}
+
+    with (
+        flightq.Server(memory_budget=8 * 2**20, shm=False) as srv,
+        flightq.connect(srv.location, timeout=30) as c,
+    ):
+        c.create_partition("p", "rollout_text@1", tasks=["train"])
+        full = 0
+        with pytest.raises(flightq.ResourceExhaustedError):
+            while full < 10:  # about 1.5 MB a put, until the budget is full
+                c.put("p", [f"f{full}_{i}" for i in range(190)], cols(full), timeout=0.1)
+                full += 1
+        outcome: dict[int, str] = {}
+
+        def put(n: int) -> None:
+            try:
+                c.put("p", [f"w{n}_{i}" for i in range(190)], cols(n), timeout=20)
+                outcome[n] = "stored"
+            except flightq.ResourceExhaustedError as e:
+                outcome[n] = "refused" if "wait for room already" in str(e) else str(e)
+
+        threads = [threading.Thread(target=put, args=(n,)) for n in range(6)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while sum(v == "refused" for v in outcome.values()) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(outcome.values()) == ["refused"] * 4, outcome  # at once, not at 20 s
+        assert c.inspect("p")["waiting_puts"] == 2
+        c.clear("p", [k for k in c.list_keys("p") if k.startswith("f")])
+        for t in threads:
+            t.join(30)
+        assert sorted(outcome.values()) == ["refused"] * 4 + ["stored"] * 2
