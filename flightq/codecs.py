@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 from .errors import DecodeError, EncodeError, SchemaError
 
-__all__ = ["Codec", "Raw", "Zstd", "codec_from_dict", "decode_frames", "RAW"]
+__all__ = ["Codec", "Raw", "Zstd", "codec_from_dict", "decode_frames", "encode_frames", "RAW"]
 
 #: Frames that declare up to this many bytes are decoded in one call (an allocation of at
 #: most this size); larger ones stream through a buffer of this size, so checking a frame
@@ -281,7 +281,7 @@ def _stream(dctx: Any, data: Any, nbytes: int, out: memoryview | None) -> int:
 
 #: Frames that come to this many bytes in all are decoded on several threads (a codec
 #: lets go of the GIL while it decodes), each of at least this many bytes.
-_THREADED_BYTES = 4 << 20
+_THREADED_BYTES = 2 << 20
 #: The most threads that decode frames beside their callers, in the whole process: a
 #: server checking many puts at once starts no more than these.
 _MAX_THREADS = 8
@@ -301,34 +301,71 @@ def decode_frames(
     threads as the process's CPUs allow and :data:`_MAX_THREADS` has free. Returns None
     when every frame decodes, else the index of the first that does not and its error."""
     n = len(frames)
+    runs, helpers = _runs(sizes)
+    try:
+        if len(runs) == 1:  # few bytes, one CPU, no helper free, or one frame of most
+            return _decode_run(codec, frames, sizes, out, 0, n)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(runs) - 1, thread_name_prefix="flightq-decode") as pool:
+            rest = [pool.submit(_decode_run, codec, frames, sizes, out, *r) for r in runs[1:]]
+            failed = [_decode_run(codec, frames, sizes, out, *runs[0])]
+            failed += [f.result() for f in rest]
+    finally:
+        _give_back(helpers)
+    return next((f for f in failed if f is not None), None)
+
+
+def encode_frames(codec: Codec, payloads: Sequence[Any]) -> list[Any]:
+    """Each of ``payloads`` (buffers) encoded, in order; payloads of many bytes in all are
+    split into runs encoded by the caller and by free helper threads, as
+    :func:`decode_frames` does."""
+    n = len(payloads)
+    sizes = [memoryview(b).nbytes for b in payloads]
+    runs, helpers = _runs(sizes)
+    try:
+        if len(runs) == 1:
+            return [codec.encode(b) for b in payloads]
+        from concurrent.futures import ThreadPoolExecutor
+
+        def run(a: int, b: int) -> list[Any]:
+            return [codec.encode(x) for x in payloads[a:b]]
+
+        with ThreadPoolExecutor(len(runs) - 1, thread_name_prefix="flightq-encode") as pool:
+            rest = [pool.submit(run, *r) for r in runs[1:]]
+            out = run(*runs[0])
+            for f in rest:
+                out += f.result()
+        assert len(out) == n
+        return out
+    finally:
+        _give_back(helpers)
+
+
+def _runs(sizes: Sequence[int]) -> tuple[list[tuple[int, int]], int]:
+    """Runs of consecutive items of about equal bytes, one for the caller and one for each
+    helper thread it got (:data:`_SPARE`, given back with :func:`_give_back`); one run
+    where the items are few bytes, the process has one CPU or no helper is free."""
+    n = len(sizes)
     total = sum(sizes)
     want = min(_MAX_THREADS + 1, _cpus(), n, total // _THREADED_BYTES) - 1
     helpers = 0
     while helpers < want and _SPARE.acquire(blocking=False):
         helpers += 1
     if not helpers:
-        return _decode_run(codec, frames, sizes, out, 0, n)
-    try:
-        from concurrent.futures import ThreadPoolExecutor
+        return [(0, n)], 0
+    bounds, acc, share = [0], 0, total / (helpers + 1)
+    for i, size in enumerate(sizes):
+        acc += size
+        if acc >= share * len(bounds) and len(bounds) <= helpers:
+            bounds.append(i + 1)
+    bounds.append(n)
+    return [(a, b) for a, b in itertools.pairwise(bounds) if b > a], helpers
 
-        # Runs of about equal bytes, in order; the caller decodes the first.
-        bounds, acc, share = [0], 0, total / (helpers + 1)
-        for i, size in enumerate(sizes):
-            acc += size
-            if acc >= share * len(bounds) and len(bounds) <= helpers:
-                bounds.append(i + 1)
-        bounds.append(n)
-        runs = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
-        if len(runs) == 1:  # one frame holds nearly all the bytes
-            return _decode_run(codec, frames, sizes, out, 0, n)
-        with ThreadPoolExecutor(len(runs) - 1, thread_name_prefix="flightq-decode") as pool:
-            rest = [pool.submit(_decode_run, codec, frames, sizes, out, *r) for r in runs[1:]]
-            failed = [_decode_run(codec, frames, sizes, out, *runs[0])]
-            failed += [f.result() for f in rest]
-    finally:
-        for _ in range(helpers):
-            _SPARE.release()
-    return next((f for f in failed if f is not None), None)
+
+def _give_back(helpers: int) -> None:
+    for _ in range(helpers):
+        _SPARE.release()
 
 
 def _decode_run(

@@ -323,3 +323,31 @@ def test_one_frame_of_nearly_all_the_bytes_decodes_on_the_callers_thread(
     assert codecs.decode_frames(Zstd(), frames, [len(r) for r in raw], out) is None
     assert [bytes(o) for o in out] == raw
     assert codecs._SPARE._value == codecs._MAX_THREADS  # every helper's place given back
+
+
+@pytest.mark.parametrize("cpus", [1, 4])
+def test_payloads_encode_in_order_on_one_thread_or_several(
+    monkeypatch: pytest.MonkeyPatch, cpus: int
+) -> None:
+    from flightq import codecs
+
+    monkeypatch.setattr(codecs, "_cpus", lambda: cpus)
+    raw, frames = _frames(12, 2 << 20)
+    got = codecs.encode_frames(Zstd(), [np.frombuffer(r, np.uint8) for r in raw])
+    assert [Zstd().decode(g, len(r)) for g, r in zip(got, raw, strict=True)] == raw
+    assert got == frames
+    assert codecs._SPARE._value == codecs._MAX_THREADS
+
+
+def test_a_zstd_column_of_many_bytes_encodes_and_reads_back_on_several_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from flightq import codecs
+
+    monkeypatch.setattr(codecs, "_cpus", lambda: 4)
+    schema = _zstd_schema()
+    ids = [np.arange(i, i + 300_000, dtype=np.int64) for i in range(24)]  # 55 MiB
+    rb = flightq.encode(schema, {"ids": [*ids, None]}, [f"k{i}" for i in range(25)])
+    out = flightq.decode(rb, as_="numpy")["ids"]
+    assert all(np.array_equal(a, b) for a, b in zip(out[:24], ids, strict=True))
+    assert out[24] is None
