@@ -10,15 +10,49 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
+from decimal import Decimal
 from pathlib import Path
 
 from .errors import FlightqError
 from .registry import SchemaRegistry
 from .schema import Schema, diff_schemas
 
-__all__ = ["main"]
+__all__ = ["main", "parse_bytes"]
+
+#: Units a size on the command line may carry: decimal ones powers of 1000, binary ones
+#: of 1024 (case aside).
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """A size given on the command line: ``67108864``, ``64MiB``, ``8GB``, ``1.5GiB``.
+
+    Raises
+    ------
+    argparse.ArgumentTypeError
+        For anything else, naming what it takes.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = _UNITS.get(m.group(2).lower()) if m else None
+    if m is None or unit is None:
+        raise argparse.ArgumentTypeError(
+            f"expected a size in bytes such as 67108864, 64MiB, 8GB or 1.5GiB, got {text!r}"
+        )
+    return int(Decimal(m.group(1)) * unit)
 
 
 def _version() -> str:
@@ -205,10 +239,16 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     sv.add_argument("--port", type=int, default=8815)
     sv.add_argument("--schemas", help="schema folder (default: the shipped schemas)")
-    sv.add_argument("--memory-budget", type=int, default=None, help="bytes the store may hold")
+    sv.add_argument(
+        "--memory-budget",
+        type=parse_bytes,
+        default=None,
+        metavar="BYTES",
+        help="bytes the store may hold (67108864, 64MiB, 8GB, ...)",
+    )
     sv.add_argument(
         "--memory-cap",
-        type=int,
+        type=parse_bytes,
         default=None,
         metavar="BYTES",
         help="limit on the process's data segment (RLIMIT_DATA): an allocation past it fails "
@@ -218,14 +258,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--max-batch-bytes",
-        type=int,
+        type=parse_bytes,
         default=None,
         help="payload bytes per record batch of an answer (default 16 MiB; hosts with "
         "cores to spare for the reader may gain from 8 MiB, see docs/performance.md)",
     )
     sv.add_argument(
         "--max-request-bytes",
-        type=int,
+        type=parse_bytes,
         default=None,
         metavar="BYTES",
         help="largest control message a client may send (a ticket, an action body, a "
@@ -235,7 +275,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--max-tags-bytes",
-        type=int,
+        type=parse_bytes,
         default=None,
         metavar="BYTES",
         help="longest tags a put may give one row, in msgpack bytes: past it the put is "

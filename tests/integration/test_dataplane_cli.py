@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from fixtures_dataplane import TEXT, TIMEOUT, cli_server, python_env, text_columns, text_keys
 
@@ -280,3 +281,37 @@ def test_serve_help_says_it_tunes_its_own_allocator(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "tunes glibc's malloc of its own process" in text
     assert "MALLOC_ARENA_MAX=1" in text and '"malloc" entry' in text
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("67108864", 2**26),
+        ("64MiB", 2**26),
+        ("64 mib", 2**26),
+        ("8GB", 8 * 10**9),
+        ("1.5GiB", 3 * 2**29),
+    ],
+)
+def test_sizes_on_the_command_line_take_units(text: str, value: int) -> None:
+    from flightq.cli import parse_bytes
+
+    assert parse_bytes(text) == value
+
+
+def test_serve_takes_its_budget_with_a_unit_and_refuses_a_size_it_cannot_read() -> None:
+    with cli_server("--memory-budget", "1MiB") as (location, _), flightq.connect(location) as c:
+        c.create_partition("p", TEXT)
+        with pytest.raises(flightq.ResourceExhaustedError, match="memory budget of 1048576 bytes"):
+            c.put("p", ["big"], {"input_ids": [np.arange(300_000, dtype=np.int64)]}, timeout=1)
+    bad = subprocess.run(
+        [sys.executable, "-m", "flightq.cli", "serve", "--port", "0", "--memory-budget", "64Mo"],
+        capture_output=True,
+        text=True,
+        env=python_env(),
+        timeout=TIMEOUT,
+    )
+    assert bad.returncode == 2
+    assert (
+        "expected a size in bytes such as 67108864, 64MiB, 8GB or 1.5GiB, got '64Mo'" in bad.stderr
+    )
