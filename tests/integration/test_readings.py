@@ -159,7 +159,7 @@ def test_rows_cleared_while_a_snapshot_is_written_stay_counted_until_it_is(serve
 
 
 def test_media_buffers_under_a_paused_get_stay_counted_until_it_ends() -> None:
-    step = make("W1").group(0)
+    step = make("W1")  # 8 images of 3.4 MB: more than gRPC takes in for a reader that stops
     schema = SchemaRegistry.default().get(step.schema)
     with (
         flightq.Server(memory_budget=256 * MIB, max_batch_bytes=MIB, shm=False) as srv,
